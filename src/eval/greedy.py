@@ -1,0 +1,96 @@
+"""Greedy evaluation: every test item in flight at once, one record per item, graded by the env."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import tinker
+
+log = logging.getLogger(__name__)
+
+
+def greedy_params(max_tokens: int, stop: Any) -> tinker.SamplingParams:
+    # temperature 0 and top_k=1 both mean argmax; set both so either convention gives greedy
+    return tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_k=1, stop=stop, seed=0)
+
+
+async def _one(task: Any, problem: Any, sampling_client: Any, max_tokens: int, max_seq_len: int,
+               sem: asyncio.Semaphore, retry: Any) -> dict:
+    from envs import problem_sha256
+
+    env = task.make_env(problem)
+    prompt, stop = await env.initial_observation()
+    budget = max(1, min(max_tokens, max_seq_len - prompt.length))
+    async with sem:
+        resp = await retry.acall("eval_sample", lambda: _await(sampling_client.sample(
+            prompt=prompt, num_samples=1, sampling_params=greedy_params(budget, stop))))
+    seq = resp.sequences[0]
+    tokens = list(seq.tokens)
+    res = await env.step(tokens)
+    text = task.decode(tokens) if hasattr(task, "decode") else None
+    if text is None:
+        text = env.renderer.tokenizer.decode(tokens)
+    parsed = task.parse_answer(text)
+    return {
+        "index": int(problem.index),
+        "question_sha256": problem_sha256(problem),
+        "completion": text,
+        "parsed": parsed,
+        "gold": str(problem.answer),
+        "correct": bool(res.metrics.get("correct", 0.0) >= 0.5),
+        "reward": float(res.reward),
+        "n_tokens": len(tokens),
+        "stop_reason": str(seq.stop_reason),
+    }
+
+
+async def _await(fut: Any) -> Any:
+    return await fut
+
+
+async def check_greedy_determinism(task: Any, problem: Any, sampling_client: Any, max_tokens: int,
+                                   max_seq_len: int) -> bool:
+    """Two identical greedy requests must return identical tokens; False means eval is not reproducible."""
+    env = task.make_env(problem)
+    prompt, stop = await env.initial_observation()
+    params = greedy_params(max(1, min(max_tokens, max_seq_len - prompt.length)), stop)
+    a, b = await asyncio.gather(_await(sampling_client.sample(prompt=prompt, num_samples=1, sampling_params=params)),
+                                _await(sampling_client.sample(prompt=prompt, num_samples=1, sampling_params=params)))
+    return list(a.sequences[0].tokens) == list(b.sequences[0].tokens)
+
+
+def run_greedy_eval(task: Any, problems: Sequence[Any], sampling_client: Any, *, max_tokens: int,
+                    max_seq_len: int, concurrency: int, retry: Any, out_path: Path | None = None,
+                    extra: dict | None = None, check_determinism: bool = True) -> dict:
+    """Evaluate `problems` greedily; write per-item records and a summary next to them."""
+    from eval.records import summarize, write_item_records
+    from trainer.utils.io import atomic_write_json
+
+    async def go() -> tuple[list[dict], bool | None]:
+        det = None
+        if check_determinism and problems:
+            det = await check_greedy_determinism(task, problems[0], sampling_client, max_tokens, max_seq_len)
+        sem = asyncio.Semaphore(concurrency)
+        recs = await asyncio.gather(*[_one(task, p, sampling_client, max_tokens, max_seq_len, sem, retry)
+                                      for p in problems])
+        return list(recs), det
+
+    t0 = time.time()
+    records, deterministic = asyncio.run(go())
+    if deterministic is not None:
+        if deterministic:
+            log.info("greedy determinism check: two identical greedy requests returned identical tokens")
+        else:
+            log.warning("greedy determinism check FAILED: identical greedy requests returned different tokens")
+    summary = summarize(records, **(extra or {}))
+    summary.update({"greedy_deterministic": deterministic, "time_s": round(time.time() - t0, 2),
+                    "tokens": int(sum(r["n_tokens"] for r in records))})
+    if out_path is not None:
+        out_path = Path(out_path)
+        write_item_records(out_path, records)
+        atomic_write_json(out_path.with_suffix(".summary.json"), summary)
+    return summary

@@ -1,0 +1,174 @@
+"""Paired statistics for two arms evaluated on the same items (numpy + stdlib only, no scipy).
+
+Inputs are per-item correctness arrays of one shape: `[n]` for one seed, or `[S, n]` for S seeds
+on the same n items (pooled as S*n (seed, item) pairs). All functions are pure.
+
+Formulas (textbook, pinned here so the tests can check them independently):
+- Hoeffding (1963), Thm 2: for i.i.d. X_i in [a, b], P(|mean - mu| >= t) <= 2 exp(-2 n t^2 / (b-a)^2).
+  Per-item differences d_i = correct_T - correct_B lie in [-1, 1] (range 2), so the two-sided
+  1-alpha half-width is t = sqrt(2 ln(2/alpha) / n)  (~0.0748 at n = 1319, alpha = 0.05).
+- Exact McNemar: under H0 the discordant pairs split b ~ Binomial(b + c, 1/2);
+  p = min(1, 2 * sum_{k <= min(b, c)} C(b+c, k) / 2^(b+c)); p = 1 when b + c = 0.
+- Wilson (1927) score interval for a binomial proportion.
+- Paired percentile bootstrap of the mean difference, resampling items (with several seeds an
+  item is resampled with all of its seeds, so the correlation of one item across seeds is kept).
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+
+VERDICTS = ("validated", "inconclusive", "not_supported")
+METHOD = "paired_hoeffding"
+
+DECISION_RULE = (
+    "Paired Hoeffding {conf:g}% CI on the per-item difference in correctness (treatment - baseline), "
+    "each difference in [-1, 1] so the half-width is sqrt(2 ln(2/alpha) / n). "
+    "`validated` only if the lower bound > 0; `inconclusive` if the difference is positive but the "
+    "lower bound is not; `not_supported` otherwise (difference <= 0)."
+)
+
+
+def wilson_interval(k: int, n: int, alpha: float = 0.05) -> tuple[float, float]:
+    """Two-sided 1-alpha Wilson score interval for k successes out of n."""
+    _check_alpha(alpha)
+    if not (isinstance(n, (int, np.integer)) and n >= 1):
+        raise ValueError(f"wilson_interval: n must be an integer >= 1, got {n!r}")
+    if not (isinstance(k, (int, np.integer)) and 0 <= k <= n):
+        raise ValueError(f"wilson_interval: k must be an integer in [0, n={n}], got {k!r}")
+    z = NormalDist().inv_cdf(1.0 - alpha / 2.0)
+    p = k / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2.0 * n)) / denom
+    half = z / denom * math.sqrt(p * (1.0 - p) / n + z * z / (4.0 * n * n))
+    # the closed form is exact at k = 0 / k = n; clamp rounding noise only
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def hoeffding_half_width(n: int, alpha: float = 0.05, value_range: float = 2.0) -> float:
+    """Two-sided Hoeffding half-width for the mean of n i.i.d. values spanning `value_range`."""
+    _check_alpha(alpha)
+    if n < 1:
+        raise ValueError(f"hoeffding_half_width: n must be >= 1, got {n}")
+    if value_range <= 0:
+        raise ValueError(f"hoeffding_half_width: value_range must be > 0, got {value_range}")
+    return value_range * math.sqrt(math.log(2.0 / alpha) / (2.0 * n))
+
+
+def mcnemar_exact_p(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value from the discordant counts b (T right, B wrong) and c.
+
+    Summed in log space (lgamma + log-sum-exp), so it is accurate for thousands of pairs."""
+    if b < 0 or c < 0:
+        raise ValueError(f"mcnemar_exact_p: counts must be >= 0, got b={b}, c={c}")
+    m = b + c
+    if m == 0:
+        return 1.0
+    k_K = np.arange(min(b, c) + 1, dtype=np.float64)
+    log_pmf_K = (math.lgamma(m + 1) - np.array([math.lgamma(k + 1) + math.lgamma(m - k + 1) for k in k_K])
+                 - m * math.log(2.0))
+    top = float(log_pmf_K.max())
+    log_tail = top + math.log(float(np.exp(log_pmf_K - top).sum()))
+    return min(1.0, 2.0 * math.exp(log_tail))
+
+
+def bootstrap_mean_ci(diff_N: np.ndarray, alpha: float = 0.05, n_resamples: int = 10000,
+                      seed: int = 0, chunk: int = 1000) -> tuple[float, float]:
+    """Percentile bootstrap CI of mean(diff_N), resampling the N entries with replacement."""
+    _check_alpha(alpha)
+    diff_N = np.asarray(diff_N, dtype=np.float64)
+    if diff_N.ndim != 1 or diff_N.size == 0:
+        raise ValueError(f"bootstrap_mean_ci: need a non-empty 1-D array, got shape {diff_N.shape}")
+    if n_resamples < 1:
+        raise ValueError(f"bootstrap_mean_ci: n_resamples must be >= 1, got {n_resamples}")
+    rng = np.random.default_rng(seed)
+    n = diff_N.size
+    means_R = np.empty(n_resamples, dtype=np.float64)
+    # chunked so that B x n indices never need more than chunk x n memory
+    for start in range(0, n_resamples, chunk):
+        stop = min(start + chunk, n_resamples)
+        idx_CN = rng.integers(0, n, size=(stop - start, n))
+        means_R[start:stop] = diff_N[idx_CN].mean(axis=1)
+    low, high = np.quantile(means_R, [alpha / 2.0, 1.0 - alpha / 2.0])
+    return float(low), float(high)
+
+
+def decide(diff: float, ci_low: float) -> str:
+    """The pre-registered decision rule (see DECISION_RULE)."""
+    if ci_low > 0:
+        return "validated"
+    if diff > 0:
+        return "inconclusive"
+    return "not_supported"
+
+
+def paired_compare(correct_T: Any, correct_B: Any, alpha: float = 0.05, n_bootstrap: int = 10000,
+                   seed: int = 0) -> dict[str, Any]:
+    """All paired statistics of treatment vs baseline correctness.
+
+    `correct_T`, `correct_B`: bool/0-1 arrays of shape [n] or [S, n] (S seeds x n items, paired
+    entry by entry). Returns n (pairs), accuracies, diff, Hoeffding CI (clipped to [-1, 1];
+    `half_width` is unclipped), verdict, McNemar b/c/p and the bootstrap CI (None when
+    n_bootstrap == 0)."""
+    _check_alpha(alpha)
+    t_SN = _as_correct(correct_T, "correct_T")
+    b_SN = _as_correct(correct_B, "correct_B")
+    if t_SN.shape != b_SN.shape:
+        raise ValueError(f"paired_compare: shapes differ: treatment {t_SN.shape} vs baseline {b_SN.shape}")
+    if t_SN.size == 0:
+        raise ValueError("paired_compare: no items to compare")
+    n = int(t_SN.size)
+    k_t, k_b = int(t_SN.sum()), int(b_SN.sum())
+    diff = (k_t - k_b) / n  # exact 0 on all ties
+    half = hoeffding_half_width(n, alpha)
+    ci_low, ci_high = max(-1.0, diff - half), min(1.0, diff + half)
+    b = int((t_SN & ~b_SN).sum())
+    c = int((~t_SN & b_SN).sum())
+    out: dict[str, Any] = {
+        "n": n,
+        "n_items": int(t_SN.shape[1]),
+        "n_seeds": int(t_SN.shape[0]),
+        "acc_treatment": k_t / n,
+        "acc_baseline": k_b / n,
+        "diff": diff,
+        "half_width": half,
+        "ci_low": ci_low,
+        "ci_high": ci_high,
+        "method": METHOD,
+        "alpha": alpha,
+        "verdict": decide(diff, ci_low),
+        "b": b,
+        "c": c,
+        "mcnemar_p": mcnemar_exact_p(b, c),
+        "bootstrap_low": None,
+        "bootstrap_high": None,
+        "bootstrap_resamples": int(n_bootstrap),
+        "bootstrap_seed": int(seed),
+    }
+    if n_bootstrap > 0:
+        # cluster by item: the pooled mean equals the mean over items of the per-item seed mean
+        per_item_N = (t_SN.astype(np.float64) - b_SN.astype(np.float64)).mean(axis=0)
+        out["bootstrap_low"], out["bootstrap_high"] = bootstrap_mean_ci(per_item_N, alpha, n_bootstrap, seed)
+    return out
+
+
+def _as_correct(x: Any, name: str) -> np.ndarray:
+    a = np.asarray(x)
+    if a.ndim == 1:
+        a = a[None, :]
+    if a.ndim != 2:
+        raise ValueError(f"{name}: expected shape [n] or [S, n], got {a.shape}")
+    if a.dtype != np.bool_:
+        if a.size and not np.isin(a, (0, 1)).all():
+            raise ValueError(f"{name}: correctness values must be 0/1 or bool")
+        a = a.astype(np.bool_)
+    return a
+
+
+def _check_alpha(alpha: float) -> None:
+    if not (0.0 < alpha < 1.0):
+        raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")

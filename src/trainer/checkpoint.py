@@ -1,0 +1,85 @@
+"""Local checkpoint metadata (checkpoint.json) and the run-log repair that makes resume exact."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.utils.io import atomic_write_json, read_json, read_jsonl_lenient, rewrite_jsonl
+
+CHECKPOINT_FILE = "checkpoint.json"
+# Keys that may change between a run and its resume without changing what is computed.
+RESUME_IGNORED_KEYS = ("resume", "checkpoint", "logger", "preflight", "retry", "backend.faults")
+
+
+@dataclass
+class CheckpointInfo:
+    # opaque backend path of the saved state (weights + optimizer), e.g. tinker://...
+    tinker_path: str
+    # rollout steps completed when it was saved
+    step: int
+    # optimizer steps completed when it was saved
+    optim_steps: int
+    # index of the next train problem to use
+    data_cursor: int
+    # hash of the config parts that determine the computation
+    config_hash: str
+    # python / numpy / torch RNG states
+    rng: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def config_hash(cfg_dict: dict) -> str:
+    d = json.loads(json.dumps(cfg_dict, default=str))
+    for key in RESUME_IGNORED_KEYS:
+        node = d
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.get(p, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(parts[-1], None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def rng_state() -> dict[str, Any]:
+    return {
+        "python": repr(random.getstate()),
+        "numpy": np.random.get_state()[1][:4].tolist(),  # fingerprint; the loop derives seeds per step
+        "torch": int(torch.initial_seed()),
+    }
+
+
+def save_checkpoint(run_dir: Path, info: CheckpointInfo) -> None:
+    atomic_write_json(run_dir / CHECKPOINT_FILE, asdict(info))
+
+
+def load_checkpoint(run_dir: Path) -> CheckpointInfo | None:
+    path = run_dir / CHECKPOINT_FILE
+    if not path.exists():
+        return None
+    d = read_json(path, "checkpoint metadata")
+    missing = [k for k in ("tinker_path", "step", "optim_steps", "data_cursor", "config_hash") if k not in d]
+    if missing:
+        raise ValueError(f"{path}: corrupt checkpoint metadata, missing keys {missing}")
+    if not isinstance(d["step"], int) or d["step"] < 0:
+        raise ValueError(f"{path}: corrupt checkpoint metadata, bad step {d['step']!r}")
+    return CheckpointInfo(**{k: d[k] for k in CheckpointInfo.__dataclass_fields__ if k in d})
+
+
+def truncate_log(path: Path, keep_steps_below: int) -> tuple[int, int]:
+    """Keep only rows with step < keep_steps_below (they will be redone); repair a torn last line.
+
+    Returns (rows kept, rows dropped)."""
+    rows, torn = read_jsonl_lenient(path)
+    kept = [r for r in rows if int(r.get("step", -1)) < keep_steps_below]
+    dropped = len(rows) - len(kept) + torn
+    if dropped or torn:
+        rewrite_jsonl(path, kept)
+    return len(kept), dropped

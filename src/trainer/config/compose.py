@@ -1,0 +1,54 @@
+"""Compose configs outside `@hydra.main`: for `--multirun --cfg`, preflight, eval and tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config.schema import register_configs
+
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+
+
+def compose_config(overrides: list[str] | None = None, conf_dir: Path | None = None,
+                   return_hydra_config: bool = False) -> DictConfig:
+    """Compose `conf/config.yaml` with command-line style overrides (no run folder is made)."""
+    register_configs()
+    conf_dir = Path(conf_dir or CONF_DIR)
+    if not (conf_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"config folder not found: {conf_dir} (set it with the repo's conf/)")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides or []),
+                       return_hydra_config=return_hydra_config)
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """Expand sweep syntax (`loss=grpo,dppo`) into one override list per job, in Hydra's order."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    batches = BasicSweeper.split_arguments(parsed, None)
+    return [job for batch in batches for job in batch]
+
+
+def print_sweep_configs(conf_dir: Path, argv: list[str]) -> int:
+    """Print each job's composed config for `--multirun ... --cfg job|all`."""
+    args = [a for a in argv if a not in ("--multirun", "-m")]
+    which = "job"
+    for flag in ("--cfg", "-c"):
+        if flag in args:
+            i = args.index(flag)
+            if i + 1 < len(args) and args[i + 1] in ("job", "all", "hydra"):
+                which = args[i + 1]
+                del args[i: i + 2]
+            else:
+                del args[i]
+    for num, job in enumerate(sweep_jobs(args)):
+        cfg = compose_config(job, conf_dir, return_hydra_config=(which != "job"))
+        print(f"# ---- job {num}: {' '.join(job)}")
+        print(OmegaConf.to_yaml(cfg if which != "hydra" else cfg.hydra))
+    return 0

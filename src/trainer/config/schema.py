@@ -1,0 +1,494 @@
+"""Structured-config schemas: one dataclass per Hydra group option, registered in the ConfigStore.
+
+Hydra composes `conf/` against these schemas, so an unknown key or a value of the wrong type
+fails at composition with the full key in the message. Range checks live in `__post_init__`;
+`validate()` converts each group to its dataclass (which runs them) and prefixes the group name,
+so `loss.clip_eps=-1` fails with "loss.clip_eps must be > 0 ...". Mapping groups 1:1 onto
+dataclasses follows verl's config layout (verl/workers/config/actor.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value is out of range or inconsistent; the message names the key."""
+
+
+def _require(cond: bool, key: str, msg: str, value: Any) -> None:
+    if not cond:
+        raise ConfigError(f"{key} {msg}, got {value!r}")
+
+
+def _positive_int(key: str, value: int) -> None:
+    _require(isinstance(value, int) and value >= 1, key, "must be an integer >= 1", value)
+
+
+def _nonneg_int(key: str, value: int) -> None:
+    _require(isinstance(value, int) and value >= 0, key, "must be an integer >= 0", value)
+
+
+def _in_set(key: str, value: Any, allowed: tuple) -> None:
+    _require(value in allowed, key, f"must be one of {list(allowed)}", value)
+
+
+AGGREGATIONS = ("sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+
+
+# ----------------------------------------------------------------------------- model
+@dataclass
+class ModelConfig:
+    # short name of this model option (used in run names and reports)
+    name: str = MISSING
+    # model id sent to create_lora_training_client (Tinker model name or local-engine model)
+    base_model: str = MISSING
+    # cookbook renderer name used to build prompts and parse completions
+    renderer: str = MISSING
+    # how the client-side tokenizer is built: local | tml_qwen3_5 | hf
+    tokenizer: str = "hf"
+    # LoRA rank (adapter dimension)
+    lora_rank: int = 32
+    # LoRA alpha (scale = alpha / rank); the local engine only, Tinker fixes its own
+    lora_alpha: float = 32.0
+    # train LoRA adapters on the MLP projections
+    train_mlp: bool = True
+    # train LoRA adapters on the attention projections
+    train_attn: bool = True
+    # train a LoRA adapter on the unembedding (lm_head)
+    train_unembed: bool = False
+    # maximum total sequence length, prompt + completion (tokens)
+    max_seq_len: int = 1024
+
+    def __post_init__(self) -> None:
+        _positive_int("lora_rank", self.lora_rank)
+        _require(self.lora_alpha > 0, "lora_alpha", "must be > 0", self.lora_alpha)
+        _in_set("tokenizer", self.tokenizer, ("local", "tml_qwen3_5", "hf"))
+        _require(self.max_seq_len >= 16, "max_seq_len", "must be >= 16", self.max_seq_len)
+        _require(self.train_mlp or self.train_attn or self.train_unembed, "train_mlp",
+                 "(or train_attn / train_unembed) must be true: no LoRA target", False)
+
+
+# ----------------------------------------------------------------------------- loss
+@dataclass
+class GRPOLossConfig:
+    # hydra.utils.instantiate target of this loss plugin
+    _target_: str = "trainer.losses.grpo.GRPOLoss"
+    # registry name of the loss (also the arm's loss label)
+    name: str = "grpo"
+    # symmetric PPO ratio clip epsilon: r is clipped to [1-eps, 1+eps]
+    clip_eps: float = 0.2
+    # lower clip epsilon; null = clip_eps
+    clip_eps_low: Optional[float] = None
+    # upper clip epsilon; null = clip_eps
+    clip_eps_high: Optional[float] = None
+    # token-loss aggregation: sum (Tinker) | token_mean | seq_mean_token_sum | seq_mean_token_mean
+    aggregation: str = "sum"
+    # binary-TV delta of the counterfactual DPPO mask logged in this arm (probability units)
+    cf_dppo_delta: float = 0.15
+
+    def __post_init__(self) -> None:
+        _require(self.name == "grpo", "name", "must be 'grpo' for this schema", self.name)
+        for key in ("clip_eps", "clip_eps_low", "clip_eps_high"):
+            v = getattr(self, key)
+            if v is not None:
+                _require(v > 0, key, "must be > 0 (inf disables the clip)", v)
+        _in_set("aggregation", self.aggregation, AGGREGATIONS)
+        _require(0 < self.cf_dppo_delta <= 1, "cf_dppo_delta", "must be in (0, 1]", self.cf_dppo_delta)
+
+
+@dataclass
+class DPPOLossConfig:
+    # hydra.utils.instantiate target of this loss plugin
+    _target_: str = "trainer.losses.dppo.DPPOLoss"
+    # registry name of the loss (also the arm's loss label)
+    name: str = "dppo"
+    # divergence used by the trust-region mask: binary_tv | binary_kl
+    mode: str = "binary_tv"
+    # trust-region threshold for both directions; null = 0.15 (binary_tv) or 0.05 (binary_kl)
+    delta: Optional[float] = None
+    # threshold for tokens with A <= 0; null = delta
+    delta_low: Optional[float] = None
+    # threshold for tokens with A > 0; null = delta
+    delta_high: Optional[float] = None
+    # truncation cap c of the importance weight min(r, c); 1e4 = the authors' "fair comparison"
+    is_cap: float = 1.0e4
+    # token-loss aggregation: sum (Tinker) | token_mean | seq_mean_token_sum | seq_mean_token_mean
+    aggregation: str = "sum"
+    # epsilon of the counterfactual GRPO clip fraction logged in this arm
+    cf_grpo_eps: float = 0.2
+
+    def __post_init__(self) -> None:
+        _require(self.name == "dppo", "name", "must be 'dppo' for this schema", self.name)
+        _in_set("mode", self.mode, ("binary_tv", "binary_kl"))
+        for key in ("delta", "delta_low", "delta_high"):
+            v = getattr(self, key)
+            if v is None:
+                continue
+            if self.mode == "binary_tv":
+                # a TV distance between two-point distributions is at most 1
+                _require((0 < v <= 1) or math.isinf(v), key, "must be in (0, 1] for binary_tv", v)
+            else:
+                _require(v > 0, key, "must be > 0 for binary_kl", v)
+        _require(self.is_cap >= 1, "is_cap", "must be >= 1", self.is_cap)
+        _in_set("aggregation", self.aggregation, AGGREGATIONS)
+        _require(self.cf_grpo_eps > 0, "cf_grpo_eps", "must be > 0", self.cf_grpo_eps)
+
+
+# ----------------------------------------------------------------------------- optimizer
+@dataclass
+class AdamWConfig:
+    # optimizer family (Tinker's AdamParams)
+    name: str = "adamw"
+    # peak learning rate
+    lr: float = 2e-5
+    # Adam first-moment decay
+    beta1: float = 0.9
+    # Adam second-moment decay
+    beta2: float = 0.95
+    # Adam denominator epsilon
+    eps: float = 1e-8
+    # decoupled weight decay (per step, multiplied by lr)
+    weight_decay: float = 0.0
+    # global gradient-norm clip; 0 = off
+    grad_clip_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(0 < self.lr < 1, "lr", "must be in (0, 1)", self.lr)
+        _require(0 <= self.beta1 < 1, "beta1", "must be in [0, 1)", self.beta1)
+        _require(0 <= self.beta2 < 1, "beta2", "must be in [0, 1)", self.beta2)
+        _require(self.eps > 0, "eps", "must be > 0", self.eps)
+        _require(self.weight_decay >= 0, "weight_decay", "must be >= 0", self.weight_decay)
+        _require(self.grad_clip_norm >= 0, "grad_clip_norm", "must be >= 0 (0 = off)", self.grad_clip_norm)
+
+
+# ----------------------------------------------------------------------------- schedule
+@dataclass
+class ScheduleConfig:
+    # short name of this schedule option
+    name: str = MISSING
+    # number of rollout steps (each: sample a batch, then updates_per_batch optimizer steps)
+    num_steps: int = 10
+    # prompts (groups) per rollout step
+    groups_per_batch: int = 8
+    # samples per prompt (group size)
+    group_size: int = 4
+    # minibatches per rollout batch = optimizer steps per rollout step
+    updates_per_batch: int = 1
+    # save_state every this many rollout steps (0 = only at the end)
+    save_every: int = 5
+    # learning-rate schedule over optimizer steps: constant | linear | cosine
+    lr_schedule: str = "constant"
+    # linear warmup length (optimizer steps)
+    warmup_steps: int = 0
+    # final lr as a fraction of the peak lr (linear and cosine)
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        for key in ("num_steps", "groups_per_batch", "group_size", "updates_per_batch"):
+            _positive_int(key, getattr(self, key))
+        _nonneg_int("save_every", self.save_every)
+        _nonneg_int("warmup_steps", self.warmup_steps)
+        _in_set("lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
+        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
+        _require(self.updates_per_batch <= self.groups_per_batch * self.group_size, "updates_per_batch",
+                 f"must be <= rollouts per step ({self.groups_per_batch * self.group_size})",
+                 self.updates_per_batch)
+
+
+# ----------------------------------------------------------------------------- env
+@dataclass
+class GSM8KEnvConfig:
+    # task name (registry key in envs)
+    name: str = "gsm8k"
+    # data source: vendored | openai/gsm8k (HF hub id) | a folder holding train.jsonl and test.jsonl
+    source: str = "vendored"
+    # seed of the train-set shuffle (fixes the data order, identical across arms)
+    seed: int = 0
+    # cap on train examples after the shuffle (null = all 7473)
+    n_examples: Optional[int] = None
+    # few-shot conversation prefix: standard (cookbook) | none
+    convo_prefix: str = "standard"
+    # completion budget per sample (tokens)
+    max_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.n_examples is not None:
+            _positive_int("n_examples", self.n_examples)
+        _in_set("convo_prefix", self.convo_prefix, ("standard", "none"))
+        _positive_int("max_tokens", self.max_tokens)
+
+
+@dataclass
+class ArithmeticEnvConfig:
+    # task name (registry key in envs)
+    name: str = "arithmetic"
+    # seed of the problem generator (fixes the data, identical across arms)
+    seed: int = 0
+    # number of generated train problems
+    n_examples: int = 2000
+    # number of generated held-out test problems (disjoint from train)
+    n_test: int = 200
+    # largest number of digits of an operand (1 = 0-9, 2 = 0-99)
+    max_digits: int = 2
+    # completion budget per sample (tokens)
+    max_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        _positive_int("n_examples", self.n_examples)
+        _positive_int("n_test", self.n_test)
+        _require(1 <= self.max_digits <= 6, "max_digits", "must be in [1, 6]", self.max_digits)
+        _positive_int("max_tokens", self.max_tokens)
+
+
+# ----------------------------------------------------------------------------- eval
+@dataclass
+class EvalConfig:
+    # eval name; the per-item file is eval/<name>.jsonl ('none' disables eval)
+    name: str = "none"
+    # which task's test split to evaluate: gsm8k | arithmetic (null = no eval)
+    task: Optional[str] = None
+    # number of test items (null = all)
+    n_examples: Optional[int] = None
+    # evaluate every this many rollout steps (0 = only at the end)
+    every: int = 0
+    # completion budget per item (tokens)
+    max_tokens: int = 512
+    # maximum eval requests in flight at once
+    concurrency: int = 512
+
+    def __post_init__(self) -> None:
+        if self.n_examples is not None:
+            _positive_int("n_examples", self.n_examples)
+        _nonneg_int("every", self.every)
+        _positive_int("max_tokens", self.max_tokens)
+        _positive_int("concurrency", self.concurrency)
+        if self.task is not None:
+            _in_set("task", self.task, ("gsm8k", "arithmetic"))
+
+
+# ----------------------------------------------------------------------------- backend
+@dataclass
+class FaultsConfig:
+    # probability that a call fails before doing any work, per call type
+    p_sample: float = 0.0
+    p_forward_backward: float = 0.0
+    p_optim_step: float = 0.0
+    p_save_state: float = 0.0
+    # added latency per call (seconds)
+    latency_s: float = 0.0
+    # seed of the fault generator
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("p_sample", "p_forward_backward", "p_optim_step", "p_save_state"):
+            v = getattr(self, key)
+            _require(0 <= v < 1, key, "must be in [0, 1)", v)
+        _require(self.latency_s >= 0, "latency_s", "must be >= 0", self.latency_s)
+
+
+@dataclass
+class LocalBackendConfig:
+    # backend kind
+    name: str = "local"
+    # where the engine persists checkpoints (null = <run dir>/engine)
+    state_dir: Optional[str] = None
+    # sampler weight precision: bfloat16 | float32
+    sampler_dtype: str = "bfloat16"
+    # training precision: float32 | bfloat16 (autocast)
+    train_dtype: str = "bfloat16"
+    # sequences per forward/backward micro-batch
+    micro_batch_size: int = 8
+    # sequences decoded together by the sampler
+    max_sample_batch: int = 64
+    # torch CPU threads (null = torch default)
+    num_threads: Optional[int] = None
+    # injected faults (testing the trainer's retry and resume paths)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+    def __post_init__(self) -> None:
+        _in_set("sampler_dtype", self.sampler_dtype, ("bfloat16", "float32"))
+        _in_set("train_dtype", self.train_dtype, ("bfloat16", "float32"))
+        _positive_int("micro_batch_size", self.micro_batch_size)
+        _positive_int("max_sample_batch", self.max_sample_batch)
+        if self.num_threads is not None:
+            _positive_int("num_threads", self.num_threads)
+
+
+@dataclass
+class TinkerBackendConfig:
+    # backend kind
+    name: str = "tinker"
+    # service URL; null = $TINKER_BASE_URL or the SDK default
+    base_url: Optional[str] = None
+    # environment variable holding the API key (the key itself is never stored in configs)
+    api_key_env: str = "TINKER_API_KEY"
+    # use a server-side registered custom loss (one pass) when the server supports it
+    one_pass_custom_loss: bool = True
+
+
+# ----------------------------------------------------------------------------- logger
+@dataclass
+class LoggerConfig:
+    # logger kind: jsonl (metrics.jsonl only) | wandb (metrics.jsonl + Weights & Biases)
+    name: str = "jsonl"
+    # wandb project
+    project: str = "pairedrl"
+    # wandb entity (null = the account default)
+    entity: Optional[str] = None
+    # wandb group; runs of one sweep share it (null = the sweep folder name)
+    group: Optional[str] = None
+    # wandb mode: online | offline | auto (offline when WANDB_API_KEY is unset)
+    mode: str = "auto"
+    # rollouts written to rollouts.jsonl per step
+    rollouts_per_step: int = 4
+
+    def __post_init__(self) -> None:
+        _in_set("name", self.name, ("jsonl", "wandb"))
+        _in_set("mode", self.mode, ("online", "offline", "auto"))
+        _nonneg_int("rollouts_per_step", self.rollouts_per_step)
+
+
+# ----------------------------------------------------------------------------- top level
+@dataclass
+class SamplingConfig:
+    # sampling temperature for rollouts
+    temperature: float = 1.0
+    # completion budget per rollout (tokens)
+    max_tokens: int = 512
+    # nucleus sampling mass (1 = off)
+    top_p: float = 1.0
+    # top-k sampling (-1 = off)
+    top_k: int = -1
+    # maximum sample requests in flight at once
+    concurrency: int = 256
+
+    def __post_init__(self) -> None:
+        _require(self.temperature > 0, "temperature", "must be > 0 for RL rollouts", self.temperature)
+        _positive_int("max_tokens", self.max_tokens)
+        _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _require(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1", self.top_k)
+        _positive_int("concurrency", self.concurrency)
+
+
+@dataclass
+class RetryConfig:
+    # attempts per client call before giving up (1 = no retry)
+    max_attempts: int = 5
+    # first backoff delay (seconds), doubled each attempt
+    backoff_s: float = 0.5
+    # longest backoff delay (seconds)
+    max_backoff_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _positive_int("max_attempts", self.max_attempts)
+        _require(self.backoff_s >= 0, "backoff_s", "must be >= 0", self.backoff_s)
+        _require(self.max_backoff_s >= self.backoff_s, "max_backoff_s", "must be >= backoff_s",
+                 self.max_backoff_s)
+
+
+@dataclass
+class PreflightConfig:
+    # skip the check that all preflight gates passed before a sweep
+    skip: bool = True
+    # folder holding preflight/<gate>.json (null = ./preflight_runs/<experiment>)
+    dir: Optional[str] = None
+    # wall-clock budget of the full plan (minutes), checked by the feasibility gate
+    budget_minutes: float = 120.0
+
+
+GROUPS = ("model", "loss", "optimizer", "schedule", "env", "eval", "backend", "logger")
+
+
+@dataclass
+class Config:
+    # group options (selected in conf/config.yaml's defaults list)
+    model: Any = MISSING
+    loss: Any = MISSING
+    optimizer: Any = MISSING
+    schedule: Any = MISSING
+    env: Any = MISSING
+    eval: Any = MISSING
+    backend: Any = MISSING
+    logger: Any = MISSING
+    # experiment name (recorded in run_info.json; compare refuses runs of different experiments)
+    experiment: str = "default"
+    # arm name shown in logs and wandb
+    run_name: str = "${loss.name}_seed${seed}"
+    # seed of LoRA init, data order and sampling
+    seed: int = 0
+    # advantage estimator: group_mean (cookbook) | group_zscore | none
+    advantage: str = "group_mean"
+    # resume from the last checkpoint in the run folder (also automatic when one exists)
+    resume: bool = False
+    # rollout sampling parameters
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # retry policy for transient backend errors
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    # preflight gate settings
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    # checkpoint to evaluate (python -m eval.run checkpoint=<path>)
+    checkpoint: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _in_set("advantage", self.advantage, ("group_mean", "group_zscore", "none"))
+        _nonneg_int("seed", self.seed)
+
+
+GROUP_SCHEMAS: dict[str, dict[str, type]] = {
+    "model": {"model_schema": ModelConfig},
+    "loss": {"grpo_schema": GRPOLossConfig, "dppo_schema": DPPOLossConfig},
+    "optimizer": {"adamw_schema": AdamWConfig},
+    "schedule": {"schedule_schema": ScheduleConfig},
+    "env": {"gsm8k_schema": GSM8KEnvConfig, "arithmetic_schema": ArithmeticEnvConfig},
+    "eval": {"eval_schema": EvalConfig},
+    "backend": {"local_schema": LocalBackendConfig, "tinker_schema": TinkerBackendConfig},
+    "logger": {"logger_schema": LoggerConfig},
+}
+
+
+def register_configs() -> None:
+    """Register every schema in Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, options in GROUP_SCHEMAS.items():
+        for name, node in options.items():
+            cs.store(group=group, name=name, node=node)
+
+
+def validate(cfg: DictConfig) -> dict[str, Any]:
+    """Run every group's range checks; raise ConfigError naming `<group>.<key>`.
+
+    Returns the groups as dataclass objects (useful for typed access)."""
+    objects: dict[str, Any] = {}
+    for group in GROUPS:
+        node = cfg.get(group)
+        if node is None:
+            raise ConfigError(f"{group}: missing config group (add '{group}=<option>' to the defaults)")
+        try:
+            objects[group] = OmegaConf.to_object(node)
+        except ConfigError as e:
+            raise ConfigError(f"{group}.{e}") from None
+    top = {k: v for k, v in cfg.items() if k not in GROUPS and k != "hydra"}
+    for key in ("sampling", "retry", "preflight"):
+        try:
+            objects[key] = OmegaConf.to_object(cfg[key])
+        except ConfigError as e:
+            raise ConfigError(f"{key}.{e}") from None
+    try:
+        Config.__post_init__(_TopView(top))  # type: ignore[arg-type]
+    except ConfigError as e:
+        raise ConfigError(str(e)) from None
+    return objects
+
+
+class _TopView:
+    """Attribute view over the top-level scalars, to reuse Config.__post_init__."""
+
+    def __init__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)

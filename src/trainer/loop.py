@@ -1,0 +1,307 @@
+"""The generic RL loop over a Tinker-style client (see ../shared/DESIGN.md, "Data flow").
+
+Per rollout step: a sampling client from the current weights; every group sampled concurrently;
+rewards from the env; advantages; datums; `updates_per_batch` minibatches, each one
+`forward_backward_custom(minibatch, loss)` then `optim_step`. Checkpoints are taken at step
+boundaries; resume (or recovery from a poisoned client) reloads the last one, drops the log rows of
+the steps after it and redoes them, so no optimizer step is ever skipped or applied twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import tinker
+from omegaconf import DictConfig
+
+from trainer.advantages import compute_advantages
+from trainer.checkpoint import (CheckpointInfo, config_hash, load_checkpoint, rng_state, save_checkpoint,
+                                truncate_log)
+from trainer.datums import Rollout, rollout_to_datum, split_minibatches
+from trainer.lr_schedule import lr_at
+from trainer.metrics_sink import MetricsSink
+from trainer.retry import RetryPolicy
+from trainer.rollouts import sample_batch
+
+log = logging.getLogger(__name__)
+
+
+class TrainingClientLost(RuntimeError):
+    """A training-client call failed for good (e.g. a poisoned Tinker client)."""
+
+
+@dataclass
+class LoopState:
+    step: int = 0
+    optim_steps: int = 0
+    data_cursor: int = 0
+    last_checkpoint: CheckpointInfo | None = None
+
+
+class RLLoop:
+    def __init__(self, cfg: DictConfig, run_dir: Path, service_client: Any, task: Any, loss_fn: Any,
+                 custom_loss: Any, config_dict: dict, sweep_dir: Path | None = None,
+                 progress: bool = True, on_step_end: Callable[[int], None] | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.sc = service_client
+        self.task = task
+        self.loss_fn = loss_fn
+        self.custom_loss = custom_loss  # callable (two-pass) or a server-side loss handle (one pass)
+        self.loss_path = "one_pass" if not callable(custom_loss) else "two_pass"
+        self.config_dict = config_dict
+        self.sweep_dir = sweep_dir
+        self.progress = progress
+        self.on_step_end = on_step_end
+        r = cfg.retry
+        self.retry = RetryPolicy(r.max_attempts, r.backoff_s, r.max_backoff_s)
+        self.train_problems = task.train_problems()
+        if len(self.train_problems) == 0:
+            raise ValueError(f"env {cfg.env.name}: empty train set")
+        self.cfg_hash = config_hash(config_dict)
+        self.tc: Any = None
+        self.info: dict[str, Any] = {}
+        self.recoveries = 0
+
+    # ------------------------------------------------------------------ clients
+    def _new_training_client(self) -> Any:
+        m = self.cfg.model
+        return self.retry.call("create_training_client", lambda: self.sc.create_lora_training_client(
+            base_model=m.base_model, rank=m.lora_rank, seed=self.cfg.seed, train_mlp=m.train_mlp,
+            train_attn=m.train_attn, train_unembed=m.train_unembed).result())
+
+    def _restore_training_client(self, path: str) -> Any:
+        return self.retry.call("load_state", lambda: self.sc.create_training_client_from_state_with_optimizer(
+            path).result())
+
+    def _record_info(self) -> None:
+        try:
+            info = self.tc.get_info()
+            self.info = {"served_model": getattr(info, "model_name", None) or
+                         getattr(getattr(info, "model_data", None), "model_name", None),
+                         "lora_rank": getattr(info, "lora_rank", None)}
+        except Exception as e:  # noqa: BLE001 - informational only
+            self.info = {"served_model": None, "error": str(e)}
+
+    # ------------------------------------------------------------------ resume
+    def _start(self) -> LoopState:
+        ckpt = load_checkpoint(self.run_dir)
+        metrics_path = self.run_dir / "metrics.jsonl"
+        if ckpt is not None:
+            if ckpt.config_hash != self.cfg_hash:
+                raise ValueError(
+                    f"{self.run_dir / 'checkpoint.json'} was written by a different config (hash "
+                    f"{ckpt.config_hash} != {self.cfg_hash}); refusing to resume into it. Use a new run folder.")
+            self.tc = self._restore_training_client(ckpt.tinker_path)
+            state = LoopState(ckpt.step, ckpt.optim_steps, ckpt.data_cursor, ckpt)
+            log.info("resuming from %s at step %d", ckpt.tinker_path, ckpt.step)
+        else:
+            self.tc = self._new_training_client()
+            state = LoopState()
+        for name in ("metrics.jsonl", "rollouts.jsonl"):
+            kept, dropped = truncate_log(self.run_dir / name, state.step)
+            if dropped:
+                log.info("%s: dropped %d rows after step %d (redone on resume)", name, dropped, state.step)
+        del metrics_path
+        self._record_info()
+        return state
+
+    def _recover(self, state: LoopState, exc: BaseException) -> LoopState:
+        """Recreate the training client from the last checkpoint and redo the steps after it."""
+        self.recoveries += 1
+        if self.recoveries > self.cfg.retry.max_attempts:
+            raise TrainingClientLost(f"giving up after {self.recoveries - 1} recoveries: {exc}") from exc
+        log.warning("training client failed (%s: %s); recovering from the last checkpoint",
+                    type(exc).__name__, exc)
+        return self._start()
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> dict[str, Any]:
+        s = self.cfg.schedule
+        state = self._start()
+        sink = MetricsSink(self.run_dir, self.cfg.logger, self.cfg.run_name, self.config_dict, self.sweep_dir,
+                           resume=state.step > 0)
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=s.num_steps, initial=state.step, desc=self.cfg.run_name, unit="step",
+                       dynamic_ncols=True)
+        last_reward = None
+        try:
+            while state.step < s.num_steps:
+                try:
+                    last_reward = self._do_step(state, sink)
+                except TrainingClientLost:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    if not _is_client_failure(exc):
+                        raise
+                    state = self._recover(state, exc)
+                    sink.reopen()  # the logs were rewritten by the truncation
+                    if bar is not None:
+                        bar.n = state.step
+                        bar.refresh()
+                    continue
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{last_reward:.3f}")
+                if self.on_step_end is not None:
+                    self.on_step_end(state.step)
+            if state.last_checkpoint is None or state.last_checkpoint.step != state.step:
+                self._save(state, final=True)
+        finally:
+            if bar is not None:
+                bar.close()
+            sink.close()
+        return {"steps": state.step, "optim_steps": state.optim_steps, "last_reward": last_reward,
+                "checkpoint": state.last_checkpoint.tinker_path if state.last_checkpoint else None,
+                "retries": self.retry.total, "recoveries": self.recoveries, **self.info}
+
+    def sampling_client(self) -> Any:
+        return self.retry.call("save_weights_and_get_sampling_client",
+                               lambda: self.tc.save_weights_and_get_sampling_client().result())
+
+    def _do_step(self, state: LoopState, sink: MetricsSink) -> float:
+        cfg, s = self.cfg, self.cfg.schedule
+        step = state.step
+        t_step = time.time()
+        sampling_client = self.sampling_client()
+        n = len(self.train_problems)
+        problems = [self.train_problems[(state.data_cursor + g) % n] for g in range(s.groups_per_batch)]
+        t0 = time.time()
+        groups = asyncio.run(sample_batch(
+            self.task, problems, sampling_client, seed=cfg.seed, step=step, group_size=s.group_size,
+            temperature=cfg.sampling.temperature, max_tokens=cfg.sampling.max_tokens, top_p=cfg.sampling.top_p,
+            top_k=cfg.sampling.top_k, max_seq_len=cfg.model.max_seq_len, concurrency=cfg.sampling.concurrency,
+            retry=self.retry))
+        t_sample = time.time() - t0
+
+        rollouts: list[Rollout] = []
+        mixed = 0
+        for group in groups:
+            rewards_G = np.array([r.reward for r in group])
+            adv_G = compute_advantages(rewards_G, cfg.advantage)
+            mixed += int(rewards_G.max() > rewards_G.min())
+            for r, a in zip(group, adv_G):
+                r.advantage = float(a)
+                rollouts.append(r)
+        step_metrics = _rollout_metrics(rollouts, len(groups), mixed)
+        step_metrics["time/sample"] = t_sample
+        datums = [rollout_to_datum(r) for r in rollouts]
+        minibatches = split_minibatches(datums, s.updates_per_batch)
+
+        t0 = time.time()
+        rows = []
+        for u, mb in enumerate(minibatches):
+            t_u = time.time()
+            fb = self._train_call("forward_backward", lambda mb=mb: self.tc.forward_backward_custom(
+                mb, self.custom_loss).result())
+            lr = lr_at(state.optim_steps, s.num_steps * s.updates_per_batch, cfg.optimizer.lr, s.lr_schedule,
+                       s.warmup_steps, s.min_lr_ratio)
+            o = cfg.optimizer
+            params = tinker.AdamParams(learning_rate=lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
+                                       weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm)
+            opt = self._train_call("optim_step", lambda: self.tc.optim_step(params).result())
+            state.optim_steps += 1
+            row = {"step": step, "update": u, "global_update": state.optim_steps - 1, "optim/lr": lr,
+                   "loss/path": self.loss_path}
+            row.update(_fb_metrics(fb))
+            for k, v in ((getattr(opt, "metrics", None) or {}).items()):
+                row[f"optim/{k.split(':')[0]}"] = float(v)
+            row["time/update"] = time.time() - t_u
+            row.update(step_metrics)
+            row["faults/retries"] = self.retry.total
+            rows.append(row)
+        t_train = time.time() - t0
+        for row in rows:
+            row["time/train"] = t_train
+            row["time/step"] = time.time() - t_step
+            sink.log(row)
+        sink.log_rollouts(_rollout_samples(self.task, rollouts, step, cfg.logger.rollouts_per_step))
+        state.data_cursor += s.groups_per_batch
+        state.step += 1
+        if s.save_every and state.step % s.save_every == 0 and state.step < s.num_steps:
+            self._save(state)
+        return step_metrics["env/reward_mean"]
+
+    def _train_call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return self.retry.call(what, fn)
+        except (ValueError, TypeError):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise _ClientFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+    def _save(self, state: LoopState, final: bool = False) -> None:
+        name = f"step{state.step:06d}" + ("_final" if final else "")
+        path = self._train_call("save_state", lambda: self.tc.save_state(name).result().path)
+        history = (state.last_checkpoint.history if state.last_checkpoint else []) + [
+            {"step": state.step, "tinker_path": path, "time": time.time()}]
+        info = CheckpointInfo(tinker_path=path, step=state.step, optim_steps=state.optim_steps,
+                              data_cursor=state.data_cursor, config_hash=self.cfg_hash, rng=rng_state(),
+                              history=history)
+        save_checkpoint(self.run_dir, info)
+        state.last_checkpoint = info
+
+
+class _ClientFailure(RuntimeError):
+    pass
+
+
+def _is_client_failure(exc: BaseException) -> bool:
+    return isinstance(exc, _ClientFailure)
+
+
+def _fb_metrics(fb: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in (getattr(fb, "metrics", None) or {}).items():
+        if k == "loss:sum":
+            out["loss/value"] = float(v)
+        elif ":" in k:
+            name, red = k.rsplit(":", 1)
+            out[name if red in ("sum", "mean", "max", "min") else k] = float(v)
+        else:
+            out[k] = float(v)
+    return out
+
+
+def _rollout_metrics(rollouts: list[Rollout], n_groups: int, mixed: int) -> dict[str, float]:
+    rewards = np.array([r.reward for r in rollouts])
+    lengths = np.array([len(r.tokens) for r in rollouts])
+    out = {
+        "env/reward_mean": float(rewards.mean()),
+        "env/reward_std": float(rewards.std()),
+        "env/frac_mixed_groups": mixed / max(1, n_groups),
+        "env/completion_len_mean": float(lengths.mean()),
+        "env/frac_truncated": float(np.mean([r.stop_reason == "length" for r in rollouts])),
+        "tokens/sampled": int(lengths.sum()),
+        "tokens/trained": int(sum(len(r.prompt_tokens) + len(r.tokens) - 1 for r in rollouts)),
+    }
+    for key in ("format", "correct"):
+        vals = [r.metrics[key] for r in rollouts if key in r.metrics]
+        if vals:
+            out[f"env/{key}_rate"] = float(np.mean(vals))
+    return out
+
+
+def _rollout_samples(task: Any, rollouts: list[Rollout], step: int, k: int) -> list[dict]:
+    out = []
+    # one sample from each of the first k groups: a spread of prompts rather than k copies of one
+    seen = set()
+    for r in rollouts:
+        if len(out) >= k:
+            break
+        if r.group in seen:
+            continue
+        seen.add(r.group)
+        out.append({"step": step, "group": r.group, "prompt": task.decode(r.prompt_tokens),
+                    "completion": task.decode(r.tokens), "reward": r.reward, "advantage": r.advantage,
+                    "stop_reason": r.stop_reason})
+    return out

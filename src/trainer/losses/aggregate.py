@@ -1,0 +1,59 @@
+"""Token-loss aggregation shared by every loss plugin.
+
+Modes (pinned to sail-sg/Stable-RL @ c6af1d119c0fe30d16dd9a837d35fdf695acd226,
+verl/trainer/ppo/core_algos.py::agg_loss, and to Tinker's token sum):
+- `sum`: sum over loss tokens of all sequences (Tinker / spindle convention; the default).
+- `token_mean`: sum / number of loss tokens (Stable-RL `token-mean` with dp_size 1).
+- `seq_mean_token_sum`: per-sequence token sum, averaged over sequences that have at
+  least one loss token (Stable-RL `seq-mean-token-sum`).
+- `seq_mean_token_mean`: per-sequence token mean, averaged over non-empty sequences
+  (Stable-RL `seq-mean-token-mean`; its `+1e-8` guard is unnecessary here because empty
+  sequences are excluded exactly).
+A flat `[T]` input is one sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGGREGATIONS: tuple[str, ...] = ("sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+
+
+def check_aggregation(mode: str, owner: str = "aggregation") -> str:
+    """Return `mode` if it is a known aggregation, else raise ValueError naming the options."""
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"{owner} must be one of {list(AGGREGATIONS)}, got {mode!r}")
+    return mode
+
+
+def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce a per-token loss (`[T]` or `[B, T]`) over the loss tokens (mask == 1).
+
+    Non-loss positions are excluded with `torch.where` (not multiplied by 0), so garbage in
+    padding cannot leak NaN/inf into the value. The mask is detached.
+    """
+    check_aggregation(mode)
+    if token_loss.shape != mask.shape:
+        raise ValueError(
+            f"aggregate: mask shape {tuple(mask.shape)} != token_loss shape {tuple(token_loss.shape)}"
+        )
+    if token_loss.dim() not in (1, 2):
+        raise ValueError(f"aggregate: expected [T] or [B, T] tensors, got shape {tuple(token_loss.shape)}")
+    loss_BT = token_loss if token_loss.dim() == 2 else token_loss.unsqueeze(0)
+    mask_BT = (mask if mask.dim() == 2 else mask.unsqueeze(0)).detach() > 0
+    n_tokens = int(mask_BT.sum().item())
+    if n_tokens == 0:
+        raise ValueError("aggregate: mask has no loss tokens (all zero)")
+
+    masked_BT = torch.where(mask_BT, loss_BT, torch.zeros_like(loss_BT))
+    if mode == "sum":
+        return masked_BT.sum()
+    if mode == "token_mean":
+        return masked_BT.sum() / n_tokens
+    tokens_B = mask_BT.sum(dim=-1)
+    n_seqs = int((tokens_B > 0).sum().item())
+    seq_sum_B = masked_BT.sum(dim=-1)
+    if mode == "seq_mean_token_sum":
+        return seq_sum_B.sum() / n_seqs
+    # seq_mean_token_mean: empty rows have seq_sum 0, so clamping their count to 1 adds 0.
+    return (seq_sum_B / tokens_B.clamp(min=1).to(seq_sum_B.dtype)).sum() / n_seqs

@@ -1,0 +1,193 @@
+"""`python train.py ...`: validate, set up the run folder, build the pieces, train, evaluate."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config.schema import ConfigError, validate
+from trainer.run_info import batch_arithmetic, format_batch_arithmetic, resolved_config_dict, write_run_files
+
+log = logging.getLogger("pairedrl")
+
+
+def fail(msg: str) -> None:
+    """Stop before any compute with a message naming the problem (exit code 2)."""
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def hydra_dirs() -> tuple[Path, Path | None]:
+    """(run folder, sweep folder or None) of the current Hydra job."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    sweep_dir = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
+    return run_dir, sweep_dir
+
+
+def check_output_dir(run_dir: Path, cfg: DictConfig) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write_probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        fail(f"output folder {run_dir} is not writable ({e.strerror})")
+    # LoRA state + Adam moments of a small adapter; generous so a full disk is caught before training
+    need_mb = 64 * (1 + cfg.schedule.num_steps // max(1, cfg.schedule.save_every or cfg.schedule.num_steps))
+    free_mb = shutil.disk_usage(run_dir).free / 2**20
+    if cfg.backend.name == "local" and free_mb < need_mb:
+        fail(f"not enough disk in {run_dir}: {free_mb:.0f} MiB free, the planned checkpoints need ~{need_mb} MiB")
+
+
+def record_arm(sweep_dir: Path, job_num: int, info: dict[str, Any]) -> None:
+    """Add this job to <sweep>/arms.json (job number -> arm), safe under parallel launchers."""
+    path = sweep_dir / "arms.json"
+    lock = open(sweep_dir / ".arms.lock", "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        arms = json.loads(path.read_text()) if path.exists() else {}
+        arms[str(job_num)] = info
+        from trainer.utils.io import atomic_write_json
+
+        atomic_write_json(path, arms)
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+
+def build_components(cfg: DictConfig) -> tuple[Any, Any, Any]:
+    """(tokenizer, renderer, task) for the configured model and env."""
+    from envs import build_task
+    from envs.renderers import get_renderer
+    from envs.tokenizers import get_tokenizer
+
+    tokenizer = get_tokenizer(cfg.model)
+    renderer = get_renderer(cfg.model, tokenizer)
+    task = build_task(cfg.env, renderer)
+    return tokenizer, renderer, task
+
+
+def eval_task(cfg: DictConfig, renderer: Any, train_task: Any) -> Any:
+    if cfg.eval.task is None or cfg.eval.name == "none":
+        return None
+    if cfg.eval.task == cfg.env.name:
+        return train_task
+    from envs import build_task
+    from trainer.config.schema import GROUP_SCHEMAS
+
+    schema = GROUP_SCHEMAS["env"][f"{cfg.eval.task}_schema"]
+    return build_task(OmegaConf.structured(schema()), renderer)
+
+
+def make_loss(cfg: DictConfig, service_client: Any) -> tuple[Any, Any]:
+    """(loss plugin, what forward_backward_custom receives): a one-pass server-side handle where the
+    backend supports registering it, else the client-side callable (two passes)."""
+    import hydra
+
+    from trainer.losses.adapter import make_custom_loss_fn
+
+    loss = hydra.utils.instantiate(cfg.loss)
+    one_pass = bool(cfg.backend.get("one_pass_custom_loss", True))
+    if one_pass and cfg.loss.aggregation == "sum" and hasattr(service_client, "create_custom_loss"):
+        try:
+            from trainer.losses.adapter import make_loss_handle
+
+            handle = make_loss_handle(loss, service_client)
+            if handle is not None:
+                return loss, handle
+        except Exception as e:  # noqa: BLE001 - fall back to the always-correct two-pass path
+            log.warning("one-pass custom loss unavailable (%s); using the two-pass path", e)
+    return loss, make_custom_loss_fn(loss)
+
+
+def run_training(cfg: DictConfig) -> float | None:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+    t_setup = time.time()
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        fail(f"config: {e}")
+    run_dir, sweep_dir = hydra_dirs()
+    check_output_dir(run_dir, cfg)
+    if not cfg.preflight.skip:
+        from trainer.preflight.gates import require_passed
+
+        try:
+            require_passed(cfg)
+        except RuntimeError as e:
+            fail(str(e))
+
+    from trainer.backends import BackendConfigError, build_service_client
+
+    try:
+        service_client = build_service_client(cfg, run_dir)
+    except BackendConfigError as e:
+        fail(str(e))
+    try:
+        tokenizer, renderer, task = build_components(cfg)
+        etask = eval_task(cfg, renderer, task)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        fail(f"data/env: {e}")
+
+    config_dict = resolved_config_dict(cfg)
+    batch = batch_arithmetic(cfg)
+    info = write_run_files(run_dir, cfg, {"batch": batch, "run_dir": str(run_dir)})
+    if sweep_dir is not None:
+        from hydra.core.hydra_config import HydraConfig
+
+        record_arm(sweep_dir, HydraConfig.get().job.num,
+                   {"arm": info["arm"], "loss": info["loss"], "seed": info["seed"], "run_dir": str(run_dir)})
+    print(format_batch_arithmetic(batch), flush=True)
+
+    from trainer.loop import RLLoop
+
+    loss, custom = make_loss(cfg, service_client)
+    loop = RLLoop(cfg, run_dir, service_client, task, loss, custom, config_dict, sweep_dir,
+                  progress=sys.stderr.isatty() or bool(os.environ.get("PAIREDRL_PROGRESS")))
+    setup_s = time.time() - t_setup
+    t_train = time.time()
+    result = loop.run()
+    result["time/setup"] = setup_s
+    result["time/train_total"] = time.time() - t_train
+
+    final_acc = None
+    if etask is not None:
+        final_acc = run_final_eval(cfg, loop, etask, run_dir, result)
+    from trainer.utils.io import atomic_write_json
+
+    atomic_write_json(run_dir / "result.json", result)
+    print(f"\nrun folder: {run_dir}\n  metrics:  {run_dir / 'metrics.jsonl'}\n  rollouts: "
+          f"{run_dir / 'rollouts.jsonl'}\n  checkpoint: {result.get('checkpoint')}")
+    if final_acc is not None:
+        print(f"  eval:     {run_dir / 'eval' / (cfg.eval.name + '.jsonl')}  accuracy={final_acc:.4f}")
+    return final_acc
+
+
+def run_final_eval(cfg: DictConfig, loop: Any, etask: Any, run_dir: Path, result: dict) -> float:
+    from eval.greedy import run_greedy_eval
+
+    t0 = time.time()
+    problems = etask.test_problems(cfg.eval.n_examples)
+    summary = run_greedy_eval(
+        etask, problems, loop.sampling_client(), max_tokens=cfg.eval.max_tokens,
+        max_seq_len=cfg.model.max_seq_len, concurrency=cfg.eval.concurrency, retry=loop.retry,
+        out_path=run_dir / "eval" / f"{cfg.eval.name}.jsonl",
+        extra={"name": cfg.eval.name, "step": result["steps"], "checkpoint": result.get("checkpoint")})
+    result["time/eval"] = time.time() - t0
+    result["eval"] = summary
+    log.info("eval %s: accuracy %.4f [%.4f, %.4f] on %d items", cfg.eval.name, summary["accuracy"],
+             summary["wilson_low"], summary["wilson_high"], summary["n"])
+    return float(summary["accuracy"])

@@ -1,0 +1,65 @@
+"""Sample one rollout batch: every group's request in flight at once, rewards from the env."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Any, Sequence
+
+import tinker
+
+from trainer.datums import Rollout
+from trainer.retry import RetryPolicy
+
+
+def request_seed(seed: int, step: int, group: int, salt: str = "rollout") -> int:
+    """A per-request sampling seed fixed by (run seed, step, group): resumed runs resample identically."""
+    h = hashlib.sha256(f"{salt}:{seed}:{step}:{group}".encode()).digest()
+    return int.from_bytes(h[:4], "little")
+
+
+async def _group_rollout(task: Any, problem: Any, group: int, group_size: int, sampling_client: Any,
+                         params: tinker.SamplingParams, max_seq_len: int, sem: asyncio.Semaphore,
+                         retry: RetryPolicy) -> list[Rollout]:
+    envs = [task.make_env(problem) for _ in range(group_size)]
+    obs = await envs[0].initial_observation()
+    prompt, stop = obs[0], obs[1]
+    prompt_tokens = prompt.to_ints()
+    budget = max_seq_len - len(prompt_tokens)
+    if budget < 1:
+        raise ValueError(f"prompt of problem {problem.index} has {len(prompt_tokens)} tokens, "
+                         f"no room under model.max_seq_len={max_seq_len}")
+    params = params.model_copy(update={"stop": stop, "max_tokens": min(params.max_tokens, budget)})
+    async with sem:
+        resp = await retry.acall("sample", lambda: _await(sampling_client.sample(
+            prompt=prompt, num_samples=group_size, sampling_params=params)))
+    if len(resp.sequences) != group_size:
+        raise RuntimeError(f"sampler returned {len(resp.sequences)} sequences, asked for {group_size}")
+    out = []
+    for env, seq in zip(envs, resp.sequences):
+        await env.initial_observation()  # single-use cookbook envs expect this call first
+        tokens = list(seq.tokens)
+        res = await env.step(tokens)
+        out.append(Rollout(group=group, prompt_tokens=prompt_tokens, tokens=tokens,
+                           logprobs=list(seq.logprobs), reward=float(res.reward),
+                           metrics={k: float(v) for k, v in res.metrics.items()},
+                           stop_reason=str(seq.stop_reason)))
+    return out
+
+
+async def _await(fut: Any) -> Any:
+    return await fut
+
+
+async def sample_batch(task: Any, problems: Sequence[Any], sampling_client: Any, *, seed: int, step: int,
+                       group_size: int, temperature: float, max_tokens: int, top_p: float, top_k: int,
+                       max_seq_len: int, concurrency: int, retry: RetryPolicy) -> list[list[Rollout]]:
+    """All groups of one step, submitted concurrently (bounded by `concurrency` requests)."""
+    sem = asyncio.Semaphore(concurrency)
+    coros = []
+    for g, problem in enumerate(problems):
+        params = tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                       top_k=top_k, seed=request_seed(seed, step, g))
+        coros.append(_group_rollout(task, problem, g, group_size, sampling_client, params, max_seq_len,
+                                    sem, retry))
+    return list(await asyncio.gather(*coros))

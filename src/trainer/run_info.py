@@ -1,0 +1,112 @@
+"""What goes into every run folder besides the metrics: resolved config, git revision, versions."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.utils.io import atomic_write_json, atomic_write_text
+
+SECRET_ENV_VARS = ("TINKER_API_KEY", "WANDB_API_KEY")
+_SECRET_KEY_HINTS = ("api_key", "apikey", "token", "secret", "password")
+
+
+def package_versions() -> dict[str, str]:
+    out = {}
+    for name in ("pairedrl", "tinker", "tinker-cookbook", "torch", "transformers", "peft", "hydra-core"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "not installed"
+    out["python"] = platform.python_version()
+    return out
+
+
+def git_revision(repo: Path | None = None) -> dict[str, Any]:
+    repo = repo or Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
+    except (OSError, subprocess.SubprocessError):
+        return {"rev": None, "dirty": None}
+    return {"rev": rev or None, "dirty": dirty if rev else None}
+
+
+def redact(obj: Any, secrets: list[str]) -> Any:
+    """Drop secret values wherever they appear (keys that look secret, or the values themselves)."""
+    if isinstance(obj, dict):
+        return {k: ("<redacted>" if any(h in str(k).lower() for h in _SECRET_KEY_HINTS)
+                    and k != "api_key_env" else redact(v, secrets)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact(v, secrets) for v in obj]
+    if isinstance(obj, str):
+        for s in secrets:
+            if s and s in obj:
+                obj = obj.replace(s, "<redacted>")
+    return obj
+
+
+def current_secrets() -> list[str]:
+    import os
+
+    return [v for k in SECRET_ENV_VARS if (v := os.environ.get(k)) and len(v) >= 4]
+
+
+def resolved_config_dict(cfg: DictConfig) -> dict:
+    d = OmegaConf.to_container(cfg, resolve=True)
+    d.pop("hydra", None)
+    return redact(d, current_secrets())
+
+
+def write_run_files(run_dir: Path, cfg: DictConfig, extra: dict[str, Any]) -> dict[str, Any]:
+    cfg_d = resolved_config_dict(cfg)
+    atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg_d)))
+    info = {
+        "git": git_revision(),
+        "versions": package_versions(),
+        "arm": cfg_d.get("run_name"),
+        "loss": cfg_d["loss"]["name"],
+        "seed": cfg_d["seed"],
+        "experiment": cfg_d.get("experiment"),
+        **extra,
+    }
+    atomic_write_json(run_dir / "run_info.json", redact(info, current_secrets()))
+    return info
+
+
+def batch_arithmetic(cfg: DictConfig) -> dict[str, int]:
+    s = cfg.schedule
+    rollouts = s.groups_per_batch * s.group_size
+    return {
+        "prompts_per_step": s.groups_per_batch,
+        "samples_per_prompt": s.group_size,
+        "rollouts_per_step": rollouts,
+        "minibatches_per_step": s.updates_per_batch,
+        "rollouts_per_minibatch": rollouts // s.updates_per_batch,
+        "optim_steps_per_rollout_batch": s.updates_per_batch,
+        "rollout_steps": s.num_steps,
+        "total_optim_steps": s.num_steps * s.updates_per_batch,
+    }
+
+
+def format_batch_arithmetic(b: dict[str, int]) -> str:
+    rem = b["rollouts_per_step"] % b["minibatches_per_step"]
+    mb = f"{b['rollouts_per_minibatch']}" + (f" (+1 for {rem} of them)" if rem else "")
+    return "\n".join([
+        "==== batch arithmetic ====",
+        f"  prompts per step           {b['prompts_per_step']}",
+        f"  samples per prompt         {b['samples_per_prompt']}",
+        f"  rollouts per step          {b['rollouts_per_step']}",
+        f"  minibatches per step       {b['minibatches_per_step']}  ({mb} rollouts each)",
+        f"  optim steps per batch      {b['optim_steps_per_rollout_batch']}",
+        f"  rollout steps              {b['rollout_steps']}",
+        f"  total optimizer steps      {b['total_optim_steps']}",
+        "==========================",
+    ])
