@@ -21,6 +21,7 @@ import tinker
 from omegaconf import DictConfig
 
 from trainer.advantages import compute_advantages
+from trainer.config.schema import arm_name
 from trainer.checkpoint import (CheckpointInfo, config_hash, load_checkpoint, rng_state, save_checkpoint,
                                 truncate_log)
 from trainer.datums import Rollout, rollout_to_datum, split_minibatches
@@ -125,13 +126,13 @@ class RLLoop:
     def run(self) -> dict[str, Any]:
         s = self.cfg.schedule
         state = self._start()
-        sink = MetricsSink(self.run_dir, self.cfg.logger, self.cfg.run_name, self.config_dict, self.sweep_dir,
+        sink = MetricsSink(self.run_dir, self.cfg.logger, arm_name(self.cfg), self.config_dict, self.sweep_dir,
                            resume=state.step > 0)
         bar = None
         if self.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=s.num_steps, initial=state.step, desc=self.cfg.run_name, unit="step",
+            bar = tqdm(total=s.num_steps, initial=state.step, desc=arm_name(self.cfg), unit="step",
                        dynamic_ncols=True)
         last_reward = None
         try:

@@ -71,7 +71,7 @@ def write_run_files(run_dir: Path, cfg: DictConfig, extra: dict[str, Any]) -> di
     info = {
         "git": git_revision(),
         "versions": package_versions(),
-        "arm": cfg_d.get("run_name"),
+        "arm": cfg_d.get("run_name") or f"{cfg_d['loss']['name']}_seed{cfg_d['seed']}",
         "loss": cfg_d["loss"]["name"],
         "seed": cfg_d["seed"],
         "experiment": cfg_d.get("experiment"),

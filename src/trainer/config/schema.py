@@ -402,6 +402,11 @@ class PreflightConfig:
     budget_minutes: float = 120.0
 
 
+def arm_name(cfg: Any) -> str:
+    """The arm label: one loss x one seed, unless run_name overrides it."""
+    return cfg.run_name or f"{cfg.loss.name}_seed{cfg.seed}"
+
+
 GROUPS = ("model", "loss", "optimizer", "schedule", "env", "eval", "backend", "logger")
 
 
@@ -418,8 +423,8 @@ class Config:
     logger: Any = MISSING
     # experiment name (recorded in run_info.json; compare refuses runs of different experiments)
     experiment: str = "default"
-    # arm name shown in logs and wandb
-    run_name: str = "${loss.name}_seed${seed}"
+    # arm name shown in logs and wandb (null = <loss>_seed<seed>)
+    run_name: Optional[str] = None
     # seed of LoRA init, data order and sampling
     seed: int = 0
     # advantage estimator: group_mean (cookbook) | group_zscore | none
