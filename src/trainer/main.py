@@ -157,6 +157,8 @@ def run_training(cfg: DictConfig) -> float | None:
     loss, custom = make_loss(cfg, service_client)
     loop = RLLoop(cfg, run_dir, service_client, task, loss, custom, config_dict, sweep_dir,
                   progress=sys.stderr.isatty() or bool(os.environ.get("PAIREDRL_PROGRESS")))
+    if etask is not None and cfg.eval.every:
+        loop.on_step_end = lambda step: periodic_eval(cfg, loop, etask, run_dir, step)
     setup_s = time.time() - t_setup
     t_train = time.time()
     result = loop.run()
@@ -174,6 +176,20 @@ def run_training(cfg: DictConfig) -> float | None:
     if final_acc is not None:
         print(f"  eval:     {run_dir / 'eval' / (cfg.eval.name + '.jsonl')}  accuracy={final_acc:.4f}")
     return final_acc
+
+
+def periodic_eval(cfg: DictConfig, loop: Any, etask: Any, run_dir: Path, step: int) -> None:
+    """Greedy eval every `eval.every` rollout steps (not at the end: the final eval covers that)."""
+    from eval.greedy import run_greedy_eval
+
+    if step % cfg.eval.every or step >= cfg.schedule.num_steps:
+        return
+    summary = run_greedy_eval(
+        etask, etask.test_problems(cfg.eval.n_examples), loop.sampling_client(), max_tokens=cfg.eval.max_tokens,
+        max_seq_len=cfg.model.max_seq_len, concurrency=cfg.eval.concurrency, retry=loop.retry,
+        out_path=run_dir / "eval" / f"{cfg.eval.name}_step{step}.jsonl",
+        extra={"name": cfg.eval.name, "step": step}, check_determinism=False)
+    log.info("eval %s at step %d: accuracy %.4f", cfg.eval.name, step, summary["accuracy"])
 
 
 def run_final_eval(cfg: DictConfig, loop: Any, etask: Any, run_dir: Path, result: dict) -> float:

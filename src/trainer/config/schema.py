@@ -400,6 +400,17 @@ class PreflightConfig:
     dir: Optional[str] = None
     # wall-clock budget of the full plan (minutes), checked by the feasibility gate
     budget_minutes: float = 120.0
+    # model names the service may serve for this plan (null = model.base_model)
+    planned_models: Optional[list[str]] = None
+    # rollout steps of the activation/feasibility pilot
+    pilot_steps: int = 5
+    # eval items timed by the pilot
+    pilot_eval_items: int = 8
+
+    def __post_init__(self) -> None:
+        _require(self.budget_minutes > 0, "budget_minutes", "must be > 0", self.budget_minutes)
+        _positive_int("pilot_steps", self.pilot_steps)
+        _positive_int("pilot_eval_items", self.pilot_eval_items)
 
 
 def arm_name(cfg: Any) -> str:

@@ -1,0 +1,80 @@
+"""Standalone greedy eval of a saved checkpoint: `python -m eval.run checkpoint=<path> eval=gsm8k_test`.
+
+`checkpoint` is a run folder (its checkpoint.json and config.yaml are used, so the model and env
+match the run) or a backend state path (tinker://...). Results go to <run>/eval/ for a run folder,
+else to the Hydra output folder."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config.compose import CONF_DIR
+from trainer.config.schema import register_configs
+
+register_configs()
+log = logging.getLogger("pairedrl.eval")
+
+
+def _resolve_checkpoint(cfg: DictConfig) -> tuple[str, Path | None, DictConfig]:
+    from trainer.checkpoint import load_checkpoint
+
+    ck = cfg.checkpoint
+    if not ck:
+        raise SystemExit("error: checkpoint=<run folder or tinker:// path> is required")
+    p = Path(str(ck))
+    if p.is_dir():
+        info = load_checkpoint(p)
+        if info is None:
+            raise SystemExit(f"error: {p} has no checkpoint.json (not a run folder with a saved checkpoint)")
+        run_cfg = OmegaConf.load(p / "config.yaml")
+        # the run's model/env/backend, the command line's eval settings
+        merged = OmegaConf.merge(cfg, {k: run_cfg[k] for k in ("model", "env", "backend", "seed") if k in run_cfg})
+        return info.tinker_path, p, merged
+    if not str(ck).startswith("tinker://"):
+        raise SystemExit(f"error: checkpoint={ck!r} is neither a run folder nor a tinker:// path")
+    return str(ck), None, cfg
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> float:
+    from hydra.core.hydra_config import HydraConfig
+
+    from eval.greedy import run_greedy_eval
+    from trainer.backends import build_service_client
+    from trainer.config.schema import validate
+    from trainer.main import build_components, eval_task, fail
+    from trainer.retry import RetryPolicy
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+    path, run_dir, cfg = _resolve_checkpoint(cfg)
+    validate(cfg)
+    if cfg.eval.name == "none":
+        fail("eval=none: choose an eval (eval=gsm8k_test or eval=arithmetic)")
+    out_root = run_dir or Path(HydraConfig.get().runtime.output_dir)
+    sc = build_service_client(cfg, out_root)
+    _, renderer, task = build_components(cfg)
+    etask = eval_task(cfg, renderer, task)
+    retry = RetryPolicy(cfg.retry.max_attempts, cfg.retry.backoff_s, cfg.retry.max_backoff_s)
+    tc = retry.call("load_state", lambda: sc.create_training_client_from_state(path).result())
+    sampler = retry.call("sampling_client", lambda: tc.save_weights_and_get_sampling_client().result())
+    out_path = out_root / "eval" / f"{cfg.eval.name}.jsonl"
+    if out_path.exists():  # never overwrite the run's own eval: write beside it
+        out_path = out_path.with_name(f"{cfg.eval.name}_standalone_{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    summary = run_greedy_eval(etask, etask.test_problems(cfg.eval.n_examples), sampler,
+                              max_tokens=cfg.eval.max_tokens, max_seq_len=cfg.model.max_seq_len,
+                              concurrency=cfg.eval.concurrency, retry=retry,
+                              out_path=out_path,
+                              extra={"name": cfg.eval.name, "checkpoint": path})
+    print(f"{cfg.eval.name}: accuracy {summary['accuracy']:.4f} "
+          f"[{summary['wilson_low']:.4f}, {summary['wilson_high']:.4f}] n={summary['n']} -> {out_path}")
+    return float(summary["accuracy"])
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)

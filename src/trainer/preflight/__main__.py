@@ -1,0 +1,58 @@
+"""`python -m trainer.preflight <gate|all> [+experiment=dppo_vs_grpo] [overrides]`.
+
+Gates: correctness, restoration, activation, feasibility. Each prints a table and writes
+`<preflight.dir>/preflight/<gate>.json`; the exit code is non-zero when a gate fails. `all` runs
+them in order and stops at the first failure."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+USAGE = "usage: python -m trainer.preflight {correctness|restoration|activation|feasibility|all} [overrides]"
+
+
+def main(argv: list[str]) -> int:
+    from trainer.config.compose import compose_config
+    from trainer.config.schema import ConfigError, validate
+    from trainer.preflight import correctness
+    from trainer.preflight.gates import GATES, activation, feasibility, preflight_dir, restoration, run_pilot
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+    if not argv or argv[0] not in GATES + ("all",):
+        print(USAGE, file=sys.stderr)
+        return 2
+    gate, overrides = argv[0], argv[1:]
+    try:
+        cfg = compose_config(overrides)
+        validate(cfg)
+    except ConfigError as e:
+        print(f"error: config: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - Hydra composition errors name the key
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = preflight_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    todo = list(GATES) if gate == "all" else [gate]
+    pilot = None
+    for g in todo:
+        if g == "correctness":
+            report = correctness.run(None)
+        elif g == "restoration":
+            report = restoration(cfg, out)
+        else:
+            if pilot is None:
+                pilot = run_pilot(cfg, out)
+            report = (activation if g == "activation" else feasibility)(cfg, out, pilot)
+        report.write(out)
+        report.print_table()
+        print(f"-> {Path(out) / 'preflight' / (g + '.json')}: {'PASSED' if report.passed else 'FAILED'}")
+        if not report.passed:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,295 @@
+"""The experiment's gates: restoration, activation, feasibility (correctness lives in correctness.py).
+
+Each gate returns a GateReport (measured value, bound, pass/fail per check) that is written to
+`<preflight dir>/preflight/<gate>.json`. A sweep with `preflight.skip=false` refuses to start unless
+every gate's json says passed for this experiment's config (`require_passed`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tinker
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.preflight.common import Check, GateReport
+
+GATES = ("correctness", "restoration", "activation", "feasibility")
+# Keys that do not change what the gates measured (the loss is the swept switch).
+_PLAN_IGNORED = ("loss", "preflight", "logger", "retry", "resume", "checkpoint", "run_name")
+
+
+def preflight_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.preflight.dir or f"preflight_runs/{cfg.experiment}")
+
+
+def plan_hash(cfg: DictConfig) -> str:
+    import hashlib
+
+    d = OmegaConf.to_container(cfg, resolve=True)
+    d.pop("hydra", None)
+    for k in _PLAN_IGNORED:
+        d.pop(k, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def planned_models(cfg: DictConfig) -> list[str]:
+    pm = cfg.preflight.get("planned_models")
+    return list(pm) if pm else [cfg.model.base_model]
+
+
+def _status(ok: bool) -> str:
+    return "pass" if ok else "fail"
+
+
+def _arm_cfg(cfg: DictConfig, loss: str) -> DictConfig:
+    """This config with the loss group switched to `loss` (kept as is when it already is that loss)."""
+    from trainer.config.compose import compose_config
+
+    arm = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    if cfg.loss.name != loss:
+        arm.loss = compose_config([f"loss={loss}"]).loss
+    return arm
+
+
+# ----------------------------------------------------------------------------- restoration
+def _fixed_batch(cfg: DictConfig, task: Any, n: int = 4) -> list[tinker.Datum]:
+    """Prompt + gold answer of the first n train problems, tokenized with the run's renderer."""
+    import asyncio
+
+    data = []
+    for p in task.train_problems()[:n]:
+        env = task.make_env(p)
+        prompt, _ = asyncio.run(env.initial_observation())
+        ans = task.tokenizer_encode(f"The answer is \\boxed{{{p.answer}}}.") if hasattr(
+            task, "tokenizer_encode") else env.renderer.tokenizer.encode(f"The answer is \\boxed{{{p.answer}}}.",
+                                                                         add_special_tokens=False)
+        toks = prompt.to_ints() + list(ans)
+        toks = toks[: cfg.model.max_seq_len]
+        T = len(toks) - 1
+        data.append(tinker.Datum(model_input=tinker.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={
+            "target_tokens": tinker.TensorData.from_numpy(np.asarray(toks[1:], dtype=np.int64)),
+            "weights": tinker.TensorData.from_numpy(np.ones(T, dtype=np.float32))}))
+    return data
+
+
+def _logprobs(tc: Any, data: list[tinker.Datum]) -> np.ndarray:
+    out = tc.forward(data, "cross_entropy").result()
+    return np.concatenate([np.asarray(o["logprobs"].to_numpy(), dtype=np.float64).ravel()
+                           for o in out.loss_fn_outputs])
+
+
+def _new_client(sc: Any, cfg: DictConfig, seed: int) -> Any:
+    m = cfg.model
+    return sc.create_lora_training_client(base_model=m.base_model, rank=m.lora_rank, seed=seed,
+                                          train_mlp=m.train_mlp, train_attn=m.train_attn,
+                                          train_unembed=m.train_unembed).result()
+
+
+def restoration(cfg: DictConfig, out_dir: Path) -> GateReport:
+    """Both arms' fresh clients start identical; each reports the planned model and optimizer."""
+    from trainer.backends import build_service_client
+    from trainer.main import build_components
+
+    report = GateReport("restoration")
+    sc = build_service_client(cfg, out_dir / "engine")
+    _, _, task = build_components(cfg)
+    data = _fixed_batch(cfg, task)
+    arms = {name: _arm_cfg(cfg, name) for name in ("grpo", "dppo")}
+    diff_keys = sorted(k for k in arms["grpo"] if arms["grpo"][k] != arms["dppo"][k])
+    report.checks.append(Check("arm configs differ only in loss", diff_keys, ["loss"],
+                               _status(diff_keys == ["loss"])))
+    clients = {name: _new_client(sc, a, a.seed) for name, a in arms.items()}
+    lp = {name: _logprobs(tc, data) for name, tc in clients.items()}
+    d0 = float(np.max(np.abs(lp["grpo"] - lp["dppo"])))
+    report.checks.append(Check("fresh-client logprobs max |diff|", d0, "<= 1e-6", _status(d0 <= 1e-6),
+                               f"{lp['grpo'].size} tokens of {len(data)} GSM8K-style sequences"))
+    # one identical SFT step on both: exposes different LoRA initialisations (B=0 hides them at step 0)
+    o = cfg.optimizer
+    adam = tinker.AdamParams(learning_rate=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
+                             weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm)
+    for tc in clients.values():
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(adam).result()
+    lp1 = {name: _logprobs(tc, data) for name, tc in clients.items()}
+    d1 = float(np.max(np.abs(lp1["grpo"] - lp1["dppo"])))
+    moved = float(np.max(np.abs(lp1["grpo"] - lp["grpo"])))
+    report.checks.append(Check("logprobs after one identical step max |diff|", d1, "<= 1e-6",
+                               _status(d1 <= 1e-6), f"the step moved logprobs by up to {moved:.2e}"))
+    # save -> restore with optimizer -> identical logprobs
+    path = clients["grpo"].save_state("preflight_restoration").result().path
+    restored = sc.create_training_client_from_state_with_optimizer(path).result()
+    d2 = float(np.max(np.abs(_logprobs(restored, data) - lp1["grpo"])))
+    report.checks.append(Check("save_state -> restore logprobs max |diff|", d2, "<= 1e-6", _status(d2 <= 1e-6)))
+    for name, tc in clients.items():
+        info = tc.get_info()
+        served = getattr(info, "model_name", None) or getattr(getattr(info, "model_data", None), "model_name", None)
+        report.checks.append(Check(f"{name}: served model", served, planned_models(cfg),
+                                   _status(served in planned_models(cfg))))
+        rank = getattr(info, "lora_rank", None)
+        report.checks.append(Check(f"{name}: LoRA rank", rank, cfg.model.lora_rank,
+                                   _status(rank == cfg.model.lora_rank) if rank is not None else "unverified"))
+        opt = getattr(info, "optimizer_config", None)
+        opt_type = getattr(opt, "type", None) if opt is not None else None
+        report.checks.append(Check(f"{name}: optimizer family", opt_type, "adamw",
+                                   _status(opt_type == "adamw") if opt_type else "unverified",
+                                   "" if opt_type else "the client does not report its optimizer"))
+        # Adam hyper-parameters travel with every optim_step request; the server does not echo them back
+        report.checks.append(Check(f"{name}: Adam lr/betas/eps on the server",
+                                   None, {"lr": o.lr, "beta1": o.beta1, "beta2": o.beta2, "eps": o.eps},
+                                   "unverified", "not introspectable through the client API; sent per step"))
+    report.meta = {"plan_hash": plan_hash(cfg), "tokens": int(lp["grpo"].size)}
+    return report
+
+
+# ----------------------------------------------------------------------------- pilot (activation, feasibility)
+def run_pilot(cfg: DictConfig, out_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """A short run of the treatment arm (dppo) with the experiment's batch shape; returns its folder."""
+    from trainer.backends import build_service_client
+    from trainer.loop import RLLoop
+    from trainer.main import build_components, make_loss
+    from trainer.run_info import resolved_config_dict
+
+    pilot = _arm_cfg(cfg, "dppo")
+    pilot.schedule.num_steps = int(cfg.preflight.get("pilot_steps", 5))
+    pilot.schedule.save_every = 0
+    run_dir = out_dir / f"pilot_{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    sc = build_service_client(pilot, run_dir)
+    _, renderer, task = build_components(pilot)
+    loss, custom = make_loss(pilot, sc)
+    loop = RLLoop(pilot, run_dir, sc, task, loss, custom, resolved_config_dict(pilot), progress=False)
+    setup_s = time.time() - t0
+    t1 = time.time()
+    result = loop.run()
+    result["time/setup"] = setup_s
+    result["time/pilot"] = time.time() - t1
+    result["served_model"] = loop.info.get("served_model")
+    # eval timing on a few items (per item, projected to the full eval)
+    from eval.greedy import run_greedy_eval
+    from trainer.main import eval_task
+
+    etask = eval_task(pilot, renderer, task)
+    if etask is not None:
+        n = int(cfg.preflight.get("pilot_eval_items", 8))
+        t2 = time.time()
+        summ = run_greedy_eval(etask, etask.test_problems(n), loop.sampling_client(),
+                               max_tokens=pilot.eval.max_tokens, max_seq_len=pilot.model.max_seq_len,
+                               concurrency=pilot.eval.concurrency, retry=loop.retry, check_determinism=False)
+        result["time/eval_per_item"] = (time.time() - t2) / max(1, summ["n"])
+    from trainer.utils.io import atomic_write_json
+
+    atomic_write_json(run_dir / "result.json", result)
+    return run_dir, result
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def activation(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None = None) -> GateReport:
+    """Does the DPPO mask actually fire at the second update of a batch?"""
+    run_dir, result = pilot or run_pilot(cfg, out_dir)
+    rows = _metrics(run_dir)
+    report = GateReport("activation")
+    second = [r for r in rows if r["update"] == 1]
+    steps = sorted({r["step"] for r in rows})
+    per_step = [sum(1 for r in rows if r["step"] == s) for s in steps]
+
+    def mean_key(key: str) -> float | None:
+        vals = [r[key] for r in second if key in r]
+        return float(np.mean(vals)) if vals else None
+
+    masked = mean_key("loss/dppo_masked_frac")
+    q90 = mean_key("drift/abs_p_q90")
+    clip = mean_key("loss/grpo_clip_frac")
+    report.checks += [
+        Check("masked-token fraction at update 2 (mean over steps)", masked, "[0.001, 0.3]",
+              _status(masked is not None and 0.001 <= masked <= 0.3),
+              "" if second else "no second update: updates_per_batch < 2"),
+        Check("drift |p - p_sampler| q90 at update 2", q90, ">= 0.005", _status(q90 is not None and q90 >= 0.005)),
+        Check("counterfactual GRPO clip fraction at update 2", clip, ">= 0.0005",
+              _status(clip is not None and clip >= 0.0005)),
+        Check("executed optim steps per batch", per_step, "== 2 for every step",
+              _status(bool(per_step) and all(n == 2 for n in per_step))),
+        Check("served model", result.get("served_model"), planned_models(cfg),
+              _status(result.get("served_model") in planned_models(cfg))),
+    ]
+    report.meta = {"plan_hash": plan_hash(cfg), "pilot_dir": str(run_dir), "steps": len(steps)}
+    return report
+
+
+def feasibility(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None = None) -> GateReport:
+    """Project the full plan's wall time and tokens from the pilot's per-unit timings."""
+    run_dir, result = pilot or run_pilot(cfg, out_dir)
+    rows = _metrics(run_dir)
+    step_rows = {}
+    for r in rows:
+        step_rows.setdefault(r["step"], r)  # step-level metrics repeat on every update row
+    st = list(step_rows.values())
+    sampled = sum(r["tokens/sampled"] for r in st)
+    trained = sum(r["tokens/trained"] for r in st)
+    t_sample = sum(r["time/sample"] for r in st)
+    t_train = sum(r["time/train"] for r in st)
+    s = cfg.schedule
+    rollouts_full = s.groups_per_batch * s.group_size
+    rollouts_pilot = max(1, len(st) * rollouts_full)  # the pilot keeps the plan's batch shape
+    per_rollout_sampled = sampled / rollouts_pilot
+    per_rollout_trained = trained / rollouts_pilot
+    sample_s_per_tok = t_sample / max(1, sampled)
+    train_s_per_tok = t_train / max(1, trained)
+    full_sampled = s.num_steps * rollouts_full * per_rollout_sampled
+    full_trained = s.num_steps * rollouts_full * per_rollout_trained
+    n_eval = cfg.eval.n_examples or _n_test(cfg)
+    eval_s = result.get("time/eval_per_item", 0.0) * n_eval * 2  # two arms
+    per_arm = result["time/setup"] + full_sampled * sample_s_per_tok + full_trained * train_s_per_tok
+    # the arms run one after the other unless a parallel launcher is used; project the serial case
+    total_min = (2 * per_arm + eval_s) / 60
+    budget = float(cfg.preflight.budget_minutes)
+    report = GateReport("feasibility")
+    report.checks += [
+        Check("setup time (s)", round(result["time/setup"], 2), "measured", "pass"),
+        Check("sampling time per sampled token (ms)", round(1e3 * sample_s_per_tok, 4), "measured", "pass"),
+        Check("training time per trained token (ms)", round(1e3 * train_s_per_tok, 4), "measured", "pass"),
+        Check("eval time per item (s)", round(result.get("time/eval_per_item", 0.0), 3), "measured", "pass"),
+        Check("projected sampled tokens (both arms)", int(2 * full_sampled), "info", "pass"),
+        Check("projected trained tokens (both arms)", int(2 * full_trained), "info", "pass"),
+        Check("projected wall time, both arms serial + eval (min)", round(total_min, 1), f"<= {budget}",
+              _status(total_min <= budget)),
+    ]
+    report.meta = {"plan_hash": plan_hash(cfg), "pilot_dir": str(run_dir), "pilot_steps": len(st),
+                   "mean_completion_tokens": per_rollout_sampled}
+    return report
+
+
+def _n_test(cfg: DictConfig) -> int:
+    if cfg.eval.task == "gsm8k":
+        return 1319
+    return int(cfg.env.get("n_test", 200))
+
+
+def require_passed(cfg: DictConfig) -> None:
+    """Raise unless every gate's json in the preflight folder passed for this plan."""
+    d = preflight_dir(cfg) / "preflight"
+    h = plan_hash(cfg)
+    problems = []
+    for gate in GATES:
+        p = d / f"{gate}.json"
+        if not p.exists():
+            problems.append(f"{gate}: not run ({p} missing)")
+            continue
+        rep = json.loads(p.read_text())
+        if not rep.get("passed"):
+            problems.append(f"{gate}: FAILED")
+        elif gate != "correctness" and rep.get("meta", {}).get("plan_hash") != h:
+            problems.append(f"{gate}: passed for a different config (plan hash {rep.get('meta', {}).get('plan_hash')}"
+                            f" != {h}); rerun it")
+    if problems:
+        raise RuntimeError("preflight gates have not all passed for this config:\n  " + "\n  ".join(problems)
+                           + f"\nRun: python -m trainer.preflight all +experiment={cfg.experiment} ..."
+                           " (or set preflight.skip=true)")

@@ -1,0 +1,412 @@
+"""Loss plugins: registry, constructor checks, hand-computed branches, aggregation,
+bad input, diagnostics, the forward_backward_custom adapter and the one-pass per-datum form."""
+
+from __future__ import annotations
+
+import math
+
+import hydra.utils
+import pytest
+import torch
+from tinker import types
+from tinker.lib.public_interfaces.custom_loss import check_loss_inputs, encode_graph, run_loss_handle, trace_loss
+from tinker.lib.public_interfaces.training_client import TrainingClient
+
+from trainer.losses import LOSSES, DPPOLoss, GRPOLoss, aggregate, get_loss_class, register_loss
+from trainer.losses.adapter import make_custom_loss_fn
+from trainer.losses.diagnostics import DIAGNOSTIC_KEYS
+from trainer.losses.per_datum import finalize_per_datum_metrics, make_per_datum_fn, with_per_datum_inputs
+
+F64 = torch.float64
+INF = float("inf")
+
+
+def tokens(p_sampler: list[float], p: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp leaf requiring grad, sampler_logp) from probabilities."""
+    logp = torch.log(torch.tensor(p, dtype=F64)).requires_grad_(True)
+    return logp, torch.log(torch.tensor(p_sampler, dtype=F64))
+
+
+def random_batch(seed: int = 0, B: int = 4, T: int = 12, drift: float = 0.4):
+    g = torch.Generator().manual_seed(seed)
+    sampler = torch.log(0.02 + 0.97 * torch.rand(B, T, generator=g, dtype=F64))
+    logp = torch.clamp(sampler + drift * torch.randn(B, T, generator=g, dtype=F64), max=-1e-6)
+    adv = torch.randn(B, 1, generator=g, dtype=F64).expand(B, T).clone()
+    lengths = torch.randint(3, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(F64)
+    return logp, sampler, adv, mask
+
+
+# ----------------------------------------------------------------------------- registry / config
+def test_registry_maps_names_to_classes_and_rejects_unknown_or_duplicate():
+    assert get_loss_class("grpo") is GRPOLoss
+    assert get_loss_class("dppo") is DPPOLoss
+    assert set(LOSSES) >= {"grpo", "dppo"}
+    with pytest.raises(ValueError, match="unknown loss 'ppo2'.*dppo.*grpo"):
+        get_loss_class("ppo2")
+    with pytest.raises(ValueError, match="already registered"):
+        register_loss("grpo")(type("Other", (), {}))
+
+
+def test_hydra_instantiate_returns_configured_callable():
+    loss = hydra.utils.instantiate(
+        {"_target_": "trainer.losses.dppo.DPPOLoss", "mode": "binary_kl", "delta_high": 0.1, "aggregation": "token_mean"}
+    )
+    assert isinstance(loss, DPPOLoss)
+    assert (loss.mode, loss.delta_low, loss.delta_high, loss.aggregation) == ("binary_kl", 0.05, 0.1, "token_mean")
+    grpo = hydra.utils.instantiate({"_target_": "trainer.losses.grpo.GRPOLoss", "clip_eps_high": 0.28})
+    assert (grpo.eps_low, grpo.eps_high, grpo.is_cap) == (0.2, 0.28, 1e4)
+    assert DPPOLoss().delta == 0.15 and DPPOLoss(mode="binary_kl").delta == 0.05
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, arg",
+    [
+        (GRPOLoss, {"clip_eps": 0.0}, "clip_eps"),
+        (GRPOLoss, {"clip_eps": -0.1}, "clip_eps"),
+        (GRPOLoss, {"clip_eps": float("nan")}, "clip_eps"),
+        (GRPOLoss, {"clip_eps_low": 0.0}, "clip_eps_low"),
+        (GRPOLoss, {"clip_eps_high": -1.0}, "clip_eps_high"),
+        (GRPOLoss, {"aggregation": "mean"}, "aggregation"),
+        (GRPOLoss, {"cf_dppo_delta": 1.5}, "cf_dppo_delta"),
+        (GRPOLoss, {"name": ""}, "name"),
+        (DPPOLoss, {"mode": "topk_tv"}, "mode"),
+        (DPPOLoss, {"delta": 0.0}, "delta"),
+        (DPPOLoss, {"delta": 1.5}, "delta"),
+        (DPPOLoss, {"delta_low": -0.1}, "delta_low"),
+        (DPPOLoss, {"delta_high": 2.0}, "delta_high"),
+        (DPPOLoss, {"mode": "binary_kl", "delta": -1.0}, "delta"),
+        (DPPOLoss, {"is_cap": 0.5}, "is_cap"),
+        (DPPOLoss, {"is_cap": "big"}, "is_cap"),
+        (DPPOLoss, {"aggregation": "token-mean"}, "aggregation"),
+        (DPPOLoss, {"cf_grpo_eps": 0.0}, "cf_grpo_eps"),
+    ],
+)
+def test_constructor_rejects_out_of_range_kwargs_naming_the_argument(cls, kwargs, arg):
+    with pytest.raises(ValueError, match=rf"\b{arg}\b"):
+        cls(**kwargs)
+
+
+def test_constructor_accepts_inf_and_mode_specific_ranges():
+    assert GRPOLoss(clip_eps=INF).eps_low == INF
+    assert DPPOLoss(delta=INF, is_cap=INF).delta_high == INF
+    assert DPPOLoss(mode="binary_kl", delta=1.5).delta == 1.5  # KL has no upper bound
+    assert DPPOLoss(delta=1.0).delta == 1.0  # (0, 1] includes 1 for TV
+
+
+# ----------------------------------------------------------------------------- hand-computed branches
+def test_grpo_hand_computed_branches_value_and_gradient():
+    # p_sampler 0.5 everywhere except the spike (1e-6); r = p / p_sampler.
+    p_s = [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 1e-6, 0.5]
+    p = [0.55, 0.75, 0.25, 0.25, 0.75, 0.45, 0.75, 0.02, 0.9]
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0, 0.0, -1.0, 5.0], dtype=F64)
+    mask = torch.tensor([1, 1, 1, 1, 1, 1, 1, 1, 0], dtype=F64)  # last = padding
+    logp, slp = tokens(p_s, p)
+    # r:        1.1,  1.5,  0.5,  0.5,  1.5,  0.9,  1.5,  2e4
+    # A>0 in:   -1.1 (grad -1.1)
+    # A>0 r>1.2 clipped: -1.2 (grad 0)
+    # A>0 r<0.8 unclipped: -0.5 (grad -0.5)
+    # A<0 r<0.8 clipped: -min(-0.5, -0.8) = 0.8 (grad 0)
+    # A<0 r>1.2 unclipped: -min(-1.5, -1.2) = 1.5 (grad +1.5)
+    # A<0 in: 0.9 (grad 0.9);  A=0: 0;  spike A<0, r=2e4 > c: 2e4 (grad 2e4, no truncation in GRPO)
+    expected_loss = -1.1 - 1.2 - 0.5 + 0.8 + 1.5 + 0.9 + 0.0 + 2e4
+    expected_grad = [-1.1, 0.0, -0.5, 0.0, 1.5, 0.9, 0.0, 2e4, 0.0]
+    value, metrics = GRPOLoss()(logp, slp, adv, mask)
+    value.backward()
+    assert value.item() == pytest.approx(expected_loss, rel=1e-12)
+    torch.testing.assert_close(logp.grad, torch.tensor(expected_grad, dtype=F64), rtol=1e-10, atol=1e-12)
+    assert metrics["loss/grpo_clip_frac"] == pytest.approx(2 / 8)
+    assert metrics["ratio/cap_hits"] == 1.0 and metrics["loss/n_tokens"] == 8.0
+    assert metrics["ratio/max"] == pytest.approx(2e4)
+
+
+def test_dppo_binary_tv_hand_computed_branches():
+    p_s = [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 1e-6, 0.5]
+    p = [0.6, 0.7, 0.2, 0.3, 0.9, 0.3, 0.02, 0.99]
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 2.0, 1.0], dtype=F64)
+    mask = torch.tensor([1, 1, 1, 1, 1, 1, 1, 0], dtype=F64)
+    logp, slp = tokens(p_s, p)
+    # dp = p - p_s:  +0.1 keep (A>0, <= 0.15); +0.2 drop (A>0); -0.3 keep (A>0 only drops rises);
+    # -0.2 drop (A<0); +0.4 keep (A<0 only drops falls); A=0 dp -0.2: dropped by the A<=0 rule;
+    # spike: dp ~ +0.02 keep, r = 2e4 truncated to c = 1e4.
+    w = [1.2, 1.4, 0.4, 0.6, 1.8, 0.6, 1e4]
+    keep = [1, 0, 1, 0, 1, 0, 1]
+    a = [1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 2.0]
+    expected_grad = [-a[i] * w[i] * keep[i] for i in range(7)] + [0.0]
+    expected_loss = sum(-a[i] * w[i] * keep[i] * math.log(p[i]) for i in range(7))
+    value, metrics = DPPOLoss()(logp, slp, adv, mask)
+    value.backward()
+    assert value.item() == pytest.approx(expected_loss, rel=1e-12)
+    torch.testing.assert_close(logp.grad, torch.tensor(expected_grad, dtype=F64), rtol=1e-10, atol=1e-12)
+    assert metrics["loss/dppo_masked_frac"] == pytest.approx(3 / 7)
+    assert metrics["loss/dppo_masked_frac_nonzero_adv"] == pytest.approx(2 / 6)
+    assert metrics["ratio/cap_hits"] == 1.0
+
+
+def test_dppo_binary_kl_hand_computed_branches():
+    # KL_bin(0.5 || 0.6) = 0.5 ln(0.5/0.6) + 0.5 ln(0.5/0.4) = 0.0204 (< 0.05: keep)
+    # KL_bin(0.5 || 0.7) = KL_bin(0.5 || 0.3) = 0.5 ln(0.5/0.7) + 0.5 ln(0.5/0.3) = 0.0872 (> 0.05)
+    p_s = [0.5, 0.5, 0.5, 0.5, 0.5]
+    p = [0.6, 0.7, 0.3, 0.7, 0.3]
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0], dtype=F64)
+    logp, slp = tokens(p_s, p)
+    # A>0: 0.6 keep, 0.7 drop (KL > delta and p rose), 0.3 keep (p fell); A<0: 0.7 keep (p rose), 0.3 drop.
+    expected_grad = [-1.2, 0.0, -0.6, 1.4, 0.0]
+    value, metrics = DPPOLoss(mode="binary_kl")(logp, slp, adv, torch.ones(5, dtype=F64))
+    value.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor(expected_grad, dtype=F64), rtol=1e-10, atol=1e-12)
+    expected_loss = -1.2 * math.log(0.6) - 0.6 * math.log(0.3) + 1.4 * math.log(0.7)
+    assert value.item() == pytest.approx(expected_loss, rel=1e-12)
+    assert metrics["loss/dppo_masked_frac"] == pytest.approx(2 / 5)
+    # delta 0.1 keeps everything (0.0872 < 0.1)
+    logp2, _ = tokens(p_s, p)
+    DPPOLoss(mode="binary_kl", delta=0.1)(logp2, slp, adv, torch.ones(5, dtype=F64))[0].backward()
+    torch.testing.assert_close(logp2.grad, torch.tensor([-1.2, -1.4, -0.6, 1.4, 0.6], dtype=F64))
+
+
+def test_dppo_log_ratio_clamped_at_20_before_exp():
+    logp, slp = torch.tensor([-0.5], dtype=F64, requires_grad=True), torch.tensor([-30.0], dtype=F64)
+    # delta = inf: the TV rule would drop this token (dp = 0.61 > 0.15).
+    DPPOLoss(delta=INF, is_cap=INF)(logp, slp, torch.tensor([1.0], dtype=F64), torch.ones(1, dtype=F64))[0].backward()
+    assert logp.grad.item() == pytest.approx(-math.exp(20.0), rel=1e-12)
+
+
+def test_grpo_matches_tinker_builtin_ppo_definition():
+    logp, sampler, adv, mask = random_batch(seed=3, drift=0.5)
+    logp.requires_grad_(True)
+    value, _ = GRPOLoss()(logp, sampler, adv, mask)
+    value.backward()
+    # Tinker docs (/tinker/losses/ppo): loss = -sum(min(r*A, clip(r, 0.8, 1.2)*A)), token sum.
+    lp = logp.detach().clone().requires_grad_(True)
+    r = torch.exp(lp - sampler)
+    tinker_ppo = -(torch.minimum(r * adv, torch.clamp(r, 0.8, 1.2) * adv) * mask).sum()
+    tinker_ppo.backward()
+    torch.testing.assert_close(value, tinker_ppo)
+    torch.testing.assert_close(logp.grad, lp.grad)
+    assert (lp.grad[mask.bool()] == 0).any() and (lp.grad[mask.bool()] != 0).any()  # both branches hit
+
+
+# ----------------------------------------------------------------------------- aggregation
+def test_aggregate_modes_hand_computed():
+    loss_BT = torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0], [7.0, 7.0, 7.0]], dtype=F64)
+    mask_BT = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]], dtype=F64)  # empty row 3
+    assert aggregate(loss_BT, mask_BT, "sum").item() == 10.0
+    assert aggregate(loss_BT, mask_BT, "token_mean").item() == 2.5
+    assert aggregate(loss_BT, mask_BT, "seq_mean_token_sum").item() == 5.0  # (6 + 4) / 2 non-empty
+    assert aggregate(loss_BT, mask_BT, "seq_mean_token_mean").item() == 3.0  # (2 + 4) / 2
+    flat = torch.tensor([1.0, 2.0, 6.0], dtype=F64)
+    assert aggregate(flat, torch.tensor([1.0, 1.0, 0.0]), "seq_mean_token_mean").item() == 1.5
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        aggregate(flat, torch.ones(3), "mean")
+    with pytest.raises(ValueError, match="no loss tokens"):
+        aggregate(flat, torch.zeros(3), "sum")
+
+
+def test_aggregate_ignores_nonfinite_padding_values():
+    loss = torch.tensor([1.0, float("inf"), float("nan")], dtype=F64, requires_grad=True)
+    value = aggregate(loss, torch.tensor([1.0, 0.0, 0.0]), "token_mean")
+    value.backward()
+    assert value.item() == 1.0 and loss.grad.tolist() == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("cls", [GRPOLoss, DPPOLoss])
+def test_plugins_use_the_shared_aggregation(cls):
+    logp, sampler, adv, mask = random_batch(seed=5)
+    token_loss = cls().token_loss(logp, sampler, adv)
+    for mode in ("sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean"):
+        value, _ = cls(aggregation=mode)(logp, sampler, adv, mask)
+        torch.testing.assert_close(value, aggregate(token_loss, mask, mode))
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("loss", [GRPOLoss(), DPPOLoss(mode="binary_kl")])
+def test_bad_inputs_raise_value_error_naming_the_tensor(loss):
+    logp, sampler, adv, mask = random_batch()
+    with pytest.raises(ValueError, match="'advantages' has shape"):
+        loss(logp, sampler, adv[:, :-1], mask)
+    with pytest.raises(ValueError, match="'mask' has shape"):
+        loss(logp, sampler, adv, mask[0])
+    bad = logp.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"'logp' has 1 non-finite value.*\(1, 2\)"):
+        loss(bad, sampler, adv, mask)
+    bad = sampler.clone()
+    bad[0, -1] = -float("inf")  # padding position: still rejected
+    with pytest.raises(ValueError, match="'sampler_logp' has 1 non-finite"):
+        loss(logp, bad, adv, mask)
+    with pytest.raises(ValueError, match="'mask' is empty"):
+        loss(logp, sampler, adv, torch.zeros_like(mask))
+    with pytest.raises(ValueError, match="'mask' must contain only 0 and 1"):
+        loss(logp, sampler, adv, mask * 0.5)
+    with pytest.raises(ValueError, match=r"'logp' must be \[T\] or \[B, T\]"):
+        loss(logp[None], sampler[None], adv[None], mask[None])
+    with pytest.raises(TypeError, match="'advantages' must be a torch.Tensor"):
+        loss(logp, sampler, adv.tolist(), mask)
+
+
+# ----------------------------------------------------------------------------- diagnostics
+def test_diagnostics_identical_keys_and_counterfactuals_match_the_other_arm():
+    logp, sampler, adv, mask = random_batch(seed=7, drift=0.6)
+    grpo = GRPOLoss(clip_eps=0.2, cf_dppo_delta=0.15)
+    dppo = DPPOLoss(mode="binary_tv", delta=0.15, cf_grpo_eps=0.2)
+    _, m_grpo = grpo(logp, sampler, adv, mask)
+    _, m_dppo = dppo(logp, sampler, adv, mask)
+    assert list(m_grpo) == list(m_dppo) == list(DIAGNOSTIC_KEYS)
+    assert all(type(v) is float for v in m_grpo.values())
+    for key in DIAGNOSTIC_KEYS:  # same rules on both sides -> same numbers
+        assert m_grpo[key] == pytest.approx(m_dppo[key], rel=1e-12), key
+    assert 0 < m_grpo["loss/dppo_masked_frac"] < 1 and 0 < m_grpo["loss/grpo_clip_frac"] < 1
+    # the counterfactual follows its own parameter
+    _, m_wide = GRPOLoss(cf_dppo_delta=1.0)(logp, sampler, adv, mask)
+    assert m_wide["loss/dppo_masked_frac"] == 0.0
+
+
+def test_diagnostic_values_hand_computed():
+    p_s = [0.5, 0.5, 0.5, 0.5, 0.9]
+    p = [0.5, 0.6, 0.25, 0.9, 0.1]  # last one is padding
+    logp, slp = tokens(p_s, p)
+    adv = torch.tensor([1.0, 1.0, -1.0, 0.0, 1.0], dtype=F64)
+    mask = torch.tensor([1, 1, 1, 1, 0], dtype=F64)
+    _, m = GRPOLoss()(logp, slp, adv, mask)
+    abs_dp = [0.0, 0.1, 0.25, 0.4]  # sorted |p - p_s| over loss tokens
+    assert m["drift/abs_p_q50"] == pytest.approx(0.175)  # midway between 0.1 and 0.25
+    assert m["drift/abs_p_q90"] == pytest.approx(0.25 + 0.7 * 0.15)  # pos 2.7
+    assert m["drift/abs_p_max"] == pytest.approx(max(abs_dp))
+    ratios = [1.0, 1.2, 0.5, 1.8]
+    assert m["ratio/mean"] == pytest.approx(sum(ratios) / 4) and m["ratio/max"] == pytest.approx(1.8)
+    k3 = sum(r - 1 - math.log(r) for r in ratios) / 4
+    assert m["drift/kl_sampler_current"] == pytest.approx(k3)
+    assert m["loss/grpo_clip_frac"] == pytest.approx(1 / 4)  # A<0 with r=0.5
+    assert m["loss/dppo_masked_frac"] == pytest.approx(1 / 4)  # A<0, dp=-0.25 < -0.15
+    assert m["loss/dppo_masked_frac_nonzero_adv"] == pytest.approx(1 / 3)
+    assert m["loss/n_tokens"] == 4.0
+
+
+# ----------------------------------------------------------------------------- tinker adapters
+def make_datums(seed: int = 0, with_mask: bool = True):
+    """Cookbook-style datums: prompt tokens carry A = 0 and logprobs = 0."""
+    logp, sampler, adv, mask = random_batch(seed=seed, B=3, T=10)
+    prompt = [2, 1, 3]
+    data, current = [], []
+    for i in range(3):
+        n = int(mask[i].sum())
+        s = torch.cat([torch.zeros(prompt[i]), sampler[i, :n].float()])
+        a = torch.cat([torch.zeros(prompt[i]), adv[i, :n].float()])
+        inputs = {"target_tokens": torch.arange(prompt[i] + n), "logprobs": s, "advantages": a}
+        if with_mask:
+            inputs["mask"] = torch.cat([torch.zeros(prompt[i]), torch.ones(n)])
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(list(range(prompt[i] + n))),
+                                loss_fn_inputs=inputs))
+        current.append(torch.cat([torch.full((prompt[i],), -3.0), logp[i, :n].float()]))
+    return data, current
+
+
+def padded(data, current):
+    T = max(len(c) for c in current)
+    out = [torch.zeros(len(data), T) for _ in range(4)]
+    for i, (d, c) in enumerate(zip(data, current)):
+        n = len(c)
+        out[0][i, :n] = c
+        out[1][i, :n] = d.loss_fn_inputs["logprobs"].to_torch()
+        out[2][i, :n] = d.loss_fn_inputs["advantages"].to_torch()
+        out[3][i, :n] = d.loss_fn_inputs["mask"].to_torch()
+    return out
+
+
+@pytest.mark.parametrize("loss", [GRPOLoss(aggregation="seq_mean_token_mean"), DPPOLoss(), DPPOLoss(mode="binary_kl")])
+def test_custom_loss_fn_pads_and_matches_the_batch_loss(loss):
+    data, current = make_datums()
+    leaves = [c.clone().requires_grad_(True) for c in current]
+    value, metrics = make_custom_loss_fn(loss)(data, leaves)
+    value.backward()
+    logp_BT, s_BT, a_BT, m_BT = padded(data, current)
+    logp_BT.requires_grad_(True)
+    ref_value, ref_metrics = loss(logp_BT, s_BT, a_BT, m_BT)
+    ref_value.backward()
+    torch.testing.assert_close(value, ref_value)
+    for i, leaf in enumerate(leaves):
+        torch.testing.assert_close(leaf.grad, logp_BT.grad[i, : len(leaf)])
+    assert metrics == ref_metrics and metrics["loss/n_tokens"] == float(m_BT.sum())
+
+
+def test_custom_loss_fn_without_mask_uses_nonzero_rule():
+    data, current = make_datums(with_mask=False)
+    with_mask, _ = make_datums(with_mask=True)
+    _, m_missing = make_custom_loss_fn(GRPOLoss())(data, [c.clone().requires_grad_(True) for c in current])
+    _, m_given = make_custom_loss_fn(GRPOLoss())(with_mask, [c.clone().requires_grad_(True) for c in current])
+    assert m_missing == m_given  # prompt tokens (A = 0, logprobs = 0) excluded by the rule
+
+
+def test_custom_loss_fn_errors_name_the_datum_and_key():
+    data, current = make_datums()
+    fn = make_custom_loss_fn(DPPOLoss())
+    with pytest.raises(ValueError, match=r"datum\[1\] loss_fn_inputs\['advantages'\] has"):
+        bad = types.Datum(model_input=data[1].model_input,
+                          loss_fn_inputs={**data[1].loss_fn_inputs, "advantages": torch.zeros(2)})
+        fn([data[0], bad, data[2]], current)
+    with pytest.raises(ValueError, match=r"datum\[0\] has no loss_fn_inputs\['logprobs'\]"):
+        fn([types.Datum(model_input=data[0].model_input, loss_fn_inputs={"advantages": torch.zeros(3)})],
+           [torch.zeros(3)])
+    with pytest.raises(ValueError, match="no datums"):
+        fn([], [])
+
+
+def test_custom_loss_fn_through_tinkers_compute_custom_loss():
+    """tinker's own client-side step: the CE weights it sends are -dloss/dlogprobs."""
+    data, current = make_datums()
+    fwd = types.ForwardBackwardOutput(
+        loss_fn_output_type="ArrayRecord",
+        loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(c)} for c in current],
+    )
+    loss = DPPOLoss()
+    result = TrainingClient._compute_custom_loss(data, make_custom_loss_fn(loss), fwd)
+    logp_BT, s_BT, a_BT, m_BT = padded(data, current)
+    logp_BT.requires_grad_(True)
+    value, metrics = loss(logp_BT, s_BT, a_BT, m_BT)
+    value.backward()
+    assert result.loss_sum == pytest.approx(value.item(), rel=1e-6)
+    assert result.metrics == metrics
+    for i, d in enumerate(result.data):
+        weights = d.loss_fn_inputs["weights"].to_torch()
+        torch.testing.assert_close(weights, -logp_BT.grad[i, : len(current[i])])
+
+
+@pytest.mark.parametrize("loss", [GRPOLoss(), DPPOLoss(), DPPOLoss(mode="binary_kl", is_cap=INF, delta=INF)])
+def test_per_datum_fn_traces_and_sums_to_the_batch_loss(loss):
+    pd = loss.per_datum_fn()
+    handle = trace_loss(pd.fn, pd.input_ranks, session_id="test")
+    assert len(encode_graph(handle).nodes) > 10  # encodable for upload
+    data, current = make_datums()
+    pd_data = [with_per_datum_inputs(d) for d in data]
+    check_loss_inputs(handle, pd_data)
+    leaves = [c.clone().requires_grad_(True) for c in current]
+    value, metrics = run_loss_handle(handle, pd_data, leaves)
+    value.backward()
+
+    logp_BT, s_BT, a_BT, m_BT = padded(data, current)
+    logp_BT.requires_grad_(True)
+    ref_value, ref_metrics = loss(logp_BT, s_BT, a_BT, m_BT)
+    ref_value.backward()
+    torch.testing.assert_close(value, ref_value)
+    for i, leaf in enumerate(leaves):
+        torch.testing.assert_close(leaf.grad, logp_BT.grad[i, : len(leaf)])
+    final = finalize_per_datum_metrics(metrics)
+    for key, v in final.items():
+        assert v == pytest.approx(ref_metrics[key], rel=1e-5), key
+
+
+def test_per_datum_fn_requires_sum_aggregation():
+    with pytest.raises(ValueError, match="aggregation='sum'.*token_mean"):
+        make_per_datum_fn(GRPOLoss(aggregation="token_mean"))
+    with pytest.raises(ValueError, match="aggregation='sum'"):
+        DPPOLoss(aggregation="seq_mean_token_sum").per_datum_fn()
+
+
+def test_with_per_datum_inputs_adds_sampler_key_and_default_mask():
+    data, _ = make_datums(with_mask=False)
+    out = with_per_datum_inputs(data[0])
+    torch.testing.assert_close(out.loss_fn_inputs["sampler_logprobs"].to_torch(),
+                               data[0].loss_fn_inputs["logprobs"].to_torch())
+    mask = out.loss_fn_inputs["mask"].to_torch()
+    assert mask[:2].tolist() == [0.0, 0.0] and bool((mask[2:] == 1).all())
+    assert "sampler_logprobs" not in data[0].loss_fn_inputs  # original untouched
