@@ -1,0 +1,68 @@
+"""GSM8K with the cookbook's `MathEnv`: prompt, `\\boxed{}` answer, numeric grader and reward.
+
+Reused from tinker-cookbook 0.5.8, `recipes/math_rl/math_env.py`:
+- `MathEnv(problem, answer, renderer, convo_prefix, grader="sympy", timeout=1.0, format_coef=0.1)`:
+  user turn = question + " Write your answer in \\boxed{} format."; reward (`rl/problem_env.py::
+  ProblemEnv.step`) = format_coef * (format - 1) + correct, format = stopped at the stop token
+  and has a `\\boxed{}`; correct = `safe_grade(extract_boxed(text), gold)` (`math_grading.grade_answer`).
+- `MathEnv.standard_fewshot_prefix()` for convo_prefix "standard" (the cookbook's default).
+"""
+
+from __future__ import annotations
+
+from tinker_cookbook import renderers
+from tinker_cookbook.recipes.math_rl.math_env import MathEnv
+from tinker_cookbook.recipes.math_rl.math_grading import extract_boxed
+
+from envs import gsm8k_data
+from envs.types import Problem, Task
+
+CONVO_PREFIXES = ("standard", "none")
+
+
+class GSM8KTask(Task):
+    name = "gsm8k"
+
+    def __init__(self, renderer: renderers.Renderer, *, source: str = "vendored", seed: int = 0,
+                 n_examples: int | None = None, convo_prefix: str = "standard", format_coef: float = 0.1,
+                 max_tokens: int | None = None) -> None:
+        super().__init__(renderer, max_tokens)
+        if convo_prefix not in CONVO_PREFIXES:
+            raise ValueError(f"env.convo_prefix must be one of {list(CONVO_PREFIXES)}, got {convo_prefix!r}")
+        if n_examples is not None and (not isinstance(n_examples, int) or n_examples < 1):
+            raise ValueError(f"env.n_examples must be an integer >= 1 or null, got {n_examples!r}")
+        if not isinstance(seed, int):
+            raise ValueError(f"env.seed must be an integer, got {seed!r}")
+        if format_coef < 0:
+            raise ValueError(f"env.format_coef must be >= 0, got {format_coef!r}")
+        self.source, self.seed, self.n_examples = source, seed, n_examples
+        self.format_coef = float(format_coef)
+        self.convo_prefix = MathEnv.standard_fewshot_prefix() if convo_prefix == "standard" else None
+        # load both splits now so a bad source or a corrupted file fails at build time
+        train = gsm8k_data.load_split(source, "train")
+        self._test = gsm8k_data.load_split(source, "test")
+        order = gsm8k_data.seeded_permutation(len(train), seed)
+        if n_examples is not None:
+            order = order[:n_examples]
+        self._train = [train[i] for i in order]
+
+    def train_problems(self) -> list[Problem]:
+        return list(self._train)
+
+    def _all_test_problems(self) -> list[Problem]:
+        return self._test
+
+    def make_env(self, problem: Problem) -> MathEnv:
+        return MathEnv(problem.question, problem.answer, self.renderer, convo_prefix=self.convo_prefix,
+                       format_coef=self.format_coef)
+
+    def parse_answer(self, text: str) -> str | None:
+        """The last `\\boxed{...}` content (cookbook `extract_boxed`), None if there is none."""
+        try:
+            return extract_boxed(text)
+        except ValueError:
+            return None
+
+
+def build_gsm8k(renderer: renderers.Renderer, **kwargs: object) -> GSM8KTask:
+    return GSM8KTask(renderer, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,300 @@
+"""eval.records and eval.compare end to end on constructed run folders.
+
+The run folders are written the way the trainer writes them: config.yaml and run_info.json by
+trainer.run_info.write_run_files from a config composed from conf/ (as `python train.py loss=...`
+would), per-item files by eval.records.write_item_records, metrics.jsonl by hand.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from eval.compare import IGNORED_CONFIG_KEYS, CompareError, compare, config_differences, main  # noqa: E402
+from eval.plots import load_metrics, per_update, reward_by_step  # noqa: E402
+from eval.records import RecordError, read_item_records, summarize, write_item_records  # noqa: E402
+from eval.stats import paired_compare  # noqa: E402
+
+EVAL = "arithmetic"  # eval.name of the default config
+N = 200
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: tuple[str, ...]):
+    from trainer.config.compose import compose_config
+
+    return compose_config(list(overrides))
+
+
+def _sha(i: int) -> str:
+    return hashlib.sha256(f"question {i}".encode()).hexdigest()
+
+
+def _records(correct: np.ndarray, indices=None, sha=_sha) -> list[dict]:
+    indices = range(len(correct)) if indices is None else indices
+    return [{"index": int(i), "question_sha256": sha(int(i)), "completion": f"... {i}",
+             "parsed": str(i) if c else None, "gold": str(i), "correct": bool(c)}
+            for i, c in zip(indices, correct)]
+
+
+def make_run(run_dir: Path, loss: str, seed: int, correct: np.ndarray, overrides: tuple[str, ...] = (),
+             metric_keys=("env/reward_mean", "loss/dppo_masked_frac", "loss/grpo_clip_frac", "drift/abs_p_q90"),
+             records=None, steps: int = 4, updates: int = 2) -> Path:
+    from trainer.run_info import write_run_files
+
+    run_dir.mkdir(parents=True)
+    write_run_files(run_dir, _composed((f"loss={loss}", f"seed={seed}", *overrides)), {})
+    with (run_dir / "metrics.jsonl").open("w") as f:
+        for step in range(steps):
+            for u in range(updates):
+                row = {"step": step, "update": u}
+                for k in metric_keys:
+                    row[k] = 0.1 * step + (0.05 if loss == "dppo" else 0.0) + 0.001 * u
+                f.write(json.dumps(row) + "\n")
+    write_item_records(run_dir / "eval" / f"{EVAL}.jsonl", records or _records(correct))
+    return run_dir
+
+
+def _arms(rng: np.random.Generator, p_t: float, p_b: float, n: int = N) -> tuple[np.ndarray, np.ndarray]:
+    return rng.random(n) < p_t, rng.random(n) < p_b
+
+
+def make_sweep(root: Path, seeds=(0,), p_t=0.8, p_b=0.5, arms_json=True, **kw) -> tuple[Path, dict]:
+    """Sweep folder with jobs in Hydra's order (loss outer, seed inner); returns (sweep, correct)."""
+    rng = np.random.default_rng(123)
+    sweep = root / "sweep"
+    sweep.mkdir()
+    correct, arms, job = {}, {}, 0
+    for s in seeds:
+        correct["dppo", s], correct["grpo", s] = _arms(rng, p_t, p_b)
+    for loss in ("grpo", "dppo"):
+        for s in seeds:
+            make_run(sweep / str(job), loss, s, correct[loss, s], **kw)
+            arms[str(job)] = f"{loss}_seed{s}"
+            job += 1
+    if arms_json:
+        (sweep / "arms.json").write_text(json.dumps(arms))
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    return sweep, correct
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run([sys.executable, "-m", "eval.compare", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+# ----------------------------------------------------------------------------- records
+def test_records_roundtrip_summary_and_malformed_files(tmp_path):
+    correct = np.array([True, False, True, True])
+    path = write_item_records(tmp_path / "eval" / "x.jsonl", _records(correct))
+    assert read_item_records(path) == _records(correct)
+    assert [p.name for p in path.parent.iterdir()] == ["x.jsonl"]  # no temp file left behind
+    s = summarize(read_item_records(path), step=7)
+    assert s["n"] == 4 and s["accuracy"] == 0.75 and s["step"] == 7
+    assert 0.0 < s["wilson_low"] < 0.75 < s["wilson_high"] < 1.0
+
+    lines = path.read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines[:2] + ['{"index": 9, "question_sha'] + lines[3:]) + "\n")
+    with pytest.raises(RecordError, match=r"bad\.jsonl:3: not valid JSON"):
+        read_item_records(bad)
+    rec = json.loads(lines[1])
+    del rec["gold"]
+    bad.write_text("\n".join([lines[0], json.dumps(rec)]) + "\n")
+    with pytest.raises(RecordError, match=r"bad\.jsonl:2: .*missing key\(s\) \['gold'\]"):
+        read_item_records(bad)
+    bad.write_text("\n".join([lines[0], lines[1], lines[0]]) + "\n")
+    with pytest.raises(RecordError, match=r"bad\.jsonl:3: duplicate index 0 \(first seen on line 1\)"):
+        read_item_records(bad)
+    rec = json.loads(lines[1])
+    rec["correct"] = 1
+    with pytest.raises(RecordError, match="'correct' must be true/false"):
+        write_item_records(tmp_path / "y.jsonl", [rec])
+    assert not (tmp_path / "y.jsonl").exists()
+    with pytest.raises(RecordError, match="share index 0"):
+        write_item_records(tmp_path / "y.jsonl", _records(correct)[:1] * 2)
+
+
+def test_metrics_dedup_by_step_and_global_update_index(tmp_path):
+    rows = [{"step": 0, "update": 0, "env/reward_mean": 0.1, "drift/abs_p_q90": 0.01},
+            {"step": 0, "update": 1, "env/reward_mean": 0.1, "drift/abs_p_q90": 0.02},
+            {"step": 1, "update": 0, "env/reward_mean": 0.3, "drift/abs_p_q90": 0.03},
+            {"step": 1, "update": 0, "env/reward_mean": 0.4, "drift/abs_p_q90": 0.04},  # resumed: wins
+            {"step": 1, "update": 1, "env/reward_mean": 0.4}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2, "upd')
+    loaded, notes = load_metrics(path)
+    assert len(loaded) == 4 and any("unparsable" in n for n in notes)
+    assert reward_by_step(loaded) == ([0, 1], [0.1, 0.4])
+    assert per_update(loaded, "drift/abs_p_q90") == ([0, 1, 2], [0.01, 0.02, 0.04])
+
+
+# ----------------------------------------------------------------------------- end to end
+def test_cli_on_one_seed_sweep_writes_report_and_plots(tmp_path):
+    sweep, correct = make_sweep(tmp_path)
+    proc = _cli(str(sweep), "--bootstrap", "2000")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out == json.loads((sweep / "compare.json").read_text())
+
+    t, b = correct["dppo", 0], correct["grpo", 0]
+    want = paired_compare(t, b, n_bootstrap=2000, seed=0)
+    for key in ("n", "acc_treatment", "acc_baseline", "diff", "ci_low", "ci_high", "method", "verdict",
+                "mcnemar_p", "b", "c", "bootstrap_low", "bootstrap_high", "alpha"):
+        assert out[key] == pytest.approx(want[key]) if isinstance(want[key], float) else out[key] == want[key]
+    assert out["n"] == N and out["diff"] == pytest.approx((t.sum() - b.sum()) / N)
+    assert out["b"] == int((t & ~b).sum()) and out["c"] == int((~t & b).sum())
+    assert out["verdict"] == "validated" and out["eval_name"] == EVAL
+    assert out["treatment"] == "dppo" and out["baseline"] == "grpo"
+    assert [(a["arm"], a["role"], a["job"]) for a in out["arms"]] == [
+        ("grpo_seed0", "baseline", "0"), ("dppo_seed0", "treatment", "1")]
+    assert out["arms"][1]["accuracy"] == pytest.approx(t.mean())
+    assert len(out["per_seed"]) == 1 and out["per_seed"][0]["diff"] == out["diff"]
+
+    assert set(out["plots"]) == {"reward", "masked_frac", "clip_frac", "drift_q90", "accuracy"}
+    for rel in out["plots"].values():
+        data = (sweep / rel).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000
+    md = (sweep / "compare.md").read_text()
+    assert "## Verdict: **validated**" in md and "Decision rule (pre-registered)" in md
+    assert f"{100 * out['diff']:+.2f} pts" in md
+    for rel in out["plots"].values():
+        assert f"]({rel})" in md
+
+
+def test_two_seeds_pooled_and_missing_metric_key_skips_plot(tmp_path):
+    sweep, correct = make_sweep(tmp_path, seeds=(0, 1), p_t=0.55, p_b=0.5,
+                                metric_keys=("env/reward_mean", "loss/dppo_masked_frac", "loss/grpo_clip_frac"))
+    out = compare([sweep], n_bootstrap=500)
+    assert [s["seed"] for s in out["per_seed"]] == [0, 1]
+    assert out["n"] == 2 * N and out["n_seeds"] == 2 and out["n_items"] == N
+    k_t = sum(int(correct["dppo", s].sum()) for s in (0, 1))
+    k_b = sum(int(correct["grpo", s].sum()) for s in (0, 1))
+    assert out["diff"] == pytest.approx((k_t - k_b) / (2 * N))
+    assert out["b"] == sum(s["b"] for s in out["per_seed"])
+    for s in out["per_seed"]:
+        ct, cb = correct["dppo", s["seed"]], correct["grpo", s["seed"]]
+        assert s["diff"] == pytest.approx((ct.sum() - cb.sum()) / N)
+        assert s["treatment_arm"] == f"dppo_seed{s['seed']}"
+    assert "drift_q90" not in out["plots"] and "reward" in out["plots"]
+    assert any("drift_q90 plot skipped" in n and "drift/abs_p_q90" in n for n in out["notes"])
+    md = (sweep / "compare.md").read_text()
+    assert "**combined**" in md and "drift_q90 plot skipped" in md
+
+
+def test_two_run_folders_pick_roles_by_loss(tmp_path):
+    rng = np.random.default_rng(5)
+    t, b = _arms(rng, 0.52, 0.5)
+    base = tmp_path / "runs"
+    # different output-path / logging keys must not count as a config difference
+    dppo = make_run(base / "a", "dppo", 0, t, overrides=("backend.state_dir=/tmp/x", "logger.group=g1"))
+    grpo = make_run(base / "b", "grpo", 0, b, overrides=("logger.group=g2",))
+    out = compare([dppo, grpo], n_bootstrap=0, make_plots=False)
+    assert out["acc_treatment"] == pytest.approx(t.mean()) and out["acc_baseline"] == pytest.approx(b.mean())
+    assert out["config_diff"] == [] and out["bootstrap_low"] is None
+    assert out["output_dir"] == str(base.resolve()) and (base / "compare.json").is_file()
+    assert out["verdict"] == ("inconclusive" if t.sum() > b.sum() else "not_supported")
+
+
+def test_config_differences_respects_ignore_list():
+    a = {"loss": {"name": "grpo"}, "seed": 0, "run_name": "x", "logger": {"group": "a"},
+         "backend": {"state_dir": "/a", "micro_batch_size": 8}, "optimizer": {"lr": 1e-4}}
+    b = {"loss": {"name": "dppo", "delta": 0.1}, "seed": 1, "run_name": "y", "logger": {"group": "b"},
+         "backend": {"state_dir": "/b", "micro_batch_size": 4}, "optimizer": {"lr": 1e-4}, "new": 1}
+    assert config_differences(a, b) == [("backend.micro_batch_size", 8, 4), ("new", "<absent>", 1)]
+    assert "loss" in IGNORED_CONFIG_KEYS and "experiment" not in IGNORED_CONFIG_KEYS
+
+
+# ----------------------------------------------------------------------------- bad input
+def _sentinel(sweep: Path) -> bytes:
+    data = b'{"sentinel": true}\n'
+    (sweep / "compare.json").write_bytes(data)
+    return data
+
+
+def test_cli_missing_eval_file_fails_and_keeps_old_report(tmp_path):
+    sweep, _ = make_sweep(tmp_path)
+    old = _sentinel(sweep)
+    (sweep / "1" / "eval" / f"{EVAL}.jsonl").unlink()
+    proc = _cli(str(sweep))
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert "dppo_seed0" in proc.stderr and f"eval/{EVAL}.jsonl" in proc.stderr and "missing" in proc.stderr
+    assert (sweep / "compare.json").read_bytes() == old
+    assert not (sweep / "compare.md").exists() and not (sweep / "compare_plots").exists()
+
+
+def test_cli_other_experiment_refused_unless_allowed(tmp_path, capsys):
+    rng = np.random.default_rng(9)
+    t, b = _arms(rng, 0.6, 0.5)
+    base = tmp_path / "runs"
+    dppo = make_run(base / "a", "dppo", 0, t, overrides=("experiment=other", "optimizer.lr=0.001"))
+    grpo = make_run(base / "b", "grpo", 0, b)
+    proc = _cli(str(dppo), str(grpo))
+    assert proc.returncode != 0
+    assert "configs differ outside the `loss` group" in proc.stderr
+    assert "experiment: 'default'" in proc.stderr and "'other'" in proc.stderr and "optimizer.lr" in proc.stderr
+    assert not (base / "compare.json").exists()
+
+    assert main([str(dppo), str(grpo), "--allow-config-diff", "--bootstrap", "0", "--no-plots"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert any(d.startswith("experiment:") for d in out["config_diff"])
+    assert "--allow-config-diff" in (base / "compare.md").read_text()
+
+
+@pytest.mark.parametrize("problem", ["missing_index", "other_questions"])
+def test_mismatched_item_sets_refused(tmp_path, capsys, problem):
+    rng = np.random.default_rng(3)
+    t, b = _arms(rng, 0.6, 0.5)
+    base = tmp_path / "runs"
+    if problem == "missing_index":
+        recs = _records(t[:-1])
+    else:
+        recs = _records(t, sha=lambda i: _sha(i + 1000 * (i == 17)))
+    dppo = make_run(base / "a", "dppo", 0, t, records=recs)
+    grpo = make_run(base / "b", "grpo", 0, b)
+    old = _sentinel(base)
+    assert main([str(dppo), str(grpo)]) == 1
+    err = capsys.readouterr().err
+    assert "item sets differ" in err
+    assert ("indices only in grpo_seed0: [199]" in err) if problem == "missing_index" else ("[17]" in err)
+    assert (base / "compare.json").read_bytes() == old
+
+
+def test_sweep_structure_errors(tmp_path):
+    sweep, _ = make_sweep(tmp_path, seeds=(0, 1))
+    # the dppo arm's loss must not change between seeds
+    other = tmp_path / "other"
+    make_run(other, "dppo", 1, np.ones(N, bool), overrides=("loss.delta=0.3",))
+    (sweep / "3" / "config.yaml").write_text((other / "config.yaml").read_text())
+    with pytest.raises(CompareError, match=r"loss\.delta: 0\.15 .*0\.3 .*loss differs between seeds"):
+        compare([sweep], make_plots=False)
+    # a seed without its partner arm
+    import shutil
+
+    shutil.rmtree(sweep / "3")
+    (sweep / "arms.json").unlink()
+    with pytest.raises(CompareError, match="seed 1 has no 'dppo' run to pair with grpo_seed1"):
+        compare([sweep], make_plots=False)
+    # arms.json names a job whose folder is gone
+    (sweep / "arms.json").write_text(json.dumps({str(i): f"arm{i}" for i in range(4)}))
+    with pytest.raises(CompareError, match=r"lists job\(s\) \['3'\] \(\['arm3'\]\).*did those runs fail"):
+        compare([sweep], make_plots=False)
+    # treatment == baseline, and a run of a third loss name
+    with pytest.raises(CompareError, match="both 'grpo'"):
+        compare([sweep], treatment="grpo", make_plots=False)
+    with pytest.raises(CompareError, match="neither the treatment 'ppo'"):
+        compare([sweep / "0", sweep / "2"], treatment="ppo", make_plots=False)
+    assert not (sweep / "compare.json").exists()
