@@ -9,7 +9,12 @@ import hydra.utils
 import pytest
 import torch
 from tinker import types
-from tinker.lib.public_interfaces.custom_loss import check_loss_inputs, encode_graph, run_loss_handle, trace_loss
+from tinker.lib.public_interfaces.custom_loss import (
+    check_loss_inputs,
+    encode_graph,
+    run_loss_handle,
+    trace_loss,
+)
 from tinker.lib.public_interfaces.training_client import TrainingClient
 
 from trainer.losses import LOSSES, DPPOLoss, GRPOLoss, aggregate, get_loss_class, register_loss
@@ -50,10 +55,20 @@ def test_registry_maps_names_to_classes_and_rejects_unknown_or_duplicate():
 
 def test_hydra_instantiate_returns_configured_callable():
     loss = hydra.utils.instantiate(
-        {"_target_": "trainer.losses.dppo.DPPOLoss", "mode": "binary_kl", "delta_high": 0.1, "aggregation": "token_mean"}
+        {
+            "_target_": "trainer.losses.dppo.DPPOLoss",
+            "mode": "binary_kl",
+            "delta_high": 0.1,
+            "aggregation": "token_mean",
+        }
     )
     assert isinstance(loss, DPPOLoss)
-    assert (loss.mode, loss.delta_low, loss.delta_high, loss.aggregation) == ("binary_kl", 0.05, 0.1, "token_mean")
+    assert (loss.mode, loss.delta_low, loss.delta_high, loss.aggregation) == (
+        "binary_kl",
+        0.05,
+        0.1,
+        "token_mean",
+    )
     grpo = hydra.utils.instantiate({"_target_": "trainer.losses.grpo.GRPOLoss", "clip_eps_high": 0.28})
     assert (grpo.eps_low, grpo.eps_high, grpo.is_cap) == (0.2, 0.28, 1e4)
     assert DPPOLoss().delta == 0.15 and DPPOLoss(mode="binary_kl").delta == 0.05
@@ -167,7 +182,9 @@ def test_dppo_binary_kl_hand_computed_branches():
 def test_dppo_log_ratio_clamped_at_20_before_exp():
     logp, slp = torch.tensor([-0.5], dtype=F64, requires_grad=True), torch.tensor([-30.0], dtype=F64)
     # delta = inf: the TV rule would drop this token (dp = 0.61 > 0.15).
-    DPPOLoss(delta=INF, is_cap=INF)(logp, slp, torch.tensor([1.0], dtype=F64), torch.ones(1, dtype=F64))[0].backward()
+    DPPOLoss(delta=INF, is_cap=INF)(logp, slp, torch.tensor([1.0], dtype=F64), torch.ones(1, dtype=F64))[
+        0
+    ].backward()
     assert logp.grad.item() == pytest.approx(-math.exp(20.0), rel=1e-12)
 
 
@@ -295,8 +312,11 @@ def make_datums(seed: int = 0, with_mask: bool = True):
         inputs = {"target_tokens": torch.arange(prompt[i] + n), "logprobs": s, "advantages": a}
         if with_mask:
             inputs["mask"] = torch.cat([torch.zeros(prompt[i]), torch.ones(n)])
-        data.append(types.Datum(model_input=types.ModelInput.from_ints(list(range(prompt[i] + n))),
-                                loss_fn_inputs=inputs))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(list(range(prompt[i] + n))), loss_fn_inputs=inputs
+            )
+        )
         current.append(torch.cat([torch.full((prompt[i],), -3.0), logp[i, :n].float()]))
     return data, current
 
@@ -313,7 +333,9 @@ def padded(data, current):
     return out
 
 
-@pytest.mark.parametrize("loss", [GRPOLoss(aggregation="seq_mean_token_mean"), DPPOLoss(), DPPOLoss(mode="binary_kl")])
+@pytest.mark.parametrize(
+    "loss", [GRPOLoss(aggregation="seq_mean_token_mean"), DPPOLoss(), DPPOLoss(mode="binary_kl")]
+)
 def test_custom_loss_fn_pads_and_matches_the_batch_loss(loss):
     data, current = make_datums()
     leaves = [c.clone().requires_grad_(True) for c in current]
@@ -341,12 +363,16 @@ def test_custom_loss_fn_errors_name_the_datum_and_key():
     data, current = make_datums()
     fn = make_custom_loss_fn(DPPOLoss())
     with pytest.raises(ValueError, match=r"datum\[1\] loss_fn_inputs\['advantages'\] has"):
-        bad = types.Datum(model_input=data[1].model_input,
-                          loss_fn_inputs={**data[1].loss_fn_inputs, "advantages": torch.zeros(2)})
+        bad = types.Datum(
+            model_input=data[1].model_input,
+            loss_fn_inputs={**data[1].loss_fn_inputs, "advantages": torch.zeros(2)},
+        )
         fn([data[0], bad, data[2]], current)
     with pytest.raises(ValueError, match=r"datum\[0\] has no loss_fn_inputs\['logprobs'\]"):
-        fn([types.Datum(model_input=data[0].model_input, loss_fn_inputs={"advantages": torch.zeros(3)})],
-           [torch.zeros(3)])
+        fn(
+            [types.Datum(model_input=data[0].model_input, loss_fn_inputs={"advantages": torch.zeros(3)})],
+            [torch.zeros(3)],
+        )
     with pytest.raises(ValueError, match="no datums"):
         fn([], [])
 
@@ -405,8 +431,48 @@ def test_per_datum_fn_requires_sum_aggregation():
 def test_with_per_datum_inputs_adds_sampler_key_and_default_mask():
     data, _ = make_datums(with_mask=False)
     out = with_per_datum_inputs(data[0])
-    torch.testing.assert_close(out.loss_fn_inputs["sampler_logprobs"].to_torch(),
-                               data[0].loss_fn_inputs["logprobs"].to_torch())
+    torch.testing.assert_close(
+        out.loss_fn_inputs["sampler_logprobs"].to_torch(), data[0].loss_fn_inputs["logprobs"].to_torch()
+    )
     mask = out.loss_fn_inputs["mask"].to_torch()
     assert mask[:2].tolist() == [0.0, 0.0] and bool((mask[2:] == 1).all())
     assert "sampler_logprobs" not in data[0].loss_fn_inputs  # original untouched
+
+
+def test_make_loss_handle_registers_a_handle_that_tinker_runs_client_side():
+    """Through tinker's own ServiceClient.create_custom_loss tracing step (no server needed)."""
+    from tinker.lib.public_interfaces.custom_loss import LossHandle
+
+    from trainer.losses.adapter import make_loss_handle
+
+    class TracingOnlyServiceClient:
+        """Does what tinker's create_custom_loss does when the server runs losses client-side."""
+
+        def create_custom_loss(self, fn, input_ranks):
+            from concurrent.futures import Future
+
+            fut: Future = Future()
+            fut.set_result(trace_loss(fn, input_ranks, session_id="local"))
+            return fut
+
+    loss = DPPOLoss()
+    handle = make_loss_handle(loss, TracingOnlyServiceClient())
+    assert isinstance(handle, LossHandle) and handle.input_names == ("sampler_logprobs", "advantages", "mask")
+    assert make_loss_handle(loss, object()) is None
+    with pytest.raises(ValueError, match="aggregation='sum'"):
+        make_loss_handle(DPPOLoss(aggregation="token_mean"), TracingOnlyServiceClient())
+    data, current = make_datums()
+    with pytest.raises(ValueError, match="sampler_logprobs"):  # datums must be prepared first
+        check_loss_inputs(handle, data)
+    fwd = types.ForwardBackwardOutput(
+        loss_fn_output_type="ArrayRecord",
+        loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(c)} for c in current],
+    )
+    pd_data = [with_per_datum_inputs(d) for d in data]
+    via_handle = TrainingClient._compute_custom_loss(pd_data, handle, fwd)
+    via_fn = TrainingClient._compute_custom_loss(data, make_custom_loss_fn(loss), fwd)
+    assert via_handle.loss_sum == pytest.approx(via_fn.loss_sum, rel=1e-6)
+    for a, b in zip(via_handle.data, via_fn.data):
+        torch.testing.assert_close(
+            a.loss_fn_inputs["weights"].to_torch(), b.loss_fn_inputs["weights"].to_torch()
+        )

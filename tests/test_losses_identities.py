@@ -90,9 +90,10 @@ def test_on_policy_both_losses_give_the_same_gradient(aggregation):
     _, sampler, adv, mask = drifted_batch(seed=3)
     logp = sampler.clone()
     _, g_grpo = value_and_grad(GRPOLoss(aggregation=aggregation), logp, sampler, adv, mask)
-    expected = None
-    for loss in (DPPOLoss(mode="binary_tv", aggregation=aggregation),
-                 DPPOLoss(mode="binary_kl", delta=0.01, aggregation=aggregation)):
+    for loss in (
+        DPPOLoss(mode="binary_tv", aggregation=aggregation),
+        DPPOLoss(mode="binary_kl", delta=0.01, aggregation=aggregation),
+    ):
         _, g = value_and_grad(loss, logp, sampler, adv, mask)
         torch.testing.assert_close(g, g_grpo)
     # closed form: -A times the aggregation weight of each loss token
@@ -106,10 +107,12 @@ def test_masks_and_weights_are_detached():
     logp = logp.clone().requires_grad_(True)
     sampler = sampler.clone().requires_grad_(True)
     adv = adv.clone().requires_grad_(True)
-    for m in (dppo_drop_mask(logp, sampler, adv, "binary_tv", 0.15, 0.15),
-              dppo_drop_mask(logp, sampler, adv, "binary_kl", 0.05, 0.05),
-              ppo_clip_active(logp, sampler, adv, 0.2, 0.2),
-              DPPOLoss().keep_mask(logp, sampler, adv)):
+    for m in (
+        dppo_drop_mask(logp, sampler, adv, "binary_tv", 0.15, 0.15),
+        dppo_drop_mask(logp, sampler, adv, "binary_kl", 0.05, 0.05),
+        ppo_clip_active(logp, sampler, adv, 0.2, 0.2),
+        DPPOLoss().keep_mask(logp, sampler, adv),
+    ):
         assert not m.requires_grad
     for loss in (GRPOLoss(), DPPOLoss(), DPPOLoss(mode="binary_kl")):
         value, _ = loss(logp, sampler, adv, mask.clone().requires_grad_(True))

@@ -15,7 +15,7 @@ from tinker_cookbook.recipes.math_rl.math_env import MathEnv
 from tinker_cookbook.recipes.math_rl.math_grading import extract_boxed
 
 from envs import gsm8k_data
-from envs.types import Problem, Task
+from envs.types import Problem, Task, conversation_prefix
 
 CONVO_PREFIXES = ("standard", "none")
 
@@ -25,7 +25,7 @@ class GSM8KTask(Task):
 
     def __init__(self, renderer: renderers.Renderer, *, source: str = "vendored", seed: int = 0,
                  n_examples: int | None = None, convo_prefix: str = "standard", format_coef: float = 0.1,
-                 max_tokens: int | None = None) -> None:
+                 system_prompt: str | None = None, max_tokens: int | None = None) -> None:
         super().__init__(renderer, max_tokens)
         if convo_prefix not in CONVO_PREFIXES:
             raise ValueError(f"env.convo_prefix must be one of {list(CONVO_PREFIXES)}, got {convo_prefix!r}")
@@ -37,7 +37,8 @@ class GSM8KTask(Task):
             raise ValueError(f"env.format_coef must be >= 0, got {format_coef!r}")
         self.source, self.seed, self.n_examples = source, seed, n_examples
         self.format_coef = float(format_coef)
-        self.convo_prefix = MathEnv.standard_fewshot_prefix() if convo_prefix == "standard" else None
+        self.convo_prefix = conversation_prefix(
+            MathEnv.standard_fewshot_prefix() if convo_prefix == "standard" else None, system_prompt)
         # load both splits now so a bad source or a corrupted file fails at build time
         train = gsm8k_data.load_split(source, "train")
         self._test = gsm8k_data.load_split(source, "test")

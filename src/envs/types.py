@@ -31,6 +31,16 @@ def problem_sha256(problem: Problem) -> str:
     return hashlib.sha256(problem.question.encode("utf-8")).hexdigest()
 
 
+def conversation_prefix(fewshot: list[renderers.Message] | None,
+                        system_prompt: str | None) -> list[renderers.Message] | None:
+    """Messages rendered before the question: an optional system turn, then the few-shot turns."""
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise ValueError(f"env.system_prompt must be a string or null, got {system_prompt!r}")
+    msgs: list[renderers.Message] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    msgs += list(fewshot or [])
+    return msgs or None
+
+
 class Task(ABC):
     """A train/test problem set plus the cookbook env that grades a completion."""
 

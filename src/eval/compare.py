@@ -107,8 +107,10 @@ def load_run(path: Path, eval_name: str | None, job: str | None = None) -> Run:
     try:
         info = json.loads(info_file.read_text())
     except json.JSONDecodeError as e:
-        raise CompareError(f"run {path}: {info_file.name} is not valid JSON (line {e.lineno}: {e.msg})") from None
-    if not isinstance(config, dict) or not isinstance(config.get("loss"), dict) or "name" not in config["loss"]:
+        raise CompareError(f"run {path}: {info_file.name} is not valid JSON "
+                           f"(line {e.lineno}: {e.msg})") from None
+    loss_cfg = config.get("loss") if isinstance(config, dict) else None
+    if not isinstance(loss_cfg, dict) or "name" not in loss_cfg:
         raise CompareError(f"run {path}: {cfg_file.name} has no `loss.name`")
     seed = config.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -127,9 +129,10 @@ def load_run(path: Path, eval_name: str | None, job: str | None = None) -> Run:
 
 def load_records(run: Run) -> None:
     if not run.eval_file.is_file():
-        have = sorted(p.name for p in (run.path / "eval").glob("*.jsonl")) if (run.path / "eval").is_dir() else []
-        raise CompareError(f"run {run.arm} ({run.path}): missing final eval file {run.eval_file}"
-                           + (f" (eval files present: {have})" if have else " (no eval/ files: did the run finish?)"))
+        eval_dir = run.path / "eval"
+        have = sorted(p.name for p in eval_dir.glob("*.jsonl")) if eval_dir.is_dir() else []
+        hint = f" (eval files present: {have})" if have else " (no eval/ files: did the run finish?)"
+        raise CompareError(f"run {run.arm} ({run.path}): missing final eval file {run.eval_file}{hint}")
     run.records = read_item_records(run.eval_file)
 
 
@@ -302,7 +305,8 @@ def compare(paths: list[str | Path], treatment: str = "dppo", baseline: str = "g
     # everything is checked: from here on we write
     out_dir.mkdir(parents=True, exist_ok=True)
     if make_plots:
-        from eval.plots import PlotRun, load_metrics, make_plots as _make_plots
+        from eval.plots import PlotRun, load_metrics
+        from eval.plots import make_plots as _make_plots
 
         plot_runs = []
         for r, a in zip(ordered, arms):
@@ -319,6 +323,8 @@ def compare(paths: list[str | Path], treatment: str = "dppo", baseline: str = "g
 
     atomic_write_text(out_dir / "compare.md", render_markdown(result, out_dir))
     atomic_write_json(out_dir / "compare.json", result)  # last: its presence means a complete report
+    for name in ("compare.md", "compare.json"):
+        os.chmod(out_dir / name, 0o644)  # the atomic writer's temp file is 0600
     return result
 
 
@@ -342,12 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--treatment", default="dppo", help="loss name of the treatment arm (default dppo)")
     p.add_argument("--baseline", default="grpo", help="loss name of the baseline arm (default grpo)")
     p.add_argument("--alpha", type=float, default=0.05, help="1 - confidence level (default 0.05)")
-    p.add_argument("--eval-name", default=None, help="eval file eval/<NAME>.jsonl (default: config eval.name)")
+    p.add_argument("--eval-name", default=None,
+                   help="eval file eval/<NAME>.jsonl (default: config eval.name)")
     p.add_argument("--allow-config-diff", action="store_true",
                    help="compare even if configs differ outside the loss group (recorded in the report)")
     p.add_argument("--bootstrap", type=int, default=10000, help="bootstrap resamples (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed")
-    p.add_argument("--out", default=None, help="output folder (default: the sweep, or the runs' common parent)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: the sweep, or the runs' common parent)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     args = p.parse_args(argv)
     try:

@@ -7,6 +7,7 @@ skipped with a note (returned to the caller for the report), never an exception.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -99,7 +100,8 @@ def per_update(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return xs, ys
 
 
-def make_plots(runs: list[PlotRun], out_dir: str | Path, title_suffix: str = "") -> tuple[dict[str, str], list[str]]:
+def make_plots(runs: list[PlotRun], out_dir: str | Path,
+               title_suffix: str = "") -> tuple[dict[str, str], list[str]]:
     """Write the PNGs into out_dir; returns ({plot name: file path}, notes about skipped plots)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -185,6 +187,7 @@ def _save(fig: Any, path: Path) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=110, format="png")
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; reports are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -202,4 +205,4 @@ def _color(role: str) -> str:
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # v == v drops NaN
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)

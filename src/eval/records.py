@@ -13,9 +13,11 @@ Extra keys are kept as they are.
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from eval.stats import wilson_interval
 from trainer.utils.io import atomic_write_text
@@ -72,6 +74,7 @@ def write_item_records(path: str | Path, records: Iterable[dict[str, Any]]) -> P
         seen[rec["index"]] = i
         lines.append(json.dumps(rec, ensure_ascii=False, sort_keys=True))
     atomic_write_text(path, "".join(line + "\n" for line in lines))
+    os.chmod(path, 0o644)  # the atomic writer's temp file is 0600
     return path
 
 

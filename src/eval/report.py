@@ -32,21 +32,21 @@ def render_markdown(result: dict[str, Any], out_dir: str | Path) -> str:
     lines = [
         f"# Paired comparison: {t} (treatment) vs {b} (baseline)",
         "",
-        f"Eval: `{result['eval_name']}`, {result['n_items']} items x {result['n_seeds']} seed(s) "
-        f"= {n} paired (seed, item) results.",
+        (f"Eval: `{result['eval_name']}`, {result['n_items']} items x {result['n_seeds']} seed(s) "
+         f"= {n} paired (seed, item) results."),
         "",
         f"## Verdict: **{result['verdict']}**",
         "",
-        f"{_VERDICT_TEXT[result['verdict']]}: diff = {_pts(result['diff'])} "
-        f"({conf:g}% Hoeffding CI [{_pts(result['ci_low'])}, {_pts(result['ci_high'])}]).",
+        (f"{_VERDICT_TEXT[result['verdict']]}: diff = {_pts(result['diff'])} "
+         f"({conf:g}% Hoeffding CI [{_pts(result['ci_low'])}, {_pts(result['ci_high'])}])."),
         "",
         "## Decision rule (pre-registered)",
         "",
         "> " + DECISION_RULE.format(conf=conf),
         "",
-        f"At n = {n} and alpha = {alpha:g} the half-width is {result['half_width']:.4f}, so "
-        f"`validated` needs a gap above {_pts(result['half_width'])}. McNemar's exact test and the paired "
-        "bootstrap are reported alongside; they do not change the verdict.",
+        (f"At n = {n} and alpha = {alpha:g} the half-width is {result['half_width']:.4f}, so "
+         f"`validated` needs a gap above {_pts(result['half_width'])}. McNemar's exact test and the "
+         "paired bootstrap are reported alongside; they do not change the verdict."),
         "",
         "## Results",
         "",
@@ -68,14 +68,14 @@ def render_markdown(result: dict[str, Any], out_dir: str | Path) -> str:
             f"| {_p(r['mcnemar_p'])} | {boot} |")
     lines += [
         "",
-        "b = items the treatment got right and the baseline wrong; c = the reverse. "
-        f"Bootstrap: {result['bootstrap_resamples']} percentile resamples of items (seed "
-        f"{result['bootstrap_seed']}).",
+        ("b = items the treatment got right and the baseline wrong; c = the reverse. "
+         f"Bootstrap: {result['bootstrap_resamples']} percentile resamples of items (seed "
+         f"{result['bootstrap_seed']})."),
     ]
     if result["n_seeds"] > 1:
-        lines += ["", "The combined row pools all (seed, item) pairs; its Hoeffding CI treats them as "
-                  "independent, although one item's results across seeds are correlated. The bootstrap "
-                  "resamples whole items (all seeds of an item together)."]
+        lines += ["", ("The combined row pools all (seed, item) pairs; its Hoeffding CI treats them as "
+                       "independent, although one item's results across seeds are correlated. The "
+                       "bootstrap resamples whole items (all seeds of an item together).")]
     lines += ["", "## Arms", "", f"| arm | role | seed | n | accuracy | Wilson {conf:g}% CI | run |",
               "|---|---|---:|---:|---:|---|---|"]
     for a in result["arms"]:
@@ -91,7 +91,8 @@ def render_markdown(result: dict[str, Any], out_dir: str | Path) -> str:
                      + "; ".join(result["config_diff"]))
     if notes:
         lines += ["", "## Notes", ""] + [f"- {x}" for x in notes]
-    lines += ["", "## Inputs", "", f"- ignored config keys: {', '.join(f'`{k}`' for k in result['ignored_config_keys'])}",
+    ignored = ", ".join(f"`{k}`" for k in result["ignored_config_keys"])
+    lines += ["", "## Inputs", "", f"- ignored config keys: {ignored}",
               f"- item set sha256: `{result['item_set_sha256']}`"]
     lines += [f"- {a['arm']}: `{a['eval_file']}`" for a in result["arms"]]
     return "\n".join(lines).rstrip() + "\n"

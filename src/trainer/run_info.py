@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainer.utils.io import atomic_write_json, atomic_write_text
 
 SECRET_ENV_VARS = ("TINKER_API_KEY", "WANDB_API_KEY")
-_SECRET_KEY_HINTS = ("api_key", "apikey", "token", "secret", "password")
+_SECRET_KEYS = ("api_key", "apikey", "token", "access_token", "secret", "password")
 
 
 def package_versions() -> dict[str, str]:
@@ -42,8 +42,7 @@ def git_revision(repo: Path | None = None) -> dict[str, Any]:
 def redact(obj: Any, secrets: list[str]) -> Any:
     """Drop secret values wherever they appear (keys that look secret, or the values themselves)."""
     if isinstance(obj, dict):
-        return {k: ("<redacted>" if any(h in str(k).lower() for h in _SECRET_KEY_HINTS)
-                    and k != "api_key_env" else redact(v, secrets)) for k, v in obj.items()}
+        return {k: ("<redacted>" if _is_secret_key(str(k)) else redact(v, secrets)) for k, v in obj.items()}
     if isinstance(obj, list):
         return [redact(v, secrets) for v in obj]
     if isinstance(obj, str):
@@ -51,6 +50,11 @@ def redact(obj: Any, secrets: list[str]) -> Any:
             if s and s in obj:
                 obj = obj.replace(s, "<redacted>")
     return obj
+
+
+def _is_secret_key(key: str) -> bool:
+    k = key.lower()
+    return k in _SECRET_KEYS or k.endswith(("_api_key", "_secret", "_password", "_access_token"))
 
 
 def current_secrets() -> list[str]:

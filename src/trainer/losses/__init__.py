@@ -4,19 +4,19 @@
 `loss(logp, sampler_logp, advantages, mask) -> (scalar, metrics)`; see docs/architecture.md.
 """
 
-from trainer.losses.registry import LOSSES, get_loss_class, register_loss
+from trainer.losses.adapter import make_custom_loss_fn
 from trainer.losses.aggregate import AGGREGATIONS, aggregate
 from trainer.losses.base import PolicyLoss
-from trainer.losses.grpo import GRPOLoss
 from trainer.losses.dppo import DPPOLoss
-from trainer.losses.adapter import make_custom_loss_fn
+from trainer.losses.grpo import GRPOLoss
 from trainer.losses.per_datum import make_per_datum_fn
+from trainer.losses.registry import LOSSES, get_loss_class, register_loss
 
 __all__ = [
     "AGGREGATIONS",
+    "LOSSES",
     "DPPOLoss",
     "GRPOLoss",
-    "LOSSES",
     "PolicyLoss",
     "aggregate",
     "get_loss_class",

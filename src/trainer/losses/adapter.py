@@ -9,7 +9,8 @@ metrics as is.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -83,3 +84,23 @@ def make_custom_loss_fn(loss: Callable[..., tuple[torch.Tensor, dict[str, float]
 
     custom_loss_fn.__name__ = f"{getattr(loss, 'name', type(loss).__name__)}_custom_loss"
     return custom_loss_fn
+
+
+def make_loss_handle(loss: Any, service_client: Any) -> Any:
+    """Register the loss's one-pass per-datum form with `service_client.create_custom_loss`.
+
+    Returns tinker's `LossHandle` for `forward_backward_custom(data, handle)`, or None when
+    the client has no `create_custom_loss`. Raises ValueError unless `loss.aggregation == "sum"`
+    (tinker sums per-datum losses). The datums passed with the handle must carry the keys
+    the per-datum function reads: map them through
+    `trainer.losses.per_datum.with_per_datum_inputs` (adds `sampler_logprobs`, and `mask`
+    when absent); its metrics come back as `custom/...:sum` counts, which
+    `trainer.losses.per_datum.finalize_per_datum_metrics` turns into the shared keys.
+    """
+    from trainer.losses.per_datum import make_per_datum_fn
+
+    create = getattr(service_client, "create_custom_loss", None)
+    if create is None:
+        return None
+    per_datum = make_per_datum_fn(loss)
+    return create(per_datum.fn, per_datum.input_ranks).result()

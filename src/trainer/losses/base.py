@@ -29,7 +29,7 @@ def positive_param(owner: str, name: str, value: float, *, upper: float | None =
     """
     allowed = f"(0, {upper}] or inf" if upper is not None else "> 0 (inf allowed)"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{owner}: {name} must be a number {allowed}, got {value!r}")
+        raise ValueError(f"{owner}: {name} must be a number {allowed}, got {value!r}")  # noqa: TRY004
     value = float(value)
     if math.isnan(value) or value <= 0 or (upper is not None and value > upper and not math.isinf(value)):
         raise ValueError(f"{owner}: {name} must be {allowed}, got {value!r}")
@@ -82,10 +82,16 @@ class PolicyLoss(ABC):
         with torch.no_grad():
             dppo_drop, grpo_clip = self.trust_region_masks(logp, sampler_logp, advantages)
             return compute_diagnostics(
-                logp, sampler_logp, advantages, mask, dppo_drop=dppo_drop, grpo_clip=grpo_clip, is_cap=self.is_cap
+                logp,
+                sampler_logp,
+                advantages,
+                mask,
+                dppo_drop=dppo_drop,
+                grpo_clip=grpo_clip,
+                is_cap=self.is_cap,
             )
 
-    def per_datum_fn(self) -> "PerDatumLoss":
+    def per_datum_fn(self) -> PerDatumLoss:
         """The torch.fx-traceable per-datum form for `ServiceClient.create_custom_loss` (sum only)."""
         from trainer.losses.per_datum import make_per_datum_fn
 

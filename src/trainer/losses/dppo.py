@@ -48,7 +48,9 @@ class DPPOLoss(PolicyLoss):
         upper = 1.0 if mode == "binary_tv" else None
         delta = DEFAULT_DELTA[mode] if delta is None else delta
         self.delta = positive_param(owner, "delta", delta, upper=upper)
-        self.delta_low = positive_param(owner, "delta_low", self.delta if delta_low is None else delta_low, upper=upper)
+        self.delta_low = positive_param(
+            owner, "delta_low", self.delta if delta_low is None else delta_low, upper=upper
+        )
         self.delta_high = positive_param(
             owner, "delta_high", self.delta if delta_high is None else delta_high, upper=upper
         )

@@ -34,7 +34,9 @@ class GRPOLoss(PolicyLoss):
         super().__init__(name, aggregation)
         owner = "GRPOLoss"
         self.clip_eps = positive_param(owner, "clip_eps", clip_eps)
-        self.eps_low = positive_param(owner, "clip_eps_low", self.clip_eps if clip_eps_low is None else clip_eps_low)
+        self.eps_low = positive_param(
+            owner, "clip_eps_low", self.clip_eps if clip_eps_low is None else clip_eps_low
+        )
         self.eps_high = positive_param(
             owner, "clip_eps_high", self.clip_eps if clip_eps_high is None else clip_eps_high
         )
@@ -49,7 +51,9 @@ class GRPOLoss(PolicyLoss):
     def trust_region_masks(
         self, logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        drop = dppo_drop_mask(logp, sampler_logp, advantages, "binary_tv", self.cf_dppo_delta, self.cf_dppo_delta)
+        drop = dppo_drop_mask(
+            logp, sampler_logp, advantages, "binary_tv", self.cf_dppo_delta, self.cf_dppo_delta
+        )
         clip = ppo_clip_active(logp, sampler_logp, advantages, self.eps_low, self.eps_high)
         return drop, clip
 

@@ -38,8 +38,7 @@ def check_loss_inputs(
                 f"first at index {tuple(bad.nonzero()[0].tolist())}"
             )
     m = mask.detach()
-    if m.dtype != torch.bool:
-        if not bool(((m == 0) | (m == 1)).all()):
-            raise ValueError("loss input 'mask' must contain only 0 and 1")
+    if m.dtype != torch.bool and not bool(((m == 0) | (m == 1)).all()):
+        raise ValueError("loss input 'mask' must contain only 0 and 1")
     if not bool((m != 0).any()):
         raise ValueError("loss input 'mask' is empty: it selects no loss tokens")

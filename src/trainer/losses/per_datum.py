@@ -16,15 +16,21 @@ losses, only `aggregation="sum"` can be expressed.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
 from trainer.losses.adapter import ADVANTAGES_KEY, MASK_KEY, SAMPLER_LOGPROBS_KEY, default_mask
 
 PER_DATUM_SAMPLER_KEY = "sampler_logprobs"
-PER_DATUM_INPUT_RANKS: dict[str, int] = {"logprobs": 1, PER_DATUM_SAMPLER_KEY: 1, ADVANTAGES_KEY: 1, MASK_KEY: 1}
+PER_DATUM_INPUT_RANKS: dict[str, int] = {
+    "logprobs": 1,
+    PER_DATUM_SAMPLER_KEY: 1,
+    ADVANTAGES_KEY: 1,
+    MASK_KEY: 1,
+}
 
 # Per-datum metric sums (tinker metric-key rule custom/<name>:sum) and how
 # `finalize_per_datum_metrics` turns them into the shared diagnostic keys.

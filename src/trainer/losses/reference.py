@@ -18,8 +18,8 @@ Slow by design; meant for fixtures of a few thousand tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 Rows = Sequence[Sequence[float]]
 
@@ -35,7 +35,7 @@ def ref_grpo_token(lp: float, slp: float, a: float, eps_low: float, eps_high: fl
     """(loss, dloss/dlogp) of one token under the PPO clip."""
     r = math.exp(lp - slp)
     lo, hi = 1.0 - eps_low, 1.0 + eps_high
-    r_clipped = lo if r < lo else (hi if r > hi else r)
+    r_clipped = lo if r < lo else (min(r, hi))
     unclipped, clipped = r * a, r_clipped * a
     if clipped < unclipped:
         return -clipped, 0.0
@@ -94,7 +94,7 @@ def _weights(mask: Rows, aggregation: str) -> list[list[float]]:
 def _quantile(sorted_vals: list[float], q: float) -> float:
     """Linear interpolation between order statistics (numpy / torch default)."""
     pos = q * (len(sorted_vals) - 1)
-    lo = int(math.floor(pos))
+    lo = math.floor(pos)
     hi = min(lo + 1, len(sorted_vals) - 1)
     return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
 
@@ -183,11 +183,24 @@ def ref_grpo(
 ) -> RefResult:
     """Reference GRPO loss value, gradient and diagnostics on `[B][T]` nested lists."""
     res = _reduce(
-        lambda lp, slp, a: ref_grpo_token(lp, slp, a, eps_low, eps_high), logp, sampler_logp, adv, mask, aggregation
+        lambda lp, slp, a: ref_grpo_token(lp, slp, a, eps_low, eps_high),
+        logp,
+        sampler_logp,
+        adv,
+        mask,
+        aggregation,
     )
     res.metrics = ref_diagnostics(
-        logp, sampler_logp, adv, mask, drop_mode="binary_tv", drop_delta_low=cf_dppo_delta,
-        drop_delta_high=cf_dppo_delta, clip_eps_low=eps_low, clip_eps_high=eps_high, cap=cap,
+        logp,
+        sampler_logp,
+        adv,
+        mask,
+        drop_mode="binary_tv",
+        drop_delta_low=cf_dppo_delta,
+        drop_delta_high=cf_dppo_delta,
+        clip_eps_low=eps_low,
+        clip_eps_high=eps_high,
+        cap=cap,
     )
     return res
 
@@ -208,10 +221,22 @@ def ref_dppo(
     """Reference DPPO loss value, gradient and diagnostics on `[B][T]` nested lists."""
     res = _reduce(
         lambda lp, slp, a: ref_dppo_token(lp, slp, a, mode, delta_low, delta_high, cap),
-        logp, sampler_logp, adv, mask, aggregation,
+        logp,
+        sampler_logp,
+        adv,
+        mask,
+        aggregation,
     )
     res.metrics = ref_diagnostics(
-        logp, sampler_logp, adv, mask, drop_mode=mode, drop_delta_low=delta_low, drop_delta_high=delta_high,
-        clip_eps_low=cf_grpo_eps, clip_eps_high=cf_grpo_eps, cap=cap,
+        logp,
+        sampler_logp,
+        adv,
+        mask,
+        drop_mode=mode,
+        drop_delta_low=delta_low,
+        drop_delta_high=delta_high,
+        clip_eps_low=cf_grpo_eps,
+        clip_eps_high=cf_grpo_eps,
+        cap=cap,
     )
     return res

@@ -7,7 +7,8 @@ name-based view of the same classes (used by CLIs, tests and the preflight gates
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 LOSSES: dict[str, type] = {}
 

@@ -41,7 +41,9 @@ class Check:
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
-            raise ValueError(f"Check {self.name!r}: status must be one of {list(STATUSES)}, got {self.status!r}")
+            raise ValueError(
+                f"Check {self.name!r}: status must be one of {list(STATUSES)}, got {self.status!r}"
+            )
 
 
 @dataclass
@@ -91,6 +93,7 @@ class GateReport:
         target = target_dir / f"{self.gate}.json"
         fd, tmp = tempfile.mkstemp(prefix=f".{self.gate}.", suffix=".tmp", dir=target_dir)
         try:
+            os.chmod(tmp, 0o644)  # mkstemp creates 0600; the report is meant to be shared
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(self.to_json() + "\n")
                 f.flush()

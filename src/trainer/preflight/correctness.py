@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -57,8 +58,10 @@ class Fixture:
 
     def rows(self, dtype: torch.dtype = torch.float64) -> tuple[list, list, list, list]:
         """Nested float lists (after rounding through `dtype`) for the reference."""
+
         def conv(t: torch.Tensor) -> list:
             return t.to(dtype).to(torch.float64).tolist()
+
         return conv(self.logp_BT), conv(self.sampler_logp_BT), conv(self.adv_BT), self.mask_BT.tolist()
 
     def stats(self) -> dict[str, Any]:
@@ -130,29 +133,57 @@ class Case:
 
 def default_cases() -> list[Case]:
     return [
-        Case("grpo", lambda agg: GRPOLoss(aggregation=agg),
-             lambda *rows, aggregation: ref_grpo(*rows, aggregation=aggregation), AGGREGATIONS),
-        Case("dppo_binary_tv", lambda agg: DPPOLoss(mode="binary_tv", aggregation=agg),
-             lambda *rows, aggregation: ref_dppo(*rows, mode="binary_tv", delta_low=0.15, delta_high=0.15,
-                                                 aggregation=aggregation), AGGREGATIONS),
-        Case("dppo_binary_kl", lambda agg: DPPOLoss(mode="binary_kl", aggregation=agg),
-             lambda *rows, aggregation: ref_dppo(*rows, mode="binary_kl", delta_low=0.05, delta_high=0.05,
-                                                 aggregation=aggregation), AGGREGATIONS),
-        Case("grpo_clip_higher", lambda agg: GRPOLoss(clip_eps_low=0.2, clip_eps_high=0.28, aggregation=agg),
-             lambda *rows, aggregation: ref_grpo(*rows, eps_low=0.2, eps_high=0.28, aggregation=aggregation),
-             ("sum",)),
-        Case("dppo_tv_asym_c3",
-             lambda agg: DPPOLoss(mode="binary_tv", delta_low=0.1, delta_high=0.2, is_cap=3.0, aggregation=agg),
-             lambda *rows, aggregation: ref_dppo(*rows, mode="binary_tv", delta_low=0.1, delta_high=0.2, cap=3.0,
-                                                 aggregation=aggregation), ("sum",)),
+        Case(
+            "grpo",
+            lambda agg: GRPOLoss(aggregation=agg),
+            lambda *rows, aggregation: ref_grpo(*rows, aggregation=aggregation),
+            AGGREGATIONS,
+        ),
+        Case(
+            "dppo_binary_tv",
+            lambda agg: DPPOLoss(mode="binary_tv", aggregation=agg),
+            lambda *rows, aggregation: ref_dppo(
+                *rows, mode="binary_tv", delta_low=0.15, delta_high=0.15, aggregation=aggregation
+            ),
+            AGGREGATIONS,
+        ),
+        Case(
+            "dppo_binary_kl",
+            lambda agg: DPPOLoss(mode="binary_kl", aggregation=agg),
+            lambda *rows, aggregation: ref_dppo(
+                *rows, mode="binary_kl", delta_low=0.05, delta_high=0.05, aggregation=aggregation
+            ),
+            AGGREGATIONS,
+        ),
+        Case(
+            "grpo_clip_higher",
+            lambda agg: GRPOLoss(clip_eps_low=0.2, clip_eps_high=0.28, aggregation=agg),
+            lambda *rows, aggregation: ref_grpo(*rows, eps_low=0.2, eps_high=0.28, aggregation=aggregation),
+            ("sum",),
+        ),
+        Case(
+            "dppo_tv_asym_c3",
+            lambda agg: DPPOLoss(
+                mode="binary_tv", delta_low=0.1, delta_high=0.2, is_cap=3.0, aggregation=agg
+            ),
+            lambda *rows, aggregation: ref_dppo(
+                *rows, mode="binary_tv", delta_low=0.1, delta_high=0.2, cap=3.0, aggregation=aggregation
+            ),
+            ("sum",),
+        ),
     ]
 
 
 def _loss_check(name: str, value: float, ref: float) -> Check:
     err = abs(value - ref)
     tol = LOSS_ATOL + LOSS_RTOL * abs(ref)
-    return Check(f"{name}/loss", err, f"<= {tol:.3g}", "pass" if err <= tol else "fail",
-                 f"plugin {value:.10g} ref {ref:.10g}")
+    return Check(
+        f"{name}/loss",
+        err,
+        f"<= {tol:.3g}",
+        "pass" if err <= tol else "fail",
+        f"plugin {value:.10g} ref {ref:.10g}",
+    )
 
 
 def _grad_stats(grad: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
@@ -167,8 +198,13 @@ def _grad_stats(grad: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, fl
 def _grad_checks(name: str, grad: torch.Tensor, ref: torch.Tensor) -> list[Check]:
     ratio, max_err, cosine = _grad_stats(grad, ref)
     return [
-        Check(f"{name}/grad", ratio, "<= 1 (err / (atol + rtol*|ref|))", "pass" if ratio <= 1.0 else "fail",
-              f"max abs err {max_err:.3g}"),
+        Check(
+            f"{name}/grad",
+            ratio,
+            "<= 1 (err / (atol + rtol*|ref|))",
+            "pass" if ratio <= 1.0 else "fail",
+            f"max abs err {max_err:.3g}",
+        ),
         Check(f"{name}/grad_cosine", cosine, f">= {MIN_COSINE}", "pass" if cosine >= MIN_COSINE else "fail"),
     ]
 
@@ -183,8 +219,13 @@ def _metric_check(name: str, metrics: dict[str, float], ref: dict[str, float], r
         rel = abs(metrics[k] - ref[k]) / max(abs(ref[k]), 1e-12) if metrics[k] != ref[k] else 0.0
         if rel > worst:
             worst_key, worst = k, rel
-    return Check(f"{name}/metrics", worst, f"<= {rtol:g} rel", "pass" if worst <= rtol else "fail",
-                 f"worst {worst_key}" if worst_key else "all equal")
+    return Check(
+        f"{name}/metrics",
+        worst,
+        f"<= {rtol:g} rel",
+        "pass" if worst <= rtol else "fail",
+        f"worst {worst_key}" if worst_key else "all equal",
+    )
 
 
 def _plugin_f64(loss: Any, fx: Fixture) -> tuple[float, torch.Tensor, dict[str, float]]:
@@ -224,7 +265,9 @@ def _datums(fx: Fixture, with_mask: bool = True) -> tuple[list, list[torch.Tenso
         }
         if with_mask:
             inputs["mask"] = types.TensorData.from_torch(m)
-        data.append(types.Datum(model_input=types.ModelInput.from_ints(list(range(n))), loss_fn_inputs=inputs))
+        data.append(
+            types.Datum(model_input=types.ModelInput.from_ints(list(range(n))), loss_fn_inputs=inputs)
+        )
         logprobs.append(fx.logp_BT[i, sel].float())
     return data, logprobs
 
@@ -241,8 +284,12 @@ def _ref_rows_f32(fx: Fixture) -> tuple[list, list, list, list]:
 
 
 def _unpad(fx: Fixture, grad_rows: list[list[float]]) -> torch.Tensor:
-    return torch.cat([torch.tensor(grad_rows[i][: p + r], dtype=torch.float64)
-                      for i, (p, r) in enumerate(zip(fx.prompt_len_B, fx.resp_len_B))])
+    return torch.cat(
+        [
+            torch.tensor(grad_rows[i][: p + r], dtype=torch.float64)
+            for i, (p, r) in enumerate(zip(fx.prompt_len_B, fx.resp_len_B))
+        ]
+    )
 
 
 def _run_custom(fn: Callable, data: list, logprobs: list[torch.Tensor]) -> tuple[float, torch.Tensor, dict]:
@@ -281,8 +328,13 @@ def _fixture_checks(fx: Fixture) -> list[Check]:
 
 def _negative_control(name: str, grad: torch.Tensor, wrong_ref: RefResult, detail: str) -> Check:
     ratio, max_err, _ = _grad_stats(grad, torch.tensor(wrong_ref.grad, dtype=torch.float64))
-    return Check(f"negative/{name}", ratio, "> 1 (must differ)", "pass" if ratio > 1.0 else "fail",
-                 f"{detail}; max abs grad diff {max_err:.3g}")
+    return Check(
+        f"negative/{name}",
+        ratio,
+        "> 1 (must differ)",
+        "pass" if ratio > 1.0 else "fail",
+        f"{detail}; max abs grad diff {max_err:.3g}",
+    )
 
 
 def collect_checks(fx: Fixture, cases: list[Case] | None = None, *, controls: bool = True) -> list[Check]:
@@ -306,7 +358,9 @@ def collect_checks(fx: Fixture, cases: list[Case] | None = None, *, controls: bo
             if agg == "sum":
                 checks.append(_metric_check(f"f64/{name}", metrics, ref.metrics, METRIC_RTOL_F64))
                 if set(metrics) != set(DIAGNOSTIC_KEYS):
-                    checks.append(Check(f"f64/{name}/metric_keys", sorted(metrics), "DIAGNOSTIC_KEYS", "fail"))
+                    checks.append(
+                        Check(f"f64/{name}/metric_keys", sorted(metrics), "DIAGNOSTIC_KEYS", "fail")
+                    )
             # float32 datums through the forward_backward_custom adapter
             ref32 = case.reference(*rows32, aggregation=agg)
             v32, g32, _ = _run_custom(make_custom_loss_fn(loss), data, logprobs32)
@@ -320,8 +374,15 @@ def collect_checks(fx: Fixture, cases: list[Case] | None = None, *, controls: bo
     return checks
 
 
-def _per_datum_checks(name: str, loss: Any, data: list, logprobs: list, ref: RefResult, fx: Fixture,
-                      tracer: tuple[Callable, Callable] | None) -> list[Check]:
+def _per_datum_checks(
+    name: str,
+    loss: Any,
+    data: list,
+    logprobs: list,
+    ref: RefResult,
+    fx: Fixture,
+    tracer: tuple[Callable, Callable] | None,
+) -> list[Check]:
     if tracer is None:
         return [Check(f"{name}/trace", "tinker custom_loss not importable", "traces", "unverified")]
     trace_loss, run_loss_handle = tracer
@@ -348,14 +409,24 @@ def _negative_controls(fx: Fixture, rows64: tuple) -> list[Check]:
     _, grad_asym, _ = _plugin_f64(DPPOLoss(mode="binary_tv", delta_low=0.1, delta_high=0.2), fx)
     all_ones = [[1.0] * len(row) for row in mask]
     return [
-        _negative_control("grpo_mask_includes_padding", grad_grpo, ref_grpo(logp, slp, adv, all_ones),
-                          "reference fed an all-ones loss mask"),
-        _negative_control("dppo_trust_region_off", grad_tv,
-                          ref_dppo(logp, slp, adv, mask, delta_low=math.inf, delta_high=math.inf),
-                          "reference DPPO with delta = inf (no tokens dropped)"),
-        _negative_control("dppo_delta_low_high_swapped", grad_asym,
-                          ref_dppo(logp, slp, adv, mask, delta_low=0.2, delta_high=0.1),
-                          "reference with delta_low/delta_high swapped"),
+        _negative_control(
+            "grpo_mask_includes_padding",
+            grad_grpo,
+            ref_grpo(logp, slp, adv, all_ones),
+            "reference fed an all-ones loss mask",
+        ),
+        _negative_control(
+            "dppo_trust_region_off",
+            grad_tv,
+            ref_dppo(logp, slp, adv, mask, delta_low=math.inf, delta_high=math.inf),
+            "reference DPPO with delta = inf (no tokens dropped)",
+        ),
+        _negative_control(
+            "dppo_delta_low_high_swapped",
+            grad_asym,
+            ref_dppo(logp, slp, adv, mask, delta_low=0.2, delta_high=0.1),
+            "reference with delta_low/delta_high swapped",
+        ),
     ]
 
 
@@ -369,8 +440,13 @@ def run(out_dir: Path | None = None, *, seed: int = 0, quiet: bool = False) -> G
         checks=collect_checks(fx),
         meta={
             "fixture": fx.stats(),
-            "tolerances": {"loss_atol": LOSS_ATOL, "loss_rtol": LOSS_RTOL, "grad_atol": GRAD_ATOL,
-                           "grad_rtol": GRAD_RTOL, "min_cosine": MIN_COSINE},
+            "tolerances": {
+                "loss_atol": LOSS_ATOL,
+                "loss_rtol": LOSS_RTOL,
+                "grad_atol": GRAD_ATOL,
+                "grad_rtol": GRAD_RTOL,
+                "min_cosine": MIN_COSINE,
+            },
             "torch": torch.__version__,
             "tinker": getattr(tinker, "__version__", "unknown"),
         },
@@ -386,7 +462,9 @@ def run(out_dir: Path | None = None, *, seed: int = 0, quiet: bool = False) -> G
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="directory; writes <out>/preflight/correctness.json")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="directory; writes <out>/preflight/correctness.json"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     return 0 if run(args.out, seed=args.seed).passed else 1
