@@ -18,12 +18,15 @@ from typing import Any, Callable
 
 import numpy as np
 import tinker
+import torch
 from omegaconf import DictConfig
 
 from trainer.advantages import compute_advantages
 from trainer.config.schema import arm_name
 from trainer.checkpoint import (CheckpointInfo, config_hash, load_checkpoint, rng_state, save_checkpoint,
                                 truncate_log)
+from trainer.losses.adapter import datum_inputs
+from trainer.losses.per_datum import finalize_per_datum_metrics, with_per_datum_inputs
 from trainer.datums import Rollout, rollout_to_datum, split_minibatches
 from trainer.lr_schedule import lr_at
 from trainer.metrics_sink import MetricsSink
@@ -202,6 +205,8 @@ class RLLoop:
         rows = []
         for u, mb in enumerate(minibatches):
             t_u = time.time()
+            if self.loss_path == "one_pass":
+                mb = [with_per_datum_inputs(d) for d in mb]
             fb = self._train_call("forward_backward", lambda mb=mb: self.tc.forward_backward_custom(
                 mb, self.custom_loss).result())
             lr = lr_at(state.optim_steps, s.num_steps * s.updates_per_batch, cfg.optimizer.lr, s.lr_schedule,
@@ -213,7 +218,7 @@ class RLLoop:
             state.optim_steps += 1
             row = {"step": step, "update": u, "global_update": state.optim_steps - 1, "optim/lr": lr,
                    "loss/path": self.loss_path}
-            row.update(_fb_metrics(fb))
+            row.update(self._loss_metrics(fb, mb))
             for k, v in ((getattr(opt, "metrics", None) or {}).items()):
                 row[f"optim/{k.split(':')[0]}"] = float(v)
             row["time/update"] = time.time() - t_u
@@ -231,6 +236,23 @@ class RLLoop:
         if s.save_every and state.step % s.save_every == 0 and state.step < s.num_steps:
             self._save(state)
         return step_metrics["env/reward_mean"]
+
+    def _loss_metrics(self, fb: Any, mb: list) -> dict[str, Any]:
+        """The shared loss diagnostics of one update, whichever path computed the loss.
+
+        On the one-pass path the server returns per-datum sums only; quantiles and maxima are
+        recomputed here from the current logprobs the forward pass returned."""
+        if self.loss_path == "two_pass":
+            return _fb_metrics(fb)
+        out = finalize_per_datum_metrics(fb.metrics)
+        out["loss/value"] = float(fb.metrics.get("loss:sum", float("nan")))
+        logp = [torch.as_tensor(o["logprobs"].to_numpy(), dtype=torch.float32) for o in fb.loss_fn_outputs]
+        if len(logp) == len(mb):
+            slp, adv, mask = zip(*[datum_inputs(d, i, len(lp)) for i, (d, lp) in enumerate(zip(mb, logp))])
+            cat = [torch.cat(x) for x in (logp, slp, adv, mask)]
+            diag = self.loss_fn.diagnostics(*cat)
+            out.update({k: v for k, v in diag.items() if k not in out})
+        return out
 
     def _train_call(self, what: str, fn: Callable[[], Any]) -> Any:
         try:
@@ -302,7 +324,7 @@ def _rollout_samples(task: Any, rollouts: list[Rollout], step: int, k: int) -> l
         if r.group in seen:
             continue
         seen.add(r.group)
-        out.append({"step": step, "group": r.group, "prompt": task.decode(r.prompt_tokens),
+        out.append({"step": step, "group": r.group, "prompt": task.renderer.tokenizer.decode(r.prompt_tokens),
                     "completion": task.decode(r.tokens), "reward": r.reward, "advantage": r.advantage,
                     "stop_reason": r.stop_reason})
     return out

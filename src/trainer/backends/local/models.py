@@ -95,6 +95,38 @@ def _build_smollm2(out: Path) -> None:
     model.quantization_method = None
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    _clean_gguf_tokenizer(out, vocab_size=model.config.vocab_size, chat_template=tok.chat_template)
+
+
+def _clean_gguf_tokenizer(folder: Path, *, vocab_size: int, chat_template: str) -> None:
+    """Rebuild SmolLM2's tokenizer as the GPT-2-style ByteLevel BPE it is.
+
+    transformers 5.5's GGUF converter produces a CodeLlama-flavoured tokenizer for this file: eos set
+    to `<|im_start|>`, a post-processor that prepends `<|im_start|>` to every encoding, a SentencePiece
+    (`▁`) decoder and five FIM tokens with ids >= the model's vocab (49152..49156). The BPE vocab and
+    merges are right; this keeps them with a ByteLevel pre-tokenizer/decoder, no post-processor, the
+    17 original specials, bos `<|im_start|>`, eos = pad = `<|im_end|>` (ids 1 and 2, as in the
+    model's generation_config)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    path = folder / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < vocab_size]
+    spec["normalizer"] = None
+    spec["post_processor"] = None
+    spec["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                             "use_regex": True}
+    spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                       "use_regex": True}
+    tk = Tokenizer.from_str(json.dumps(spec))
+    for f in folder.glob("tokenizer*"):
+        f.unlink()
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    tok.chat_template = chat_template
+    tok.save_pretrained(folder)
 
 
 # ----------------------------------------------------------------------------------- tiny random
