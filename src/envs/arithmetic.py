@@ -90,7 +90,7 @@ class ArithmeticTask(Task):
         for key, v in (("seed", seed), ("n_examples", n_examples), ("n_test", n_test),
                        ("max_digits", max_digits), ("min_digits", min_digits)):
             if not isinstance(v, int) or isinstance(v, bool):
-                raise ValueError(f"env.{key} must be an integer, got {v!r}")
+                raise TypeError(f"env.{key} must be an integer, got {v!r}")
         if n_examples < 1 or n_test < 1:
             raise ValueError(f"env.n_examples and env.n_test must be >= 1, got {n_examples}, {n_test}")
         if not 1 <= min_digits <= max_digits <= 9:

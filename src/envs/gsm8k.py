@@ -32,7 +32,7 @@ class GSM8KTask(Task):
         if n_examples is not None and (not isinstance(n_examples, int) or n_examples < 1):
             raise ValueError(f"env.n_examples must be an integer >= 1 or null, got {n_examples!r}")
         if not isinstance(seed, int):
-            raise ValueError(f"env.seed must be an integer, got {seed!r}")
+            raise TypeError(f"env.seed must be an integer, got {seed!r}")
         if format_coef < 0:
             raise ValueError(f"env.format_coef must be >= 0, got {format_coef!r}")
         self.source, self.seed, self.n_examples = source, seed, n_examples

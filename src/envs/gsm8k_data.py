@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -78,7 +78,8 @@ def rows_to_problems(rows: Iterable[tuple[str, object]]) -> list[Problem]:
     out: list[Problem] = []
     for where, rec in rows:
         if not isinstance(rec, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            # ValueError like every other malformed-record error, so callers catch one type
+            raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")  # noqa: TRY004
         for key in ("question", "answer"):
             if key not in rec:
                 raise ValueError(f"{where}: missing key {key!r}")

@@ -17,7 +17,8 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from tinker_cookbook.tokenizer_utils import register_tokenizer
 

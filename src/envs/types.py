@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from tinker_cookbook import renderers
 from tinker_cookbook.rl.types import Env

@@ -214,6 +214,10 @@ class GSM8KEnvConfig:
     n_examples: Optional[int] = None
     # few-shot conversation prefix: standard (cookbook) | none
     convo_prefix: str = "standard"
+    # reward penalty for a missing \\boxed{} or stop token (cookbook format_coef)
+    format_coef: float = 0.1
+    # optional system message prepended to every prompt
+    system_prompt: Optional[str] = None
     # completion budget per sample (tokens)
     max_tokens: int = 512
 
@@ -221,6 +225,7 @@ class GSM8KEnvConfig:
         if self.n_examples is not None:
             _positive_int("n_examples", self.n_examples)
         _in_set("convo_prefix", self.convo_prefix, ("standard", "none"))
+        _require(self.format_coef >= 0, "format_coef", "must be >= 0", self.format_coef)
         _positive_int("max_tokens", self.max_tokens)
 
 
@@ -236,6 +241,14 @@ class ArithmeticEnvConfig:
     n_test: int = 200
     # largest number of digits of an operand (1 = 0-9, 2 = 0-99)
     max_digits: int = 2
+    # smallest number of digits of an operand
+    min_digits: int = 1
+    # few-shot conversation prefix: none (plain prompt) | standard (cookbook)
+    convo_prefix: str = "none"
+    # reward penalty for a missing stop token (cookbook format_coef)
+    format_coef: float = 0.1
+    # optional system message prepended to every prompt
+    system_prompt: Optional[str] = None
     # completion budget per sample (tokens)
     max_tokens: int = 64
 
@@ -243,6 +256,10 @@ class ArithmeticEnvConfig:
         _positive_int("n_examples", self.n_examples)
         _positive_int("n_test", self.n_test)
         _require(1 <= self.max_digits <= 6, "max_digits", "must be in [1, 6]", self.max_digits)
+        _require(1 <= self.min_digits <= self.max_digits, "min_digits", "must be in [1, max_digits]",
+                 self.min_digits)
+        _in_set("convo_prefix", self.convo_prefix, ("standard", "none"))
+        _require(self.format_coef >= 0, "format_coef", "must be >= 0", self.format_coef)
         _positive_int("max_tokens", self.max_tokens)
 
 
