@@ -19,6 +19,10 @@ CHECKPOINT_FILE = "checkpoint.json"
 RESUME_IGNORED_KEYS = ("resume", "checkpoint", "logger", "preflight", "retry", "backend.faults")
 
 
+class ResumeError(RuntimeError):
+    """The run folder's saved state cannot be resumed; nothing in it was modified."""
+
+
 @dataclass
 class CheckpointInfo:
     # opaque backend path of the saved state (weights + optimizer), e.g. tinker://...
@@ -64,20 +68,44 @@ def load_checkpoint(run_dir: Path) -> CheckpointInfo | None:
     path = run_dir / CHECKPOINT_FILE
     if not path.exists():
         return None
-    d = read_json(path, "checkpoint metadata")
+    try:
+        d = read_json(path, "checkpoint metadata")
+    except ValueError as e:
+        raise ResumeError(str(e)) from None
+    if not isinstance(d, dict):
+        raise ResumeError(f"{path}: corrupt checkpoint metadata (not a JSON object)")
     missing = [k for k in ("tinker_path", "step", "optim_steps", "data_cursor", "config_hash") if k not in d]
     if missing:
-        raise ValueError(f"{path}: corrupt checkpoint metadata, missing keys {missing}")
-    if not isinstance(d["step"], int) or d["step"] < 0:
-        raise ValueError(f"{path}: corrupt checkpoint metadata, bad step {d['step']!r}")
+        raise ResumeError(f"{path}: corrupt checkpoint metadata, missing keys {missing}")
+    for k in ("step", "optim_steps", "data_cursor"):
+        if not isinstance(d[k], int) or d[k] < 0:
+            raise ResumeError(f"{path}: corrupt checkpoint metadata, bad {k} {d[k]!r}")
     return CheckpointInfo(**{k: d[k] for k in CheckpointInfo.__dataclass_fields__ if k in d})
+
+
+def check_resumable(run_dir: Path, cfg_hash: str) -> CheckpointInfo | None:
+    """Validate a run folder's saved state before anything is written to it."""
+    ckpt = load_checkpoint(run_dir)
+    if ckpt is not None and ckpt.config_hash != cfg_hash:
+        raise ResumeError(
+            f"{run_dir / CHECKPOINT_FILE} was written by a different config (hash {ckpt.config_hash} != "
+            f"{cfg_hash}); refusing to resume into it. Use a new run folder.")
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        try:
+            read_jsonl_lenient(run_dir / name)
+        except ValueError as e:
+            raise ResumeError(str(e)) from None
+    return ckpt
 
 
 def truncate_log(path: Path, keep_steps_below: int) -> tuple[int, int]:
     """Keep only rows with step < keep_steps_below (they will be redone); repair a torn last line.
 
     Returns (rows kept, rows dropped)."""
-    rows, torn = read_jsonl_lenient(path)
+    try:
+        rows, torn = read_jsonl_lenient(path)
+    except ValueError as e:
+        raise ResumeError(str(e)) from None
     kept = [r for r in rows if int(r.get("step", -1)) < keep_steps_below]
     dropped = len(rows) - len(kept) + torn
     if dropped or torn:

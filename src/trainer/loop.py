@@ -23,8 +23,8 @@ from omegaconf import DictConfig
 
 from trainer.advantages import compute_advantages
 from trainer.config.schema import arm_name
-from trainer.checkpoint import (CheckpointInfo, config_hash, load_checkpoint, rng_state, save_checkpoint,
-                                truncate_log)
+from trainer.checkpoint import (CheckpointInfo, ResumeError, check_resumable, config_hash, rng_state,
+                                save_checkpoint, truncate_log)
 from trainer.losses.adapter import datum_inputs
 from trainer.losses.per_datum import finalize_per_datum_metrics, with_per_datum_inputs
 from trainer.datums import Rollout, rollout_to_datum, split_minibatches
@@ -95,14 +95,13 @@ class RLLoop:
 
     # ------------------------------------------------------------------ resume
     def _start(self) -> LoopState:
-        ckpt = load_checkpoint(self.run_dir)
-        metrics_path = self.run_dir / "metrics.jsonl"
+        ckpt = check_resumable(self.run_dir, self.cfg_hash)
         if ckpt is not None:
-            if ckpt.config_hash != self.cfg_hash:
-                raise ValueError(
-                    f"{self.run_dir / 'checkpoint.json'} was written by a different config (hash "
-                    f"{ckpt.config_hash} != {self.cfg_hash}); refusing to resume into it. Use a new run folder.")
-            self.tc = self._restore_training_client(ckpt.tinker_path)
+            try:
+                self.tc = self._restore_training_client(ckpt.tinker_path)
+            except (FileNotFoundError, ValueError) as e:
+                raise ResumeError(f"cannot restore {ckpt.tinker_path} named in "
+                                  f"{self.run_dir / 'checkpoint.json'}: {e}") from None
             state = LoopState(ckpt.step, ckpt.optim_steps, ckpt.data_cursor, ckpt)
             log.info("resuming from %s at step %d", ckpt.tinker_path, ckpt.step)
         else:
@@ -112,7 +111,6 @@ class RLLoop:
             kept, dropped = truncate_log(self.run_dir / name, state.step)
             if dropped:
                 log.info("%s: dropped %d rows after step %d (redone on resume)", name, dropped, state.step)
-        del metrics_path
         self._record_info()
         return state
 

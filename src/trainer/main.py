@@ -142,9 +142,21 @@ def run_training(cfg: DictConfig) -> float | None:
     except (FileNotFoundError, ValueError, KeyError) as e:
         fail(f"data/env: {e}")
 
+    from trainer.checkpoint import ResumeError, check_resumable, config_hash
+
     config_dict = resolved_config_dict(cfg)
     batch = batch_arithmetic(cfg)
-    info = write_run_files(run_dir, cfg, {"batch": batch, "run_dir": str(run_dir)})
+    try:
+        resuming = check_resumable(run_dir, config_hash(config_dict)) is not None
+    except ResumeError as e:
+        fail(f"resume: {e}")
+    if resuming:  # the folder's config.yaml / run_info.json stay as the run first wrote them
+        from trainer.utils.io import read_json
+
+        info = read_json(run_dir / "run_info.json", "run info")
+        print(f"resuming the run in {run_dir}", flush=True)
+    else:
+        info = write_run_files(run_dir, cfg, {"batch": batch, "run_dir": str(run_dir)})
     if sweep_dir is not None:
         from hydra.core.hydra_config import HydraConfig
 
@@ -161,7 +173,10 @@ def run_training(cfg: DictConfig) -> float | None:
         loop.on_step_end = lambda step: periodic_eval(cfg, loop, etask, run_dir, step)
     setup_s = time.time() - t_setup
     t_train = time.time()
-    result = loop.run()
+    try:
+        result = loop.run()
+    except ResumeError as e:
+        fail(f"resume: {e}")
     result["time/setup"] = setup_s
     result["time/train_total"] = time.time() - t_train
 

@@ -315,10 +315,10 @@ class LocalBackendConfig:
     name: str = "local"
     # where the engine persists checkpoints (null = <run dir>/engine)
     state_dir: Optional[str] = None
-    # sampler weight precision: bfloat16 | float32
-    sampler_dtype: str = "bfloat16"
-    # training precision: float32 | bfloat16 (autocast)
-    train_dtype: str = "bfloat16"
+    # sampler weight precision: auto (bf16 only where the CPU has AVX512_BF16/AMX) | bfloat16 | float32
+    sampler_dtype: str = "auto"
+    # training precision: auto | float32 | bfloat16 (autocast)
+    train_dtype: str = "auto"
     # sequences per forward/backward micro-batch
     micro_batch_size: int = 8
     # sequences decoded together by the sampler
@@ -329,8 +329,8 @@ class LocalBackendConfig:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def __post_init__(self) -> None:
-        _in_set("sampler_dtype", self.sampler_dtype, ("bfloat16", "float32"))
-        _in_set("train_dtype", self.train_dtype, ("bfloat16", "float32"))
+        _in_set("sampler_dtype", self.sampler_dtype, ("auto", "bfloat16", "float32"))
+        _in_set("train_dtype", self.train_dtype, ("auto", "bfloat16", "float32"))
         _positive_int("micro_batch_size", self.micro_batch_size)
         _positive_int("max_sample_batch", self.max_sample_batch)
         if self.num_threads is not None:

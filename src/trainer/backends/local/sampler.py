@@ -16,8 +16,8 @@ Sampling conventions (Tinker leaves them undocumented):
   truncation), i.e. the tempered distribution; greedy (T = 0 or top_k = 1) reports the T = 1 logprob.
 - a stop token id ends the sequence and is included once; a stop string ends it at the token whose
   decoding completes the string (that token included); stop_reason "stop", else "length".
-- seeded requests draw from their own `torch.Generator`, one multinomial over all of the request's
-  rows per step, so the draws do not depend on which other requests share the batch.
+- seeded requests draw from their own `torch.Generator` (one uniform per row per step, inverse-CDF),
+  so the draws do not depend on which other requests share the batch.
 """
 
 from __future__ import annotations
@@ -146,36 +146,28 @@ def _mlp(W: SamplerWeights, L: _Layer, x: torch.Tensor) -> torch.Tensor:
     return F.linear(W.act(g) * u, L.down)
 
 
-def prefill(W: SamplerWeights, ids_RT: torch.Tensor, pad_R: torch.Tensor,
-            cache: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
-    """Run left-padded prompts `[R, T]`; write K/V into `cache[l][:, :, :T]` (rows R) when given.
-    Returns the final-normed hidden states `[R, T, H]`."""
-    R, T = ids_RT.shape
+def prefill(W: SamplerWeights, ids_T: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+            row: int = 0, offset: int = 0) -> torch.Tensor:
+    """Run one prompt `[T]` (unpadded: no FLOPs on padding); write its K/V into
+    `cache[l][row, :, offset:offset + T]` when given. Returns final-normed hidden states `[T, H]`."""
+    T = ids_T.shape[0]
     nh, nkv, hd = W.n_heads, W.n_kv, W.head_dim
-    ar = torch.arange(T)
-    pos_RT = (ar.unsqueeze(0) - pad_R.unsqueeze(1)).clamp(min=0)
-    cos = W.cos[pos_RT].unsqueeze(1)  # [R,1,T,hd]
-    sin = W.sin[pos_RT].unsqueeze(1)
-    causal = ar.unsqueeze(1) >= ar.unsqueeze(0)  # [T(q), T(k)]
-    valid_k = ar.unsqueeze(0) >= pad_R.unsqueeze(1)  # [R, T(k)]
-    # pad queries see themselves only, so no softmax row is empty (NaNs would leak through 0 * NaN)
-    mask = (causal.unsqueeze(0) & valid_k.unsqueeze(1)) | torch.eye(T, dtype=torch.bool).unsqueeze(0)
-    mask = mask.unsqueeze(1)  # [R,1,T,T]
-    x = F.embedding(ids_RT, W.embed)
+    cos = W.cos[:T].view(1, 1, T, hd)
+    sin = W.sin[:T].view(1, 1, T, hd)
+    x = F.embedding(ids_T.view(1, T), W.embed)
     for li, L in enumerate(W.layers):
         h = _rms(x, L.in_norm, W.eps)
-        qkv = F.linear(h, L.qkv)
-        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = _rope(q.view(R, T, nh, hd).transpose(1, 2), cos, sin)
-        k = _rope(k.view(R, T, nkv, hd).transpose(1, 2), cos, sin)
-        v = v.view(R, T, nkv, hd).transpose(1, 2)
+        q, k, v = F.linear(h, L.qkv).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = _rope(q.view(1, T, nh, hd).transpose(1, 2), cos, sin)
+        k = _rope(k.view(1, T, nkv, hd).transpose(1, 2), cos, sin)
+        v = v.view(1, T, nkv, hd).transpose(1, 2)
         if cache is not None:
-            cache[li][0][:R, :, :T] = k
-            cache[li][1][:R, :, :T] = v
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nh)
-        x = x + F.linear(a.transpose(1, 2).reshape(R, T, nh * hd), L.o)
+            cache[li][0][row, :, offset: offset + T] = k[0]
+            cache[li][1][row, :, offset: offset + T] = v[0]
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
+        x = x + F.linear(a.transpose(1, 2).reshape(1, T, nh * hd), L.o)
         x = x + _mlp(W, L, _rms(x, L.post_norm, W.eps))
-    return _rms(x, W.final_norm, W.eps)
+    return _rms(x, W.final_norm, W.eps)[0]
 
 
 def decode_step(W: SamplerWeights, tok_B: torch.Tensor, t: int, pos_B: torch.Tensor, valid_BL: torch.Tensor,
@@ -210,33 +202,21 @@ def _target_logprobs(W: SamplerWeights, hidden_TH: torch.Tensor, targets_T: torc
     return logits.gather(-1, targets_T.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
 
 
-def _left_pad(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), T, dtype=torch.long)
-    pad = torch.empty(len(prompts), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, T - len(p):] = torch.tensor(p, dtype=torch.long)
-        pad[i] = T - len(p)
-    return ids, pad
-
-
-def prompt_logprobs(W: SamplerWeights, hidden_RTH: torch.Tensor, ids_RT: torch.Tensor, pad_R: torch.Tensor,
-                    row: int) -> list[float | None]:
-    """`[None, logp(tok_1 | tok_0), ...]` of one prefilled row."""
-    p0 = int(pad_R[row])
-    T = ids_RT.shape[1]
-    if T - p0 <= 1:
-        return [None] * (T - p0)
-    lp = _target_logprobs(W, hidden_RTH[row, p0:T - 1], ids_RT[row, p0 + 1:])
-    return [None] + lp.tolist()
+def prompt_logprobs(W: SamplerWeights, hidden_TH: torch.Tensor, ids_T: torch.Tensor) -> list[float | None]:
+    """`[None, logp(tok_1 | tok_0), ...]` of one prefilled prompt."""
+    if ids_T.shape[0] <= 1:
+        return [None] * ids_T.shape[0]
+    return [None] + _target_logprobs(W, hidden_TH[:-1], ids_T[1:]).tolist()
 
 
 @torch.no_grad()
 def score(W: SamplerWeights, prompts: Sequence[Sequence[int]]) -> list[list[float | None]]:
-    """Prompt logprobs of each prompt (entry 0 is None), batched in one prefill."""
-    ids, pad = _left_pad(prompts)
-    hidden = prefill(W, ids, pad, None)
-    return [prompt_logprobs(W, hidden, ids, pad, r) for r in range(len(prompts))]
+    """Prompt logprobs of each prompt (entry 0 is None)."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor(list(p), dtype=torch.long)
+        out.append(prompt_logprobs(W, prefill(W, ids), ids))
+    return out
 
 
 # ----------------------------------------------------------------------------------- sampling
@@ -294,11 +274,10 @@ def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None
     """Sample all `jobs` together: one prefill of the distinct prompts, then a decode loop over all rows."""
     if not jobs:
         return []
-    ids_RT, pad_R = _left_pad([j.prompt for j in jobs])
-    T = ids_RT.shape[1]
+    T = max(len(j.prompt) for j in jobs)
     L = T + max(j.max_tokens for j in jobs)
     if L > W.max_context:
-        raise ValueError(f"padded prompt ({T}) + max_tokens exceeds the model context ({W.max_context})")
+        raise ValueError(f"longest prompt ({T}) + max_tokens exceeds the model context ({W.max_context})")
     rows: list[_Row] = []
     src = []
     for ji, j in enumerate(jobs):
@@ -308,21 +287,22 @@ def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None
     B = len(rows)
     src_B = torch.tensor(src, dtype=torch.long)
     R = len(jobs)
+    # prompts are left-aligned to T in the cache (prompt i occupies [T - len_i, T)); each is prefilled
+    # on its own, so no compute goes to padding, and its K/V are copied to its job's sample rows
     cache_R = [(torch.zeros(R, W.n_kv, L, W.head_dim, dtype=W.dtype),
                 torch.zeros(R, W.n_kv, L, W.head_dim, dtype=W.dtype)) for _ in W.layers]
-    hidden = prefill(W, ids_RT, pad_R, cache_R)
     results = [SampleResult() for _ in jobs]
+    last = []
     for ji, j in enumerate(jobs):
+        ids = torch.tensor(j.prompt, dtype=torch.long)
+        hidden = prefill(W, ids, cache_R, ji, T - len(j.prompt))
         if j.include_prompt_logprobs:
-            results[ji].prompt_logprobs = prompt_logprobs(W, hidden, ids_RT, pad_R, ji)
-    logits = F.linear(hidden[:, -1], W.lm_head).float()[src_B]  # [B, V]
-    del hidden
-    # the static cache for all rows (the prompt part copied from its job's prefill)
-    cache = []
-    for kc, vc in cache_R:
-        cache.append((kc.index_select(0, src_B), vc.index_select(0, src_B)))
+            results[ji].prompt_logprobs = prompt_logprobs(W, hidden, ids)
+        last.append(hidden[-1])
+    logits = F.linear(torch.stack(last), W.lm_head).float()[src_B]  # [B, V]
+    cache = [(kc.index_select(0, src_B), vc.index_select(0, src_B)) for kc, vc in cache_R]
     del cache_R
-    pad_B = pad_R[src_B]
+    pad_B = torch.tensor([T - len(jobs[r.job].prompt) for r in rows], dtype=torch.long)
     valid_BL = torch.arange(L).unsqueeze(0) >= pad_B.unsqueeze(1)
     gens = []
     for j in jobs:
@@ -343,12 +323,26 @@ def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None
         lse = torch.logsumexp(scaled, -1)
         tok = torch.argmax(logits, -1)
         pos_of = {int(r): i for i, r in enumerate(live.tolist())}
+        idx_l, u_l = [], []
+        filt = scaled
         for ji, j in enumerate(jobs):
             if job_done[ji] or j.greedy:
                 continue
-            idx = torch.tensor([pos_of[b] for b in job_rows[ji]])
-            lg = _filter_top(scaled[idx], j.top_k, j.top_p)
-            tok[idx] = torch.multinomial(torch.softmax(lg, -1), 1, generator=gens[ji]).squeeze(1)
+            idx = [pos_of[b] for b in job_rows[ji]]
+            if j.top_k > 0 or j.top_p < 1.0:
+                if filt is scaled:
+                    filt = scaled.clone()
+                ii = torch.tensor(idx)
+                filt[ii] = _filter_top(scaled[ii], j.top_k, j.top_p)
+            idx_l += idx
+            u_l.append(torch.rand(len(idx), generator=gens[ji], dtype=torch.float64))
+        if idx_l:
+            # inverse-CDF draw: one uniform per row from the request's own generator (cheaper than
+            # torch.multinomial, and independent of the other requests in the batch)
+            ii = torch.tensor(idx_l)
+            cdf = torch.softmax(filt[ii], -1).double().cumsum(-1)
+            u = torch.cat(u_l).unsqueeze(1) * cdf[:, -1:]
+            tok[ii] = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
         lp = scaled.gather(1, tok.unsqueeze(1)).squeeze(1) - lse
         tok_l, lp_l = tok.tolist(), lp.tolist()
         for i, b in enumerate(live.tolist()):

@@ -1,0 +1,166 @@
+"""One full RL step on CPU: pairedrl's local engine next to TRL's GRPOTrainer, same work, one run.
+
+Workload (issue 9): SmolLM2-135M-Instruct, LoRA rank 8 (alpha 16, attention + MLP projections),
+8 prompts x 4 samples x 64 new tokens (EOS disabled on both sides so every sample is exactly 64
+tokens), then 2 minibatch updates of 16 samples (each sample used once, 2 optimizer steps).
+
+TRL setting doing the same work: GRPOConfig(num_generations=4, generation_batch_size=32,
+per_device_train_batch_size=16, steps_per_generation=2, num_iterations=1,
+max_completion_length=64, min_new_tokens=64 via generation_kwargs): one generation of 32
+completions feeding two optimizer steps of 16. (`num_iterations=2` instead reuses the whole batch
+twice, i.e. twice the training work; run with --trl-num-iterations-2 to time that too.)
+
+    pip install -e ".[bench]"       # trl
+    python bench/step.py [--steps 2] [--skip-trl]
+
+Both sides are timed on their second step (the first one warms up caches and allocators).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+N_PROMPTS, N_SAMPLES, NEW_TOKENS, UPDATES, RANK = 8, 4, 64, 2, 8
+
+
+class _NoStopEnv:
+    """Wraps a cookbook env so sampling ignores EOS (fixed 64-token completions)."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+
+    async def initial_observation(self) -> Any:
+        ob, _stop = await self.env.initial_observation()
+        return ob, []
+
+    async def step(self, tokens: list[int]) -> Any:
+        return await self.env.step(tokens)
+
+
+class _NoStopTask:
+    def __init__(self, task: Any) -> None:
+        self.task = task
+        self.renderer = task.renderer
+
+    def train_problems(self) -> list:
+        return self.task.train_problems()
+
+    def make_env(self, problem: Any) -> _NoStopEnv:
+        return _NoStopEnv(self.task.make_env(problem))
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.renderer.tokenizer.decode(tokens)
+
+
+def ours(steps: int) -> dict:
+    from trainer.backends import build_service_client
+    from trainer.config.compose import compose_config
+    from trainer.loop import RLLoop
+    from trainer.main import build_components, make_loss
+    from trainer.run_info import resolved_config_dict
+
+    cfg = compose_config([
+        "model=smollm2_135m", f"model.lora_rank={RANK}", "model.lora_alpha=16", "env=arithmetic", "eval=none",
+        f"schedule.num_steps={steps}", f"schedule.groups_per_batch={N_PROMPTS}", f"schedule.group_size={N_SAMPLES}",
+        f"schedule.updates_per_batch={UPDATES}", "schedule.save_every=0", f"sampling.max_tokens={NEW_TOKENS}",
+        "loss=grpo"])
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        sc = build_service_client(cfg, Path(d))
+        _, _, task = build_components(cfg)
+        loss, custom = make_loss(cfg, sc)
+        loop = RLLoop(cfg, Path(d), sc, _NoStopTask(task), loss, custom, resolved_config_dict(cfg), progress=False)
+        setup = time.perf_counter() - t0
+        loop.run()
+        rows = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines()]
+        import asyncio
+
+        prompts = [task.renderer.tokenizer.decode(asyncio.run(task.make_env(p).initial_observation())[0].to_ints())
+                   for p in task.train_problems()[:N_PROMPTS]]
+    last = [r for r in rows if r["step"] == steps - 1]
+    return {"step_s": last[-1]["time/step"], "sample_s": last[0]["time/sample"], "train_s": last[0]["time/train"],
+            "setup_s": setup, "tokens": last[0]["tokens/sampled"], "loss_path": last[0]["loss/path"],
+            "prompts": prompts}
+
+
+def trl(prompts: list[str], steps: int, num_iterations: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainer.backends.local.models import model_dir
+
+    path = model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ds = Dataset.from_dict({"prompt": prompts * 4})
+
+    def reward(completions: list[str], **_: Any) -> list[float]:
+        return [float(any(ch.isdigit() for ch in c)) for c in completions]
+
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            times.append(time.perf_counter())
+
+    per_gen = UPDATES if num_iterations == 1 else 1
+    with tempfile.TemporaryDirectory() as d:
+        args = GRPOConfig(
+            output_dir=d, use_cpu=True, bf16=False, report_to=[], logging_steps=1000, save_strategy="no",
+            num_generations=N_SAMPLES, generation_batch_size=N_PROMPTS * N_SAMPLES,
+            per_device_train_batch_size=(N_PROMPTS * N_SAMPLES) // per_gen, steps_per_generation=per_gen,
+            num_iterations=num_iterations, max_completion_length=NEW_TOKENS, learning_rate=2e-4, beta=0.0,
+            max_steps=UPDATES * steps, temperature=1.0,
+            generation_kwargs={"min_new_tokens": NEW_TOKENS}, seed=0, dataloader_num_workers=0)
+        lora = LoraConfig(r=RANK, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
+                              peft_config=lora, callbacks=[Clock()])
+        t0 = time.perf_counter()
+        trainer.train()
+    # a "step" = one generation of 32 completions and the optimizer steps it feeds (UPDATES of them)
+    k = UPDATES
+    boundaries = [t0] + times
+    per_step = [boundaries[(i + 1) * k] - boundaries[i * k] for i in range(steps)]
+    return {"step_s": per_step[-1], "steps": per_step}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--trl-num-iterations-2", action="store_true")
+    a = ap.parse_args()
+    import torch
+
+    print(f"torch threads: {torch.get_num_threads()}, load: {os.getloadavg()[0]:.2f}")
+    r = ours(a.steps)
+    print(f"pairedrl local engine: step {r['step_s']:.1f} s (sample {r['sample_s']:.1f} s, train {r['train_s']:.1f} s,"
+          f" {r['tokens']} sampled tokens, loss path {r['loss_path']}; setup {r['setup_s']:.1f} s)")
+    if a.skip_trl:
+        return
+    t = trl(r["prompts"], a.steps, 1)
+    print(f"TRL GRPOTrainer (1 generation -> 2 half-batch optimizer steps, same work): step {t['step_s']:.1f} s")
+    print(f"ratio pairedrl / TRL = {r['step_s'] / t['step_s']:.3f}  (target <= 0.25)")
+    if a.trl_num_iterations_2:
+        t2 = trl(r["prompts"], a.steps, 2)
+        print(f"TRL GRPOTrainer num_iterations=2 (whole batch twice): step {t2['step_s']:.1f} s; "
+              f"ratio {r['step_s'] / t2['step_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""On-disk LoRA checkpoints of the local engine: `<dir>/meta.json`, `adapter.safetensors`
+(`<module>.lora_A` / `<module>.lora_B`), and for full states `optimizer.pt` (AdamW moments + step).
+Written into a temp folder next to the target, then `os.replace`d: a reader never sees half a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT = "pairedrl-local-lora-v1"
+
+
+def write(folder: Path, meta: dict[str, Any], tensors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+          optimizer: dict[str, Any] | None, overwrite: bool) -> Path:
+    folder = Path(folder)
+    if folder.exists() and not overwrite:
+        raise ValueError(f"checkpoint {folder} already exists (pass overwrite=True to replace it)")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        flat = {}
+        for name, (A, B) in tensors.items():
+            flat[f"{name}.lora_A"] = A.detach().contiguous().clone()
+            flat[f"{name}.lora_B"] = B.detach().contiguous().clone()
+        save_file(flat, str(tmp / "adapter.safetensors"))
+        if optimizer is not None:
+            torch.save(optimizer, tmp / "optimizer.pt")
+        (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, **meta,
+                                                   "has_optimizer": optimizer is not None}, indent=1))
+        if folder.exists():  # overwrite: move the old one aside first (os.replace needs an empty target)
+            old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
+            os.replace(folder, old / "x")
+            os.replace(tmp, folder)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def read(folder: Path, with_optimizer: bool) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor]],
+                                                     dict[str, Any] | None]:
+    meta = json.loads((folder / "meta.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{folder}: not a local-engine checkpoint (format {meta.get('format')!r})")
+    flat = load_file(str(folder / "adapter.safetensors"))
+    tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key in flat:
+        if key.endswith(".lora_A"):
+            name = key[: -len(".lora_A")]
+            tensors[name] = (flat[key], flat[name + ".lora_B"])
+    opt = None
+    if with_optimizer:
+        if not meta.get("has_optimizer"):
+            raise ValueError(f"{folder}: a sampler-weights checkpoint has no optimizer state; "
+                             "use a save_state checkpoint")
+        opt = torch.load(folder / "optimizer.pt", weights_only=True)
+    return meta, tensors, opt

@@ -1,0 +1,166 @@
+"""One base model per process, shared by every client of it: fp32 weights loaded once, one peft
+model carrying one LoRA adapter per training client, a compute lock, and the sampler weight cache.
+
+Each training client owns only its adapter (`lora_A`/`lora_B` of the targeted projections) and its
+optimizer state; before computing, it activates its adapter under the lock. LoRA follows peft
+(`y = W x + (alpha / r) * B A x`, no dropout); the init is peft's (A kaiming-uniform with a = sqrt(5),
+B = 0) but drawn from a `torch.Generator` seeded by the client's seed, so equal seeds give
+bit-identical adapters whatever the global RNG state.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import uuid
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.backends.local import sampler as S
+from trainer.backends.local.models import resolve_base_model, spec_for
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+UNEMBED = ("lm_head",)
+_PEFT_PREFIX = "base_model.model."
+
+
+def target_modules(train_attn: bool, train_mlp: bool, train_unembed: bool) -> list[str]:
+    t = (list(ATTN) if train_attn else []) + (list(MLP) if train_mlp else []) + (
+        list(UNEMBED) if train_unembed else [])
+    if not t:
+        raise ValueError("LoRA needs at least one of train_attn, train_mlp, train_unembed")
+    return t
+
+
+@dataclass(frozen=True)
+class LoraSnapshot:
+    """Immutable copy of one adapter: `module name (HF) -> (A [r, in], B [out, r])` and its scale."""
+
+    id: str
+    tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    scale: float
+
+    def deltas(self) -> dict[str, torch.Tensor]:
+        return {name: self.scale * (B @ A) for name, (A, B) in self.tensors.items()}
+
+
+BASE_SNAPSHOT = LoraSnapshot(id="base", tensors={}, scale=0.0)
+
+
+class SharedBase:
+    def __init__(self, base_model: str, cache_dir: str | Path | None):
+        spec = spec_for(base_model)
+        self.base_model = spec.base_model
+        factory, self.tokenizer = resolve_base_model(spec.base_model, cache_dir)
+        model = factory(torch.float32)
+        model.requires_grad_(False)
+        self.config = model.config
+        S.check_architecture(self.config)
+        self.max_context = min(spec.max_context_length, int(self.config.max_position_embeddings))
+        self.vocab_size = int(self.config.vocab_size)
+        # fp32 base tensors under HF names; they share storage with the model (and later with the
+        # peft base layers), so the sampler never holds a second fp32 copy
+        self.base_state = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
+        self.cos, self.sin = S.rotary_tables(model, self.max_context)
+        self.hf_model = model
+        self.peft: Any = None
+        self.lock = threading.RLock()
+        self._to_delete: list[str] = []
+        self._sampler_cache: OrderedDict[tuple[str, str], S.SamplerWeights] = OrderedDict()
+        self.sampler_cache_size = 2
+
+    # ------------------------------------------------------------------ adapters
+    def add_adapter(self, rank: int, alpha: float, targets: list[str], seed: int) -> str:
+        """A new adapter with a seeded init; returns its name (used as the client's model id)."""
+        from peft import LoraConfig, get_peft_model
+
+        name = "m" + uuid.uuid4().hex[:12]
+        cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none",
+                         init_lora_weights=True)
+        with self.lock, warnings.catch_warnings():
+            # LoRA on lm_head of a tied model changes the output projection only (peft warns about it)
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+            self._flush_deletes()
+            if self.peft is None:
+                self.peft = get_peft_model(self.hf_model, cfg, adapter_name=name)
+            else:
+                self.peft.add_adapter(name, cfg)
+            gen = torch.Generator().manual_seed(int(seed))
+            with torch.no_grad():
+                for mod_name, A, B in self.adapter_params(name):
+                    torch.nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=gen)
+                    B.zero_()
+        return name
+
+    def adapter_params(self, name: str) -> list[tuple[str, torch.nn.Parameter, torch.nn.Parameter]]:
+        """`(HF module name, A weight, B weight)` of adapter `name`, in a fixed (sorted) order."""
+        out = []
+        for mod_name, mod in self.peft.named_modules():
+            lora_A = getattr(mod, "lora_A", None)
+            if isinstance(lora_A, torch.nn.ModuleDict) and name in lora_A:
+                hf = mod_name[len(_PEFT_PREFIX):] if mod_name.startswith(_PEFT_PREFIX) else mod_name
+                out.append((hf, lora_A[name].weight, mod.lora_B[name].weight))
+        return sorted(out, key=lambda t: t[0])
+
+    def activate(self, name: str) -> None:
+        """Make `name` the adapter of the next forward (call with the lock held)."""
+        self._flush_deletes()
+        if list(self.peft.active_adapters) != [name]:
+            self.peft.base_model.set_adapter(name)
+
+    def release(self, name: str) -> None:
+        """Drop an adapter at the next safe point (finalizers may run in any thread)."""
+        self._to_delete.append(name)
+
+    def _flush_deletes(self) -> None:
+        while self._to_delete:
+            name = self._to_delete.pop()
+            if self.peft is not None and name in self.peft.peft_config and len(self.peft.peft_config) > 1:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    self.peft.delete_adapter(name)
+
+    def causal_lm(self) -> Any:
+        """The HF LlamaForCausalLM inside the peft wrapper (its Linear layers carry the adapters)."""
+        return self.peft.base_model.model
+
+    # ------------------------------------------------------------------ snapshots / sampler
+    def snapshot(self, name: str, scale: float) -> LoraSnapshot:
+        with self.lock:
+            tensors = {m: (A.detach().clone(), B.detach().clone()) for m, A, B in self.adapter_params(name)}
+        return LoraSnapshot(id=uuid.uuid4().hex, tensors=tensors, scale=scale)
+
+    def sampler_weights(self, snap: LoraSnapshot, dtype: torch.dtype) -> S.SamplerWeights:
+        """Merged sampler weights of a snapshot (LRU cache: the newest few snapshots stay built)."""
+        key = (snap.id, str(dtype))
+        with self.lock:
+            w = self._sampler_cache.get(key)
+            if w is not None:
+                self._sampler_cache.move_to_end(key)
+                return w
+            w = S.build_weights(self.config, self.base_state, snap.deltas(), self.cos, self.sin, dtype)
+            self._sampler_cache[key] = w
+            while len(self._sampler_cache) > self.sampler_cache_size:
+                self._sampler_cache.popitem(last=False)
+            return w
+
+
+_bases: dict[tuple[str, str], SharedBase] = {}
+_bases_lock = threading.Lock()
+
+
+def shared_base(base_model: str, cache_dir: str | Path | None = None) -> SharedBase:
+    """The process-wide `SharedBase` of a model (loaded on first use)."""
+    from trainer.backends.local.models import cache_root
+
+    key = (spec_for(base_model).base_model, str(cache_root(cache_dir)))
+    with _bases_lock:
+        if key not in _bases:
+            _bases[key] = SharedBase(base_model, cache_dir)
+        return _bases[key]

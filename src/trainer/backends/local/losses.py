@@ -1,0 +1,97 @@
+"""Tinker's built-in losses, per datum, summed over tokens (no normalisation), as the service does.
+
+Definitions: tinker-docs `/tinker/losses` and tinker-cookbook 0.5.8 `tutorials/202_loss_functions.py`
+(summarised in /work/shared/references/tinker-api.md §1.6). `lp` = learner logprobs of the target
+tokens, `slp` = `loss_fn_inputs["logprobs"]` (sampler), `A` = `loss_fn_inputs["advantages"]`,
+`r = exp(lp - slp)`:
+- cross_entropy:       sum(-lp * weights)             (weights default to ones here)
+- importance_sampling: -sum(r * A)
+- ppo:                 -sum(min(r * A, clip(r, lo, hi) * A)), lo/hi = clip_low/high_threshold (0.8/1.2)
+- cispo:               -sum(sg(clip(r, lo, hi)) * lp * A),     defaults 0.0/4.0
+- dro:                 -sum(lp * A - 0.5 * beta * (lp - slp)^2), beta required
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+_RL_INPUTS = ("logprobs", "advantages")
+DEFAULT_CONFIG: dict[str, dict[str, float]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {},
+}
+REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": (),
+    "importance_sampling": _RL_INPUTS,
+    "ppo": _RL_INPUTS,
+    "cispo": _RL_INPUTS,
+    "dro": _RL_INPUTS,
+}
+_ALLOWED_CONFIG = {"cross_entropy": set(), "importance_sampling": set(),
+                   "ppo": {"clip_low_threshold", "clip_high_threshold"},
+                   "cispo": {"clip_low_threshold", "clip_high_threshold"}, "dro": {"beta"}}
+
+
+def resolve_config(loss_fn: str, loss_fn_config: Mapping[str, Any] | None) -> dict[str, float]:
+    """Defaults merged with the caller's config; unknown loss names / keys are ValueErrors."""
+    if loss_fn not in DEFAULT_CONFIG:
+        raise ValueError(f"unknown loss_fn {loss_fn!r}; the local engine implements "
+                         f"{sorted(DEFAULT_CONFIG)} (and forward_backward_custom for anything else)")
+    cfg = dict(DEFAULT_CONFIG[loss_fn])
+    for k, v in (loss_fn_config or {}).items():
+        if k not in _ALLOWED_CONFIG[loss_fn]:
+            raise ValueError(f"loss_fn_config key {k!r} is not used by {loss_fn!r} "
+                             f"(allowed: {sorted(_ALLOWED_CONFIG[loss_fn])})")
+        cfg[k] = float(v)
+    if loss_fn == "dro" and "beta" not in cfg:
+        raise ValueError("loss_fn 'dro' needs loss_fn_config={'beta': ...}")
+    return cfg
+
+
+def _ratio(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return torch.exp(lp - inputs["logprobs"])
+
+
+def _cross_entropy(lp, inputs, cfg):
+    w = inputs.get("weights")
+    return -(lp * w).sum() if w is not None else -lp.sum()
+
+
+def _importance_sampling(lp, inputs, cfg):
+    return -(_ratio(lp, inputs) * inputs["advantages"]).sum()
+
+
+def _ppo(lp, inputs, cfg):
+    r, A = _ratio(lp, inputs), inputs["advantages"]
+    clipped = torch.clamp(r, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    return -torch.minimum(r * A, clipped * A).sum()
+
+
+def _cispo(lp, inputs, cfg):
+    r, A = _ratio(lp, inputs), inputs["advantages"]
+    clipped = torch.clamp(r, cfg["clip_low_threshold"], cfg["clip_high_threshold"]).detach()
+    return -(clipped * lp * A).sum()
+
+
+def _dro(lp, inputs, cfg):
+    A, slp = inputs["advantages"], inputs["logprobs"]
+    return -(lp * A - 0.5 * cfg["beta"] * (lp - slp) ** 2).sum()
+
+
+LOSSES: dict[str, Callable[[torch.Tensor, Mapping[str, torch.Tensor], dict[str, float]], torch.Tensor]] = {
+    "cross_entropy": _cross_entropy,
+    "importance_sampling": _importance_sampling,
+    "ppo": _ppo,
+    "cispo": _cispo,
+    "dro": _dro,
+}
+
+
+def datum_loss(loss_fn: str, lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: dict[str, float]) -> torch.Tensor:
+    """Scalar loss of one datum (`lp` has the shape of its target_tokens)."""
+    return LOSSES[loss_fn](lp, inputs, cfg)

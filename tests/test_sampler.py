@@ -1,0 +1,226 @@
+"""Local sampler: logprob agreement with scoring and training, snapshots, stops, seeds, batching."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from tinker import types
+
+from trainer.backends.local import LocalServiceClient
+
+TINY = "pairedrl/tiny-random"
+PROMPTS = ["<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n<|im_start|>assistant\n",
+           "Natalia sold clips to 48 of her friends",
+           "<|im_start|>user\nHow much did she earn?<|im_end|>\n<|im_start|>assistant\n"]
+
+
+@pytest.fixture(scope="module")
+def sc(tmp_path_factory):
+    c = LocalServiceClient(state_dir=tmp_path_factory.mktemp("sampler"), sampler_dtype="float32",
+                           train_dtype="float32", micro_batch_size=4, max_sample_batch=8, lora_alpha=8.0)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def tc(sc):
+    """A client with every LoRA target (lm_head included) moved away from its init."""
+    tc = sc.create_lora_training_client(TINY, rank=4, seed=0, train_unembed=True).result()
+    tok = tc.get_tokenizer()
+    data = []
+    for t in ["12 + 7 = 19", "She earned 10 dollars.", "48 / 2 = 24 clips in May"]:
+        s = tok.encode(t, add_special_tokens=False)
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
+                                loss_fn_inputs={"target_tokens": s[1:]}))
+    for _ in range(3):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    return tc
+
+
+def mi(tok, text):
+    return types.ModelInput.from_ints(tok.encode(text, add_special_tokens=False))
+
+
+def greedy(max_tokens=12, **kw):
+    return types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=[], **kw)
+
+
+def test_sampled_logprobs_match_compute_logprobs_and_forward(tc):
+    tok = tc.get_tokenizer()
+    scl = tc.save_weights_and_get_sampling_client()
+    prompt = mi(tok, PROMPTS[0])
+    res = scl.sample(prompt, 3, types.SamplingParams(max_tokens=16, temperature=1.0, seed=3, stop=[])).result()
+    p = prompt.to_ints()
+    worst = 0.0
+    for seq in res.sequences:
+        assert len(seq.tokens) == 16 and len(seq.logprobs) == 16 and seq.stop_reason == "length"
+        full = p + seq.tokens
+        scored = scl.compute_logprobs(types.ModelInput.from_ints(full)).result()
+        assert len(scored) == len(full) and scored[0] is None
+        d = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs={"target_tokens": full[1:]})
+        trained = tc.forward([d], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+        sampled = torch.tensor(seq.logprobs)
+        worst = max(worst, float((sampled - torch.tensor(scored[len(p):])).abs().max()),
+                    float((sampled - trained[len(p) - 1:]).abs().max()))
+    assert worst <= 1e-4
+    assert all(s.sequence_id for s in res.sequences) and len({s.sequence_id for s in res.sequences}) == 3
+
+
+def test_greedy_is_deterministic_alone_and_batched(tc):
+    tok = tc.get_tokenizer()
+    scl = tc.save_weights_and_get_sampling_client()
+    alone = scl.sample(mi(tok, PROMPTS[0]), 1, greedy()).result().sequences[0]
+    again = scl.sample(mi(tok, PROMPTS[0]), 2, greedy()).result().sequences
+
+    async def batched():  # submitted together with prompts of other lengths: one padded batch
+        return await asyncio.gather(*[scl.sample(mi(tok, t), 1, greedy()) for t in PROMPTS + PROMPTS[:1]])
+
+    many = asyncio.run(batched())
+    assert again[0].tokens == alone.tokens == again[1].tokens == many[0].sequences[0].tokens
+    assert many[3].sequences[0].tokens == alone.tokens
+    assert max(abs(a - b) for a, b in zip(alone.logprobs, many[0].sequences[0].logprobs)) <= 1e-5
+    # greedy reports the T=1 logprob of the argmax token
+    scored = scl.compute_logprobs(types.ModelInput.from_ints(mi(tok, PROMPTS[0]).to_ints() + alone.tokens)).result()
+    n = len(alone.tokens)
+    assert max(abs(a - b) for a, b in zip(alone.logprobs, scored[-n:])) <= 1e-4
+    top1 = scl.sample(mi(tok, PROMPTS[0]), 1, types.SamplingParams(max_tokens=12, temperature=0.7, top_k=1,
+                                                                  stop=[])).result().sequences[0]
+    assert top1.tokens == alone.tokens
+
+
+def test_sampling_client_is_a_snapshot(sc, tc):
+    tok = tc.get_tokenizer()
+    prompt = mi(tok, PROMPTS[2])
+    before = tc.save_weights_and_get_sampling_client()
+    first = before.sample(prompt, 1, greedy(16)).result().sequences[0]
+    first_lp = before.compute_logprobs(prompt).result()
+    s = tok.encode("the answer is 42 and 42 again", add_special_tokens=False)
+    d = types.Datum(model_input=types.ModelInput.from_ints(s[:-1]), loss_fn_inputs={"target_tokens": s[1:]})
+    for _ in range(3):
+        tc.forward_backward([d], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=0.1))
+    after = tc.save_weights_and_get_sampling_client()  # queued behind the steps above
+    assert before.sample(prompt, 1, greedy(16)).result().sequences[0].tokens == first.tokens
+    assert before.compute_logprobs(prompt).result() == first_lp
+    assert after.compute_logprobs(prompt).result() != first_lp
+
+
+def test_stop_tokens_strings_and_length(tc):
+    tok = tc.get_tokenizer()
+    scl = tc.save_weights_and_get_sampling_client()
+    prompt = mi(tok, PROMPTS[1])
+    free = scl.sample(prompt, 1, greedy(12)).result().sequences[0]
+    assert free.stop_reason == "length" and len(free.tokens) == 12
+    k = 4
+    stop_tok = free.tokens[k]
+    first = free.tokens.index(stop_tok)
+    by_id = scl.sample(prompt, 1, types.SamplingParams(max_tokens=12, temperature=0.0,
+                                                       stop=[stop_tok])).result().sequences[0]
+    assert by_id.stop_reason == "stop" and by_id.tokens == free.tokens[: first + 1]
+    assert by_id.tokens.count(stop_tok) == 1
+    text = tok.decode(free.tokens)
+    stop_str = text[len(tok.decode(free.tokens[:6])) - 2: len(tok.decode(free.tokens[:6]))]
+    if stop_str.strip():
+        by_str = scl.sample(prompt, 1, types.SamplingParams(max_tokens=12, temperature=0.0,
+                                                            stop=[stop_str])).result().sequences[0]
+        assert by_str.stop_reason == "stop" and stop_str in tok.decode(by_str.tokens)
+        assert stop_str not in tok.decode(by_str.tokens[:-1]) and by_str.tokens == free.tokens[: len(by_str.tokens)]
+    # stop=None means the tokenizer's EOS
+    none_stop = scl.sample(prompt, 1, types.SamplingParams(max_tokens=12, temperature=0.0)).result().sequences[0]
+    eos = tok.eos_token_id
+    if eos in free.tokens:
+        assert none_stop.tokens[-1] == eos and none_stop.stop_reason == "stop"
+    else:
+        assert none_stop.tokens == free.tokens
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(tc):
+    tok = tc.get_tokenizer()
+    scl = tc.save_weights_and_get_sampling_client()
+    params = types.SamplingParams(max_tokens=10, temperature=1.0, seed=1234, stop=[])
+    a = scl.sample(mi(tok, PROMPTS[0]), 3, params).result()
+
+    async def crowd():
+        other = types.SamplingParams(max_tokens=6, temperature=0.8, seed=7, stop=[], top_p=0.9)
+        return await asyncio.gather(scl.sample(mi(tok, PROMPTS[1]), 2, other),
+                                    scl.sample(mi(tok, PROMPTS[0]), 3, params),
+                                    scl.sample(mi(tok, PROMPTS[2]), 1, other))
+
+    b = asyncio.run(crowd())[1]
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    assert len({tuple(s.tokens) for s in a.sequences}) > 1  # the rows of one request differ
+    c = scl.sample(mi(tok, PROMPTS[0]), 3, params.model_copy(update={"seed": 99})).result()
+    assert [s.tokens for s in c.sequences] != [s.tokens for s in a.sequences]
+
+
+def test_top_k_and_top_p_restrict_the_support(tc):
+    tok = tc.get_tokenizer()
+    scl = tc.save_weights_and_get_sampling_client()
+    prompt = mi(tok, PROMPTS[0])
+    greedy_tok = scl.sample(prompt, 1, greedy(1)).result().sequences[0].tokens[0]
+    tiny_p = scl.sample(prompt, 16, types.SamplingParams(max_tokens=1, temperature=1.0, top_p=1e-6, seed=0,
+                                                         stop=[])).result()
+    assert {s.tokens[0] for s in tiny_p.sequences} == {greedy_tok}
+    k2 = scl.sample(prompt, 32, types.SamplingParams(max_tokens=1, temperature=2.0, top_k=2, seed=0,
+                                                     stop=[])).result()
+    assert len({s.tokens[0] for s in k2.sequences}) <= 2
+
+
+def test_more_samples_than_max_batch_and_prompt_logprobs(tc):
+    tok = tc.get_tokenizer()
+    scl = tc.save_weights_and_get_sampling_client()
+    prompt = mi(tok, PROMPTS[1])
+    res = scl.sample(prompt, 20, types.SamplingParams(max_tokens=3, seed=5, stop=[]),
+                     include_prompt_logprobs=True).result()
+    assert len(res.sequences) == 20
+    scored = scl.compute_logprobs(prompt).result()
+    assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == prompt.length
+    assert max(abs(a - b) for a, b in zip(res.prompt_logprobs[1:], scored[1:])) <= 1e-5
+
+
+def test_base_model_sampling_client_and_bad_requests(sc, tc):
+    tok = tc.get_tokenizer()
+    base = sc.create_sampling_client(base_model=TINY)
+    assert base.get_base_model() == TINY
+    prompt = mi(tok, PROMPTS[0])
+    with pytest.raises(ValueError, match="temperature"):
+        base.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=-0.5)).result()
+    with pytest.raises(ValueError, match="context"):
+        base.sample(types.ModelInput.from_ints([5] * 1500), 1, types.SamplingParams(max_tokens=4)).result()
+    with pytest.raises(ValueError, match="context"):
+        base.compute_logprobs(types.ModelInput.from_ints([5] * 1500)).result()
+    with pytest.raises(ValueError, match="max_tokens"):
+        base.sample(prompt, 1, types.SamplingParams(max_tokens=1020)).result()
+    with pytest.raises(ValueError, match="top_p"):
+        base.sample(prompt, 1, types.SamplingParams(max_tokens=4, top_p=0.0)).result()
+    with pytest.raises(ValueError, match="num_samples"):
+        base.sample(prompt, 0, types.SamplingParams(max_tokens=4)).result()
+    with pytest.raises(ValueError, match="does not support"):
+        base.sample(prompt, 1, types.SamplingParams(max_tokens=4), topk_prompt_logprobs=3).result()
+    # still serving
+    out = base.sample(prompt, 2, types.SamplingParams(max_tokens=4, seed=0)).result()
+    assert len(out.sequences) == 2 and all(len(s.tokens) <= 4 for s in out.sequences)
+
+
+def test_bf16_sampler_matches_hf_bf16_and_stays_close_to_fp32(tmp_path, sc):
+    from trainer.backends.local.models import resolve_base_model
+
+    c = LocalServiceClient(state_dir=tmp_path, sampler_dtype="bfloat16", train_dtype="float32")
+    b16 = c.create_sampling_client(base_model=TINY)
+    f32 = sc.create_sampling_client(base_model=TINY)
+    factory, tok = resolve_base_model(TINY)
+    prompt = mi(tok, PROMPTS[0])
+    seq = b16.sample(prompt, 1, types.SamplingParams(max_tokens=24, temperature=1.0, seed=0, stop=[])).result()
+    toks = seq.sequences[0].tokens
+    full = prompt.to_ints() + toks
+    lp16 = torch.tensor(seq.sequences[0].logprobs)
+    lp32 = torch.tensor(f32.compute_logprobs(types.ModelInput.from_ints(full)).result()[prompt.length:])
+    with torch.no_grad():  # transformers' own bf16 forward of the same tokens
+        logits = factory(torch.bfloat16)(torch.tensor([full])).logits[0].float()
+    hf16 = torch.log_softmax(logits, -1)[prompt.length - 1:-1].gather(1, torch.tensor(toks)[:, None])[:, 0]
+    assert float((lp16 - hf16).abs().max()) <= 2e-2  # bf16 decode vs bf16 full forward: kernel rounding only
+    assert 0 < float((lp16 - lp32).abs().max()) < 0.1
+    c.close()

@@ -1,0 +1,159 @@
+"""End-to-end runs of `train.py` on the local engine with the tiny random model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A tiny model gives reward -0.1 (no \boxed{}) to every GSM8K rollout; advantage=none turns that
+# into a non-zero learning signal, so the weights move and the second update sees drift.
+TINY = [
+    "model=tiny_random", "schedule=smoke", "env=gsm8k", "env.n_examples=16", "env.convo_prefix=none",
+    "advantage=none", "sampling.max_tokens=12", "eval=gsm8k_test", "eval.n_examples=4", "eval.max_tokens=8",
+    "backend.sampler_dtype=float32", "backend.train_dtype=float32", "optimizer.lr=0.01",
+    "sampling.concurrency=1",
+]
+
+
+def run_train(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    e = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=e)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def test_smoke_run_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    t0 = time.time()
+    p = run_train([*TINY, f"hydra.run.dir={run_dir}"], tmp_path)
+    elapsed = time.time() - t0
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert elapsed < 90, f"smoke run took {elapsed:.0f}s"
+    assert "batch arithmetic" in p.stdout and "total optimizer steps      4" in p.stdout
+    rows = read_metrics(run_dir)
+    assert [(r["step"], r["update"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r["global_update"] for r in rows] == [0, 1, 2, 3]
+    # the second update of each batch trains on weights the sampler did not see
+    for r in rows:
+        for key in ("loss/dppo_masked_frac", "loss/grpo_clip_frac", "drift/abs_p_q90", "time/sample",
+                    "time/train", "time/step", "env/reward_mean", "tokens/sampled"):
+            assert key in r, key
+    second = [r for r in rows if r["update"] == 1]
+    assert all(r["drift/abs_p_max"] > 0 for r in second)
+    assert np.mean([r["drift/abs_p_max"] for r in second]) > np.mean(
+        [r["drift/abs_p_max"] for r in rows if r["update"] == 0])
+    ck = json.loads((run_dir / "checkpoint.json").read_text())
+    assert ck["step"] == 2 and ck["optim_steps"] == 4 and ck["tinker_path"].startswith("tinker://")
+    ev = [json.loads(x) for x in (run_dir / "eval" / "gsm8k_test.jsonl").read_text().splitlines()]
+    assert [e["index"] for e in ev] == [0, 1, 2, 3]
+    assert set(ev[0]) >= {"index", "question_sha256", "completion", "parsed", "gold", "correct"}
+    summary = json.loads((run_dir / "eval" / "gsm8k_test.summary.json").read_text())
+    assert summary["n"] == 4 and summary["greedy_deterministic"] is True
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["arm"] == "grpo_seed0" and info["versions"]["torch"].startswith("2.")
+    assert (run_dir / "config.yaml").exists() and (run_dir / "rollouts.jsonl").stat().st_size > 0
+
+
+def test_tinker_backend_without_key_fails_fast(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TINKER_API_KEY"}
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "backend=tinker", f"hydra.run.dir={tmp_path}/r"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode != 0
+    assert "TINKER_API_KEY" in p.stderr
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def _final_logprobs(run_dir: Path) -> np.ndarray:
+    """Logprobs of the run's final checkpoint on a fixed batch (equal weights <=> equal logprobs)."""
+    sys.path.insert(0, str(ROOT / "src"))
+    import tinker
+
+    from trainer.backends.local import LocalServiceClient
+
+    ck = json.loads((run_dir / "checkpoint.json").read_text())
+    sc = LocalServiceClient(state_dir=run_dir / "engine_check", sampler_dtype="float32", train_dtype="float32")
+    tc = sc.create_training_client_from_state_with_optimizer(ck["tinker_path"]).result()
+    toks = list(range(5, 45))
+    d = tinker.Datum(model_input=tinker.ModelInput.from_ints(toks[:-1]),
+                     loss_fn_inputs={"target_tokens": np.asarray(toks[1:], dtype=np.int64),
+                                     "weights": np.ones(len(toks) - 1, dtype=np.float32)})
+    out = tc.forward([d], "cross_entropy").result()
+    return np.asarray(out.loss_fn_outputs[0]["logprobs"].to_numpy())
+
+
+def _strip_times(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
+    args = [*TINY, "schedule.num_steps=4", "schedule.save_every=1", "eval=none"]
+    ref = tmp_path / "ref"
+    p = run_train([*args, f"hydra.run.dir={ref}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run}"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline:  # kill once step 1 is logged, i.e. mid-run after a checkpoint
+        if (run / "metrics.jsonl").exists() and any(r["step"] >= 1 for r in _safe_rows(run)):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    p = run_train([*args, f"hydra.run.dir={run}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows_ref, rows = read_metrics(ref), read_metrics(run)
+    assert [(r["step"], r["update"]) for r in rows] == [(s, u) for s in range(4) for u in range(2)]
+    a, b = _strip_times(rows_ref), _strip_times(rows)
+    for ra, rb in zip(a, b):
+        for k in ra:
+            if isinstance(ra[k], float):
+                assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-7), k
+            elif k != "faults/retries":
+                assert rb[k] == ra[k], k
+    np.testing.assert_allclose(_final_logprobs(run), _final_logprobs(ref), atol=1e-6, rtol=0)
+
+
+def _safe_rows(run: Path) -> list[dict]:
+    out = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+@pytest.mark.slow
+def test_multirun_pair_then_compare(tmp_path):
+    sweep = tmp_path / "sweep"
+    p = run_train(["--multirun", "loss=grpo,dppo", "seed=0", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path,
+                  timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    arms = json.loads((sweep / "arms.json").read_text())
+    assert {a["arm"] for a in arms.values()} == {"grpo_seed0", "dppo_seed0"}
+    c = subprocess.run([sys.executable, "-m", "eval.compare", str(sweep)], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert c.returncode == 0, c.stderr[-3000:]
+    out = json.loads(c.stdout[c.stdout.index("{"):])
+    for key in ("n", "acc_treatment", "acc_baseline", "diff", "ci_low", "ci_high", "method", "verdict",
+                "mcnemar_p"):
+        assert key in out
+    assert out["n"] == 4
+    assert (sweep / "compare.json").exists() and (sweep / "compare.md").exists()
+    assert len(list((sweep / "compare_plots").glob("*.png"))) >= 3
