@@ -323,3 +323,29 @@ def test_smollm2_tokenizer_is_chatml_with_im_end_eos():
     assert tok.encode("Hello world", add_special_tokens=False) == [19556, 905]
     text = "What is 2+3? é \n\n x"
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_builtin_ppo_equals_project_grpo_plugin(sc):
+    """Tinker's built-in `ppo` and the project's grpo plugin (through forward_backward_custom) agree."""
+    from trainer.losses.adapter import make_custom_loss_fn
+    from trainer.losses.grpo import GRPOLoss
+
+    tc = trained_client(sc, seed=1)
+    data = make_data(tc.get_tokenizer(), seed=4)
+    cur = tc.forward(data, "cross_entropy").result().loss_fn_outputs
+    g = torch.Generator().manual_seed(6)
+    data = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"],
+        "logprobs": c["logprobs"].to_torch() + torch.randn(d.model_input.length, generator=g) * 0.4,
+        "advantages": d.loss_fn_inputs["advantages"]}) for d, c in zip(data, cur)]
+    zero(tc)
+    b = tc.forward_backward(data, "ppo").result()
+    g_builtin = grads(tc)
+    zero(tc)
+    c = tc.forward_backward_custom(data, make_custom_loss_fn(GRPOLoss())).result()
+    g_plugin = grads(tc)
+    zero(tc)
+    assert max(float(x.abs().max()) for x in g_builtin) > 1e-4
+    assert max_diff(g_builtin, g_plugin) <= 1e-6
+    assert b.metrics["loss:sum"] == pytest.approx(c.metrics["loss:sum"], rel=1e-5, abs=1e-6)
+    assert c.metrics["loss/grpo_clip_frac"] > 0  # the clip was active on part of the batch

@@ -186,17 +186,24 @@ class RLLoop:
         t_sample = time.time() - t0
 
         rollouts: list[Rollout] = []
-        mixed = 0
+        mixed_G = []
         for group in groups:
             rewards_G = np.array([r.reward for r in group])
             adv_G = compute_advantages(rewards_G, cfg.advantage)
-            mixed += int(rewards_G.max() > rewards_G.min())
+            mixed_G.append(bool(rewards_G.max() > rewards_G.min()))
             for r, a in zip(group, adv_G):
                 r.advantage = float(a)
                 rollouts.append(r)
-        step_metrics = _rollout_metrics(rollouts, len(groups), mixed)
+        step_metrics = _rollout_metrics(rollouts, len(groups), sum(mixed_G))
         step_metrics["time/sample"] = t_sample
-        datums = [rollout_to_datum(r) for r in rollouts]
+        if s.drop_constant_groups:
+            kept = [r for r in rollouts if mixed_G[r.group]]
+            # keep at least one rollout per update so every batch still takes its optimizer steps
+            rollouts_train = kept if len(kept) >= s.updates_per_batch else rollouts[: s.updates_per_batch]
+        else:
+            rollouts_train = rollouts
+        step_metrics["env/rollouts_trained"] = len(rollouts_train)
+        datums = [rollout_to_datum(r) for r in rollouts_train]
         minibatches = split_minibatches(datums, s.updates_per_batch)
 
         t0 = time.time()

@@ -188,6 +188,9 @@ class ScheduleConfig:
     warmup_steps: int = 0
     # final lr as a fraction of the peak lr (linear and cosine)
     min_lr_ratio: float = 0.0
+    # skip training on groups whose rewards are all equal (zero advantage: zero gradient under the
+    # sum aggregation, as cookbook remove_constant_reward_groups); at least one datum per update stays
+    drop_constant_groups: bool = False
 
     def __post_init__(self) -> None:
         for key in ("num_steps", "groups_per_batch", "group_size", "updates_per_batch"):

@@ -1,0 +1,73 @@
+"""The preflight gates end to end on the local engine, each with a passing and a failing config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the flagship experiment shrunk onto the tiny model: same gates, seconds instead of hours
+LOCAL = [
+    "+experiment=dppo_vs_grpo", "backend=local", "model=tiny_random", "model.lora_rank=4",
+    "model.max_seq_len=512", "env.n_examples=32", "env.convo_prefix=none", "schedule.groups_per_batch=4",
+    "schedule.group_size=4", "sampling.max_tokens=12", "eval.max_tokens=8", "advantage=none",
+    "optimizer.lr=0.02", "backend.sampler_dtype=float32", "backend.train_dtype=float32",
+    "preflight.pilot_steps=3", "preflight.pilot_eval_items=4",
+]
+
+
+def preflight(gate: str, extra: list[str], tmp: Path) -> tuple[subprocess.CompletedProcess, dict | None]:
+    p = subprocess.run([sys.executable, "-m", "trainer.preflight", gate, *LOCAL, f"preflight.dir={tmp}", *extra],
+                       capture_output=True, text=True, timeout=300, cwd=tmp,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    f = tmp / "preflight" / f"{gate}.json"
+    return p, (json.loads(f.read_text()) if f.exists() else None)
+
+
+def test_correctness_gate_cli(tmp_path):
+    p, rep = preflight("correctness", [], tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert rep["passed"] and rep["counts"]["fail"] == 0
+
+
+def test_restoration_gate_passes_and_fails(tmp_path):
+    p, rep = preflight("restoration", [], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    checks = {c["name"]: c for c in rep["checks"]}
+    assert checks["fresh-client logprobs max |diff|"]["value"] <= 1e-6
+    assert checks["logprobs after one identical step max |diff|"]["status"] == "pass"
+    # what the client cannot report is unverified, never passed
+    assert any(c["status"] == "unverified" for c in rep["checks"])
+    p, rep = preflight("restoration", ["preflight.planned_models=[Qwen/Qwen3.5-2B]"], tmp_path)
+    assert p.returncode != 0 and not rep["passed"]
+    assert any(c["status"] == "fail" and "served model" in c["name"] for c in rep["checks"])
+
+
+@pytest.mark.slow
+def test_activation_and_feasibility_gates(tmp_path):
+    p, rep = preflight("activation", [], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert rep["passed"]
+    p, rep = preflight("activation", ["schedule.updates_per_batch=1"], tmp_path)
+    assert p.returncode != 0 and not rep["passed"]
+    names = {c["name"]: c["status"] for c in rep["checks"]}
+    assert names["executed optim steps per batch"] == "fail"
+    p, rep = preflight("feasibility", [], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert rep["passed"] and rep["meta"]["pilot_steps"] == 3
+    p, rep = preflight("feasibility", ["preflight.budget_minutes=0.0001"], tmp_path)
+    assert p.returncode != 0 and not rep["passed"]
+
+
+def test_sweep_refuses_without_passed_gates(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *LOCAL, f"preflight.dir={tmp_path}",
+                        f"hydra.run.dir={tmp_path}/run"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode != 0
+    assert "preflight gates have not all passed" in p.stderr and "correctness: not run" in p.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

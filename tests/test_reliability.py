@@ -1,0 +1,213 @@
+"""Reliability: injected faults, repeated SIGKILLs and a corpus of bad inputs never corrupt a run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_trainer_e2e import TINY, _final_logprobs, _safe_rows, _strip_times, read_metrics, run_train
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = [*TINY, "schedule.num_steps=3", "schedule.save_every=1", "eval=none"]
+
+
+def _same_run(a: Path, b: Path) -> None:
+    ra, rb = _strip_times(read_metrics(a)), _strip_times(read_metrics(b))
+    assert [(r["step"], r["update"]) for r in rb] == [(r["step"], r["update"]) for r in ra]
+    for x, y in zip(ra, rb):
+        for k, v in x.items():
+            if k == "faults/retries":
+                continue
+            if isinstance(v, float):
+                assert y[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+            else:
+                assert y[k] == v, k
+    np.testing.assert_allclose(_final_logprobs(b), _final_logprobs(a), atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_injected_faults_give_the_fault_free_result(tmp_path):
+    ref, faulty = tmp_path / "ref", tmp_path / "faulty"
+    assert run_train([*SHORT, f"hydra.run.dir={ref}"], tmp_path).returncode == 0
+    faults = [f"backend.faults.{k}=0.1" for k in ("p_sample", "p_forward_backward", "p_optim_step", "p_save_state")]
+    p = run_train([*SHORT, *faults, "backend.faults.seed=3", "retry.backoff_s=0.0",
+                   f"hydra.run.dir={faulty}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = read_metrics(faulty)
+    assert rows[-1]["faults/retries"] > 0, "no fault was injected: the test would prove nothing"
+    _same_run(ref, faulty)
+
+
+@pytest.mark.slow
+def test_five_sigkills_then_resume_equal_uninterrupted(tmp_path):
+    args = [*TINY, "schedule.num_steps=4", "schedule.save_every=1", "eval=none"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert run_train([*args, f"hydra.run.dir={ref}"], tmp_path).returncode == 0
+    rng = random.Random(0)
+    for _ in range(5):
+        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run}"],
+                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # wait for the run to make progress past start-up, then kill at a random moment
+        t0 = time.time()
+        n0 = len(_safe_rows(run)) if (run / "metrics.jsonl").exists() else 0
+        while time.time() - t0 < 120 and proc.poll() is None:
+            if (run / "metrics.jsonl").exists() and len(_safe_rows(run)) > n0:
+                break
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 1.5))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    p = run_train([*args, f"hydra.run.dir={run}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    _same_run(ref, run)
+    # resuming a finished run again changes nothing
+    before = (run / "metrics.jsonl").read_bytes()
+    p = run_train([*args, f"hydra.run.dir={run}"], tmp_path)
+    assert p.returncode == 0 and (run / "metrics.jsonl").read_bytes() == before
+
+
+def test_torn_metrics_line_is_repaired(tmp_path):
+    from trainer.checkpoint import truncate_log
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 0, "update": 0}\n{"step": 0, "update": 1}\n{"step": 1, "upd')
+    kept, dropped = truncate_log(f, 1)
+    assert (kept, dropped) == (2, 1)
+    assert [json.loads(x) for x in f.read_text().splitlines()] == [{"step": 0, "update": 0}, {"step": 0, "update": 1}]
+
+
+def test_secrets_never_written(tmp_path):
+    secret_t, secret_w = "tml-SECRET-do-not-log-1234", "wandb-SECRET-5678"
+    run = tmp_path / "run"
+    p = run_train([*TINY, "schedule.num_steps=1", "eval=none", "logger=wandb", "logger.mode=offline",
+                   f"hydra.run.dir={run}"], tmp_path,
+                  env={"TINKER_API_KEY": secret_t, "WANDB_API_KEY": secret_w, "WANDB_MODE": "offline"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert secret_t not in p.stdout + p.stderr and secret_w not in p.stdout + p.stderr
+    for f in run.rglob("*"):
+        if f.is_file() and f.stat().st_size < 50_000_000:
+            data = f.read_bytes()
+            assert secret_t.encode() not in data and secret_w.encode() not in data, f
+
+
+# ----------------------------------------------------------------------------- bad input corpus
+def _snapshot(d: Path) -> dict[str, str]:
+    return {str(f.relative_to(d)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(d.rglob("*")) if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def done_run(tmp_path_factory) -> Path:
+    """A finished short run whose files the bad inputs must leave untouched."""
+    d = tmp_path_factory.mktemp("done")
+    run = d / "run"
+    p = run_train([*TINY, "schedule.num_steps=1", "eval=none", f"hydra.run.dir={run}"], d)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return run
+
+
+def _gsm_dir(tmp: Path, train_text: str) -> Path:
+    d = tmp / "data"
+    d.mkdir(exist_ok=True)
+    good = (ROOT / "src/envs/data/gsm8k/test.jsonl").read_text().splitlines()[:5]
+    (d / "train.jsonl").write_text(train_text)
+    (d / "test.jsonl").write_text("\n".join(good) + "\n")
+    return d
+
+
+GOOD_LINE = json.dumps({"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"})
+
+# (name, overrides or callable(tmp)->overrides, setup of the run folder, expected text in the message)
+CASES = [
+    ("unknown key", ["loss.clip_epsilon=0.1"], None, "clip_epsilon"),
+    ("wrong type", ["schedule.num_steps=many"], None, "schedule.num_steps"),
+    ("out of range eps", ["loss.clip_eps=-1"], None, "loss.clip_eps"),
+    ("out of range delta", ["loss=dppo", "loss.delta=2"], None, "loss.delta"),
+    ("zero updates", ["schedule.updates_per_batch=0"], None, "schedule.updates_per_batch"),
+    ("too many updates", ["schedule.updates_per_batch=1000"], None, "schedule.updates_per_batch"),
+    ("unknown group option", ["loss=ppo2"], None, "loss"),
+    ("zero temperature", ["sampling.temperature=0"], None, "sampling.temperature"),
+    ("unknown model", ["model.base_model=nobody/no-model"], None, "nobody/no-model"),
+    ("unknown renderer", ["model.renderer=no_such_renderer"], None, "no_such_renderer"),
+    ("tinker without key", ["backend=tinker"], None, "TINKER_API_KEY"),
+    ("missing data folder", ["env=gsm8k", "env.source=/nonexistent/gsm8k"], None, "/nonexistent/gsm8k"),
+    ("malformed data line", lambda t: ["env=gsm8k", f"env.source={_gsm_dir(t, GOOD_LINE + chr(10) + '{bad json' + chr(10))}"],
+     None, "train.jsonl:2"),
+    ("truncated data file", lambda t: ["env=gsm8k", f"env.source={_gsm_dir(t, GOOD_LINE + chr(10) + GOOD_LINE[:20])}"],
+     None, "train.jsonl:2"),
+    ("data line missing key", lambda t: ["env=gsm8k", f"env.source={_gsm_dir(t, json.dumps({'question': 'q'}) + chr(10))}"],
+     None, "train.jsonl:1"),
+    ("eval larger than test set", ["eval.n_examples=100000"], None, "100000"),
+]
+RUN_CASES = [
+    ("corrupt checkpoint json", lambda r: (r / "checkpoint.json").write_text("{not json"), "checkpoint"),
+    ("truncated checkpoint json", lambda r: (r / "checkpoint.json").write_text(
+        (r / "checkpoint.json").read_text()[:40]), "checkpoint"),
+    ("checkpoint missing keys", lambda r: (r / "checkpoint.json").write_text('{"step": 1}'), "missing keys"),
+    ("checkpoint path gone", lambda r: (r / "checkpoint.json").write_text(json.dumps({
+        **json.loads((r / "checkpoint.json").read_text()), "tinker_path": "tinker://local/nonexistent/ckpt"})),
+     "nonexistent"),
+    ("corrupt metrics mid-file", lambda r: (r / "metrics.jsonl").write_text(
+        "garbage\n" + (r / "metrics.jsonl").read_text()), "metrics.jsonl:1"),
+    ("checkpoint of another config", None, "different config"),
+]
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("name,overrides,_setup,needle", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_fails_clearly(tmp_path, name, overrides, _setup, needle):
+    ov = overrides(tmp_path) if callable(overrides) else overrides
+    env = {k: v for k, v in os.environ.items() if k != "TINKER_API_KEY"}
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, *ov, f"hydra.run.dir={tmp_path}/run"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    assert p.returncode != 0, name
+    assert needle in p.stderr + p.stdout, (name, p.stderr[-2000:])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("name,setup,needle", RUN_CASES, ids=[c[0] for c in RUN_CASES])
+def test_bad_run_folder_fails_and_is_untouched(tmp_path, done_run, name, setup, needle):
+    run = _copy_run(done_run, tmp_path / "run")
+    # the same config as the finished run, so each case reaches the check it targets
+    extra = ["schedule.num_steps=1"]
+    if setup is not None:
+        setup(run)
+    else:
+        extra.append("optimizer.lr=0.5")  # a different config than the one that wrote the checkpoint
+    before = _snapshot(run)
+    p = run_train([*TINY, "eval=none", *extra, f"hydra.run.dir={run}"], tmp_path)
+    assert p.returncode != 0, name
+    assert needle in p.stderr + p.stdout, (name, p.stderr[-2000:])
+    assert _snapshot(run) == before
+
+
+def test_read_only_output_folder(tmp_path):
+    if os.geteuid() == 0:
+        # root ignores permission bits: make the path unwritable by putting a file where a folder must go
+        (tmp_path / "blocker").write_text("x")
+        target = tmp_path / "blocker" / "run"
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        target = ro / "run"
+    p = run_train([*TINY, f"hydra.run.dir={target}"], tmp_path)
+    assert p.returncode != 0
+    assert str(target.parent) in p.stderr + p.stdout or "not writable" in p.stderr + p.stdout
