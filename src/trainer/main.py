@@ -139,6 +139,8 @@ def run_training(cfg: DictConfig) -> float | None:
     try:
         tokenizer, renderer, task = build_components(cfg)
         etask = eval_task(cfg, renderer, task)
+        if etask is not None:  # an eval that cannot run must fail now, not after training
+            etask.test_problems(cfg.eval.n_examples)
     except (FileNotFoundError, ValueError, KeyError) as e:
         fail(f"data/env: {e}")
 
