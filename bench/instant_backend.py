@@ -65,11 +65,21 @@ class InstantTrainingClient:
             fwd = types.ForwardBackwardOutput(loss_fn_output_type="cross_entropy", loss_fn_outputs=outs, metrics={})
             res = tinker.TrainingClient._compute_custom_loss(data, loss_fn, fwd)
             self.forward_passes += 2
-            metrics = {**res.metrics, "loss:sum": res.custom_loss_sum}
+            metrics = {**res.metrics, "loss:sum": res.loss_sum}
+            outs = []
         else:
+            # the server ran the registered loss in one pass: it returns summed counts and the logprobs
             self.forward_passes += 1
-            metrics = {"loss:sum": 0.0}
-        return _done(types.ForwardBackwardOutput(loss_fn_output_type="custom", loss_fn_outputs=[], metrics=metrics))
+            n = float(sum(d.loss_fn_inputs["mask"].to_numpy().sum() for d in data))
+            metrics = {"loss:sum": 0.0, **{f"custom/{k}:sum": 0.0 for k in (
+                "loss/dppo_masked", "loss/nonzero_adv_tokens", "loss/dppo_masked_nonzero_adv", "loss/grpo_clipped",
+                "ratio/cap_hits", "drift/kl_k3")}, "custom/loss/n_tokens:sum": n, "custom/ratio/sum:sum": n}
+            outs = []
+            for d in data:
+                slp = d.loss_fn_inputs["logprobs"].to_numpy()
+                outs.append({"logprobs": types.TensorData.from_numpy(
+                    (slp + self.rng.normal(0, 0.02, slp.shape)).astype(np.float32))})
+        return _done(types.ForwardBackwardOutput(loss_fn_output_type="custom", loss_fn_outputs=outs, metrics=metrics))
 
     def optim_step(self, params: Any) -> Any:
         return _done(types.OptimStepResponse(metrics={}))

@@ -264,7 +264,9 @@ class RLLoop:
             return self.retry.call(what, fn)
         except (ValueError, TypeError):
             raise
-        except Exception as exc:  # noqa: BLE001
+        except _BACKEND_FAILURES as exc:
+            # the request failed at the backend (or poisoned the client): recover from a checkpoint.
+            # Anything else (a bug here) propagates with its traceback instead of being retried.
             raise _ClientFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
 
     def _save(self, state: LoopState, final: bool = False) -> None:
@@ -281,6 +283,10 @@ class RLLoop:
 
 class _ClientFailure(RuntimeError):
     pass
+
+
+# tinker.TinkerError covers the SDK's API errors; a poisoned client raises RuntimeError
+_BACKEND_FAILURES = (tinker.TinkerError, RuntimeError, ConnectionError, TimeoutError, OSError)
 
 
 def _is_client_failure(exc: BaseException) -> bool:
