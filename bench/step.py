@@ -38,12 +38,18 @@ class _NoStopEnv:
 
     def __init__(self, env: Any) -> None:
         self.env = env
+        self.stop: list = []
 
     async def initial_observation(self) -> Any:
-        ob, _stop = await self.env.initial_observation()
+        ob, self.stop = await self.env.initial_observation()
         return ob, []
 
     async def step(self, tokens: list[int]) -> Any:
+        # grade only up to the first stop token, as a stopping sampler would have returned
+        for i, t in enumerate(tokens):
+            if t in self.stop:
+                tokens = tokens[: i + 1]
+                break
         return await self.env.step(tokens)
 
 
@@ -121,7 +127,7 @@ def trl(prompts: list[str], steps: int, num_iterations: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         args = GRPOConfig(
             output_dir=d, use_cpu=True, bf16=False, report_to=[], logging_steps=1000, save_strategy="no",
-            num_generations=N_SAMPLES, generation_batch_size=N_PROMPTS * N_SAMPLES,
+            num_generations=N_SAMPLES,
             per_device_train_batch_size=(N_PROMPTS * N_SAMPLES) // per_gen, steps_per_generation=per_gen,
             num_iterations=num_iterations, max_completion_length=NEW_TOKENS, learning_rate=2e-4, beta=0.0,
             max_steps=UPDATES * steps, temperature=1.0,
