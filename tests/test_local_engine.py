@@ -103,17 +103,22 @@ def test_custom_loss_gradient_equals_direct_autograd(sc):
     assert out.loss_fn_outputs[1]["logprobs"].shape == [data[1].model_input.length]
 
 
+def stretched(tc, data, noise_seed: int) -> list:
+    """The datums with sampler logprobs spread around the current ones, so clipping is active."""
+    cur = tc.forward(data, "cross_entropy").result().loss_fn_outputs
+    g = torch.Generator().manual_seed(noise_seed)
+    return [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"],
+        "logprobs": c["logprobs"].to_torch() + torch.randn(d.model_input.length, generator=g) * 0.4,
+        "advantages": d.loss_fn_inputs["advantages"]}) for d, c in zip(data, cur)]
+
+
 @pytest.mark.parametrize("name", ["ppo", "cispo", "importance_sampling"])
 def test_builtin_losses_match_custom_equivalents(sc, name):
     tc = trained_client(sc, seed=1)
     data = make_data(tc.get_tokenizer(), seed=3)
     # stretch the sampler logprobs around the current ones so that clipping is active on some tokens
-    cur = tc.forward(data, "cross_entropy").result().loss_fn_outputs
-    g = torch.Generator().manual_seed(5)
-    data = [types.Datum(model_input=d.model_input, loss_fn_inputs={
-        "target_tokens": d.loss_fn_inputs["target_tokens"],
-        "logprobs": c["logprobs"].to_torch() + torch.randn(d.model_input.length, generator=g) * 0.4,
-        "advantages": d.loss_fn_inputs["advantages"]}) for d, c in zip(data, cur)]
+    data = stretched(tc, data, noise_seed=5)
 
     def custom(data, lps):
         loss = 0.0
@@ -332,12 +337,7 @@ def test_builtin_ppo_equals_project_grpo_plugin(sc):
 
     tc = trained_client(sc, seed=1)
     data = make_data(tc.get_tokenizer(), seed=4)
-    cur = tc.forward(data, "cross_entropy").result().loss_fn_outputs
-    g = torch.Generator().manual_seed(6)
-    data = [types.Datum(model_input=d.model_input, loss_fn_inputs={
-        "target_tokens": d.loss_fn_inputs["target_tokens"],
-        "logprobs": c["logprobs"].to_torch() + torch.randn(d.model_input.length, generator=g) * 0.4,
-        "advantages": d.loss_fn_inputs["advantages"]}) for d, c in zip(data, cur)]
+    data = stretched(tc, data, noise_seed=6)
     zero(tc)
     b = tc.forward_backward(data, "ppo").result()
     g_builtin = grads(tc)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,17 +180,10 @@ def _plot_accuracy(runs: list[PlotRun], title: str, path: Path) -> None:
 
 
 def _save(fig: Any, path: Path) -> None:
-    """savefig to a temp file in the same folder, then os.replace: never a torn PNG."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110, format="png")
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; reports are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """savefig via a temp file and os.replace: never a torn PNG."""
+    from trainer.utils.io import atomic_replace
+
+    atomic_replace(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), suffix=".png")
 
 
 def _missing_note(runs: list[PlotRun], series: dict[str, tuple[list, list]], key: str) -> list[str]:

@@ -6,18 +6,19 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write `text` to `path` via temp file + fsync + rename, so readers never see a torn file."""
+def atomic_replace(path: str | Path, write: Callable[[str], None], suffix: str = ".tmp") -> None:
+    """Call `write(tmp_path)` on a temp file beside `path`, then fsync + chmod 0644 + rename it over
+    `path`, so readers never see a torn file. The temp file is removed if anything fails."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
         os.replace(tmp, path)
@@ -26,6 +27,11 @@ def atomic_write_text(path: str | Path, text: str) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write `text` to `path` atomically (see atomic_replace)."""
+    atomic_replace(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
