@@ -224,3 +224,64 @@ def test_bf16_sampler_matches_hf_bf16_and_stays_close_to_fp32(tmp_path, sc):
     assert float((lp16 - hf16).abs().max()) <= 2e-2  # bf16 decode vs bf16 full forward: kernel rounding only
     assert 0 < float((lp16 - lp32).abs().max()) < 0.1
     c.close()
+
+
+def _tiny_weights(pack):
+    from trainer.backends.local import sampler as S
+    from trainer.backends.local.models import resolve_base_model
+
+    factory, _ = resolve_base_model(TINY)
+    model = factory(torch.float32)
+    cos, sin = S.rotary_tables(model, 256)
+    return S.build_weights(model.config, dict(model.state_dict()), {}, cos, sin, torch.float32, pack=pack)
+
+
+def test_packed_prefill_and_packed_decode_weights_match_the_plain_path(monkeypatch):
+    """Prompts prefilled together (one token stream, chunked) give each prompt the hidden states and
+    K/V of prefilling it alone; oneDNN-packed decode projections equal plain F.linear."""
+    from trainer.backends.local import sampler as S
+
+    W = _tiny_weights(pack=S._MKLDNN)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, W.vocab_size, (n,), generator=g) for n in (5, 17, 1, 9)]
+    L = 20
+    caches = []
+    for chunk in (10_000, 8):  # all in one stream / split into several chunks
+        monkeypatch.setattr(S, "_PREFILL_CHUNK_TOKENS", chunk)
+        cache = [(torch.zeros(4, W.n_kv, L, W.head_dim), torch.zeros(4, W.n_kv, L, W.head_dim)) for _ in W.layers]
+        together = S.prefill(W, prompts, cache, range(4), [L - len(p) for p in prompts])
+        caches.append(cache)
+        for i, p in enumerate(prompts):
+            alone = S.prefill(W, [p])[0]
+            assert together[i].shape == (len(p), W.embed.shape[1])
+            assert torch.allclose(together[i], alone, atol=1e-5), (chunk, i)
+    for (k1, v1), (k2, v2) in zip(*caches):
+        assert torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
+    assert float(caches[0][0][0][0, :, : L - 5].abs().max()) == 0.0  # left of prompt 0 stays empty
+    if S._MKLDNN:
+        lin = W.layers[0].gate_up
+        assert lin.packed is not None
+        x = torch.randn(7, lin.w.shape[1], generator=g)
+        assert torch.allclose(lin(x), torch.nn.functional.linear(x, lin.w), atol=1e-5)
+        big = torch.randn(S._PACKED_MAX_ROWS + 1, lin.w.shape[1], generator=g)
+        assert torch.equal(lin(big), torch.nn.functional.linear(big, lin.w))  # large M: plain sgemm
+
+
+def test_inverse_cdf_matches_the_full_cumsum_and_skips_zero_mass_tokens():
+    from trainer.backends.local.sampler import inverse_cdf
+
+    g = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(64, 1000, generator=g) * 3, -1)  # 1000 = 3 blocks + a partial one
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)
+    ref = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    assert torch.equal(inverse_cdf(probs, u), ref)
+    # all the mass on two tokens in different blocks; u at the extremes never lands on a zero-mass id
+    p = torch.zeros(3, 700)
+    p[:, 3], p[:, 600] = 0.25, 0.75
+    out = inverse_cdf(p, torch.tensor([0.0, 0.2499, 1.0], dtype=torch.float64))
+    assert out.tolist() == [3, 3, 600]
+    # frequencies follow the probabilities
+    q = torch.softmax(torch.randn(1, 300, generator=g), -1).expand(100_000, 300).contiguous()
+    freq = torch.bincount(inverse_cdf(q, torch.rand(100_000, generator=g, dtype=torch.float64)), minlength=300)
+    assert float((freq / 100_000 - q[0]).abs().max()) < 0.005

@@ -7,6 +7,13 @@ layer is a handful of fused matmuls (q|k|v and gate|up concatenated), decode att
 cache slice, and only the sampled token's logprob is kept (local-model.md §2: the bf16 static-cache
 loop is ~2x HF generate fp32).
 
+CPU speed (measured on a 2-core AVX2 EPYC, `bench/sampler.py`): decode matmuls have only B rows, where
+plain `F.linear` (MKL sgemm) reaches ~60 GFLOPS; oneDNN with the weights pre-packed for that shape
+(`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`, the kernels torch inductor uses on CPU)
+runs the same fp32 product ~1.7x faster (2x on the 49152-wide unembedding), so fp32 decode uses packed
+copies. Prefill packs all distinct prompts of a batch into one token stream so its matmuls have
+thousands of rows (attention still runs per prompt, so no FLOPs go to padding or cross-prompt masks).
+
 Numerics follow transformers 5.5 `models/llama/modeling_llama.py` (RMSNorm in fp32 then cast,
 `rotate_half` RoPE with the model's own rotary tables, SDPA with scale head_dim^-0.5, SiLU-gated MLP),
 so in fp32 the logprobs equal the HF/peft training forward to ~1e-6.
@@ -33,14 +40,37 @@ _PROJ_GU = ("gate_proj", "up_proj")
 
 
 # ----------------------------------------------------------------------------------- weights
+_MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+# decode batches up to this many rows use the packed oneDNN weights; above it sgemm is as fast
+_PACKED_MAX_ROWS = 256
+
+
+@dataclass
+class _Lin:
+    """A bias-free projection: the plain weight `[out, in]` and, for fp32 on oneDNN builds, a copy
+    pre-packed for small-row (decode) products."""
+
+    w: torch.Tensor
+    packed: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.numel() // x.shape[-1] <= _PACKED_MAX_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.w)
+
+
+def _lin(w: torch.Tensor, pack: bool) -> _Lin:
+    return _Lin(w, torch.ops.mkldnn._reorder_linear_weight(w, 32) if pack else None)
+
+
 @dataclass
 class _Layer:
     in_norm: torch.Tensor
-    qkv: torch.Tensor
-    o: torch.Tensor
+    qkv: _Lin
+    o: _Lin
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: _Lin
+    down: _Lin
 
 
 @dataclass
@@ -48,7 +78,7 @@ class SamplerWeights:
     """One immutable weight set (base + merged LoRA delta) in the sampler dtype."""
 
     embed: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: _Lin
     final_norm: torch.Tensor
     layers: list[_Layer]
     n_heads: int
@@ -64,7 +94,7 @@ class SamplerWeights:
 
     @property
     def vocab_size(self) -> int:
-        return self.lm_head.shape[0]
+        return self.lm_head.w.shape[0]
 
 
 def check_architecture(config: Any) -> None:
@@ -86,9 +116,12 @@ def rotary_tables(model: Any, max_context: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def build_weights(config: Any, base: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor],
-                  cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> SamplerWeights:
-    """Fuse base weights (fp32, HF names) plus merged LoRA deltas (`module name -> dW`) into `dtype`."""
+                  cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, pack: bool | None = None
+                  ) -> SamplerWeights:
+    """Fuse base weights (fp32, HF names) plus merged LoRA deltas (`module name -> dW`) into `dtype`;
+    `pack` (default: fp32 on a oneDNN build) adds decode-packed copies of every projection."""
     check_architecture(config)
+    pack = (_MKLDNN and dtype == torch.float32) if pack is None else pack
 
     def w(name: str) -> torch.Tensor:
         t = base[name + ".weight"]
@@ -104,11 +137,11 @@ def build_weights(config: Any, base: dict[str, torch.Tensor], deltas: dict[str, 
             p = f"model.layers.{i}"
             layers.append(_Layer(
                 in_norm=norm(f"{p}.input_layernorm"),
-                qkv=torch.cat([w(f"{p}.self_attn.{n}") for n in _PROJ_QKV], 0).contiguous(),
-                o=w(f"{p}.self_attn.o_proj"),
+                qkv=_lin(torch.cat([w(f"{p}.self_attn.{n}") for n in _PROJ_QKV], 0).contiguous(), pack),
+                o=_lin(w(f"{p}.self_attn.o_proj"), pack),
                 post_norm=norm(f"{p}.post_attention_layernorm"),
-                gate_up=torch.cat([w(f"{p}.mlp.{n}") for n in _PROJ_GU], 0).contiguous(),
-                down=w(f"{p}.mlp.down_proj")))
+                gate_up=_lin(torch.cat([w(f"{p}.mlp.{n}") for n in _PROJ_GU], 0).contiguous(), pack),
+                down=_lin(w(f"{p}.mlp.down_proj"), pack)))
         embed = base["model.embed_tokens.weight"].to(dtype)
         head_w = base.get("lm_head.weight", base["model.embed_tokens.weight"])
         if "lm_head" in deltas:  # an unembedding LoRA changes the output projection only
@@ -121,7 +154,7 @@ def build_weights(config: Any, base: dict[str, torch.Tensor], deltas: dict[str, 
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return SamplerWeights(
-        embed=embed, lm_head=lm_head, final_norm=norm("model.norm"), layers=layers,
+        embed=embed, lm_head=_lin(lm_head, pack), final_norm=norm("model.norm"), layers=layers,
         n_heads=config.num_attention_heads, n_kv=config.num_key_value_heads, head_dim=head_dim,
         intermediate=config.intermediate_size, eps=float(config.rms_norm_eps), act=ACT2FN[config.hidden_act],
         cos=cos.to(dtype), sin=sin.to(dtype), max_context=cos.shape[0], dtype=dtype)
@@ -141,33 +174,64 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def _mlp(W: SamplerWeights, L: _Layer, x: torch.Tensor) -> torch.Tensor:
-    gu = F.linear(x, L.gate_up)
-    g, u = gu.split(W.intermediate, dim=-1)
-    return F.linear(W.act(g) * u, L.down)
+    g, u = L.gate_up(x).split(W.intermediate, dim=-1)
+    return L.down(W.act(g) * u)
 
 
-def prefill(W: SamplerWeights, ids_T: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-            row: int = 0, offset: int = 0) -> torch.Tensor:
-    """Run one prompt `[T]` (unpadded: no FLOPs on padding); write its K/V into
-    `cache[l][row, :, offset:offset + T]` when given. Returns final-normed hidden states `[T, H]`."""
-    T = ids_T.shape[0]
+# prompts are prefilled together in chunks of about this many tokens (bounds the activations)
+_PREFILL_CHUNK_TOKENS = 4096
+
+
+def prefill(W: SamplerWeights, prompts: Sequence[torch.Tensor],
+            cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None, rows: Sequence[int] | None = None,
+            offsets: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """Run unpadded prompts (`[T_i]` each) as one packed token stream per chunk; when `cache` is given,
+    write prompt i's K/V into `cache[l][rows[i], :, offsets[i]:offsets[i] + T_i]`. Returns the
+    final-normed hidden states `[T_i, H]` of each prompt."""
+    out: list[torch.Tensor] = []
+    start, n = 0, 0
+    for i, p in enumerate(prompts):
+        n += p.shape[0]
+        if n >= _PREFILL_CHUNK_TOKENS or i == len(prompts) - 1:
+            sl = slice(start, i + 1)
+            out += _prefill_packed(W, prompts[sl], cache, None if rows is None else rows[sl],
+                                   None if offsets is None else offsets[sl])
+            start, n = i + 1, 0
+    return out
+
+
+def _prefill_packed(W: SamplerWeights, prompts: Sequence[torch.Tensor],
+                    cache: list[tuple[torch.Tensor, torch.Tensor]] | None, rows: Sequence[int] | None,
+                    offsets: Sequence[int] | None) -> list[torch.Tensor]:
     nh, nkv, hd = W.n_heads, W.n_kv, W.head_dim
-    cos = W.cos[:T].view(1, 1, T, hd)
-    sin = W.sin[:T].view(1, 1, T, hd)
-    x = F.embedding(ids_T.view(1, T), W.embed)
+    lens = [int(p.shape[0]) for p in prompts]
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    N = bounds[-1]
+    pos = torch.cat([torch.arange(n) for n in lens])
+    cos = W.cos[pos].view(N, 1, hd)
+    sin = W.sin[pos].view(N, 1, hd)
+    x = F.embedding(torch.cat(list(prompts)), W.embed)  # [N, H]
     for li, L in enumerate(W.layers):
-        h = _rms(x, L.in_norm, W.eps)
-        q, k, v = F.linear(h, L.qkv).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = _rope(q.view(1, T, nh, hd).transpose(1, 2), cos, sin)
-        k = _rope(k.view(1, T, nkv, hd).transpose(1, 2), cos, sin)
-        v = v.view(1, T, nkv, hd).transpose(1, 2)
-        if cache is not None:
-            cache[li][0][row, :, offset: offset + T] = k[0]
-            cache[li][1][row, :, offset: offset + T] = v[0]
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
-        x = x + F.linear(a.transpose(1, 2).reshape(1, T, nh * hd), L.o)
+        q, k, v = L.qkv(_rms(x, L.in_norm, W.eps)).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = _rope(q.view(N, nh, hd), cos, sin).transpose(0, 1)  # [nh, N, hd]
+        k = _rope(k.view(N, nkv, hd), cos, sin).transpose(0, 1)
+        v = v.view(N, nkv, hd).transpose(0, 1)
+        parts = []
+        for i in range(len(lens)):
+            a, b = bounds[i], bounds[i + 1]
+            ki, vi = k[:, a:b], v[:, a:b]
+            if cache is not None:
+                cache[li][0][rows[i], :, offsets[i]: offsets[i] + lens[i]] = ki
+                cache[li][1][rows[i], :, offsets[i]: offsets[i] + lens[i]] = vi
+            parts.append(F.scaled_dot_product_attention(q[None, :, a:b], ki[None], vi[None], is_causal=True,
+                                                        enable_gqa=nkv != nh)[0])
+        attn = torch.cat(parts, 1).transpose(0, 1).reshape(N, nh * hd)
+        x = x + L.o(attn)
         x = x + _mlp(W, L, _rms(x, L.post_norm, W.eps))
-    return _rms(x, W.final_norm, W.eps)[0]
+    h = _rms(x, W.final_norm, W.eps)
+    return [h[bounds[i]: bounds[i + 1]] for i in range(len(lens))]
 
 
 def decode_step(W: SamplerWeights, tok_B: torch.Tensor, t: int, pos_B: torch.Tensor, valid_BL: torch.Tensor,
@@ -181,8 +245,7 @@ def decode_step(W: SamplerWeights, tok_B: torch.Tensor, t: int, pos_B: torch.Ten
     mask = valid_BL[:, : t + 1].view(B, 1, 1, t + 1)
     x = F.embedding(tok_B, W.embed)  # [B, H]
     for li, L in enumerate(W.layers):
-        h = _rms(x, L.in_norm, W.eps)
-        q, k, v = F.linear(h, L.qkv).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = L.qkv(_rms(x, L.in_norm, W.eps)).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q = _rope(q.view(B, nh, 1, hd), cos, sin)
         k = _rope(k.view(B, nkv, 1, hd), cos, sin)
         kc, vc = cache[li]
@@ -192,13 +255,13 @@ def decode_step(W: SamplerWeights, tok_B: torch.Tensor, t: int, pos_B: torch.Ten
         # kv head as g "positions" of a single-query attention over that head's cache.
         a = F.scaled_dot_product_attention(q.view(B, nkv, g, hd), kc[:, :, : t + 1], vc[:, :, : t + 1],
                                            attn_mask=mask)
-        x = x + F.linear(a.reshape(B, nh * hd), L.o)
+        x = x + L.o(a.reshape(B, nh * hd))
         x = x + _mlp(W, L, _rms(x, L.post_norm, W.eps))
-    return F.linear(_rms(x, W.final_norm, W.eps), W.lm_head).float()
+    return W.lm_head(_rms(x, W.final_norm, W.eps)).float()
 
 
 def _target_logprobs(W: SamplerWeights, hidden_TH: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(hidden_TH, W.lm_head).float()
+    logits = W.lm_head(hidden_TH).float()
     return logits.gather(-1, targets_T.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
 
 
@@ -212,11 +275,8 @@ def prompt_logprobs(W: SamplerWeights, hidden_TH: torch.Tensor, ids_T: torch.Ten
 @torch.no_grad()
 def score(W: SamplerWeights, prompts: Sequence[Sequence[int]]) -> list[list[float | None]]:
     """Prompt logprobs of each prompt (entry 0 is None)."""
-    out = []
-    for p in prompts:
-        ids = torch.tensor(list(p), dtype=torch.long)
-        out.append(prompt_logprobs(W, prefill(W, ids), ids))
-    return out
+    ids = [torch.tensor(list(p), dtype=torch.long) for p in prompts]
+    return [prompt_logprobs(W, h, i) for h, i in zip(prefill(W, ids), ids)]
 
 
 # ----------------------------------------------------------------------------------- sampling
@@ -260,6 +320,28 @@ def _filter_top(logits_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return logits_NV
 
 
+_CDF_BLOCK = 256
+
+
+def inverse_cdf(probs_NV: torch.Tensor, u_N: torch.Tensor) -> torch.Tensor:
+    """Token ids `[N]` with `F(id - 1) <= u * total < F(id)` for the fp64 CDF `F` of each row.
+
+    Two levels (block sums, then one block's cumsum) instead of a full-vocabulary fp64 cumsum, which
+    took ~20 ms per decode step at 32 x 49152; never returns a zero-probability token."""
+    N, V = probs_NV.shape
+    nb = -(-V // _CDF_BLOCK)
+    P = (probs_NV if nb * _CDF_BLOCK == V else F.pad(probs_NV, (0, nb * _CDF_BLOCK - V))).view(N, nb, _CDF_BLOCK)
+    cdf_b = P.sum(-1, dtype=torch.float64).cumsum(-1)  # [N, nb]
+    target = u_N.double() * cdf_b[:, -1]
+    blk = torch.searchsorted(cdf_b, target.unsqueeze(1), right=True).squeeze(1)
+    blk = torch.minimum(blk, (cdf_b < cdf_b[:, -1:]).sum(-1))  # last block holding mass
+    before = torch.where(blk > 0, cdf_b.gather(1, (blk - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    inner = P[torch.arange(N), blk].double().cumsum(-1)  # [N, block]
+    j = torch.searchsorted(inner, (target - before).unsqueeze(1), right=True).squeeze(1)
+    j = torch.minimum(j, (inner < inner[:, -1:]).sum(-1))  # last token of the block holding mass
+    return blk * _CDF_BLOCK + j
+
+
 @dataclass
 class _Row:
     job: int
@@ -292,14 +374,12 @@ def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None
     cache_R = [(torch.zeros(R, W.n_kv, L, W.head_dim, dtype=W.dtype),
                 torch.zeros(R, W.n_kv, L, W.head_dim, dtype=W.dtype)) for _ in W.layers]
     results = [SampleResult() for _ in jobs]
-    last = []
+    ids = [torch.tensor(j.prompt, dtype=torch.long) for j in jobs]
+    hidden = prefill(W, ids, cache_R, range(R), [T - len(j.prompt) for j in jobs])
     for ji, j in enumerate(jobs):
-        ids = torch.tensor(j.prompt, dtype=torch.long)
-        hidden = prefill(W, ids, cache_R, ji, T - len(j.prompt))
         if j.include_prompt_logprobs:
-            results[ji].prompt_logprobs = prompt_logprobs(W, hidden, ids)
-        last.append(hidden[-1])
-    logits = F.linear(torch.stack(last), W.lm_head).float()[src_B]  # [B, V]
+            results[ji].prompt_logprobs = prompt_logprobs(W, hidden[ji], ids[ji])
+    logits = W.lm_head(torch.stack([h[-1] for h in hidden])).float()[src_B]  # [B, V]
     cache = [(kc.index_select(0, src_B), vc.index_select(0, src_B)) for kc, vc in cache_R]
     del cache_R
     pad_B = torch.tensor([T - len(jobs[r.job].prompt) for r in rows], dtype=torch.long)
@@ -339,10 +419,12 @@ def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None
         if idx_l:
             # inverse-CDF draw: one uniform per row from the request's own generator (cheaper than
             # torch.multinomial, and independent of the other requests in the batch)
-            ii = torch.tensor(idx_l)
-            cdf = torch.softmax(filt[ii], -1).double().cumsum(-1)
-            u = torch.cat(u_l).unsqueeze(1) * cdf[:, -1:]
-            tok[ii] = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+            u = torch.cat(u_l)
+            if idx_l == list(range(len(live))):  # every row samples, in batch order: no gather/scatter
+                tok = inverse_cdf(torch.softmax(filt, -1), u)
+            else:
+                ii = torch.tensor(idx_l)
+                tok[ii] = inverse_cdf(torch.softmax(filt[ii], -1), u)
         lp = scaled.gather(1, tok.unsqueeze(1)).squeeze(1) - lse
         tok_l, lp_l = tok.tolist(), lp.tolist()
         for i, b in enumerate(live.tolist()):
