@@ -233,7 +233,7 @@ def _tiny_weights(pack):
     factory, _ = resolve_base_model(TINY)
     model = factory(torch.float32)
     cos, sin = S.rotary_tables(model, 256)
-    return S.build_weights(model.config, dict(model.state_dict()), {}, cos, sin, torch.float32, pack=pack)
+    return S.build_weights(model.config, dict(model.state_dict()), cos, sin, torch.float32, pack=pack)
 
 
 def test_packed_prefill_and_packed_decode_weights_match_the_plain_path(monkeypatch):

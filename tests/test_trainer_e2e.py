@@ -38,7 +38,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def test_smoke_run_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.time()
-    p = run_train([*TINY, f"hydra.run.dir={run_dir}"], tmp_path)
+    p = run_train([*TINY, "eval.at_start=true", f"hydra.run.dir={run_dir}"], tmp_path)
     elapsed = time.time() - t0
     assert p.returncode == 0, p.stderr[-3000:]
     assert elapsed < 90, f"smoke run took {elapsed:.0f}s"
@@ -62,6 +62,13 @@ def test_smoke_run_end_to_end(tmp_path):
     assert set(ev[0]) >= {"index", "question_sha256", "completion", "parsed", "gold", "correct"}
     summary = json.loads((run_dir / "eval" / "gsm8k_test.summary.json").read_text())
     assert summary["n"] == 4 and summary["greedy_deterministic"] is True
+    # eval.at_start: the initial weights were evaluated on the same items and paired with the final eval
+    start = [json.loads(x) for x in (run_dir / "eval" / "gsm8k_test_start.jsonl").read_text().splitlines()]
+    assert [e["index"] for e in start] == [0, 1, 2, 3]
+    paired = json.loads((run_dir / "result.json").read_text())["eval_vs_start"]
+    assert paired["n"] == 4 and paired["acc_baseline"] == np.mean([e["correct"] for e in start])
+    assert paired["acc_treatment"] == summary["accuracy"]
+    assert "eval vs initial weights (4 paired items)" in p.stdout
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["arm"] == "grpo_seed0" and info["versions"]["torch"].startswith("2.")
     assert (run_dir / "config.yaml").exists() and (run_dir / "rollouts.jsonl").stat().st_size > 0

@@ -173,6 +173,9 @@ def run_training(cfg: DictConfig) -> float | None:
                   progress=sys.stderr.isatty() or bool(os.environ.get("PAIREDRL_PROGRESS")))
     if etask is not None and cfg.eval.every:
         loop.on_step_end = lambda step: periodic_eval(cfg, loop, etask, run_dir, step)
+    start_eval = None
+    if etask is not None and cfg.eval.at_start:
+        start_eval = run_start_eval(cfg, service_client, etask, run_dir)
     setup_s = time.time() - t_setup
     t_train = time.time()
     try:
@@ -185,6 +188,8 @@ def run_training(cfg: DictConfig) -> float | None:
     final_acc = None
     if etask is not None:
         final_acc = run_final_eval(cfg, loop, etask, run_dir, result)
+        if start_eval is not None:
+            result["eval_vs_start"] = compare_with_start(start_eval, run_dir / "eval" / f"{cfg.eval.name}.jsonl")
     from trainer.utils.io import atomic_write_json
 
     atomic_write_json(run_dir / "result.json", result)
@@ -192,6 +197,11 @@ def run_training(cfg: DictConfig) -> float | None:
           f"{run_dir / 'rollouts.jsonl'}\n  checkpoint: {result.get('checkpoint')}")
     if final_acc is not None:
         print(f"  eval:     {run_dir / 'eval' / (cfg.eval.name + '.jsonl')}  accuracy={final_acc:.4f}")
+    if "eval_vs_start" in result:
+        c = result["eval_vs_start"]
+        print(f"  eval vs initial weights ({c['n']} paired items): {c['acc_baseline']:.4f} -> {c['acc_treatment']:.4f}, "
+              f"diff {c['diff']:+.4f}, bootstrap 95% CI [{c['bootstrap_low']:+.4f}, {c['bootstrap_high']:+.4f}], "
+              f"McNemar p={c['mcnemar_p']:.3g} (fixed {c['b']}, broke {c['c']})")
     return final_acc
 
 
@@ -207,6 +217,42 @@ def periodic_eval(cfg: DictConfig, loop: Any, etask: Any, run_dir: Path, step: i
         out_path=run_dir / "eval" / f"{cfg.eval.name}_step{step}.jsonl",
         extra={"name": cfg.eval.name, "step": step}, check_determinism=False)
     log.info("eval %s at step %d: accuracy %.4f", cfg.eval.name, step, summary["accuracy"])
+
+
+def run_start_eval(cfg: DictConfig, service_client: Any, etask: Any, run_dir: Path) -> Path:
+    """Greedy eval of the initial weights, i.e. the base model (LoRA starts with B = 0, so the adapter
+    adds nothing): the baseline the final eval is paired with. Kept on resume (not recomputed)."""
+    from eval.greedy import run_greedy_eval
+    from trainer.retry import RetryPolicy
+
+    out = run_dir / "eval" / f"{cfg.eval.name}_start.jsonl"
+    if out.with_suffix(".summary.json").is_file():  # written last, so the records are complete
+        return out
+    r = cfg.retry
+    summary = run_greedy_eval(
+        etask, etask.test_problems(cfg.eval.n_examples),
+        service_client.create_sampling_client(base_model=cfg.model.base_model), max_tokens=cfg.eval.max_tokens,
+        max_seq_len=cfg.model.max_seq_len, concurrency=cfg.eval.concurrency,
+        retry=RetryPolicy(r.max_attempts, r.backoff_s, r.max_backoff_s), out_path=out,
+        extra={"name": cfg.eval.name, "step": 0}, check_determinism=False)
+    log.info("eval %s of the initial weights: accuracy %.4f [%.4f, %.4f] on %d items", cfg.eval.name,
+             summary["accuracy"], summary["wilson_low"], summary["wilson_high"], summary["n"])
+    print(f"initial-weights eval: accuracy {summary['accuracy']:.4f} on {summary['n']} items "
+          f"({summary['time_s']:.0f} s)", flush=True)
+    return out
+
+
+def compare_with_start(start_path: Path, final_path: Path) -> dict:
+    """Paired statistics (same items) of the final eval against the initial-weights eval."""
+    from eval.records import read_item_records
+    from eval.stats import paired_compare
+
+    start = {r["index"]: r["correct"] for r in read_item_records(start_path)}
+    final = {r["index"]: r["correct"] for r in read_item_records(final_path)}
+    if set(start) != set(final):
+        raise ValueError(f"{start_path} and {final_path} hold different items; cannot pair them")
+    idx = sorted(start)
+    return paired_compare([final[i] for i in idx], [start[i] for i in idx])
 
 
 def run_final_eval(cfg: DictConfig, loop: Any, etask: Any, run_dir: Path, result: dict) -> float:

@@ -277,6 +277,8 @@ class EvalConfig:
     n_examples: Optional[int] = None
     # evaluate every this many rollout steps (0 = only at the end)
     every: int = 0
+    # also evaluate the initial weights before the first step, and compare the final eval with it
+    at_start: bool = False
     # completion budget per item (tokens)
     max_tokens: int = 512
     # maximum eval requests in flight at once
@@ -325,7 +327,7 @@ class LocalBackendConfig:
     # sequences per forward/backward micro-batch
     micro_batch_size: int = 8
     # sequences decoded together by the sampler
-    max_sample_batch: int = 64
+    max_sample_batch: int = 128
     # torch CPU threads (null = torch default)
     num_threads: Optional[int] = None
     # injected faults (testing the trainer's retry and resume paths)

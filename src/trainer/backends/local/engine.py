@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from trainer.backends.local import sampler as S
+from trainer.backends.local.common import COMPUTE
 from trainer.backends.local.models import resolve_base_model, spec_for
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -45,9 +46,6 @@ class LoraSnapshot:
     id: str
     tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]
     scale: float
-
-    def deltas(self) -> dict[str, torch.Tensor]:
-        return {name: self.scale * (B @ A) for name, (A, B) in self.tensors.items()}
 
 
 BASE_SNAPSHOT = LoraSnapshot(id="base", tensors={}, scale=0.0)
@@ -74,6 +72,7 @@ class SharedBase:
         self._to_delete: list[str] = []
         self._sampler_cache: OrderedDict[tuple[str, str], S.SamplerWeights] = OrderedDict()
         self.sampler_cache_size = 2
+        self._sampler_base: dict[torch.dtype, S.SamplerWeights] = {}
 
     # ------------------------------------------------------------------ adapters
     def add_adapter(self, rank: int, alpha: float, targets: list[str], seed: int) -> str:
@@ -137,14 +136,19 @@ class SharedBase:
         return LoraSnapshot(id=uuid.uuid4().hex, tensors=tensors, scale=scale)
 
     def sampler_weights(self, snap: LoraSnapshot, dtype: torch.dtype) -> S.SamplerWeights:
-        """Merged sampler weights of a snapshot (LRU cache: the newest few snapshots stay built)."""
+        """Sampler weights of a snapshot: the base, fused and packed once per dtype, plus the snapshot's
+        unmerged LoRA factors (cheap, so the LRU cache only saves rebuilding the small factor tensors)."""
         key = (snap.id, str(dtype))
         with self.lock:
             w = self._sampler_cache.get(key)
             if w is not None:
                 self._sampler_cache.move_to_end(key)
                 return w
-            w = S.build_weights(self.config, self.base_state, snap.deltas(), self.cos, self.sin, dtype)
+            base = self._sampler_base.get(dtype)
+            if base is None:
+                base = self._sampler_base[dtype] = S.build_weights(self.config, self.base_state, self.cos,
+                                                                   self.sin, dtype)
+            w = S.with_lora(base, snap.tensors, snap.scale)
             self._sampler_cache[key] = w
             while len(self._sampler_cache) > self.sampler_cache_size:
                 self._sampler_cache.popitem(last=False)
@@ -162,5 +166,7 @@ def shared_base(base_model: str, cache_dir: str | Path | None = None) -> SharedB
     key = (spec_for(base_model).base_model, str(cache_root(cache_dir)))
     with _bases_lock:
         if key not in _bases:
-            _bases[key] = SharedBase(base_model, cache_dir)
+            # loaded on the compute thread: a torch parallel region run from the caller's thread would
+            # start a second OpenMP pool, which slows the compute thread's kernels (see ComputeThread)
+            _bases[key] = COMPUTE.run(lambda: SharedBase(base_model, cache_dir))
         return _bases[key]

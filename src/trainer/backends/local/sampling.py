@@ -22,7 +22,7 @@ from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
 from trainer.backends.local import sampler as S
-from trainer.backends.local.common import Faults, SelfFuture, failed_future
+from trainer.backends.local.common import COMPUTE, Faults, SelfFuture, failed_future
 from trainer.backends.local.engine import LoraSnapshot, SharedBase
 
 
@@ -43,11 +43,13 @@ class _Request:
 class SampleScheduler:
     """Queue + worker that batches requests sharing a snapshot."""
 
-    def __init__(self, dtype: torch.dtype, max_batch: int, faults: Faults, batch_wait_s: float = 0.003):
+    def __init__(self, dtype: torch.dtype, max_batch: int, faults: Faults, batch_wait_s: float = 0.01,
+                 max_wait_s: float = 0.5):
         self.dtype = dtype
         self.max_batch = max_batch
         self.faults = faults
         self.batch_wait_s = batch_wait_s
+        self.max_wait_s = max_wait_s
         self._queue: list[_Request] = []
         self._cv = threading.Condition()
         self._closed = False
@@ -73,8 +75,19 @@ class SampleScheduler:
                 self._cv.wait()
             if not self._queue:
                 return []
-        if self.batch_wait_s > 0:
-            time.sleep(self.batch_wait_s)  # let a burst of concurrent submissions land in the queue
+        # Let a burst of concurrent submissions land first: wait while requests keep arriving (a quiet
+        # gap of batch_wait_s ends it), up to max_wait_s or a full batch. A client renders each prompt
+        # before submitting it, so a burst of 200 eval requests takes ~0.2 s to arrive; a fixed 3 ms
+        # wait started a batch of 4 rows that then ran the full decode length on its own.
+        deadline = time.monotonic() + self.max_wait_s
+        seen = -1
+        while self.batch_wait_s > 0:
+            with self._cv:
+                n, rows = len(self._queue), sum(r.rows for r in self._queue)
+            if n == seen or rows >= self.max_batch or time.monotonic() >= deadline:
+                break
+            seen = n
+            time.sleep(self.batch_wait_s)
         with self._cv:
             first = self._queue[0]
             batch, rows, rest = [], 0, []
@@ -106,13 +119,7 @@ class SampleScheduler:
             if not live:
                 continue
             try:
-                base = live[0].base
-                with base.lock:
-                    W = base.sampler_weights(live[0].snap, self.dtype)
-                    if live[0].kind == "sample":
-                        outs = S.generate(W, [r.job for r in live], base.tokenizer)
-                    else:
-                        outs = S.score(W, [r.job for r in live])
+                outs = COMPUTE.run(lambda: self._compute(live))
                 self.batches_run += 1
                 for r, o in zip(live, outs):
                     r.future.set_result(_to_response(o) if r.kind == "sample" else o)
@@ -120,6 +127,15 @@ class SampleScheduler:
                 for r in live:
                     if not r.future.done():
                         r.future.set_exception(e)
+
+
+    def _compute(self, live: list[_Request]) -> list[Any]:
+        base = live[0].base
+        with base.lock:
+            W = base.sampler_weights(live[0].snap, self.dtype)
+            if live[0].kind == "sample":
+                return S.generate(W, [r.job for r in live], base.tokenizer)
+            return S.score(W, [r.job for r in live])
 
 
 def _to_response(res: S.SampleResult) -> types.SampleResponse:

@@ -49,7 +49,7 @@ def _dtype(name: str, what: str) -> torch.dtype:
 
 class LocalServiceClient:
     def __init__(self, *, state_dir: str | Path, sampler_dtype: str = "bfloat16", train_dtype: str = "float32",
-                 micro_batch_size: int = 8, max_sample_batch: int = 64, lora_alpha: float | None = None,
+                 micro_batch_size: int = 8, max_sample_batch: int = 128, lora_alpha: float | None = None,
                  num_threads: int | None = None, model_cache_dir: str | Path | None = None,
                  faults: dict[str, Any] | None = None, **_tinker_kwargs: Any):
         self.state_dir = Path(state_dir).expanduser().resolve()
