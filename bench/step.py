@@ -2,7 +2,9 @@
 
 Workload (issue 9): SmolLM2-135M-Instruct, LoRA rank 8 (alpha 16, attention + MLP projections),
 8 prompts x 4 samples x 64 new tokens (EOS disabled on both sides so every sample is exactly 64
-tokens), then 2 minibatch updates of 16 samples (each sample used once, 2 optimizer steps).
+tokens), then 2 minibatch updates of 16 samples (each sample used once, 2 optimizer steps). All 32
+samples are trained on both sides (`schedule.drop_constant_groups=false`; `--with-drop` also times
+the default that skips zero-advantage groups, which is less work).
 
 TRL setting doing the same work: GRPOConfig(num_generations=4, generation_batch_size=32,
 per_device_train_batch_size=16, steps_per_generation=2, num_iterations=1,
@@ -68,7 +70,7 @@ class _NoStopTask:
         return self.renderer.tokenizer.decode(tokens)
 
 
-def ours(steps: int) -> dict:
+def ours(steps: int, drop_constant_groups: bool = False) -> dict:
     from trainer.backends import build_service_client
     from trainer.config.compose import compose_config
     from trainer.loop import RLLoop
@@ -79,7 +81,7 @@ def ours(steps: int) -> dict:
         "model=smollm2_135m", f"model.lora_rank={RANK}", "model.lora_alpha=16", "env=arithmetic", "eval=none",
         f"schedule.num_steps={steps}", f"schedule.groups_per_batch={N_PROMPTS}", f"schedule.group_size={N_SAMPLES}",
         f"schedule.updates_per_batch={UPDATES}", "schedule.save_every=0", f"sampling.max_tokens={NEW_TOKENS}",
-        "loss=grpo"])
+        "loss=grpo", f"schedule.drop_constant_groups={str(drop_constant_groups).lower()}"])
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         sc = build_service_client(cfg, Path(d))
@@ -95,6 +97,7 @@ def ours(steps: int) -> dict:
                    for p in task.train_problems()[:N_PROMPTS]]
     last = [r for r in rows if r["step"] == steps - 1]
     return {"step_s": last[-1]["time/step"], "sample_s": last[0]["time/sample"], "train_s": last[0]["time/train"],
+            "trained": last[0]["env/rollouts_trained"],
             "setup_s": setup, "tokens": last[0]["tokens/sampled"], "loss_path": last[0]["loss/path"],
             "prompts": prompts}
 
@@ -150,13 +153,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--trl-num-iterations-2", action="store_true")
+    ap.add_argument("--with-drop", action="store_true",
+                    help="also time pairedrl with schedule.drop_constant_groups=true (less work than TRL)")
     a = ap.parse_args()
     import torch
 
     print(f"torch threads: {torch.get_num_threads()}, load: {os.getloadavg()[0]:.2f}")
     r = ours(a.steps)
-    print(f"pairedrl local engine: step {r['step_s']:.1f} s (sample {r['sample_s']:.1f} s, train {r['train_s']:.1f} s,"
-          f" {r['tokens']} sampled tokens, loss path {r['loss_path']}; setup {r['setup_s']:.1f} s)")
+    print(f"pairedrl local engine, all 32 rollouts trained (same work as TRL): step {r['step_s']:.1f} s "
+          f"(sample {r['sample_s']:.1f} s, train {r['train_s']:.1f} s, {r['tokens']} sampled tokens, loss path "
+          f"{r['loss_path']}; setup {r['setup_s']:.1f} s)")
+    if a.with_drop:
+        d = ours(a.steps, drop_constant_groups=True)
+        print(f"pairedrl, schedule.drop_constant_groups=true (zero-advantage groups skipped, {d['trained']} of 32 "
+              f"trained): step {d['step_s']:.1f} s (sample {d['sample_s']:.1f} s, train {d['train_s']:.1f} s)")
     if a.skip_trl:
         return
     t = trl(r["prompts"], a.steps, 1)

@@ -113,6 +113,38 @@ def test_gsm8k_rewards_tiny_and_parse(gsm8k_tiny, tiny) -> None:
     assert gsm8k_tiny.parse_answer("no box here 18") is None
 
 
+def test_gsm8k_env_matches_cookbook_mathenv_rewards(gsm8k_tiny, tiny) -> None:
+    """Our GSM8KEnv (one extraction per response, persistent grading worker) gives the cookbook
+    MathEnv's reward and metrics on every kind of response."""
+    from tinker_cookbook.recipes.math_rl.math_env import MathEnv
+
+    from envs.gsm8k import GSM8KEnv
+
+    tok, renderer = tiny
+    p = gsm8k_tiny.test_problems(1)[0]
+    texts = ["so \\boxed{18}<|im_end|>", "\\boxed{18.0}<|im_end|>", "\\boxed{19}<|im_end|>", "18<|im_end|>",
+             "\\boxed{18}", "a \\boxed{3} then \\boxed{18}<|im_end|>", "\\boxed{}<|im_end|>", "<|im_end|>"]
+    for text in texts:
+        results = []
+        for cls in (GSM8KEnv, MathEnv):
+            env = cls(p.question, p.answer, renderer, convo_prefix=gsm8k_tiny.convo_prefix, format_coef=0.1)
+            results.append(asyncio.run(env.step(tok.encode(text))))
+        assert isinstance(gsm8k_tiny.make_env(p), GSM8KEnv)
+        assert (results[0].reward, results[0].metrics) == (results[1].reward, results[1].metrics), text
+
+
+def test_graded_times_out_and_recovers(monkeypatch) -> None:
+    import time
+
+    from envs import gsm8k
+
+    monkeypatch.setitem(gsm8k._GRADERS, "slow", lambda a, b: time.sleep(3) or True)
+    t0 = time.time()
+    assert gsm8k.graded("1", "1", "slow", timeout=0.5) is False  # ceil(0.5) = 1 s, as the cookbook rounds
+    assert time.time() - t0 < 2.5
+    assert gsm8k.graded("18", "18.0") is True and gsm8k.graded("17", "18") is False  # a fresh worker
+
+
 # ------------------------------------------------------------------ gsm8k: data
 def test_gsm8k_vendored_sizes_order_and_gold(gsm8k_tiny) -> None:
     train, test = gsm8k_tiny.train_problems(), gsm8k_tiny.test_problems()

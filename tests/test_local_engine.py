@@ -349,3 +349,38 @@ def test_builtin_ppo_equals_project_grpo_plugin(sc):
     assert max_diff(g_builtin, g_plugin) <= 1e-6
     assert b.metrics["loss:sum"] == pytest.approx(c.metrics["loss:sum"], rel=1e-5, abs=1e-6)
     assert c.metrics["loss/grpo_clip_frac"] > 0  # the clip was active on part of the batch
+
+
+def test_masked_one_pass_loss_skips_prompt_gradients_with_the_same_result(sc):
+    """The project's GRPO loss as a registered handle (mask input: the engine skips the unembedding
+    gradient before each datum's first masked-in position) gives the gradients, loss and logprobs
+    of the two-pass callable, prompt positions included."""
+    from trainer.losses.adapter import make_custom_loss_fn, make_loss_handle
+    from trainer.losses.grpo import GRPOLoss
+    from trainer.losses.per_datum import with_per_datum_inputs
+
+    tc = trained_client(sc, seed=5)
+    data = []
+    for k, d in enumerate(make_data(tc.get_tokenizer(), seed=8)):
+        n = d.model_input.length
+        cut = min(n - 1, 2 + k)  # a "prompt" of 2 + k positions with advantage 0 and mask 0
+        adv = d.loss_fn_inputs["advantages"].to_torch().clone()
+        adv[:cut] = 0.0
+        mask = torch.ones(n)
+        mask[:cut] = 0.0
+        data.append(types.Datum(model_input=d.model_input, loss_fn_inputs={
+            **d.loss_fn_inputs, "advantages": adv, "mask": mask}))
+    loss = GRPOLoss(clip_eps=0.2, aggregation="sum")
+    handle = make_loss_handle(loss, sc)
+    zero(tc)
+    h = tc.forward_backward_custom([with_per_datum_inputs(d) for d in data], handle).result()
+    g_handle = grads(tc)
+    zero(tc)
+    c = tc.forward_backward_custom(data, make_custom_loss_fn(loss)).result()
+    g_callable = grads(tc)
+    zero(tc)
+    assert max(float(x.abs().max()) for x in g_handle) > 1e-4
+    assert max_diff(g_handle, g_callable) <= 1e-6
+    assert h.metrics["loss:sum"] == pytest.approx(c.metrics["loss:sum"], rel=1e-5, abs=1e-6)
+    for a, b in zip(h.loss_fn_outputs, c.loss_fn_outputs):
+        assert torch.allclose(a["logprobs"].to_torch(), b["logprobs"].to_torch(), atol=1e-5)

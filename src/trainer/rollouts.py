@@ -7,6 +7,7 @@ import hashlib
 from typing import Any, Sequence
 
 import tinker
+from tinker_cookbook.rl.problem_env import ProblemEnv
 
 from trainer.datums import Rollout
 from trainer.retry import RetryPolicy
@@ -37,7 +38,8 @@ async def _group_rollout(task: Any, problem: Any, group: int, group_size: int, s
         raise RuntimeError(f"sampler returned {len(resp.sequences)} sequences, asked for {group_size}")
     out = []
     for env, seq in zip(envs, resp.sequences):
-        await env.initial_observation()  # single-use cookbook envs expect this call first
+        if not isinstance(env, ProblemEnv):  # ProblemEnv.step keeps no state from it; it re-renders the prompt
+            await env.initial_observation()  # other single-use cookbook envs expect this call first
         tokens = list(seq.tokens)
         res = await env.step(tokens)
         out.append(Rollout(group=group, prompt_tokens=prompt_tokens, tokens=tokens,

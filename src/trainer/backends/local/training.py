@@ -136,8 +136,13 @@ class LocalTrainingClient(SelfFuture):
         m = self._service.micro_batch_size
         return [range(s, min(n, s + m)) for s in range(0, n, m)]
 
-    def _logprobs(self, preps: list[_Prepared]) -> list[torch.Tensor]:
-        """Target logprobs of a micro-batch (graph kept when grad is enabled). Call with the lock held."""
+    def _logprobs(self, preps: list[_Prepared], grad_from: list[int] | None = None) -> list[torch.Tensor]:
+        """Target logprobs of a micro-batch (graph kept when grad is enabled). Call with the lock held.
+
+        `grad_from[i]`: datum i's positions before this index cannot affect its loss (mask 0 there), so
+        their unembedding runs without a graph: no [positions, vocab] softmax gradient and no backward
+        matmul through lm_head for the prompt (TRL's `logits_to_keep` idea, with the prompt logprobs
+        still returned)."""
         b = self._base
         b.activate(self.model_id)
         lm = b.causal_lm()
@@ -150,6 +155,8 @@ class LocalTrainingClient(SelfFuture):
                else contextlib.nullcontext())
         with ctx:
             hidden = lm.model(input_ids=ids).last_hidden_state
+        if grad_from is not None and torch.is_grad_enabled() and all(p.targets.dim() == 1 for p in preps):
+            return self._split_logprobs(lm, hidden, preps, grad_from)
         logits = lm.lm_head(hidden.float())  # the unembedding (and its LoRA) in fp32 for accurate logprobs
         lse = torch.logsumexp(logits, dim=-1)  # [B, T]
         if all(p.targets.dim() == 1 for p in preps):
@@ -169,6 +176,31 @@ class LocalTrainingClient(SelfFuture):
             else:
                 lp = logits[i, :n].gather(-1, p.targets) - lse[i, :n].unsqueeze(-1)
             out.append(lp)
+        return out
+
+    @staticmethod
+    def _split_logprobs(lm: Any, hidden: torch.Tensor, preps: list[_Prepared], grad_from: list[int]
+                        ) -> list[torch.Tensor]:
+        B, T, H = hidden.shape
+        flat = hidden.reshape(B * T, H)
+        cuts = [min(max(0, int(s)), len(p.ids)) for s, p in zip(grad_from, preps)]
+        idx_g = torch.cat([torch.arange(i * T + c, i * T + len(p.ids)) for i, (c, p) in enumerate(zip(cuts, preps))])
+        idx_n = torch.cat([torch.arange(i * T, i * T + c) for i, c in enumerate(cuts)])
+        tgt_g = torch.cat([p.targets[c:] for c, p in zip(cuts, preps)])
+        tgt_n = torch.cat([p.targets[:c] for c, p in zip(cuts, preps)])
+
+        def lp(h: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+            logits = lm.lm_head(h.float())
+            return logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+
+        lp_g = lp(flat.index_select(0, idx_g), tgt_g)
+        with torch.no_grad():
+            lp_n = lp(flat.detach().index_select(0, idx_n), tgt_n)
+        out, og, on = [], 0, 0
+        for c, p in zip(cuts, preps):
+            g = len(p.ids) - c
+            out.append(torch.cat([lp_n[on: on + c], lp_g[og: og + g]]))
+            og, on = og + g, on + c
         return out
 
     @staticmethod
@@ -268,7 +300,9 @@ class LocalTrainingClient(SelfFuture):
         for mb in mbs:
             chunk_data = [data[i] for i in mb]
             with self._base.lock:
-                lps = self._logprobs([preps[i] for i in mb])
+                # the registered losses weight every token by `mask`: positions before the first
+                # masked-in one (the prompt) need no gradient
+                lps = self._logprobs([preps[i] for i in mb], [_first_loss_position(data[i]) for i in mb])
                 loss, metrics = run_loss_handle(handle, chunk_data, lps)
                 loss.backward()
             total += float(loss.detach())
@@ -416,3 +450,18 @@ class LocalTrainingClient(SelfFuture):
 
 def _raise(exc: BaseException) -> Any:
     raise exc
+
+
+# A registered (one-pass) loss that takes a `mask` input must weight every token term by it, as the
+# project's per-datum losses do (trainer/losses/per_datum.py); the engine then skips the unembedding
+# gradient before the first masked-in position. A handle without a `mask` input gets full gradients.
+_MASK_KEY = "mask"
+
+
+def _first_loss_position(datum: Any) -> int:
+    """Index of the first non-zero `mask` entry of a per-datum loss's inputs (0 when absent)."""
+    m = datum.loss_fn_inputs.get(_MASK_KEY)
+    if m is None:
+        return 0
+    nz = torch.nonzero(m.to_torch() != 0)
+    return int(nz[0, 0]) if len(nz) else 0
