@@ -106,8 +106,11 @@ def main() -> None:
     from trainer.backends.local.service import _dtype
 
     rows.append((f"local sampler ({str(_dtype(a.local_dtype, 'dtype')).split('.')[-1]}, static KV cache)", dt, n))
+    from trainer.backends.local.common import COMPUTE
+
     for d in [x for x in a.hf_dtypes.split(",") if x]:
-        dt, n = bench_hf(ps, a.new_tokens, d, tok)
+        # on the engine's compute thread too: a second thread's OpenMP pool would slow generate down
+        dt, n = COMPUTE.run(lambda d=d: bench_hf(ps, a.new_tokens, d, tok))
         rows.append((f"transformers.generate ({d}, output_scores)", dt, n))
     print(f"loadavg after:  {open('/proc/loadavg').read().split()[:3]}")
     print()

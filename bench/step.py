@@ -169,11 +169,14 @@ def main() -> None:
               f"trained): step {d['step_s']:.1f} s (sample {d['sample_s']:.1f} s, train {d['train_s']:.1f} s)")
     if a.skip_trl:
         return
-    t = trl(r["prompts"], a.steps, 1)
+    from trainer.backends.local.common import COMPUTE
+
+    # TRL runs on the engine's compute thread as well: a second thread's OpenMP pool would slow it down
+    t = COMPUTE.run(lambda: trl(r["prompts"], a.steps, 1))
     print(f"TRL GRPOTrainer (1 generation -> 2 half-batch optimizer steps, same work): step {t['step_s']:.1f} s")
     print(f"ratio pairedrl / TRL = {r['step_s'] / t['step_s']:.3f}  (target <= 0.25)")
     if a.trl_num_iterations_2:
-        t2 = trl(r["prompts"], a.steps, 2)
+        t2 = COMPUTE.run(lambda: trl(r["prompts"], a.steps, 2))
         print(f"TRL GRPOTrainer num_iterations=2 (whole batch twice): step {t2['step_s']:.1f} s; "
               f"ratio {r['step_s'] / t2['step_s']:.3f}")
 

@@ -88,7 +88,7 @@ def test_custom_loss_gradient_equals_direct_autograd(sc):
     zero(tc)
     with tc._base.lock:  # the same loss straight through the model's logprobs (same micro-batches)
         preps = tc._prepare(data)
-        lps = [lp for mb in tc._micro_batches(len(preps)) for lp in tc._logprobs([preps[i] for i in mb])]
+        lps = [lp for mb in tc._micro_batches(preps) for lp in tc._logprobs([preps[i] for i in mb])]
         direct, _ = nonlinear(data, lps)
         direct.backward()
     g_direct = grads(tc)
@@ -384,3 +384,17 @@ def test_masked_one_pass_loss_skips_prompt_gradients_with_the_same_result(sc):
     assert h.metrics["loss:sum"] == pytest.approx(c.metrics["loss:sum"], rel=1e-5, abs=1e-6)
     for a, b in zip(h.loss_fn_outputs, c.loss_fn_outputs):
         assert torch.allclose(a["logprobs"].to_torch(), b["logprobs"].to_torch(), atol=1e-5)
+
+
+def test_micro_batches_respect_the_row_and_token_budgets(tmp_path):
+    from trainer.backends.local.training import _Prepared
+
+    c = LocalServiceClient(state_dir=tmp_path, sampler_dtype="float32", train_dtype="float32",
+                           micro_batch_size=3, micro_batch_tokens=20)
+    tc = c.create_lora_training_client(TINY, rank=2, seed=0).result()
+    lens = [4, 4, 4, 4, 6, 30, 2, 2, 9]
+    preps = [_Prepared(list(range(n)), torch.zeros(n, dtype=torch.long), {}) for n in lens]
+    mbs = tc._micro_batches(preps)
+    assert [list(r) for r in mbs] == [[0, 1, 2], [3, 4], [5], [6, 7], [8]]
+    assert all(len(r) <= 3 and (len(r) == 1 or len(r) * max(lens[i] for i in r) <= 20) for r in mbs)
+    c.close()

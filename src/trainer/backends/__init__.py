@@ -27,6 +27,7 @@ def build_service_client(cfg: DictConfig, run_dir: Path) -> Any:
         return LocalServiceClient(
             state_dir=Path(b.state_dir) if b.state_dir else Path(run_dir) / "engine",
             sampler_dtype=b.sampler_dtype, train_dtype=b.train_dtype, micro_batch_size=b.micro_batch_size,
+            micro_batch_tokens=b.micro_batch_tokens,
             max_sample_batch=b.max_sample_batch, lora_alpha=cfg.model.lora_alpha, num_threads=b.num_threads,
             faults=faults)
     raise BackendConfigError(f"backend.name: unknown backend {b.name!r} (local | tinker)")

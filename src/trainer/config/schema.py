@@ -324,8 +324,10 @@ class LocalBackendConfig:
     sampler_dtype: str = "auto"
     # training precision: auto | float32 | bfloat16 (autocast)
     train_dtype: str = "auto"
-    # sequences per forward/backward micro-batch
-    micro_batch_size: int = 8
+    # sequences per forward/backward micro-batch at most
+    micro_batch_size: int = 16
+    # padded tokens per micro-batch at most (a longer single sequence still runs alone)
+    micro_batch_tokens: int = 2048
     # sequences decoded together by the sampler
     max_sample_batch: int = 128
     # torch CPU threads (null = torch default)
@@ -337,6 +339,7 @@ class LocalBackendConfig:
         _in_set("sampler_dtype", self.sampler_dtype, ("auto", "bfloat16", "float32"))
         _in_set("train_dtype", self.train_dtype, ("auto", "bfloat16", "float32"))
         _positive_int("micro_batch_size", self.micro_batch_size)
+        _positive_int("micro_batch_tokens", self.micro_batch_tokens)
         _positive_int("max_sample_batch", self.max_sample_batch)
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)

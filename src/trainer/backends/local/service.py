@@ -49,18 +49,21 @@ def _dtype(name: str, what: str) -> torch.dtype:
 
 class LocalServiceClient:
     def __init__(self, *, state_dir: str | Path, sampler_dtype: str = "bfloat16", train_dtype: str = "float32",
-                 micro_batch_size: int = 8, max_sample_batch: int = 128, lora_alpha: float | None = None,
+                 micro_batch_size: int = 16, micro_batch_tokens: int = 2048, max_sample_batch: int = 128,
+                 lora_alpha: float | None = None,
                  num_threads: int | None = None, model_cache_dir: str | Path | None = None,
                  faults: dict[str, Any] | None = None, **_tinker_kwargs: Any):
         self.state_dir = Path(state_dir).expanduser().resolve()
         self.sampler_dtype = _dtype(sampler_dtype, "sampler_dtype")
         self.train_dtype = _dtype(train_dtype, "train_dtype")
-        for name, v in (("micro_batch_size", micro_batch_size), ("max_sample_batch", max_sample_batch)):
+        for name, v in (("micro_batch_size", micro_batch_size), ("micro_batch_tokens", micro_batch_tokens),
+                        ("max_sample_batch", max_sample_batch)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if lora_alpha is not None and not lora_alpha > 0:
             raise ValueError(f"lora_alpha must be > 0, got {lora_alpha}")
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         self.max_sample_batch = max_sample_batch
         self.lora_alpha = lora_alpha
         self.model_cache_dir = model_cache_dir
