@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import queue
 import random
 import threading
 import time
@@ -63,41 +62,24 @@ class ComputeThread:
     """The one thread on which all of the engine's torch work runs (sampling, forward/backward, optim).
 
     torch's OpenMP pool belongs to the thread that opens a parallel region: once a second thread has
-    its own pool, kernels run 1.2-2x slower (`bench/threads.py` on the 2-core dev machine: a SmolLM2
-    decode step at 64 rows took 191-210 ms on the only pool's thread, 261 ms beside a second pool). So model
+    its own pool, kernels run 1.3-2x slower (measured on the 2-core dev machine: a SmolLM2 decode step at
+    64 rows took 195-250 ms from the only pool's thread, 290-400 ms from a second thread's). So model
     loading, sampling and training all run on this one thread, and the engine never opens a parallel
     region on the caller's thread; a call made from the compute thread itself runs inline, so nested
     calls cannot deadlock."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-compute")
         self._ident: int | None = None
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
 
-    def _loop(self) -> None:
+    def _enter(self, fn: Callable[[], T]) -> T:
         self._ident = threading.get_ident()
-        while True:
-            fn, fut = self._queue.get()
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - delivered to the waiting caller
-                fut.set_exception(e)
+        return fn()
 
     def run(self, fn: Callable[[], T]) -> T:
         if threading.get_ident() == self._ident:
             return fn()
-        with self._start_lock:
-            if self._thread is None:
-                # a daemon, so Ctrl-C / exit does not wait for a long generate; checkpoints are written
-                # atomically, so stopping mid-save leaves the previous one intact
-                self._thread = threading.Thread(target=self._loop, name="local-compute", daemon=True)
-                self._thread.start()
-        fut: Future = Future()
-        self._queue.put((fn, fut))
-        return fut.result()
+        return self._pool.submit(self._enter, fn).result()
 
 
 COMPUTE = ComputeThread()
