@@ -175,7 +175,7 @@ def run_training(cfg: DictConfig) -> float | None:
         loop.on_step_end = lambda step: periodic_eval(cfg, loop, etask, run_dir, step)
     start_eval = None
     if etask is not None and cfg.eval.at_start:
-        start_eval = run_start_eval(cfg, service_client, etask, run_dir)
+        start_eval = run_start_eval(cfg, service_client, etask, run_dir, loop.retry)
     setup_s = time.time() - t_setup
     t_train = time.time()
     try:
@@ -199,42 +199,40 @@ def run_training(cfg: DictConfig) -> float | None:
         print(f"  eval:     {run_dir / 'eval' / (cfg.eval.name + '.jsonl')}  accuracy={final_acc:.4f}")
     if "eval_vs_start" in result:
         c = result["eval_vs_start"]
-        print(f"  eval vs initial weights ({c['n']} paired items): {c['acc_baseline']:.4f} -> {c['acc_treatment']:.4f}, "
-              f"diff {c['diff']:+.4f}, bootstrap 95% CI [{c['bootstrap_low']:+.4f}, {c['bootstrap_high']:+.4f}], "
+        print(f"  eval vs initial weights ({c['n']} paired items): {c['acc_baseline']:.4f} -> "
+              f"{c['acc_treatment']:.4f}, diff {c['diff']:+.4f}, bootstrap 95% CI [{c['bootstrap_low']:+.4f}, {c['bootstrap_high']:+.4f}], "
               f"McNemar p={c['mcnemar_p']:.3g} (fixed {c['b']}, broke {c['c']})")
     return final_acc
 
 
-def periodic_eval(cfg: DictConfig, loop: Any, etask: Any, run_dir: Path, step: int) -> None:
-    """Greedy eval every `eval.every` rollout steps (not at the end: the final eval covers that)."""
+def _greedy_eval(cfg: DictConfig, etask: Any, sampling_client: Any, retry: Any, out_path: Path, extra: dict,
+                 check_determinism: bool) -> dict:
+    """The configured eval (`eval.n_examples` test items, budgets and concurrency) on one sampler."""
     from eval.greedy import run_greedy_eval
 
+    return run_greedy_eval(
+        etask, etask.test_problems(cfg.eval.n_examples), sampling_client, max_tokens=cfg.eval.max_tokens,
+        max_seq_len=cfg.model.max_seq_len, concurrency=cfg.eval.concurrency, retry=retry, out_path=out_path,
+        extra={"name": cfg.eval.name, **extra}, check_determinism=check_determinism)
+
+
+def periodic_eval(cfg: DictConfig, loop: Any, etask: Any, run_dir: Path, step: int) -> None:
+    """Greedy eval every `eval.every` rollout steps (not at the end: the final eval covers that)."""
     if step % cfg.eval.every or step >= cfg.schedule.num_steps:
         return
-    summary = run_greedy_eval(
-        etask, etask.test_problems(cfg.eval.n_examples), loop.sampling_client(), max_tokens=cfg.eval.max_tokens,
-        max_seq_len=cfg.model.max_seq_len, concurrency=cfg.eval.concurrency, retry=loop.retry,
-        out_path=run_dir / "eval" / f"{cfg.eval.name}_step{step}.jsonl",
-        extra={"name": cfg.eval.name, "step": step}, check_determinism=False)
+    summary = _greedy_eval(cfg, etask, loop.sampling_client(), loop.retry,
+                           run_dir / "eval" / f"{cfg.eval.name}_step{step}.jsonl", {"step": step}, False)
     log.info("eval %s at step %d: accuracy %.4f", cfg.eval.name, step, summary["accuracy"])
 
 
-def run_start_eval(cfg: DictConfig, service_client: Any, etask: Any, run_dir: Path) -> Path:
+def run_start_eval(cfg: DictConfig, service_client: Any, etask: Any, run_dir: Path, retry: Any) -> Path:
     """Greedy eval of the initial weights, i.e. the base model (LoRA starts with B = 0, so the adapter
     adds nothing): the baseline the final eval is paired with. Kept on resume (not recomputed)."""
-    from eval.greedy import run_greedy_eval
-    from trainer.retry import RetryPolicy
-
     out = run_dir / "eval" / f"{cfg.eval.name}_start.jsonl"
     if out.with_suffix(".summary.json").is_file():  # written last, so the records are complete
         return out
-    r = cfg.retry
-    summary = run_greedy_eval(
-        etask, etask.test_problems(cfg.eval.n_examples),
-        service_client.create_sampling_client(base_model=cfg.model.base_model), max_tokens=cfg.eval.max_tokens,
-        max_seq_len=cfg.model.max_seq_len, concurrency=cfg.eval.concurrency,
-        retry=RetryPolicy(r.max_attempts, r.backoff_s, r.max_backoff_s), out_path=out,
-        extra={"name": cfg.eval.name, "step": 0}, check_determinism=False)
+    summary = _greedy_eval(cfg, etask, service_client.create_sampling_client(base_model=cfg.model.base_model),
+                           retry, out, {"step": 0}, False)
     log.info("eval %s of the initial weights: accuracy %.4f [%.4f, %.4f] on %d items", cfg.eval.name,
              summary["accuracy"], summary["wilson_low"], summary["wilson_high"], summary["n"])
     print(f"initial-weights eval: accuracy {summary['accuracy']:.4f} on {summary['n']} items "
@@ -256,15 +254,9 @@ def compare_with_start(start_path: Path, final_path: Path) -> dict:
 
 
 def run_final_eval(cfg: DictConfig, loop: Any, etask: Any, run_dir: Path, result: dict) -> float:
-    from eval.greedy import run_greedy_eval
-
     t0 = time.time()
-    problems = etask.test_problems(cfg.eval.n_examples)
-    summary = run_greedy_eval(
-        etask, problems, loop.sampling_client(), max_tokens=cfg.eval.max_tokens,
-        max_seq_len=cfg.model.max_seq_len, concurrency=cfg.eval.concurrency, retry=loop.retry,
-        out_path=run_dir / "eval" / f"{cfg.eval.name}.jsonl",
-        extra={"name": cfg.eval.name, "step": result["steps"], "checkpoint": result.get("checkpoint")})
+    summary = _greedy_eval(cfg, etask, loop.sampling_client(), loop.retry, run_dir / "eval" / f"{cfg.eval.name}.jsonl",
+                           {"step": result["steps"], "checkpoint": result.get("checkpoint")}, True)
     result["time/eval"] = time.time() - t0
     result["eval"] = summary
     log.info("eval %s: accuracy %.4f [%.4f, %.4f] on %d items", cfg.eval.name, summary["accuracy"],

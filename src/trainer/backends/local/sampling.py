@@ -128,7 +128,6 @@ class SampleScheduler:
                     if not r.future.done():
                         r.future.set_exception(e)
 
-
     def _compute(self, live: list[_Request]) -> list[Any]:
         base = live[0].base
         with base.lock:

@@ -168,18 +168,9 @@ class LocalTrainingClient(SelfFuture):
                else contextlib.nullcontext())
         with ctx:
             hidden = lm.model(input_ids=ids).last_hidden_state
-        if grad_from is not None and torch.is_grad_enabled() and all(p.targets.dim() == 1 for p in preps):
-            return self._split_logprobs(lm, hidden, preps, grad_from)
-        logits = lm.lm_head(hidden.float())  # the unembedding (and its LoRA) in fp32 for accurate logprobs
         if all(p.targets.dim() == 1 for p in preps):
-            # one gather over the batch, then per-datum slices of the small [B, T] result: slicing the
-            # [B, T, V] logits per datum made autograd zero-fill a full-size gradient per datum (~20% of
-            # a SmolLM2 micro-batch's fwd+bwd time)
-            tgt = torch.zeros(len(preps), T, dtype=torch.long)
-            for i, p in enumerate(preps):
-                tgt[i, : len(p.ids)] = p.targets
-            lp_BT = _target_logprobs(logits.reshape(len(preps) * T, -1), tgt.reshape(-1)).view(len(preps), T)
-            return [lp_BT[i, : len(p.ids)] for i, p in enumerate(preps)]
+            return self._split_logprobs(lm, hidden, preps, grad_from or [0] * len(preps))
+        logits = lm.lm_head(hidden.float())  # the unembedding (and its LoRA) in fp32 for accurate logprobs
         lse = torch.logsumexp(logits, dim=-1)  # [B, T]
         out = []
         for i, p in enumerate(preps):
@@ -194,6 +185,9 @@ class LocalTrainingClient(SelfFuture):
     @staticmethod
     def _split_logprobs(lm: Any, hidden: torch.Tensor, preps: list[_Prepared], grad_from: list[int]
                         ) -> list[torch.Tensor]:
+        """Logprobs of 1-D targets from the real (unpadded) positions only, in one unembedding call with a
+        graph and one without (positions before `grad_from[i]`). Gathering per datum from [B, T, V]
+        logits made autograd zero-fill a full-size gradient per datum (~20% of a SmolLM2 micro-batch)."""
         B, T, H = hidden.shape
         flat = hidden.reshape(B * T, H)
         cuts = [min(max(0, int(s)), len(p.ids)) for s, p in zip(grad_from, preps)]
