@@ -2,7 +2,8 @@
 model carrying one LoRA adapter per training client, a compute lock, and the sampler weight cache.
 
 Each training client owns only its adapter (`lora_A`/`lora_B` of the targeted projections) and its
-optimizer state; before computing, it activates its adapter under the lock. LoRA follows peft
+optimizer state; its forward (`train_forward.py`) reads the shared base weights and its own factors
+directly, under the lock (the peft model holds the factors and serves as the reference in tests). LoRA follows peft
 (`y = W x + (alpha / r) * B A x`, no dropout); the init is peft's (A kaiming-uniform with a = sqrt(5),
 B = 0) but drawn from a `torch.Generator` seeded by the client's seed, so equal seeds give
 bit-identical adapters whatever the global RNG state.
@@ -124,6 +125,14 @@ class SharedBase:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     self.peft.delete_adapter(name)
+
+    def packed_unembed(self) -> torch.Tensor | None:
+        """The unembedding pre-packed for the training forward's logprobs (built on first use)."""
+        if not hasattr(self, "_packed_unembed"):
+            from trainer.backends.local.train_forward import pack_unembed, unembed_weight
+
+            self._packed_unembed = pack_unembed(unembed_weight(self.base_state))
+        return self._packed_unembed
 
     def causal_lm(self) -> Any:
         """The HF LlamaForCausalLM inside the peft wrapper (its Linear layers carry the adapters)."""

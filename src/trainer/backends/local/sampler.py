@@ -205,13 +205,13 @@ def with_lora(W: SamplerWeights, lora: dict[str, tuple[torch.Tensor, torch.Tenso
 
 
 # ----------------------------------------------------------------------------------- forward
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
     return x * cos + rot * sin
@@ -258,9 +258,9 @@ def _prefill_packed(W: SamplerWeights, prompts: Sequence[torch.Tensor],
     sin = W.sin[pos].view(N, 1, hd)
     x = F.embedding(torch.cat(list(prompts)), W.embed)  # [N, H]
     for li, L in enumerate(W.layers):
-        q, k, v = L.qkv(_rms(x, L.in_norm, W.eps)).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = _rope(q.view(N, nh, hd), cos, sin).transpose(0, 1)  # [nh, N, hd]
-        k = _rope(k.view(N, nkv, hd), cos, sin).transpose(0, 1)
+        q, k, v = L.qkv(rms_norm(x, L.in_norm, W.eps)).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = rope(q.view(N, nh, hd), cos, sin).transpose(0, 1)  # [nh, N, hd]
+        k = rope(k.view(N, nkv, hd), cos, sin).transpose(0, 1)
         v = v.view(N, nkv, hd).transpose(0, 1)
         parts = []
         for i in range(len(lens)):
@@ -273,8 +273,8 @@ def _prefill_packed(W: SamplerWeights, prompts: Sequence[torch.Tensor],
                                                         enable_gqa=nkv != nh)[0])
         attn = torch.cat(parts, 1).transpose(0, 1).reshape(N, nh * hd)
         x = x + L.o(attn)
-        x = x + _mlp(W, L, _rms(x, L.post_norm, W.eps))
-    h = _rms(x, W.final_norm, W.eps)
+        x = x + _mlp(W, L, rms_norm(x, L.post_norm, W.eps))
+    h = rms_norm(x, W.final_norm, W.eps)
     return [h[bounds[i]: bounds[i + 1]] for i in range(len(lens))]
 
 
@@ -289,9 +289,9 @@ def decode_step(W: SamplerWeights, tok_B: torch.Tensor, t: int, pos_B: torch.Ten
     mask = valid_BL[:, : t + 1].view(B, 1, 1, t + 1)
     x = F.embedding(tok_B, W.embed)  # [B, H]
     for li, L in enumerate(W.layers):
-        q, k, v = L.qkv(_rms(x, L.in_norm, W.eps)).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = _rope(q.view(B, nh, 1, hd), cos, sin)
-        k = _rope(k.view(B, nkv, 1, hd), cos, sin)
+        q, k, v = L.qkv(rms_norm(x, L.in_norm, W.eps)).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = rope(q.view(B, nh, 1, hd), cos, sin)
+        k = rope(k.view(B, nkv, 1, hd), cos, sin)
         kc, vc = cache[li]
         kc[:, :, t: t + 1] = k
         vc[:, :, t: t + 1] = v.view(B, nkv, 1, hd)
@@ -300,8 +300,8 @@ def decode_step(W: SamplerWeights, tok_B: torch.Tensor, t: int, pos_B: torch.Ten
         a = F.scaled_dot_product_attention(q.view(B, nkv, g, hd), kc[:, :, : t + 1], vc[:, :, : t + 1],
                                            attn_mask=mask)
         x = x + L.o(a.reshape(B, nh * hd))
-        x = x + _mlp(W, L, _rms(x, L.post_norm, W.eps))
-    return W.lm_head(_rms(x, W.final_norm, W.eps)).float()
+        x = x + _mlp(W, L, rms_norm(x, L.post_norm, W.eps))
+    return W.lm_head(rms_norm(x, W.final_norm, W.eps)).float()
 
 
 def _target_logprobs(W: SamplerWeights, hidden_TH: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:

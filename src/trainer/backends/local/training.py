@@ -10,6 +10,8 @@ Differences from the service (documented, deliberate):
   second forward+backward per micro-batch backpropagates the surrogate `sum(logp * dC/dlogp)`, whose
   parameter gradient equals that of the custom loss. A `LossHandle` runs in ONE pass per micro-batch
   (its per-datum losses are summed, as `custom_loss.py::run_loss_handle` does).
+- the model forward is the engine's own (`train_forward.py`: packed rows, datums of one group
+  computing their shared prompt once, LoRA inside the GEMMs); the service's internals are unknown.
 - metrics carry `engine/forward_passes:sum` (model forward passes the call ran) and
   `engine/micro_batches:sum`, so a benchmark can report passes per update.
 """
@@ -29,6 +31,7 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.lib.public_interfaces.custom_loss import LossHandle, check_loss_inputs, run_loss_handle
 
 from trainer.backends.local import ckpt
+from trainer.backends.local import train_forward as TF
 from trainer.backends.local.common import (COMPUTE, Faults, OrderedWorker, SelfFuture, check_name, parse_path,
                                            tinker_path)
 from trainer.backends.local.engine import LoraSnapshot, SharedBase
@@ -42,6 +45,11 @@ class _Prepared:
     ids: list[int]
     targets: torch.Tensor  # long [T] or [T, K]
     inputs: dict[str, torch.Tensor]  # float32 tensors of the other loss_fn_inputs
+    # first position with a non-zero `mask` (else `weights`) input: the rows before it are the prompt,
+    # shared with neighbouring datums that start with the same tokens (0: share nothing)
+    share: int = 0
+    # first position with a non-zero `mask` input (0 without one): where a registered loss's gradient starts
+    mask_from: int = 0
 
 
 class LocalTrainingClient(SelfFuture):
@@ -130,7 +138,9 @@ class LocalTrainingClient(SelfFuture):
                     raise ValueError(f"datum[{i}]: loss_fn_inputs[{key!r}] has shape {tuple(t.shape)}, "
                                      f"target_tokens has {tuple(tt.shape)}")
                 inputs[key] = t
-            out.append(_Prepared(ids, tt, inputs))
+            mask_from = _first_nonzero(d.loss_fn_inputs.get(_MASK_KEY))
+            share = mask_from if _MASK_KEY in d.loss_fn_inputs else _first_nonzero(d.loss_fn_inputs.get("weights"))
+            out.append(_Prepared(ids, tt, inputs, share, mask_from))
         return out
 
     def _micro_batches(self, preps: list[_Prepared]) -> list[range]:
@@ -152,56 +162,45 @@ class LocalTrainingClient(SelfFuture):
     def _logprobs(self, preps: list[_Prepared], grad_from: list[int] | None = None) -> list[torch.Tensor]:
         """Target logprobs of a micro-batch (graph kept when grad is enabled). Call with the lock held.
 
-        `grad_from[i]`: datum i's positions before this index cannot affect its loss (mask 0 there), so
-        their unembedding runs without a graph: no [positions, vocab] softmax gradient and no backward
-        matmul through lm_head for the prompt (TRL's `logits_to_keep` idea, with the prompt logprobs
-        still returned)."""
+        The forward is `train_forward.forward` over packed rows, datums of one group sharing their
+        prompt rows. `grad_from[i]`: datum i's positions before this index cannot affect its loss (mask
+        0 there), so their unembedding runs without a graph: no [positions, vocab] softmax gradient and
+        no backward matmul through lm_head for the prompt (TRL's `logits_to_keep` idea, with the prompt
+        logprobs still returned, computed once per distinct (row, target))."""
         b = self._base
-        b.activate(self.model_id)
-        lm = b.causal_lm()
-        T = max(len(p.ids) for p in preps)
-        ids = torch.zeros(len(preps), T, dtype=torch.long)
-        for i, p in enumerate(preps):
-            ids[i, : len(p.ids)] = torch.tensor(p.ids)
-        # right padding + causal attention: real positions never see the padding, no mask needed
+        b.activate(self.model_id)  # flushes deleted adapters
+        for prm in self._params:  # peft marks only its active adapter trainable; these are ours
+            prm.requires_grad_(True)
+        lora = {m: (A, B) for m, A, B in self._modules}
+        pk = TF.pack([p.ids for p in preps], [p.share for p in preps])
         ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if self._service.train_dtype == torch.bfloat16
                else contextlib.nullcontext())
         with ctx:
-            hidden = lm.model(input_ids=ids).last_hidden_state
-        if all(p.targets.dim() == 1 for p in preps):
-            return self._split_logprobs(lm, hidden, preps, grad_from or [0] * len(preps))
-        logits = lm.lm_head(hidden.float())  # the unembedding (and its LoRA) in fp32 for accurate logprobs
-        lse = torch.logsumexp(logits, dim=-1)  # [B, T]
-        out = []
-        for i, p in enumerate(preps):
-            n = len(p.ids)
-            if p.targets.dim() == 1:
-                lp = logits[i, :n].gather(-1, p.targets.unsqueeze(-1)).squeeze(-1) - lse[i, :n]
-            else:
-                lp = logits[i, :n].gather(-1, p.targets) - lse[i, :n].unsqueeze(-1)
-            out.append(lp)
-        return out
+            hidden = TF.forward(b.config, b.base_state, b.cos, b.sin, lora, self.scale, pk)
+        W, head_lora = TF.unembed_weight(b.base_state), lora.get("lm_head")
 
-    @staticmethod
-    def _split_logprobs(lm: Any, hidden: torch.Tensor, preps: list[_Prepared], grad_from: list[int]
-                        ) -> list[torch.Tensor]:
-        """Logprobs of 1-D targets from the real (unpadded) positions only, in one unembedding call with a
-        graph and one without (positions before `grad_from[i]`). Gathering per datum from [B, T, V]
-        logits made autograd zero-fill a full-size gradient per datum (~20% of a SmolLM2 micro-batch)."""
-        B, T, H = hidden.shape
-        flat = hidden.reshape(B * T, H)
-        cuts = [min(max(0, int(s)), len(p.ids)) for s, p in zip(grad_from, preps)]
-        idx_g = torch.cat([torch.arange(i * T + c, i * T + len(p.ids)) for i, (c, p) in enumerate(zip(cuts, preps))])
-        idx_n = torch.cat([torch.arange(i * T, i * T + c) for i, c in enumerate(cuts)])
+        def logits(h: torch.Tensor) -> torch.Tensor:  # the unembedding in fp32 for accurate logprobs
+            return TF.linear(h.float(), W, head_lora, self.scale)
+
+        if any(p.targets.dim() != 1 for p in preps):
+            out = []
+            for p, rows in zip(preps, pk.rows):
+                lg = logits(hidden.index_select(0, rows))
+                t = p.targets if p.targets.dim() == 2 else p.targets.unsqueeze(-1)
+                lp = lg.gather(-1, t) - torch.logsumexp(lg, -1, keepdim=True)
+                out.append(lp if p.targets.dim() == 2 else lp.squeeze(-1))
+            return out
+        cuts = [min(max(0, int(s)), len(p.ids)) for s, p in zip(grad_from or [0] * len(preps), preps)]
+        idx_g = torch.cat([rows[c:] for c, rows in zip(cuts, pk.rows)])
         tgt_g = torch.cat([p.targets[c:] for c, p in zip(cuts, preps)])
+        packed = b.packed_unembed() if head_lora is None else None
+        lp_g = TF.target_logprobs(hidden.index_select(0, idx_g), W, head_lora, self.scale, tgt_g, packed)
+        idx_n = torch.cat([rows[:c] for c, rows in zip(cuts, pk.rows)])
         tgt_n = torch.cat([p.targets[:c] for c, p in zip(cuts, preps)])
-
-        def lp(h: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-            return _target_logprobs(lm.lm_head(h.float()), tgt)
-
-        lp_g = lp(flat.index_select(0, idx_g), tgt_g)
-        with torch.no_grad():
-            lp_n = lp(flat.detach().index_select(0, idx_n), tgt_n)
+        with torch.no_grad():  # shared prompt rows with the same target: one unembedding each
+            key, inv = torch.unique(idx_n * b.vocab_size + tgt_n, return_inverse=True)
+            lp_n = TF.target_logprobs(hidden.detach().index_select(0, key // b.vocab_size), W, head_lora,
+                                      self.scale, key % b.vocab_size, packed)[inv]
         out, og, on = [], 0, 0
         for c, p in zip(cuts, preps):
             g = len(p.ids) - c
@@ -308,7 +307,7 @@ class LocalTrainingClient(SelfFuture):
             with self._base.lock:
                 # the registered losses weight every token by `mask`: positions before the first
                 # masked-in one (the prompt) need no gradient
-                lps = self._logprobs([preps[i] for i in mb], [_first_loss_position(data[i]) for i in mb])
+                lps = self._logprobs([preps[i] for i in mb], [preps[i].mask_from for i in mb])
                 loss, metrics = run_loss_handle(handle, chunk_data, lps)
                 loss.backward()
             total += float(loss.detach())
@@ -458,22 +457,16 @@ def _raise(exc: BaseException) -> Any:
     raise exc
 
 
-def _target_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[target] per row, via the fused cross-entropy kernel: ~35% faster forward +
-    backward than gather - logsumexp at [1024, 49152] on CPU (same values to ~3e-6)."""
-    return -F.cross_entropy(logits_NV, targets_N, reduction="none")
-
-
 # A registered (one-pass) loss that takes a `mask` input must weight every token term by it, as the
 # project's per-datum losses do (trainer/losses/per_datum.py); the engine then skips the unembedding
 # gradient before the first masked-in position. A handle without a `mask` input gets full gradients.
 _MASK_KEY = "mask"
 
 
-def _first_loss_position(datum: Any) -> int:
-    """Index of the first non-zero `mask` entry of a per-datum loss's inputs (0 when absent)."""
-    m = datum.loss_fn_inputs.get(_MASK_KEY)
-    if m is None:
+def _first_nonzero(t: Any) -> int:
+    """Index of the first non-zero entry of a per-position loss input (0 when absent or all zero)."""
+    if t is None:
         return 0
-    nz = torch.nonzero(m.to_torch() != 0)
+    v = t.to_torch()
+    nz = torch.nonzero((v != 0).reshape(v.shape[0], -1).any(-1))
     return int(nz[0, 0]) if len(nz) else 0

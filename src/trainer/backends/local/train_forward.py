@@ -1,0 +1,201 @@
+"""The training forward of the local engine: the Llama block over packed token rows, LoRA folded
+into each projection's GEMM, and a prompt shared by several datums computed once.
+
+Why not call the peft-wrapped HF model (what this replaced; `bench/train_forward.py` times both):
+- peft adds LoRA as `base(x) + lora_B(lora_A(x)) * scaling`, i.e. a multiply and an add over every
+  `[rows, out]` projection output, and their backward; here `torch.addmm(x W^T, x A^T, B^T, alpha=s)`
+  puts both inside the GEMM (those elementwise passes were ~15% of a SmolLM2 update).
+- rows are packed without padding, so no GEMM row goes to padding.
+- a GRPO group's G samples start with the same prompt: its rows are computed once, every sample's
+  completion attends to them, and autograd sums the samples' gradients into them (exact, not an
+  approximation: the prompt's activations do not depend on what follows it).
+
+Numerics are those of transformers 5.5 `models/llama/modeling_llama.py` (the same helpers as the
+sampler: fp32 RMSNorm then cast, `rotate_half` RoPE from the model's rotary tables, SDPA with scale
+head_dim^-0.5, SiLU-gated MLP) and of peft 0.21 `tuners/lora/layer.py::Linear.forward`
+(`y = W x + (alpha / r) B A x`, no dropout); tests check logprobs and LoRA gradients against the peft
+model's own forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from trainer.backends.local.sampler import _MKLDNN, rms_norm, rope
+
+
+@dataclass
+class Packing:
+    """Where every datum's positions live among the packed rows.
+
+    Attention runs per datum over its own positions (`idx_BT`: its rows, right-padded), so it keeps the
+    plain causal kernel; a shared prompt row's attention output is taken from its first datum."""
+
+    ids_N: torch.Tensor  # long [N] token of each packed row
+    pos_N: torch.Tensor  # long [N] its position in its sequence (RoPE)
+    rows: list[torch.Tensor]  # datum i -> long [len_i]: the packed row of each of its positions
+    idx_BT: torch.Tensor  # long [B, T]: datum b's rows, padded with row 0 (right padding: never attended)
+    out_idx: torch.Tensor  # long [N]: the slot (b * T + t) whose attention output packed row n takes
+    shared_rows: int  # rows not recomputed thanks to sharing
+
+
+def pack(seqs: Sequence[Sequence[int]], share: Sequence[int]) -> Packing:
+    """Pack `seqs`; consecutive datums with the same `share[i] = c > 0` and identical first `c` tokens
+    (a group's prompt: the tokens before the first loss position) share those rows."""
+    ids: list[int] = []
+    pos: list[int] = []
+    rows: list[list[int]] = [[] for _ in seqs]
+    owner: list[tuple[int, int]] = []  # packed row -> (datum, position) computing its attention output
+    saved, i, n = 0, 0, len(seqs)
+    while i < n:
+        c, j = int(share[i]), i + 1
+        head = list(seqs[i][:c])
+        if 0 < c <= len(seqs[i]):
+            while j < n and int(share[j]) == c and len(seqs[j]) >= c and list(seqs[j][:c]) == head:
+                j += 1
+        c = c if j - i >= 2 else 0  # nothing to share: the whole sequence is the datum's own
+        pre = list(range(len(ids), len(ids) + c))
+        ids += head[:c]
+        pos += range(c)
+        owner += [(i, t) for t in range(c)]
+        for d in range(i, j):
+            L = len(seqs[d])
+            rows[d] = pre + list(range(len(ids), len(ids) + L - c))
+            ids += list(seqs[d][c:])
+            pos += range(c, L)
+            owner += [(d, t) for t in range(c, L)]
+        saved += (j - i - 1) * c
+        i = j
+    T = max(len(s) for s in seqs)
+    idx = torch.zeros(len(seqs), T, dtype=torch.long)
+    for d, r in enumerate(rows):
+        idx[d, : len(r)] = torch.tensor(r, dtype=torch.long)
+    out_idx = torch.tensor([d * T + t for d, t in owner], dtype=torch.long)
+    return Packing(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
+                   [torch.tensor(r, dtype=torch.long) for r in rows], idx, out_idx, saved)
+
+
+Lora = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
+           scale: float) -> torch.Tensor:
+    """`x W^T + scale (x A^T) B^T`, the LoRA term accumulated by the GEMM itself."""
+    y = F.linear(x, w)
+    if lora is None:
+        return y
+    A, B = lora
+    # in place: the base GEMM's output is not saved for its backward, and addmm (out of place) would
+    # first copy it
+    return y.addmm_(F.linear(x, A), B.t(), alpha=scale)
+
+
+def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: Packing) -> torch.Tensor:
+    B, T = pk.idx_BT.shape
+    nh, nkv, hd = q_NhD.shape[1], k_NhD.shape[1], q_NhD.shape[2]
+    idx = pk.idx_BT.view(-1)  # index_select: its backward (index_add) beats advanced indexing's
+    q = q_NhD.index_select(0, idx).view(B, T, nh, hd).transpose(1, 2)  # [B, nh, T, hd]
+    k = k_NhD.index_select(0, idx).view(B, T, nkv, hd).transpose(1, 2)  # [B, nkv, T, hd]
+    v = v_NhD.index_select(0, idx).view(B, T, nkv, hd).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
+    return o.transpose(1, 2).reshape(B * T, nh * hd).index_select(0, pk.out_idx)
+
+
+def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, lora: Lora,
+            scale: float, pk: Packing) -> torch.Tensor:
+    """Final-normed hidden states `[N, H]` of the packed rows. `base`: the frozen weights under HF names;
+    `lora`: HF module name -> (A [r, in], B [out, r]) parameters (their gradients accumulate)."""
+    nh, nkv = config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // nh
+    eps = float(config.rms_norm_eps)
+    from transformers.activations import ACT2FN
+
+    act = ACT2FN[config.hidden_act]
+    N = pk.ids_N.shape[0]
+    cos_N = cos[pk.pos_N].unsqueeze(1)  # [N, 1, hd]
+    sin_N = sin[pk.pos_N].unsqueeze(1)
+
+    def lin(x: torch.Tensor, name: str) -> torch.Tensor:
+        return linear(x, base[name + ".weight"], lora.get(name), scale)
+
+    x = F.embedding(pk.ids_N, base["model.embed_tokens.weight"])
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        h = rms_norm(x, base[f"{p}.input_layernorm.weight"], eps)
+        q = rope(lin(h, f"{p}.self_attn.q_proj").view(N, nh, hd), cos_N, sin_N)
+        k = rope(lin(h, f"{p}.self_attn.k_proj").view(N, nkv, hd), cos_N, sin_N)
+        v = lin(h, f"{p}.self_attn.v_proj").view(N, nkv, hd)
+        x = x + lin(_attend(q, k, v, pk), f"{p}.self_attn.o_proj")
+        h = rms_norm(x, base[f"{p}.post_attention_layernorm.weight"], eps)
+        x = x + lin(act(lin(h, f"{p}.mlp.gate_proj")) * lin(h, f"{p}.mlp.up_proj"), f"{p}.mlp.down_proj")
+    return rms_norm(x, base["model.norm.weight"], eps)
+
+
+def unembed_weight(base: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The output projection (the embedding matrix when they are tied)."""
+    return base.get("lm_head.weight", base["model.embed_tokens.weight"])
+
+
+# rows per unembedding block: its [rows, vocab] fp32 logits (25 MB at SmolLM2's 49152) stay below
+# glibc's 32 MB mmap threshold, so blocks reuse heap memory; a whole [1024, 49152] logits tensor is
+# mapped afresh each time and its copies and zero-fills cost ~0.9 s per update (profiled)
+_UNEMBED_ROWS = 128
+
+
+class _TargetLogprob(torch.autograd.Function):
+    """`log softmax(h W^T)[y]` per row, in row blocks. d/dh = W[y] - softmax(h W^T) W is formed in the
+    forward while a block's logits are at hand, so the backward only scales it: no [rows, vocab] tensor
+    outlives its block (the FLOPs are those of the usual forward + backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, h_NH: torch.Tensor, W_VH: torch.Tensor, y_N: torch.Tensor,
+                packed: torch.Tensor | None) -> torch.Tensor:
+        need = ctx.needs_input_grad[0]
+        N = h_NH.shape[0]
+        out_N = h_NH.new_empty(N)
+        dh_NH = torch.empty_like(h_NH) if need else None
+        for a in range(0, N, _UNEMBED_ROWS):
+            b = min(N, a + _UNEMBED_ROWS)
+            logits = (F.linear(h_NH[a:b], W_VH) if packed is None
+                      else torch.ops.mkldnn._linear_pointwise(h_NH[a:b], packed, None, "none", [], ""))
+            target = logits.gather(1, y_N[a:b, None]).squeeze(1)
+            top = logits.amax(-1, keepdim=True)
+            z = logits.sub_(top).exp_().sum(-1, keepdim=True)  # logits now hold exp(logits - top)
+            out_N[a:b] = target - (top + z.log()).squeeze(1)
+            if need:
+                probs = logits.div_(z)
+                dh_NH[a:b] = torch.addmm(W_VH.index_select(0, y_N[a:b]), probs, W_VH, alpha=-1)
+        if need:
+            ctx.save_for_backward(dh_NH)
+        return out_N
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g_N: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        (dh_NH,) = ctx.saved_tensors
+        return g_N.unsqueeze(1) * dh_NH, None, None, None
+
+
+def pack_unembed(W_VH: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 unembedding pre-packed for oneDNN at `_UNEMBED_ROWS` rows (None without oneDNN): its
+    [128, 576] x [576, 49152] product runs ~1.7x faster than MKL sgemm on the 2-core AVX2 dev box
+    (MKL is slow on that wide, shallow shape; the layer GEMMs gain nothing from packing)."""
+    if not _MKLDNN or W_VH.dtype != torch.float32:
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(W_VH, _UNEMBED_ROWS)
+
+
+def target_logprobs(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
+                    scale: float, y_N: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """Logprob of target `y_N[n]` under row n's next-token distribution, in fp32 (`packed`: the
+    `pack_unembed(W_VH)` copy). With a LoRA on the unembedding its factors need gradients, so the plain
+    logits + cross-entropy path runs instead."""
+    h_NH = h_NH.float()
+    if lora is None and not W_VH.requires_grad:
+        return _TargetLogprob.apply(h_NH, W_VH, y_N, packed)
+    return -F.cross_entropy(linear(h_NH, W_VH, lora, scale), y_N, reduction="none")

@@ -1,0 +1,140 @@
+"""The local engine's own training forward (packed rows, shared prompts, fused LoRA, blocked
+unembedding) against the peft-wrapped HF model it replaced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tinker import types
+
+from trainer.backends.local import LocalServiceClient
+from trainer.backends.local import train_forward as TF
+
+TINY = "pairedrl/tiny-random"
+
+
+@pytest.fixture(scope="module")
+def sc(tmp_path_factory):
+    c = LocalServiceClient(state_dir=tmp_path_factory.mktemp("tf"), sampler_dtype="float32",
+                           train_dtype="float32", micro_batch_size=16, lora_alpha=8.0)
+    yield c
+    c.close()
+
+
+def test_pack_shares_only_identical_prompts_of_neighbours():
+    p, q = [5, 6, 7], [5, 6, 9]
+    seqs = [p + [1, 2], p + [3], p + [4, 4, 4], q + [1], [8, 8], p + [2]]
+    share = [3, 3, 3, 3, 0, 3]
+    pk = TF.pack(seqs, share)
+    # the first three share p (3 rows once instead of 3 times); q differs, [8, 8] shares nothing and the
+    # last datum is not a neighbour of the first group
+    assert pk.shared_rows == 6
+    assert pk.ids_N.shape[0] == sum(map(len, seqs)) - 6
+    for s, rows in zip(seqs, pk.rows):
+        assert pk.ids_N[rows].tolist() == s
+        assert pk.pos_N[rows].tolist() == list(range(len(s)))
+    assert pk.rows[0][:3].tolist() == pk.rows[1][:3].tolist() == pk.rows[2][:3].tolist()
+    assert pk.rows[3][:3].tolist() != pk.rows[0][:3].tolist()
+    # every packed row takes its attention output from exactly one slot, and that slot holds the row
+    assert pk.out_idx.shape[0] == pk.ids_N.shape[0]
+    assert torch.equal(pk.idx_BT.view(-1)[pk.out_idx], torch.arange(pk.ids_N.shape[0]))
+    # a different share boundary or a lone datum shares nothing
+    assert TF.pack([p + [1], p + [2]], [3, 2]).shared_rows == 0
+    assert TF.pack([p + [1]], [3]).shared_rows == 0
+
+
+def _trained(sc, seed, train_unembed=True):
+    tc = sc.create_lora_training_client(TINY, rank=4, seed=seed, train_unembed=train_unembed).result()
+    with torch.no_grad():  # non-zero B so every factor gets a gradient
+        g = torch.Generator().manual_seed(seed)
+        for p in tc._params:
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return tc
+
+
+def _grouped_data(tok, n_groups=3, group=3, seed=0):
+    """GRPO-like datums: each group's samples share a prompt (mask 0 there), completions differ."""
+    g = torch.Generator().manual_seed(seed)
+    data, weights = [], []
+    for k in range(n_groups):
+        prompt = tok.encode(f"Question {k}: what is {k + 3} + {2 * k}?", add_special_tokens=False)
+        for s in range(group):
+            comp = torch.randint(0, tok.vocab_size, (3 + 2 * s + k,), generator=g).tolist()
+            seq = prompt + comp
+            n = len(seq) - 1
+            mask = torch.zeros(n)
+            mask[len(prompt) - 1:] = 1.0
+            data.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
+                                    loss_fn_inputs={"target_tokens": seq[1:], "mask": mask}))
+            weights.append(torch.randn(n, generator=g))
+    return data, weights
+
+
+def _peft_logprobs(tc, data):
+    """Target logprobs straight from the peft model (one datum at a time, no packing)."""
+    b = tc._base
+    b.activate(tc.model_id)
+    lm = b.causal_lm()
+    out = []
+    for d in data:
+        logits = lm(input_ids=torch.tensor([d.model_input.to_ints()])).logits[0].float()
+        tgt = d.loss_fn_inputs["target_tokens"].to_torch().long()
+        out.append(logits.log_softmax(-1).gather(-1, tgt[:, None]).squeeze(1))
+    return out
+
+
+def _grads(tc):
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in tc._params]
+
+
+@pytest.mark.parametrize("unembed_rows,train_unembed", [(128, False), (4, False), (128, True)])
+def test_logprobs_and_lora_gradients_match_the_peft_model(sc, monkeypatch, unembed_rows, train_unembed):
+    # without an unembedding LoRA the blocked logprob kernel runs (4 rows: many blocks); with one, the
+    # plain cross-entropy path
+    monkeypatch.setattr(TF, "_UNEMBED_ROWS", unembed_rows)
+    tc = _trained(sc, seed=3, train_unembed=train_unembed)
+    assert any(m == "lm_head" for m, _, _ in tc._modules) == train_unembed
+    data, weights = _grouped_data(tc.get_tokenizer())
+    assert TF.pack([d.model_input.to_ints() for d in data],
+                   [tc._prepare([d])[0].share for d in data]).shared_rows > 0
+
+    def loss_fn(data, lps):
+        return sum((lp * w).sum() for lp, w in zip(lps, weights)), {}
+
+    for p in tc._params:
+        p.grad = None
+    out = tc.forward_backward_custom(data, loss_fn).result()
+    g_engine = _grads(tc)
+    for p in tc._params:
+        p.grad = None
+    with tc._base.lock:
+        ref = _peft_logprobs(tc, data)
+        loss_fn(data, ref)[0].backward()
+    g_ref = _grads(tc)
+    for p in tc._params:
+        p.grad = None
+    for o, r in zip(out.loss_fn_outputs, ref):
+        assert torch.allclose(o["logprobs"].to_torch(), r.detach(), atol=2e-5)
+    scale = max(float(g.abs().max()) for g in g_ref)
+    assert scale > 1e-3
+    assert max(float((a - b).abs().max()) for a, b in zip(g_engine, g_ref)) <= 1e-4 * scale
+
+
+def test_blocked_unembedding_equals_cross_entropy(monkeypatch):
+    monkeypatch.setattr(TF, "_UNEMBED_ROWS", 7)
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(300, 16, generator=g)
+    y = torch.randint(0, 300, (30,), generator=g)
+    h1 = torch.randn(30, 16, generator=g, requires_grad=True)
+    h2 = h1.detach().clone().requires_grad_(True)
+    up = torch.randn(30, generator=g)
+    a = TF.target_logprobs(h1, W, None, 1.0, y)
+    b = -F.cross_entropy(h2 @ W.t(), y, reduction="none")
+    (a * up).sum().backward()
+    (b * up).sum().backward()
+    assert torch.allclose(a, b, atol=1e-5)
+    assert torch.allclose(h1.grad, h2.grad, atol=1e-5)
+    packed = TF.pack_unembed(W)
+    if packed is not None:  # the oneDNN-packed product gives the same values
+        assert torch.allclose(TF.target_logprobs(h1.detach(), W, None, 1.0, y, packed), b.detach(), atol=1e-5)
