@@ -138,3 +138,21 @@ def test_blocked_unembedding_equals_cross_entropy(monkeypatch):
     packed = TF.pack_unembed(W)
     if packed is not None:  # the oneDNN-packed product gives the same values
         assert torch.allclose(TF.target_logprobs(h1.detach(), W, None, 1.0, y, packed), b.detach(), atol=1e-5)
+
+
+def test_bf16_autocast_training_runs_and_stays_close_to_fp32(tmp_path):
+    """train_dtype=bfloat16 (the `auto` choice on CPUs with bf16 matmuls): the in-place LoRA term
+    must take the autocast dtype; logprobs stay within bf16 rounding of the fp32 ones."""
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        c = LocalServiceClient(state_dir=tmp_path / dtype, sampler_dtype="float32", train_dtype=dtype)
+        tc = _trained(c, seed=4, train_unembed=False)
+        data, weights = _grouped_data(tc.get_tokenizer(), n_groups=2, group=2)
+        res = tc.forward_backward_custom(data, lambda d, lps: (sum((lp * w).sum() for lp, w in zip(lps, weights)), {}))
+        out[dtype] = (torch.cat([o["logprobs"].to_torch() for o in res.result().loss_fn_outputs]), _grads(tc))
+        c.close()
+    lp32, g32 = out["float32"]
+    lp16, g16 = out["bfloat16"]
+    assert float((lp32 - lp16).abs().max()) < 0.1
+    assert all(bool(torch.isfinite(g).all()) for g in g16)
+    assert max(float(g.abs().max()) for g in g16) > 0

@@ -90,9 +90,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, lora: tuple[torch.Tensor, torch.Ten
     if lora is None:
         return y
     A, B = lora
+    u, Bt = F.linear(x, A), B.t()
+    if u.dtype != y.dtype or Bt.dtype != y.dtype:  # under bf16 autocast the in-place op is not cast for us
+        u, Bt = u.to(y.dtype), Bt.to(y.dtype)
     # in place: the base GEMM's output is not saved for its backward, and addmm (out of place) would
     # first copy it
-    return y.addmm_(F.linear(x, A), B.t(), alpha=scale)
+    return y.addmm_(u, Bt, alpha=scale)
 
 
 def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: Packing) -> torch.Tensor:
