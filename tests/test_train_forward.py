@@ -88,6 +88,11 @@ def _grads(tc):
     return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in tc._params]
 
 
+def _zero(tc):
+    for p in tc._params:
+        p.grad = None
+
+
 @pytest.mark.parametrize("unembed_rows,train_unembed", [(128, False), (4, False), (128, True)])
 def test_logprobs_and_lora_gradients_match_the_peft_model(sc, monkeypatch, unembed_rows, train_unembed):
     # without an unembedding LoRA the blocked logprob kernel runs (4 rows: many blocks); with one, the
@@ -102,18 +107,15 @@ def test_logprobs_and_lora_gradients_match_the_peft_model(sc, monkeypatch, unemb
     def loss_fn(data, lps):
         return sum((lp * w).sum() for lp, w in zip(lps, weights)), {}
 
-    for p in tc._params:
-        p.grad = None
+    _zero(tc)
     out = tc.forward_backward_custom(data, loss_fn).result()
     g_engine = _grads(tc)
-    for p in tc._params:
-        p.grad = None
+    _zero(tc)
     with tc._base.lock:
         ref = _peft_logprobs(tc, data)
         loss_fn(data, ref)[0].backward()
     g_ref = _grads(tc)
-    for p in tc._params:
-        p.grad = None
+    _zero(tc)
     for o, r in zip(out.loss_fn_outputs, ref):
         assert torch.allclose(o["logprobs"].to_torch(), r.detach(), atol=2e-5)
     scale = max(float(g.abs().max()) for g in g_ref)

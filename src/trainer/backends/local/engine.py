@@ -3,8 +3,8 @@ model carrying one LoRA adapter per training client, a compute lock, and the sam
 
 Each training client owns only its adapter (`lora_A`/`lora_B` of the targeted projections) and its
 optimizer state; its forward (`train_forward.py`) reads the shared base weights and its own factors
-directly, under the lock (the peft model holds the factors and serves as the reference in tests). LoRA follows peft
-(`y = W x + (alpha / r) * B A x`, no dropout); the init is peft's (A kaiming-uniform with a = sqrt(5),
+directly, under the lock (the peft model holds the factors and serves as the reference in tests).
+LoRA follows peft (`y = W x + (alpha / r) * B A x`, no dropout); the init is peft's (A kaiming-uniform with a = sqrt(5),
 B = 0) but drawn from a `torch.Generator` seeded by the client's seed, so equal seeds give
 bit-identical adapters whatever the global RNG state.
 """

@@ -138,8 +138,9 @@ class LocalTrainingClient(SelfFuture):
                     raise ValueError(f"datum[{i}]: loss_fn_inputs[{key!r}] has shape {tuple(t.shape)}, "
                                      f"target_tokens has {tuple(tt.shape)}")
                 inputs[key] = t
-            mask_from = _first_nonzero(d.loss_fn_inputs.get(_MASK_KEY))
-            share = mask_from if _MASK_KEY in d.loss_fn_inputs else _first_nonzero(d.loss_fn_inputs.get("weights"))
+            mask = d.loss_fn_inputs.get(_MASK_KEY)
+            mask_from = _first_nonzero(None if mask is None else mask.to_torch())
+            share = mask_from if mask is not None else _first_nonzero(inputs.get("weights"))
             out.append(_Prepared(ids, tt, inputs, share, mask_from))
         return out
 
@@ -463,10 +464,10 @@ def _raise(exc: BaseException) -> Any:
 _MASK_KEY = "mask"
 
 
-def _first_nonzero(t: Any) -> int:
-    """Index of the first non-zero entry of a per-position loss input (0 when absent or all zero)."""
-    if t is None:
+def _first_nonzero(v: torch.Tensor | None) -> int:
+    """Index of the first position with a non-zero entry of a per-position loss input (0 when absent or
+    all zero)."""
+    if v is None:
         return 0
-    v = t.to_torch()
     nz = torch.nonzero((v != 0).reshape(v.shape[0], -1).any(-1))
     return int(nz[0, 0]) if len(nz) else 0
