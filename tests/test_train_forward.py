@@ -123,6 +123,30 @@ def test_logprobs_and_lora_gradients_match_the_peft_model(sc, monkeypatch, unemb
     assert max(float((a - b).abs().max()) for a, b in zip(g_engine, g_ref)) <= 1e-4 * scale
 
 
+@pytest.mark.parametrize("with_lora", [(True, True), (True, False), (False, False)])
+def test_stacked_lora_linear_equals_separate_projections(with_lora):
+    # q|k-like stack of two projections (3 and 2 outputs) sharing x; the fused backward (hand-written
+    # products) against autograd through the plain per-projection formula, in float64
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    ws = [torch.randn(o, 6, dtype=torch.float64, generator=g) for o in (3, 2)]
+    loras = [(torch.randn(2, 6, dtype=torch.float64, generator=g).requires_grad_(),
+              torch.randn(o, 2, dtype=torch.float64, generator=g).requires_grad_()) if on else None
+             for o, on in zip((3, 2), with_lora)]
+    params = [x] + [t for lr in loras if lr is not None for t in lr]
+    dy = torch.randn(7, 5, dtype=torch.float64, generator=g)
+    y = TF.stacked_linear(x, torch.cat(ws), (3, 2), loras, 1.5)
+    got = torch.autograd.grad((y * dy).sum(), params)
+    ref_y = torch.cat([x @ w.T + (0 if lr is None else 1.5 * (x @ lr[0].T) @ lr[1].T) for w, lr in zip(ws, loras)], -1)
+    ref = torch.autograd.grad((ref_y * dy).sum(), params)
+    assert torch.allclose(y, ref_y, atol=1e-12)
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, atol=1e-12)
+    if all(with_lora):  # and the analytic backward passes gradcheck on its own
+        A, B = loras[0]
+        assert torch.autograd.gradcheck(lambda x, A, B: TF._LoraLinear.apply(x, ws[0], A, B, 1.5), (x, A, B))
+
+
 def test_blocked_unembedding_equals_cross_entropy(monkeypatch):
     monkeypatch.setattr(TF, "_UNEMBED_ROWS", 7)
     g = torch.Generator().manual_seed(0)

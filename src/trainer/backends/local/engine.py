@@ -74,6 +74,9 @@ class SharedBase:
         self._sampler_cache: OrderedDict[tuple[str, str], S.SamplerWeights] = OrderedDict()
         self.sampler_cache_size = 2
         self._sampler_base: dict[torch.dtype, S.SamplerWeights] = {}
+        self._stacked: dict[str, torch.Tensor] | None = None
+        self._packed_unembed: torch.Tensor | None = None
+        self._packed_unembed_built = False
 
     # ------------------------------------------------------------------ adapters
     def add_adapter(self, rank: int, alpha: float, targets: list[str], seed: int) -> str:
@@ -128,11 +131,23 @@ class SharedBase:
 
     def packed_unembed(self) -> torch.Tensor | None:
         """The unembedding pre-packed for the training forward's logprobs (built on first use)."""
-        if not hasattr(self, "_packed_unembed"):
-            from trainer.backends.local.train_forward import pack_unembed, unembed_weight
+        with self.lock:
+            if not self._packed_unembed_built:  # None is a valid result (no oneDNN)
+                from trainer.backends.local.train_forward import pack_unembed, unembed_weight
 
-            self._packed_unembed = pack_unembed(unembed_weight(self.base_state))
-        return self._packed_unembed
+                self._packed_unembed = pack_unembed(unembed_weight(self.base_state))
+                self._packed_unembed_built = True
+            return self._packed_unembed
+
+    def stacked_weights(self) -> dict[str, torch.Tensor]:
+        """fp32 q|k|v and gate|up weights of every layer (`train_forward.fuse_base`), built once and
+        shared by the training forward and the fp32 sampler."""
+        with self.lock:
+            if self._stacked is None:
+                from trainer.backends.local.train_forward import fuse_base
+
+                self._stacked = fuse_base(self.config, self.base_state)
+            return self._stacked
 
     def causal_lm(self) -> Any:
         """The HF LlamaForCausalLM inside the peft wrapper (its Linear layers carry the adapters)."""
@@ -155,8 +170,9 @@ class SharedBase:
                 return w
             base = self._sampler_base.get(dtype)
             if base is None:
-                base = self._sampler_base[dtype] = S.build_weights(self.config, self.base_state, self.cos,
-                                                                   self.sin, dtype)
+                base = self._sampler_base[dtype] = S.build_weights(
+                    self.config, self.base_state, self.cos, self.sin, dtype,
+                    stacked=self.stacked_weights() if dtype == torch.float32 else None)
             w = S.with_lora(base, snap.tensors, snap.scale)
             self._sampler_cache[key] = w
             while len(self._sampler_cache) > self.sampler_cache_size:

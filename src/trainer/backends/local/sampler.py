@@ -126,14 +126,21 @@ def rotary_tables(model: Any, max_context: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                  dtype: torch.dtype, pack: bool | None = None) -> SamplerWeights:
+                  dtype: torch.dtype, pack: bool | None = None,
+                  stacked: dict[str, torch.Tensor] | None = None) -> SamplerWeights:
     """Fuse base weights (fp32, HF names) into `dtype` (no LoRA; see `with_lora`); `pack` (default: fp32
-    on a oneDNN build) adds decode-packed copies of every projection."""
+    on a oneDNN build) adds decode-packed copies of every projection. `stacked`: fp32 q|k|v and gate|up
+    weights already built (`train_forward.fuse_base`), shared instead of concatenated again."""
     check_architecture(config)
     pack = (_MKLDNN and dtype == torch.float32) if pack is None else pack
 
     def w(name: str) -> torch.Tensor:
         return base[name + ".weight"].to(dtype)
+
+    def cat(p: str, names: Sequence[str], key: str) -> torch.Tensor:
+        if stacked is not None and key in stacked:
+            return stacked[key].to(dtype)
+        return torch.cat([w(f"{p}.{n}") for n in names], 0).contiguous()
 
     layers = []
     with torch.no_grad():
@@ -141,10 +148,10 @@ def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor,
             p = f"model.layers.{i}"
             layers.append(_Layer(
                 in_norm=w(f"{p}.input_layernorm"),
-                qkv=_lin(torch.cat([w(f"{p}.self_attn.{n}") for n in _PROJ_QKV], 0).contiguous(), pack),
+                qkv=_lin(cat(f"{p}.self_attn", _PROJ_QKV, f"{p}.self_attn.qkv"), pack),
                 o=_lin(w(f"{p}.self_attn.o_proj"), pack),
                 post_norm=w(f"{p}.post_attention_layernorm"),
-                gate_up=_lin(torch.cat([w(f"{p}.mlp.{n}") for n in _PROJ_GU], 0).contiguous(), pack),
+                gate_up=_lin(cat(f"{p}.mlp", _PROJ_GU, f"{p}.mlp.gate_up"), pack),
                 down=_lin(w(f"{p}.mlp.down_proj"), pack)))
         embed = w("model.embed_tokens")
         head_w = base.get("lm_head.weight", base["model.embed_tokens.weight"])

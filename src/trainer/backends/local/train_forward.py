@@ -98,6 +98,70 @@ def linear(x: torch.Tensor, w: torch.Tensor, lora: tuple[torch.Tensor, torch.Ten
     return y.addmm_(u, Bt, alpha=scale)
 
 
+class _LoraLinear(torch.autograd.Function):
+    """`x W^T + s (x A^T) B^T` (W frozen) with a hand-written backward whose products have the shapes
+    MKL runs fast. Autograd's own backward of the `linear` above forms the LoRA gradients as
+    `x^T du` and `dy^T u` ([in, N] x [N, r] and [out, N] x [N, r]: long reductions into a skinny
+    output), which profiling timed at 2-10 ms per projection on SmolLM2 rows (~1200), up to 40% of the
+    base GEMM; `du^T x` and `u^T dy` compute the same numbers in ~0.2-1.3 ms.
+    `A` [R, in] and `B` [out, R] may stack several projections' factors (B block-diagonal)."""
+
+    @staticmethod
+    def forward(ctx: Any, x_NI: torch.Tensor, W_OI: torch.Tensor, A_RI: torch.Tensor, B_OR: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        u_NR = F.linear(x_NI, A_RI)
+        y_NO = F.linear(x_NI, W_OI).addmm_(u_NR, B_OR.t(), alpha=scale)
+        ctx.save_for_backward(x_NI, W_OI, A_RI, B_OR, u_NR)
+        ctx.scale = scale
+        return y_NO
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy_NO: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None,
+                                                          torch.Tensor | None, None]:
+        x_NI, W_OI, A_RI, B_OR, u_NR = ctx.saved_tensors
+        s = ctx.scale
+        dy_NO = dy_NO.contiguous()
+        du_NR = torch.mm(dy_NO, B_OR).mul_(s)
+        dx = torch.mm(dy_NO, W_OI).addmm_(du_NR, A_RI) if ctx.needs_input_grad[0] else None
+        dA = torch.mm(du_NR.t(), x_NI) if ctx.needs_input_grad[2] else None
+        dB = torch.mm(u_NR.t(), dy_NO).t().mul_(s) if ctx.needs_input_grad[3] else None
+        return dx, None, dA, dB, None
+
+
+def stacked_linear(x: torch.Tensor, w: torch.Tensor, outs: Sequence[int],
+                   loras: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scale: float) -> torch.Tensor:
+    """`linear` for projections of the same input stacked into one weight `w` (their `outs` rows in
+    order: q|k|v, gate|up): one GEMM with more columns instead of several narrow ones. With a LoRA on
+    every projection (the engine's targets come in these groups) and no autocast, the fused
+    `_LoraLinear` runs; otherwise each projection goes through `linear`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if all(lr is None for lr in loras):
+        y = F.linear(x2, w)
+    elif any(lr is None for lr in loras) or torch.is_autocast_enabled("cpu"):
+        y = torch.cat([linear(x2, wi, lr, scale) for wi, lr in zip(w.split(list(outs), 0), loras)], -1)
+    else:
+        A = loras[0][0] if len(loras) == 1 else torch.cat([lr[0] for lr in loras], 0)
+        B = loras[0][1] if len(loras) == 1 else torch.block_diag(*[lr[1] for lr in loras])
+        y = _LoraLinear.apply(x2, w, A, B, scale)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+_GATE_UP = ("gate_proj", "up_proj")
+
+
+def fuse_base(config: Any, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per layer `{prefix}.self_attn.qkv` and `{prefix}.mlp.gate_up`: the stacked frozen weights
+    `stacked_linear` multiplies by (built once per base model; see `SharedBase.fused_weights`)."""
+    out = {}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        out[f"{p}.self_attn.qkv"] = torch.cat([base[f"{p}.self_attn.{n}.weight"] for n in _QKV]).contiguous()
+        out[f"{p}.mlp.gate_up"] = torch.cat([base[f"{p}.mlp.{n}.weight"] for n in _GATE_UP]).contiguous()
+    return out
+
+
 def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: Packing) -> torch.Tensor:
     B, T = pk.idx_BT.shape
     nh, nkv, hd = q_NhD.shape[1], k_NhD.shape[1], q_NhD.shape[2]
@@ -110,32 +174,39 @@ def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: P
 
 
 def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, lora: Lora,
-            scale: float, pk: Packing) -> torch.Tensor:
+            scale: float, pk: Packing, fused: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Final-normed hidden states `[N, H]` of the packed rows. `base`: the frozen weights under HF names;
-    `lora`: HF module name -> (A [r, in], B [out, r]) parameters (their gradients accumulate)."""
+    `lora`: HF module name -> (A [r, in], B [out, r]) parameters (their gradients accumulate); `fused`:
+    `fuse_base(config, base)` (built here when not given)."""
     nh, nkv = config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or config.hidden_size // nh
+    inter = config.intermediate_size
     eps = float(config.rms_norm_eps)
     from transformers.activations import ACT2FN
 
     act = ACT2FN[config.hidden_act]
+    fused = fused if fused is not None else fuse_base(config, base)
     N = pk.ids_N.shape[0]
     cos_N = cos[pk.pos_N].unsqueeze(1)  # [N, 1, hd]
     sin_N = sin[pk.pos_N].unsqueeze(1)
 
-    def lin(x: torch.Tensor, name: str) -> torch.Tensor:
-        return linear(x, base[name + ".weight"], lora.get(name), scale)
+    def lin(x: torch.Tensor, w: torch.Tensor, outs: Sequence[int], names: Sequence[str]) -> torch.Tensor:
+        return stacked_linear(x, w, outs, [lora.get(n) for n in names], scale)
 
     x = F.embedding(pk.ids_N, base["model.embed_tokens.weight"])
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
         h = rms_norm(x, base[f"{p}.input_layernorm.weight"], eps)
-        q = rope(lin(h, f"{p}.self_attn.q_proj").view(N, nh, hd), cos_N, sin_N)
-        k = rope(lin(h, f"{p}.self_attn.k_proj").view(N, nkv, hd), cos_N, sin_N)
-        v = lin(h, f"{p}.self_attn.v_proj").view(N, nkv, hd)
-        x = x + lin(_attend(q, k, v, pk), f"{p}.self_attn.o_proj")
+        q, k, v = lin(h, fused[f"{p}.self_attn.qkv"], (nh * hd, nkv * hd, nkv * hd),
+                      [f"{p}.self_attn.{n}" for n in _QKV]).split([nh * hd, nkv * hd, nkv * hd], -1)
+        q = rope(q.view(N, nh, hd), cos_N, sin_N)
+        k = rope(k.view(N, nkv, hd), cos_N, sin_N)
+        o = f"{p}.self_attn.o_proj"
+        x = x + lin(_attend(q, k, v.view(N, nkv, hd), pk), base[o + ".weight"], (config.hidden_size,), [o])
         h = rms_norm(x, base[f"{p}.post_attention_layernorm.weight"], eps)
-        x = x + lin(act(lin(h, f"{p}.mlp.gate_proj")) * lin(h, f"{p}.mlp.up_proj"), f"{p}.mlp.down_proj")
+        g, u = lin(h, fused[f"{p}.mlp.gate_up"], (inter, inter), [f"{p}.mlp.{n}" for n in _GATE_UP]).split(inter, -1)
+        d = f"{p}.mlp.down_proj"
+        x = x + lin(act(g) * u, base[d + ".weight"], (config.hidden_size,), [d])
     return rms_norm(x, base["model.norm.weight"], eps)
 
 

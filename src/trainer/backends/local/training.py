@@ -177,7 +177,8 @@ class LocalTrainingClient(SelfFuture):
         ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if self._service.train_dtype == torch.bfloat16
                else contextlib.nullcontext())
         with ctx:
-            hidden = TF.forward(b.config, b.base_state, b.cos, b.sin, lora, self.scale, pk)
+            hidden = TF.forward(b.config, b.base_state, b.cos, b.sin, lora, self.scale, pk,
+                                b.stacked_weights())
         W, head_lora = TF.unembed_weight(b.base_state), lora.get("lm_head")
 
         def logits(h: torch.Tensor) -> torch.Tensor:  # the unembedding in fp32 for accurate logprobs
