@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 import torch
+from lora_grads import grads, zero
 from tinker import types
 
 from trainer.backends.errors import TransientBackendError
@@ -42,14 +43,6 @@ def make_data(tok, seed=0):
 def n_micro(data, size=2) -> int:
     return -(-len(data) // size)
 
-
-def grads(tc) -> list[torch.Tensor]:
-    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in tc._params]
-
-
-def zero(tc) -> None:
-    for p in tc._params:
-        p.grad = None
 
 
 def trained_client(sc, seed=0, **kw):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from lora_grads import grads, zero
 from tinker import types
 
 from trainer.backends.local import LocalServiceClient
@@ -84,14 +85,6 @@ def _peft_logprobs(tc, data):
     return out
 
 
-def _grads(tc):
-    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in tc._params]
-
-
-def _zero(tc):
-    for p in tc._params:
-        p.grad = None
-
 
 @pytest.mark.parametrize("unembed_rows,train_unembed", [(128, False), (4, False), (128, True)])
 def test_logprobs_and_lora_gradients_match_the_peft_model(sc, monkeypatch, unembed_rows, train_unembed):
@@ -107,15 +100,15 @@ def test_logprobs_and_lora_gradients_match_the_peft_model(sc, monkeypatch, unemb
     def loss_fn(data, lps):
         return sum((lp * w).sum() for lp, w in zip(lps, weights)), {}
 
-    _zero(tc)
+    zero(tc)
     out = tc.forward_backward_custom(data, loss_fn).result()
-    g_engine = _grads(tc)
-    _zero(tc)
+    g_engine = grads(tc)
+    zero(tc)
     with tc._base.lock:
         ref = _peft_logprobs(tc, data)
         loss_fn(data, ref)[0].backward()
-    g_ref = _grads(tc)
-    _zero(tc)
+    g_ref = grads(tc)
+    zero(tc)
     for o, r in zip(out.loss_fn_outputs, ref):
         assert torch.allclose(o["logprobs"].to_torch(), r.detach(), atol=2e-5)
     scale = max(float(g.abs().max()) for g in g_ref)
@@ -175,7 +168,7 @@ def test_bf16_autocast_training_runs_and_stays_close_to_fp32(tmp_path):
         tc = _trained(c, seed=4, train_unembed=False)
         data, weights = _grouped_data(tc.get_tokenizer(), n_groups=2, group=2)
         res = tc.forward_backward_custom(data, lambda d, lps: (sum((lp * w).sum() for lp, w in zip(lps, weights)), {}))
-        out[dtype] = (torch.cat([o["logprobs"].to_torch() for o in res.result().loss_fn_outputs]), _grads(tc))
+        out[dtype] = (torch.cat([o["logprobs"].to_torch() for o in res.result().loss_fn_outputs]), grads(tc))
         c.close()
     lp32, g32 = out["float32"]
     lp16, g16 = out["bfloat16"]

@@ -60,7 +60,7 @@ def main(cfg: DictConfig) -> float:
     sc = build_service_client(cfg, out_root)
     _, renderer, task = build_components(cfg)
     etask = eval_task(cfg, renderer, task)
-    retry = RetryPolicy(cfg.retry.max_attempts, cfg.retry.backoff_s, cfg.retry.max_backoff_s)
+    retry = RetryPolicy.from_config(cfg.retry)
     tc = retry.call("load_state", lambda: sc.create_training_client_from_state(path).result())
     sampler = retry.call("sampling_client", lambda: tc.save_weights_and_get_sampling_client().result())
     out_path = out_root / "eval" / f"{cfg.eval.name}.jsonl"

@@ -63,8 +63,7 @@ class RLLoop:
         self.sweep_dir = sweep_dir
         self.progress = progress
         self.on_step_end = on_step_end
-        r = cfg.retry
-        self.retry = RetryPolicy(r.max_attempts, r.backoff_s, r.max_backoff_s)
+        self.retry = RetryPolicy.from_config(cfg.retry)
         self.train_problems = task.train_problems()
         if len(self.train_problems) == 0:
             raise ValueError(f"env {cfg.env.name}: empty train set")

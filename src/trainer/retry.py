@@ -21,6 +21,11 @@ class RetryPolicy:
     # retries performed so far, by call kind (logged as faults/retries)
     counts: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def from_config(cls, retry_cfg: Any) -> RetryPolicy:
+        """The policy of a config's `retry` group (attempts, backoff, backoff cap)."""
+        return cls(retry_cfg.max_attempts, retry_cfg.backoff_s, retry_cfg.max_backoff_s)
+
     def delay(self, attempt: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * (2 ** attempt))
 
