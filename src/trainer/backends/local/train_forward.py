@@ -9,6 +9,10 @@ Why not call the peft-wrapped HF model (what this replaced; `bench/train_forward
 - a GRPO group's G samples start with the same prompt: its rows are computed once, every sample's
   completion attends to them, and autograd sums the samples' gradients into them (exact, not an
   approximation: the prompt's activations do not depend on what follows it).
+- q|k|v and gate|up run as one GEMM each over stacked weights (shared with the fp32 sampler), and
+  LoRA projections use a hand-written backward (`_LoraLinear`) that forms the factor gradients as
+  `du^T x` / `u^T dy` instead of autograd's `x^T du` / `dy^T u` (same numbers, ~5x faster in MKL
+  at these skinny shapes): one update's forward + backward went from 5.30 to 4.67 s.
 
 Numerics are those of transformers 5.5 `models/llama/modeling_llama.py` (the same helpers as the
 sampler: fp32 RMSNorm then cast, `rotate_half` RoPE from the model's rotary tables, SDPA with scale
