@@ -265,6 +265,17 @@ def test_packed_prefill_and_packed_decode_weights_match_the_plain_path(monkeypat
         assert torch.allclose(lin(x), torch.nn.functional.linear(x, lin.w), atol=1e-5)
         big = torch.randn(S._PACKED_MAX_ROWS + 1, lin.w.shape[1], generator=g)
         assert torch.equal(lin(big), torch.nn.functional.linear(big, lin.w))  # large M: plain sgemm
+        # a snapshot's LoRA on packed weights is merged and re-packed: both row regimes equal the
+        # unmerged x W^T + s (x A^T) B^T of each stacked projection
+        half = lin.w.shape[0] // 2
+        lora = {n: (torch.randn(3, lin.w.shape[1], generator=g), torch.randn(half, 3, generator=g))
+                for n in ("gate", "up")}
+        merged = S._with_factors(lin, ["gate", "up"], [half, half], lora, 0.7, torch.float32)
+        assert merged.w is None and merged.lora_a is None and merged.out_features == lin.w.shape[0]
+        for rows in (x, big):
+            ref = torch.cat([torch.nn.functional.linear(rows, w) + 0.7 * (rows @ lora[n][0].T) @ lora[n][1].T
+                             for w, n in zip(lin.w.split(half), ("gate", "up"))], -1)
+            assert torch.allclose(merged(rows), ref, atol=1e-4)
 
 
 def test_inverse_cdf_matches_the_full_cumsum_and_skips_zero_mass_tokens():
