@@ -157,7 +157,7 @@ _GATE_UP = ("gate_proj", "up_proj")
 
 def fuse_base(config: Any, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per layer `{prefix}.self_attn.qkv` and `{prefix}.mlp.gate_up`: the stacked frozen weights
-    `stacked_linear` multiplies by (built once per base model; see `SharedBase.fused_weights`)."""
+    `stacked_linear` multiplies by (built once per base model; see `SharedBase.stacked_weights`)."""
     out = {}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
