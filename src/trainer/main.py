@@ -130,12 +130,6 @@ def run_training(cfg: DictConfig) -> float | None:
         except RuntimeError as e:
             fail(str(e))
 
-    from trainer.backends import BackendConfigError, build_service_client
-
-    try:
-        service_client = build_service_client(cfg, run_dir)
-    except BackendConfigError as e:
-        fail(str(e))
     try:
         tokenizer, renderer, task = build_components(cfg)
         etask = eval_task(cfg, renderer, task)
@@ -152,6 +146,14 @@ def run_training(cfg: DictConfig) -> float | None:
         resuming = check_resumable(run_dir, config_hash(config_dict)) is not None
     except ResumeError as e:
         fail(f"resume: {e}")
+    # the backend last: loading a model takes seconds, and a bad data path or run folder should fail
+    # before that
+    from trainer.backends import BackendConfigError, build_service_client
+
+    try:
+        service_client = build_service_client(cfg, run_dir)
+    except BackendConfigError as e:
+        fail(str(e))
     if resuming:  # the folder's config.yaml / run_info.json stay as the run first wrote them
         from trainer.utils.io import read_json
 
