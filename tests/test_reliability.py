@@ -172,20 +172,53 @@ def _copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
+_TRAIN_MODULE = None
+
+
+def train_in_process(args: list[str], cwd: Path, capfd, monkeypatch) -> tuple[int, str]:
+    """`python train.py *args` run inside this process (the same Hydra entry point, argv and cwd):
+    (exit code, stdout + stderr). The bad-input corpus runs this way because each subprocess spent
+    ~7 s importing torch/transformers/tinker before failing; `tests/test_config.py` and the read-only
+    folder case below still go through a real subprocess."""
+    global _TRAIN_MODULE
+    import importlib.util
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    if _TRAIN_MODULE is None:
+        spec = importlib.util.spec_from_file_location("pairedrl_train_entry", ROOT / "train.py")
+        _TRAIN_MODULE = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_TRAIN_MODULE)
+        # Hydra finds `conf/` next to the script only for a task function of module "__main__"
+        _TRAIN_MODULE.main.__wrapped__.__module__ = "__main__"
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    capfd.readouterr()
+    GlobalHydra.instance().clear()
+    try:
+        _TRAIN_MODULE.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        GlobalHydra.instance().clear()
+    out = capfd.readouterr()
+    return code, out.out + out.err
+
+
 @pytest.mark.parametrize("name,overrides,_setup,needle", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_fails_clearly(tmp_path, name, overrides, _setup, needle):
+def test_bad_input_fails_clearly(tmp_path, capfd, monkeypatch, name, overrides, _setup, needle):
     ov = overrides(tmp_path) if callable(overrides) else overrides
-    env = {k: v for k, v in os.environ.items() if k != "TINKER_API_KEY"}
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
     base = [a for a in TINY if not a.startswith("backend.")] if "backend=tinker" in ov else TINY
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *base, *ov, f"hydra.run.dir={tmp_path}/run"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
-    assert p.returncode != 0, name
-    assert needle in p.stderr + p.stdout, (name, p.stderr[-2000:])
+    code, out = train_in_process([*base, *ov, f"hydra.run.dir={tmp_path}/run"], tmp_path, capfd, monkeypatch)
+    assert code != 0, name
+    assert needle in out, (name, out[-2000:])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("name,setup,needle", RUN_CASES, ids=[c[0] for c in RUN_CASES])
-def test_bad_run_folder_fails_and_is_untouched(tmp_path, done_run, name, setup, needle):
+def test_bad_run_folder_fails_and_is_untouched(tmp_path, capfd, monkeypatch, done_run, name, setup, needle):
     run = _copy_run(done_run, tmp_path / "run")
     # the same config as the finished run, so each case reaches the check it targets
     extra = ["schedule.num_steps=1"]
@@ -194,9 +227,9 @@ def test_bad_run_folder_fails_and_is_untouched(tmp_path, done_run, name, setup, 
     else:
         extra.append("optimizer.lr=0.5")  # a different config than the one that wrote the checkpoint
     before = _snapshot(run)
-    p = run_train([*TINY, "eval=none", *extra, f"hydra.run.dir={run}"], tmp_path)
-    assert p.returncode != 0, name
-    assert needle in p.stderr + p.stdout, (name, p.stderr[-2000:])
+    code, out = train_in_process([*TINY, "eval=none", *extra, f"hydra.run.dir={run}"], tmp_path, capfd, monkeypatch)
+    assert code != 0, name
+    assert needle in out, (name, out[-2000:])
     assert _snapshot(run) == before
 
 

@@ -90,6 +90,10 @@ def test_thinking_renderer_refused_for_chatml_without_think(tiny_dir: str) -> No
 def test_local_kind_uses_local_engine_tokenizer(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     models = pytest.importorskip("trainer.backends.local.models")
     monkeypatch.setenv("PAIREDRL_CACHE", str(tmp_path))
+    import envs.tokenizers
+
+    # a fresh per-process cache: earlier in-process runs may have built TINY's tokenizer elsewhere
+    monkeypatch.setattr(envs.tokenizers, "_cache", {})
     cfg = {"base_model": models.TINY, "tokenizer": "local", "renderer": "qwen3_instruct"}
     tok = get_tokenizer(cfg)
     assert tok is models.resolve_tokenizer(models.TINY)
