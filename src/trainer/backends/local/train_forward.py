@@ -89,11 +89,16 @@ Lora = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 def linear(x: torch.Tensor, w: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
            scale: float) -> torch.Tensor:
-    """`x W^T + scale (x A^T) B^T`, the LoRA term accumulated by the GEMM itself."""
-    y = F.linear(x, w)
+    """`x W^T + scale (x A^T) B^T`, the LoRA term accumulated by the GEMM itself. With a frozen `W`, one
+    dtype and no autocast this is `_LoraLinear` (its backward in fast GEMM shapes); otherwise plain
+    autograd through the ops below."""
     if lora is None:
-        return y
+        return F.linear(x, w)
     A, B = lora
+    fast = not torch.is_autocast_enabled("cpu") and not w.requires_grad
+    if fast and x.dtype == w.dtype == A.dtype == B.dtype:
+        return _LoraLinear.apply(x.reshape(-1, x.shape[-1]), w, A, B, scale).view(*x.shape[:-1], w.shape[0])
+    y = F.linear(x, w)
     u, Bt = F.linear(x, A), B.t()
     if u.dtype != y.dtype or Bt.dtype != y.dtype:  # under bf16 autocast the in-place op is not cast for us
         u, Bt = u.to(y.dtype), Bt.to(y.dtype)
@@ -104,9 +109,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, lora: tuple[torch.Tensor, torch.Ten
 
 class _LoraLinear(torch.autograd.Function):
     """`x W^T + s (x A^T) B^T` (W frozen) with a hand-written backward whose products have the shapes
-    MKL runs fast. Autograd's own backward of the `linear` above forms the LoRA gradients as
-    `x^T du` and `dy^T u` ([in, N] x [N, r] and [out, N] x [N, r]: long reductions into a skinny
-    output), which profiling timed at 2-10 ms per projection on SmolLM2 rows (~1200), up to 40% of the
+    MKL runs fast. Autograd's own backward of `F.linear(x, W).addmm_(x A^T, B^T)` forms the LoRA
+    gradients as `x^T du` and `dy^T u` ([in, N] x [N, r] and [out, N] x [N, r]: long reductions into a
+    skinny output), which profiling timed at 2-10 ms per projection on SmolLM2 rows (~1200), up to 40% of the
     base GEMM; `du^T x` and `u^T dy` compute the same numbers in ~0.2-1.3 ms.
     `A` [R, in] and `B` [out, R] may stack several projections' factors (B block-diagonal)."""
 
@@ -137,17 +142,17 @@ def stacked_linear(x: torch.Tensor, w: torch.Tensor, outs: Sequence[int],
                    loras: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scale: float) -> torch.Tensor:
     """`linear` for projections of the same input stacked into one weight `w` (their `outs` rows in
     order: q|k|v, gate|up): one GEMM with more columns instead of several narrow ones. With a LoRA on
-    every projection (the engine's targets come in these groups) and no autocast, the fused
-    `_LoraLinear` runs; otherwise each projection goes through `linear`."""
+    every projection (the engine's targets come in these groups) their factors are stacked (A rows
+    concatenated, B block-diagonal) into one `linear`; a mixed stack splits back into projections."""
     x2 = x.reshape(-1, x.shape[-1])
     if all(lr is None for lr in loras):
         y = F.linear(x2, w)
-    elif any(lr is None for lr in loras) or torch.is_autocast_enabled("cpu"):
+    elif any(lr is None for lr in loras):
         y = torch.cat([linear(x2, wi, lr, scale) for wi, lr in zip(w.split(list(outs), 0), loras)], -1)
     else:
         A = loras[0][0] if len(loras) == 1 else torch.cat([lr[0] for lr in loras], 0)
         B = loras[0][1] if len(loras) == 1 else torch.block_diag(*[lr[1] for lr in loras])
-        y = _LoraLinear.apply(x2, w, A, B, scale)
+        y = linear(x2, w, (A, B), scale)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -208,7 +213,8 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
         o = f"{p}.self_attn.o_proj"
         x = x + lin(_attend(q, k, v.view(N, nkv, hd), pk), base[o + ".weight"], (config.hidden_size,), [o])
         h = rms_norm(x, base[f"{p}.post_attention_layernorm.weight"], eps)
-        g, u = lin(h, fused[f"{p}.mlp.gate_up"], (inter, inter), [f"{p}.mlp.{n}" for n in _GATE_UP]).split(inter, -1)
+        gu = lin(h, fused[f"{p}.mlp.gate_up"], (inter, inter), [f"{p}.mlp.{n}" for n in _GATE_UP])
+        g, u = gu.split(inter, -1)
         d = f"{p}.mlp.down_proj"
         x = x + lin(act(g) * u, base[d + ".weight"], (config.hidden_size,), [d])
     return rms_norm(x, base["model.norm.weight"], eps)
