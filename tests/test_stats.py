@@ -140,14 +140,30 @@ def test_bootstrap_is_seeded_and_close_to_normal_interval():
     assert a[1] == pytest.approx(d.mean() + Z95 * se, abs=0.25 * se)
 
 
-def test_pooled_seeds_count_all_pairs():
+def test_several_seeds_count_items_not_seed_item_pairs():
     t0, b0 = _vectors(300, 150, 120, 100)
     t1, b1 = _vectors(300, 140, 150, 110)
     r = paired_compare(np.stack([t0, t1]), np.stack([b0, b1]), n_bootstrap=300)
     assert r["n"] == 600 and r["n_seeds"] == 2 and r["n_items"] == 300
     assert r["diff"] == pytest.approx((150 + 140 - 120 - 150) / 600)
-    assert (r["b"], r["c"]) == (50 + 30, 20 + 40)
-    assert r["half_width"] == pytest.approx(math.sqrt(2 * math.log(40) / 600))
+    assert (r["b"], r["c"]) == (50 + 30, 20 + 40)  # discordant (seed, item) pairs, descriptive
+    # the item is the independent unit: n = 300 items in the half-width, not 600 pairs
+    assert r["half_width"] == pytest.approx(math.sqrt(2 * math.log(40) / 300))
+    d = (t0.astype(int) - b0) + (t1.astype(int) - b1)
+    assert (r["b_items"], r["c_items"]) == (int((d > 0).sum()), int((d < 0).sum()))
+    assert r["mcnemar_p"] == pytest.approx(_exact_mcnemar(r["b_items"], r["c_items"]), rel=1e-9)
+
+
+def test_repeating_one_seed_does_not_shrink_the_interval():
+    """S identical seeds carry no more evidence than one: same CI, verdict and McNemar p (pooling the
+    S*n (seed, item) pairs as independent would narrow the CI by sqrt(S) and validate this case)."""
+    t, b = _vectors(1319, 600, 534, 534)  # +5.0 pts, b = 66, c = 0: inconclusive at n = 1319
+    one = paired_compare(t, b, n_bootstrap=0)
+    three = paired_compare(np.stack([t] * 3), np.stack([b] * 3), n_bootstrap=0)
+    assert one["verdict"] == "inconclusive" and one["ci_low"] < 0
+    for key in ("diff", "half_width", "ci_low", "ci_high", "verdict", "mcnemar_p", "b_items", "c_items"):
+        assert three[key] == one[key], key
+    assert (three["b"], three["c"], three["n"]) == (3 * 66, 0, 3 * 1319)
 
 
 def test_bad_inputs_raise():

@@ -44,7 +44,7 @@ def render_markdown(result: dict[str, Any], out_dir: str | Path) -> str:
         "",
         "> " + DECISION_RULE.format(conf=conf),
         "",
-        (f"At n = {n} and alpha = {alpha:g} the half-width is {result['half_width']:.4f}, so "
+        (f"At n = {result['n_items']} items and alpha = {alpha:g} the half-width is {result['half_width']:.4f}, so "
          f"`validated` needs a gap above {_pts(result['half_width'])}. McNemar's exact test and the "
          "paired bootstrap are reported alongside; they do not change the verdict."),
         "",
@@ -64,7 +64,7 @@ def render_markdown(result: dict[str, Any], out_dir: str | Path) -> str:
                 else f"[{_pts(r['bootstrap_low'])}, {_pts(r['bootstrap_high'])}]")
         lines.append(
             f"| {label} | {r['n']} | {r['acc_treatment']:.4f} | {r['acc_baseline']:.4f} | {_pts(r['diff'])} "
-            f"| [{_pts(r['ci_low'])}, {_pts(r['ci_high'])}] | {r['verdict']} | {r['b']} | {r['c']} "
+            f"| [{_pts(r['ci_low'])}, {_pts(r['ci_high'])}] | {r['verdict']} | {r['b_items']} | {r['c_items']} "
             f"| {_p(r['mcnemar_p'])} | {boot} |")
     lines += [
         "",
@@ -73,9 +73,13 @@ def render_markdown(result: dict[str, Any], out_dir: str | Path) -> str:
          f"{result['bootstrap_seed']})."),
     ]
     if result["n_seeds"] > 1:
-        lines += ["", ("The combined row pools all (seed, item) pairs; its Hoeffding CI treats them as "
-                       "independent, although one item's results across seeds are correlated. The "
-                       "bootstrap resamples whole items (all seeds of an item together).")]
+        lines += ["", ("The combined row averages each item over its seeds, because one item's results "
+                       "across seeds are correlated: n counts (seed, item) results and sets the "
+                       f"accuracies, while the Hoeffding CI uses the {result['n_items']} items as the "
+                       "independent unit, b / c count items whose seed-mean difference is positive / "
+                       "negative (McNemar's exact test over items), and the bootstrap resamples whole "
+                       f"items. Discordant (seed, item) pairs: {result['b']} / {result['c']}. The per-seed "
+                       "rows are descriptive; only the combined verdict is pre-registered.")]
     lines += ["", "## Arms", "", f"| arm | role | seed | n | accuracy | Wilson {conf:g}% CI | run |",
               "|---|---|---:|---:|---:|---|---|"]
     for a in result["arms"]:

@@ -1,14 +1,20 @@
 """Paired statistics for two arms evaluated on the same items (numpy + stdlib only, no scipy).
 
 Inputs are per-item correctness arrays of one shape: `[n]` for one seed, or `[S, n]` for S seeds
-on the same n items (pooled as S*n (seed, item) pairs). All functions are pure.
+on the same n items. All functions are pure.
+
+Several seeds: one item's results across seeds are correlated (the same question), so the (seed, item)
+pairs are not independent draws and must not be counted as S*n samples. The unit of independence is
+the item: each item contributes its seed-mean difference d_i = mean_s(correct_T - correct_B), still in
+[-1, 1], and the tests run over the n items (at S = 1 this is the single-seed test exactly).
 
 Formulas (textbook, pinned here so the tests can check them independently):
 - Hoeffding (1963), Thm 2: for i.i.d. X_i in [a, b], P(|mean - mu| >= t) <= 2 exp(-2 n t^2 / (b-a)^2).
   Per-item differences d_i = correct_T - correct_B lie in [-1, 1] (range 2), so the two-sided
   1-alpha half-width is t = sqrt(2 ln(2/alpha) / n)  (~0.0748 at n = 1319, alpha = 0.05).
 - Exact McNemar: under H0 the discordant pairs split b ~ Binomial(b + c, 1/2);
-  p = min(1, 2 * sum_{k <= min(b, c)} C(b+c, k) / 2^(b+c)); p = 1 when b + c = 0.
+  p = min(1, 2 * sum_{k <= min(b, c)} C(b+c, k) / 2^(b+c)); p = 1 when b + c = 0. With several seeds it
+  is the same exact sign test over items: b = items with d_i > 0, c = items with d_i < 0.
 - Wilson (1927) score interval for a binomial proportion.
 - Paired percentile bootstrap of the mean difference, resampling items (with several seeds an
   item is resampled with all of its seeds, so the correlation of one item across seeds is kept).
@@ -26,8 +32,9 @@ VERDICTS = ("validated", "inconclusive", "not_supported")
 METHOD = "paired_hoeffding"
 
 DECISION_RULE = (
-    "Paired Hoeffding {conf:g}% CI on the per-item difference in correctness (treatment - baseline), "
-    "each difference in [-1, 1] so the half-width is sqrt(2 ln(2/alpha) / n). "
+    "Paired Hoeffding {conf:g}% CI on the per-item difference in correctness (treatment - baseline; "
+    "with several seeds, each item's difference averaged over its seeds), each difference in [-1, 1] "
+    "so the half-width is sqrt(2 ln(2/alpha) / n) with n = the number of items. "
     "`validated` only if the lower bound > 0; `inconclusive` if the difference is positive but the "
     "lower bound is not; `not_supported` otherwise (difference <= 0)."
 )
@@ -111,9 +118,11 @@ def paired_compare(correct_T: Any, correct_B: Any, alpha: float = 0.05, n_bootst
     """All paired statistics of treatment vs baseline correctness.
 
     `correct_T`, `correct_B`: bool/0-1 arrays of shape [n] or [S, n] (S seeds x n items, paired
-    entry by entry). Returns n (pairs), accuracies, diff, Hoeffding CI (clipped to [-1, 1];
-    `half_width` is unclipped), verdict, McNemar b/c/p and the bootstrap CI (None when
-    n_bootstrap == 0)."""
+    entry by entry). Returns n (paired (seed, item) results) and n_items, accuracies over all n
+    results, diff, the Hoeffding CI over items (clipped to [-1, 1]; `half_width` is unclipped),
+    verdict, the discordant (seed, item) counts b/c, McNemar's exact p over items (`b_items`/`c_items`:
+    items whose seed-mean difference is positive/negative; equal to b/c for one seed) and the
+    item-resampling bootstrap CI (None when n_bootstrap == 0)."""
     _check_alpha(alpha)
     t_SN = _as_correct(correct_T, "correct_T")
     b_SN = _as_correct(correct_B, "correct_B")
@@ -121,16 +130,17 @@ def paired_compare(correct_T: Any, correct_B: Any, alpha: float = 0.05, n_bootst
         raise ValueError(f"paired_compare: shapes differ: treatment {t_SN.shape} vs baseline {b_SN.shape}")
     if t_SN.size == 0:
         raise ValueError("paired_compare: no items to compare")
-    n = int(t_SN.size)
+    n, n_items = int(t_SN.size), int(t_SN.shape[1])
     k_t, k_b = int(t_SN.sum()), int(b_SN.sum())
-    diff = (k_t - k_b) / n  # exact 0 on all ties
-    half = hoeffding_half_width(n, alpha)
+    diff = (k_t - k_b) / n  # exact 0 on all ties; equals the mean over items of d_i
+    # the item is the independent unit (see the module docstring): Hoeffding and McNemar over items
+    diff_N = (t_SN.astype(np.int64) - b_SN.astype(np.int64)).sum(axis=0)  # S * d_i, exact integers
+    half = hoeffding_half_width(n_items, alpha)
     ci_low, ci_high = max(-1.0, diff - half), min(1.0, diff + half)
-    b = int((t_SN & ~b_SN).sum())
-    c = int((~t_SN & b_SN).sum())
+    b_items, c_items = int((diff_N > 0).sum()), int((diff_N < 0).sum())
     out: dict[str, Any] = {
         "n": n,
-        "n_items": int(t_SN.shape[1]),
+        "n_items": n_items,
         "n_seeds": int(t_SN.shape[0]),
         "acc_treatment": k_t / n,
         "acc_baseline": k_b / n,
@@ -141,18 +151,20 @@ def paired_compare(correct_T: Any, correct_B: Any, alpha: float = 0.05, n_bootst
         "method": METHOD,
         "alpha": alpha,
         "verdict": decide(diff, ci_low),
-        "b": b,
-        "c": c,
-        "mcnemar_p": mcnemar_exact_p(b, c),
+        "b": int((t_SN & ~b_SN).sum()),
+        "c": int((~t_SN & b_SN).sum()),
+        "b_items": b_items,
+        "c_items": c_items,
+        "mcnemar_p": mcnemar_exact_p(b_items, c_items),
         "bootstrap_low": None,
         "bootstrap_high": None,
         "bootstrap_resamples": int(n_bootstrap),
         "bootstrap_seed": int(seed),
     }
     if n_bootstrap > 0:
-        # cluster by item: the pooled mean equals the mean over items of the per-item seed mean
-        per_item_N = (t_SN.astype(np.float64) - b_SN.astype(np.float64)).mean(axis=0)
-        out["bootstrap_low"], out["bootstrap_high"] = bootstrap_mean_ci(per_item_N, alpha, n_bootstrap, seed)
+        # resample items (all seeds of an item together): the mean of d_i over items is `diff`
+        out["bootstrap_low"], out["bootstrap_high"] = bootstrap_mean_ci(
+            diff_N / t_SN.shape[0], alpha, n_bootstrap, seed)
     return out
 
 
