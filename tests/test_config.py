@@ -87,6 +87,20 @@ def test_bad_override_names_the_key(override, needle):
     assert needle in str(ei.value)
 
 
+def test_dppo_delta_follows_the_mode_unless_set():
+    """The yaml's delta is the authors' default of the chosen mode (TV 0.15, KL 0.05), resolved into the
+    run's config; an explicit override wins."""
+    import hydra
+
+    for overrides, expected in ((["loss=dppo"], 0.15), (["loss=dppo", "loss.mode=binary_kl"], 0.05),
+                                (["loss=dppo", "loss.mode=binary_kl", "loss.delta=0.2"], 0.2)):
+        cfg = compose_config(overrides)
+        validate(cfg)
+        assert _resolved(overrides)["loss"]["delta"] == expected
+        loss = hydra.utils.instantiate(cfg.loss)
+        assert loss.delta == loss.delta_low == loss.delta_high == expected
+
+
 def test_dppo_delta_out_of_range():
     with pytest.raises(ConfigError, match=r"loss\.delta must be in \(0, 1\]"):
         validate(compose_config(["loss=dppo", "loss.delta=2"]))

@@ -188,6 +188,23 @@ def test_dppo_log_ratio_clamped_at_20_before_exp():
     assert logp.grad.item() == pytest.approx(-math.exp(20.0), rel=1e-12)
 
 
+def test_grpo_log_ratio_overflow_gives_finite_gradients_in_float32():
+    """fp32 exp overflows past log r ~ 88: without the [-20, 20] clamp, inf * 0 put NaN into the gradient
+    of a masked token (garbage sampler logprob) and of an A > 0 token whose clip binds."""
+    F32 = torch.float32
+    logp = torch.tensor([-0.1, -0.5, -0.2, -0.3], dtype=F32, requires_grad=True)
+    slp = torch.tensor([-100.0, -0.4, -100.0, -100.0], dtype=F32)
+    adv = torch.tensor([1.0, 1.0, 3.0, -1.0], dtype=F32)
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=F32)  # token 2 is masked
+    value, _ = GRPOLoss()(logp, slp, adv, mask)
+    value.backward()
+    r1 = math.exp(-0.1)
+    # token 0: A > 0, r > 1.2 -> clipped at 1.2 (grad 0); token 1: unclipped (grad -r1); token 2 masked;
+    # token 3: A < 0 past the clamp -> value A * -e^20 (finite), grad 0
+    assert value.item() == pytest.approx(-1.2 - r1 + math.exp(20.0), rel=1e-6)
+    torch.testing.assert_close(logp.grad, torch.tensor([0.0, -r1, 0.0, 0.0]), rtol=1e-6, atol=0)
+
+
 def test_grpo_matches_tinker_builtin_ppo_definition():
     logp, sampler, adv, mask = random_batch(seed=3, drift=0.5)
     logp.requires_grad_(True)

@@ -493,10 +493,19 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
 }
 
 
+def _dppo_default_delta(mode: str) -> float | None:
+    from trainer.losses.dppo import DEFAULT_DELTA
+
+    return DEFAULT_DELTA.get(mode)  # an unknown mode is reported by DPPOLossConfig's own check
+
+
 def register_configs() -> None:
     """Register every schema in Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
+    # conf/loss/dppo.yaml: `delta: ${dppo_default_delta:${.mode}}`, so the resolved config (and its
+    # hash) states the threshold the loss uses, and switching `loss.mode` switches the default with it
+    OmegaConf.register_new_resolver("dppo_default_delta", _dppo_default_delta, replace=True)
     for group, options in GROUP_SCHEMAS.items():
         for name, node in options.items():
             cs.store(group=group, name=name, node=node)

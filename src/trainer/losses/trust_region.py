@@ -12,7 +12,7 @@ import torch
 DPPO_MODES: tuple[str, ...] = ("binary_tv", "binary_kl")
 
 # Stable-RL @ c6af1d1, core_algos.py::compute_policy_loss_with_mask clamps the log-ratio
-# at +20 before exp when it builds the IS weight.
+# at +20 before exp when it builds the IS weight (compute_policy_loss_vanilla: to [-20, 20]).
 LOG_RATIO_CLAMP = 20.0
 # Stable-RL @ c6af1d1, core_algos.py::_compute_token_mask_for_policy_loss, binary KL guard.
 KL_EPS = 1e-8
@@ -86,10 +86,15 @@ def grpo_token_loss(
 ) -> torch.Tensor:
     """PPO-clip token loss `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)`, r = exp(logp - sampler_logp).
 
-    Tinker built-in `ppo` (docs /tinker/losses/ppo; spindle `_loss` branch "ppo"): no
-    log-ratio clamp, no dual clip. Gradient -A*r on unclipped tokens, 0 where the clip binds.
+    Tinker built-in `ppo` (docs /tinker/losses/ppo; spindle `_loss` branch "ppo"): no dual clip.
+    Gradient -A*r on unclipped tokens, 0 where the clip binds. One guard Tinker does not document:
+    the log-ratio is clamped to [-20, 20] before exp, as verl / Stable-RL do (Stable-RL @ c6af1d1,
+    core_algos.py::compute_policy_loss_vanilla). Identical for |log r| <= 20; beyond it an fp32 exp
+    overflows, and inf * 0 would put NaN into the gradient, even of masked tokens (a garbage sampler
+    logprob) and of A > 0 tokens whose clip binds. Past the clamp the token's gradient is 0.
     """
-    ratio = torch.exp(logp - sampler_logp.detach())
+    log_ratio = torch.clamp(logp - sampler_logp.detach(), min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
     adv = advantages.detach()
     clipped = torch.clamp(ratio, min=1.0 - eps_low, max=1.0 + eps_high)
     return -torch.minimum(ratio * adv, clipped * adv)
