@@ -115,3 +115,37 @@ def test_bad_paths_and_names(sc, tmp_path):
     with pytest.raises(ValueError, match="file name"):
         tc.save_state("../escape").result()
     assert tc.save_state("ok").result().path.endswith("/weights/ok")  # still usable
+
+
+def test_checkpoint_files_and_folders_reach_the_disk_before_the_rename(tmp_path, monkeypatch):
+    """Every file, the temp folder and (after the rename) the parent are fsynced: checkpoint.json, written
+    next, must never name a folder whose files are still only in the page cache."""
+    import os
+
+    from trainer.backends.local import ckpt
+
+    synced: list[str] = []
+    renamed: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def replace(a, b) -> None:
+        renamed.append(str(b))
+        real_replace(a, b)
+
+    monkeypatch.setattr(ckpt.os, "fsync", fsync)
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+    A, B = torch.randn(2, 4), torch.randn(4, 2)
+    folder = ckpt.write(tmp_path / "ck" / "step1", {"step": 1}, {"m": (A, B)}, {"state": {}}, overwrite=False)
+    names = [Path(p).name for p in synced]
+    for f in ("adapter.safetensors", "optimizer.pt", "meta.json"):
+        assert f in names, f
+    assert renamed == [str(folder)]
+    tmp_dir = Path(synced[3])
+    assert tmp_dir.parent == folder.parent and tmp_dir.name.startswith(".step1.")  # the temp folder, pre-rename
+    assert synced[-1] == str(folder.parent)  # the rename itself made durable
+    meta, tensors, opt = ckpt.read(folder, with_optimizer=True)
+    assert meta["step"] == 1 and torch.equal(tensors["m"][0], A) and opt == {"state": {}}

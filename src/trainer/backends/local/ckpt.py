@@ -1,6 +1,8 @@
 """On-disk LoRA checkpoints of the local engine: `<dir>/meta.json`, `adapter.safetensors`
 (`<module>.lora_A` / `<module>.lora_B`), and for full states `optimizer.pt` (AdamW moments + step).
-Written into a temp folder next to the target, then `os.replace`d: a reader never sees half a checkpoint."""
+Written into a temp folder next to the target, fsynced (files, then the folder), then `os.replace`d and the
+parent fsynced: a reader never sees half a checkpoint, and after a power loss the run's checkpoint.json
+(written after this returns) never names a folder whose files did not reach the disk."""
 
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ def write(folder: Path, meta: dict[str, Any], tensors: dict[str, tuple[torch.Ten
             torch.save(optimizer, tmp / "optimizer.pt")
         (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, **meta,
                                                    "has_optimizer": optimizer is not None}, indent=1))
+        for f in tmp.iterdir():
+            _fsync(f, os.O_RDONLY)
+        _fsync(tmp, os.O_RDONLY)
         if folder.exists():  # overwrite: move the old one aside first (os.replace needs an empty target)
             old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
             os.replace(folder, old / "x")
@@ -41,10 +46,19 @@ def write(folder: Path, meta: dict[str, Any], tensors: dict[str, tuple[torch.Ten
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, folder)
+        _fsync(folder.parent, os.O_RDONLY)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read(folder: Path, with_optimizer: bool) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor]],
