@@ -48,6 +48,46 @@ def test_injected_faults_give_the_fault_free_result(tmp_path):
     _same_run(ref, faulty)
 
 
+def _timeout() -> Exception:
+    import httpx
+    import tinker
+
+    return tinker.APITimeoutError(request=httpx.Request("POST", "http://tinker.invalid/forward_backward"))
+
+
+@pytest.mark.parametrize("what", ["forward_backward", "optim_step"])
+def test_weight_changing_calls_are_not_resent_after_an_ambiguous_error(what):
+    """A timeout may arrive after the server applied the call: resending forward_backward / optim_step
+    could accumulate a gradient or apply an update twice, so the loop hands it to checkpoint recovery
+    (one attempt); an error that guarantees nothing was applied is retried in place, and idempotent
+    calls (save_state) are retried after a timeout too."""
+    from trainer.backends.errors import TransientBackendError
+    from trainer.loop import RLLoop, _ClientFailure
+    from trainer.retry import RetryPolicy
+
+    loop = RLLoop.__new__(RLLoop)
+    loop.retry = RetryPolicy(max_attempts=3, backoff_s=0.0)
+
+    def failing_once(exc: Exception):
+        calls = []
+
+        def fn():
+            calls.append(1)
+            if len(calls) == 1:
+                raise exc
+            return "ok"
+        return fn, calls
+
+    fn, calls = failing_once(_timeout())
+    with pytest.raises(_ClientFailure, match=f"{what}: APITimeoutError"):
+        loop._train_call(what, fn)
+    assert len(calls) == 1
+    fn, calls = failing_once(TransientBackendError("refused before doing any work"))
+    assert loop._train_call(what, fn) == "ok" and len(calls) == 2
+    fn, calls = failing_once(_timeout())
+    assert loop._train_call("save_state", fn) == "ok" and len(calls) == 2
+
+
 @pytest.mark.slow
 def test_five_sigkills_then_resume_equal_uninterrupted(tmp_path):
     args = [*TINY, "schedule.num_steps=4", "schedule.save_every=1", "eval=none"]
@@ -150,6 +190,7 @@ CASES = [
     ("data line missing key", lambda t: ["env=gsm8k", f"env.source={_gsm_dir(t, json.dumps({'question': 'q'}) + chr(10))}"],
      None, "train.jsonl:1"),
     ("eval larger than test set", ["eval.n_examples=100000"], None, "100000"),
+    ("resume=true without a checkpoint", ["resume=true"], None, "holds no checkpoint.json"),
 ]
 RUN_CASES = [
     ("corrupt checkpoint json", lambda r: (r / "checkpoint.json").write_text("{not json"), "checkpoint"),

@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from trainer.advantages import compute_advantages
+from trainer.backends.errors import is_not_applied, is_retryable
 from trainer.config.schema import arm_name
 from trainer.checkpoint import (CheckpointInfo, ResumeError, check_resumable, config_hash, rng_state,
                                 save_checkpoint, truncate_log)
@@ -259,8 +260,12 @@ class RLLoop:
         return out
 
     def _train_call(self, what: str, fn: Callable[[], Any]) -> Any:
+        # forward_backward / optim_step are not idempotent (gradients accumulate, updates apply): resent
+        # in place only after errors that guarantee the server applied nothing; any other failure
+        # (timeout, 5xx: maybe applied) redoes the step from the last checkpoint instead
+        retryable = is_not_applied if what in _NOT_IDEMPOTENT else is_retryable
         try:
-            return self.retry.call(what, fn)
+            return self.retry.call(what, fn, retryable)
         except (ValueError, TypeError):
             raise
         except _BACKEND_FAILURES as exc:
@@ -282,6 +287,9 @@ class RLLoop:
 
 class _ClientFailure(RuntimeError):
     pass
+
+
+_NOT_IDEMPOTENT = ("forward_backward", "optim_step")
 
 
 # tinker.TinkerError covers the SDK's API errors; a poisoned client raises RuntimeError

@@ -146,6 +146,9 @@ def run_training(cfg: DictConfig) -> float | None:
         resuming = check_resumable(run_dir, config_hash(config_dict)) is not None
     except ResumeError as e:
         fail(f"resume: {e}")
+    if cfg.resume and not resuming:  # resuming is automatic; resume=true asks for it to be guaranteed
+        fail(f"resume=true but {run_dir} holds no checkpoint.json to resume from; pass the run's folder "
+             "as hydra.run.dir=<folder> (or drop resume=true to start a new run)")
     # the backend last: loading a model takes seconds, and a bad data path or run folder should fail
     # before that
     from trainer.backends import BackendConfigError, build_service_client

@@ -38,13 +38,15 @@ class RetryPolicy:
         log.warning("%s failed (attempt %d/%d): %s: %s; retrying", what, attempt + 1,
                     self.max_attempts, type(exc).__name__, exc)
 
-    def call(self, what: str, fn: Callable[[], Any]) -> Any:
-        """Run `fn()` (which submits a request and waits for its result), retrying transient errors."""
+    def call(self, what: str, fn: Callable[[], Any],
+             retryable: Callable[[BaseException], bool] = is_retryable) -> Any:
+        """Run `fn()` (which submits a request and waits for its result), retrying the errors `retryable`
+        accepts (default: every transient error; non-idempotent calls pass a narrower test)."""
         for attempt in range(self.max_attempts):
             try:
                 return fn()
             except Exception as exc:  # noqa: BLE001 - classified below
-                if not is_retryable(exc) or attempt == self.max_attempts - 1:
+                if not retryable(exc) or attempt == self.max_attempts - 1:
                     raise
                 self._note(what, attempt, exc)
                 time.sleep(self.delay(attempt))

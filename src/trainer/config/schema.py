@@ -465,7 +465,7 @@ class Config:
     seed: int = 0
     # advantage estimator: group_mean (cookbook) | group_zscore | none
     advantage: str = "group_mean"
-    # resume from the last checkpoint in the run folder (also automatic when one exists)
+    # require a checkpoint.json in the run folder (resuming from it is automatic either way)
     resume: bool = False
     # rollout sampling parameters
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
