@@ -287,3 +287,39 @@ def test_read_only_output_folder(tmp_path):
     p = run_train([*TINY, f"hydra.run.dir={target}"], tmp_path)
     assert p.returncode != 0
     assert str(target.parent) in p.stderr + p.stdout or "not writable" in p.stderr + p.stdout
+
+
+def test_resume_redoes_a_periodic_eval_killed_after_its_checkpoint_and_a_foreign_start_eval(
+        tmp_path, capfd, monkeypatch):
+    """Killed during the step-2 periodic eval (after the step-2 checkpoint): the resumed run evaluates
+    step 2 (the loop's step-end hook runs again for the step it restarts from; finished evals are kept).
+    A start eval made under another config in the folder is redone rather than paired with this run."""
+    run = tmp_path / "run"
+    args = [*TINY, "schedule.num_steps=3", "schedule.save_every=1", "eval.every=1", "eval.at_start=true",
+            f"hydra.run.dir={run}"]
+    code, out = train_in_process(args, tmp_path, capfd, monkeypatch)
+    assert code == 0, out[-3000:]
+    ev = run / "eval"
+    ck = json.loads((run / "checkpoint.json").read_text())
+    cfg_hash = ck["config_hash"]
+    step1 = (ev / "gsm8k_test_step1.summary.json").read_text()
+    # roll the run back to its step-2 checkpoint with the step-2 eval unfinished
+    rows = read_metrics(run)
+    entry = next(h for h in ck["history"] if h["step"] == 2)
+    ck.update(step=2, tinker_path=entry["tinker_path"], history=[h for h in ck["history"] if h["step"] <= 2],
+              optim_steps=1 + max(r["global_update"] for r in rows if r["step"] < 2),
+              data_cursor=2 * ck["data_cursor"] // 3)
+    (run / "checkpoint.json").write_text(json.dumps(ck))
+    for f in ev.glob("gsm8k_test_step2.*"):
+        f.unlink()
+    start = json.loads((ev / "gsm8k_test_start.summary.json").read_text())
+    assert start["config_hash"] == cfg_hash
+    (ev / "gsm8k_test_start.summary.json").write_text(json.dumps({**start, "config_hash": "another config"}))
+
+    code, out = train_in_process(args, tmp_path, capfd, monkeypatch)
+    assert code == 0, out[-3000:]
+    assert "resuming the run" in out
+    assert json.loads((ev / "gsm8k_test_step2.summary.json").read_text())["step"] == 2
+    assert (ev / "gsm8k_test_step1.summary.json").read_text() == step1  # finished: not redone
+    assert json.loads((ev / "gsm8k_test_start.summary.json").read_text())["config_hash"] == cfg_hash
+    assert [(r["step"], r["update"]) for r in read_metrics(run)] == [(s, u) for s in range(3) for u in range(2)]

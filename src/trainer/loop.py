@@ -137,6 +137,10 @@ class RLLoop:
                        dynamic_ncols=True)
         last_reward = None
         try:
+            if state.step > 0 and self.on_step_end is not None:
+                # a run killed after its checkpoint but during that step's end-of-step work (a periodic
+                # eval) redoes it; the hook skips what already finished
+                self.on_step_end(state.step)
             while state.step < s.num_steps:
                 try:
                     last_reward = self._do_step(state, sink)

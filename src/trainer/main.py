@@ -180,7 +180,7 @@ def run_training(cfg: DictConfig) -> float | None:
         loop.on_step_end = lambda step: periodic_eval(cfg, loop, etask, run_dir, step)
     start_eval = None
     if etask is not None and cfg.eval.at_start:
-        start_eval = run_start_eval(cfg, service_client, etask, run_dir, loop.retry)
+        start_eval = run_start_eval(cfg, service_client, etask, run_dir, loop.retry, loop.cfg_hash)
     setup_s = time.time() - t_setup
     t_train = time.time()
     try:
@@ -222,22 +222,36 @@ def _greedy_eval(cfg: DictConfig, etask: Any, sampling_client: Any, retry: Any, 
 
 
 def periodic_eval(cfg: DictConfig, loop: Any, etask: Any, run_dir: Path, step: int) -> None:
-    """Greedy eval every `eval.every` rollout steps (not at the end: the final eval covers that)."""
-    if step % cfg.eval.every or step >= cfg.schedule.num_steps:
+    """Greedy eval every `eval.every` rollout steps (not at the end: the final eval covers that). Skips a
+    step whose eval already finished (its summary is written last), so the loop can call it again for
+    the step a resumed run restarts from: a run killed during that eval gets it on resume."""
+    out = run_dir / "eval" / f"{cfg.eval.name}_step{step}.jsonl"
+    if step % cfg.eval.every or step >= cfg.schedule.num_steps or out.with_suffix(".summary.json").is_file():
         return
-    summary = _greedy_eval(cfg, etask, loop.sampling_client(), loop.retry,
-                           run_dir / "eval" / f"{cfg.eval.name}_step{step}.jsonl", {"step": step}, False)
+    summary = _greedy_eval(cfg, etask, loop.sampling_client(), loop.retry, out, {"step": step}, False)
     log.info("eval %s at step %d: accuracy %.4f", cfg.eval.name, step, summary["accuracy"])
 
 
-def run_start_eval(cfg: DictConfig, service_client: Any, etask: Any, run_dir: Path, retry: Any) -> Path:
+def run_start_eval(cfg: DictConfig, service_client: Any, etask: Any, run_dir: Path, retry: Any,
+                   cfg_hash: str) -> Path:
     """Greedy eval of the initial weights, i.e. the base model (LoRA starts with B = 0, so the adapter
-    adds nothing): the baseline the final eval is paired with. Kept on resume (not recomputed)."""
+    adds nothing): the baseline the final eval is paired with. Kept on resume (not recomputed) when it
+    was made under the same config; one left by a run of another config in this folder (e.g. one that
+    stopped before its first checkpoint) is redone."""
+    from trainer.utils.io import read_json
+
     out = run_dir / "eval" / f"{cfg.eval.name}_start.jsonl"
-    if out.with_suffix(".summary.json").is_file():  # written last, so the records are complete
-        return out
+    done = out.with_suffix(".summary.json")
+    if done.is_file():  # written last, so the records are complete
+        try:
+            made_under = read_json(done, "start-eval summary").get("config_hash")
+        except ValueError:  # torn by hand or by a disk error: redo it
+            made_under = None
+        if made_under == cfg_hash:
+            return out
+        log.warning("%s was not made under this run's config; redoing the initial-weights eval", out)
     summary = _greedy_eval(cfg, etask, service_client.create_sampling_client(base_model=cfg.model.base_model),
-                           retry, out, {"step": 0}, False)
+                           retry, out, {"step": 0, "config_hash": cfg_hash}, False)
     log.info("eval %s of the initial weights: accuracy %.4f [%.4f, %.4f] on %d items", cfg.eval.name,
              summary["accuracy"], summary["wilson_low"], summary["wilson_high"], summary["n"])
     print(f"initial-weights eval: accuracy {summary['accuracy']:.4f} on {summary['n']} items "
