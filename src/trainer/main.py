@@ -162,6 +162,14 @@ def run_training(cfg: DictConfig) -> float | None:
 
         info = read_json(run_dir / "run_info.json", "run info")
         print(f"resuming the run in {run_dir}", flush=True)
+        from trainer.run_info import git_revision
+
+        # code is not part of the config hash (a fix may be why the run is resumed), but it is said
+        was, now = (info.get("git") or {}), git_revision()
+        if (was.get("rev"), was.get("dirty")) != (now.get("rev"), now.get("dirty")):
+            log.warning("resuming with different code: the run started at git %s%s, this is %s%s",
+                        was.get("rev"), " (dirty)" if was.get("dirty") else "", now.get("rev"),
+                        " (dirty)" if now.get("dirty") else "")
     else:
         info = write_run_files(run_dir, cfg, {"batch": batch, "run_dir": str(run_dir)})
     if sweep_dir is not None:
