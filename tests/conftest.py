@@ -12,3 +12,4 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("WANDB_MODE", "offline")
+

@@ -137,3 +137,18 @@ def test_cli_multirun_cfg_composes_both_arms():
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("# ---- job") == 2
     assert "name: grpo" in p.stdout and "name: dppo" in p.stdout
+
+
+def test_resume_hash_ignores_only_keys_that_do_not_change_the_computation():
+    from trainer.checkpoint import config_hash
+    from trainer.run_info import resolved_config_dict
+
+    def h(*overrides):
+        return config_hash(resolved_config_dict(compose_config(list(overrides))))
+
+    base = h()
+    for same in (["eval.every=5"], ["logger=wandb"], ["retry.max_attempts=9"], ["resume=true"]):
+        assert h(*same) == base, same
+    for other in (["eval.n_examples=50"], ["optimizer.lr=0.001"], ["schedule.num_steps=7"], ["loss=dppo"],
+                  ["sampling.max_tokens=9"]):
+        assert h(*other) != base, other

@@ -7,19 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from local_client import local_service_client
 from tinker import types
-
-from trainer.backends.local import LocalServiceClient
 
 TINY = "pairedrl/tiny-random"
 
 
 @pytest.fixture(scope="module")
 def sc(tmp_path_factory):
-    c = LocalServiceClient(state_dir=tmp_path_factory.mktemp("ckpt"), sampler_dtype="float32", train_dtype="float32",
-                           micro_batch_size=2, lora_alpha=8.0)
-    yield c
-    c.close()
+    yield from local_service_client(tmp_path_factory, "ckpt", micro_batch_size=2)
 
 
 def batch(tok, seed):

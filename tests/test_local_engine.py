@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 import torch
+from local_client import local_service_client
 from lora_grads import grads, zero
 from tinker import types
 
@@ -20,10 +21,7 @@ TEXTS = ["Natalia sold 48 clips in April", "What is 12 + 7? The answer is 19.", 
 
 @pytest.fixture(scope="module")
 def sc(tmp_path_factory):
-    c = LocalServiceClient(state_dir=tmp_path_factory.mktemp("engine"), sampler_dtype="float32",
-                           train_dtype="float32", micro_batch_size=2, lora_alpha=8.0)
-    yield c
-    c.close()
+    yield from local_service_client(tmp_path_factory, "engine", micro_batch_size=2)
 
 
 def make_data(tok, seed=0):

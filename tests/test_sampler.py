@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+from local_client import local_service_client
 from tinker import types
 
 from trainer.backends.local import LocalServiceClient
@@ -18,10 +19,7 @@ PROMPTS = ["<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n<|im_start|>assistant\n
 
 @pytest.fixture(scope="module")
 def sc(tmp_path_factory):
-    c = LocalServiceClient(state_dir=tmp_path_factory.mktemp("sampler"), sampler_dtype="float32",
-                           train_dtype="float32", micro_batch_size=4, max_sample_batch=8, lora_alpha=8.0)
-    yield c
-    c.close()
+    yield from local_service_client(tmp_path_factory, "sampler", micro_batch_size=4, max_sample_batch=8)
 
 
 @pytest.fixture(scope="module")

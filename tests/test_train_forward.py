@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from local_client import local_service_client
 from lora_grads import grads, zero
 from tinker import types
 
@@ -17,10 +18,7 @@ TINY = "pairedrl/tiny-random"
 
 @pytest.fixture(scope="module")
 def sc(tmp_path_factory):
-    c = LocalServiceClient(state_dir=tmp_path_factory.mktemp("tf"), sampler_dtype="float32",
-                           train_dtype="float32", micro_batch_size=16, lora_alpha=8.0)
-    yield c
-    c.close()
+    yield from local_service_client(tmp_path_factory, "tf", micro_batch_size=16)
 
 
 def test_pack_shares_only_identical_prompts_of_neighbours():

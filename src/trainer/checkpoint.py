@@ -15,8 +15,9 @@ import torch
 from trainer.utils.io import atomic_write_json, read_json, read_jsonl_lenient, rewrite_jsonl
 
 CHECKPOINT_FILE = "checkpoint.json"
-# Keys that may change between a run and its resume without changing what is computed.
-RESUME_IGNORED_KEYS = ("resume", "checkpoint", "logger", "preflight", "retry", "backend.faults")
+# Keys that may change between a run and its resume without changing what is computed (eval.every only
+# adds or drops intermediate evals; everything that shapes training or the final eval stays hashed).
+RESUME_IGNORED_KEYS = ("resume", "checkpoint", "logger", "preflight", "retry", "backend.faults", "eval.every")
 
 
 class ResumeError(RuntimeError):
@@ -35,7 +36,8 @@ class CheckpointInfo:
     data_cursor: int
     # hash of the config parts that determine the computation
     config_hash: str
-    # python / numpy / torch RNG states
+    # fingerprint of the python / numpy / torch RNG states, for the record only: nothing is restored from
+    # it, since the loop derives every random draw from (seed, step, group)
     rng: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
 
