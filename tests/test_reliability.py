@@ -323,3 +323,42 @@ def test_resume_redoes_a_periodic_eval_killed_after_its_checkpoint_and_a_foreign
     assert (ev / "gsm8k_test_step1.summary.json").read_text() == step1  # finished: not redone
     assert json.loads((ev / "gsm8k_test_start.summary.json").read_text())["config_hash"] == cfg_hash
     assert [(r["step"], r["update"]) for r in read_metrics(run)] == [(s, u) for s in range(3) for u in range(2)]
+
+
+def test_a_failed_final_save_is_recovered_like_a_step(tmp_path):
+    """The final save_state failing for good (a _ClientFailure) recovers from the last checkpoint and redoes
+    the steps after it, then saves again, instead of ending the run without a final checkpoint."""
+    from omegaconf import OmegaConf
+
+    from trainer.checkpoint import CheckpointInfo
+    from trainer.loop import LoopState, RLLoop, _ClientFailure
+    from trainer.retry import RetryPolicy
+
+    cfg = OmegaConf.create({"schedule": {"num_steps": 3, "save_every": 0}, "retry": {"max_attempts": 3},
+                            "logger": {"name": "jsonl", "rollouts_per_step": 0}, "loss": {"name": "grpo"},
+                            "seed": 0, "run_name": None})
+    loop = RLLoop.__new__(RLLoop)
+    loop.cfg, loop.run_dir, loop.progress, loop.config_dict, loop.sweep_dir = cfg, tmp_path, False, {}, None
+    loop.retry, loop.recoveries, loop.info, loop.on_step_end = RetryPolicy(), 0, {}, None
+    calls = {"start": 0, "steps": 0, "final_saves": 0}
+
+    def start():
+        calls["start"] += 1
+        return LoopState()
+
+    def do_step(state, sink):
+        calls["steps"] += 1
+        state.step += 1
+        return 0.0
+
+    def save(state, final=False):
+        assert final and state.step == 3
+        calls["final_saves"] += 1
+        if calls["final_saves"] == 1:
+            raise _ClientFailure("save_state: APITimeoutError: timed out")
+        state.last_checkpoint = CheckpointInfo("tinker://local/x", state.step, 6, 9, "h")
+
+    loop._start, loop._do_step, loop._save = start, do_step, save
+    out = loop.run()
+    assert out["steps"] == 3 and out["checkpoint"] == "tinker://local/x" and out["recoveries"] == 1
+    assert calls == {"start": 2, "steps": 6, "final_saves": 2}

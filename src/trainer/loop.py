@@ -141,8 +141,12 @@ class RLLoop:
                 # a run killed after its checkpoint but during that step's end-of-step work (a periodic
                 # eval) redoes it; the hook skips what already finished
                 self.on_step_end(state.step)
-            while state.step < s.num_steps:
+            while state.step < s.num_steps or (state.last_checkpoint is None
+                                                or state.last_checkpoint.step != state.step):
                 try:
+                    if state.step == s.num_steps:  # the final save, recovered like any step if it fails
+                        self._save(state, final=True)
+                        continue
                     last_reward = self._do_step(state, sink)
                 except TrainingClientLost:
                     raise
@@ -160,8 +164,6 @@ class RLLoop:
                     bar.set_postfix(reward=f"{last_reward:.3f}")
                 if self.on_step_end is not None:
                     self.on_step_end(state.step)
-            if state.last_checkpoint is None or state.last_checkpoint.step != state.step:
-                self._save(state, final=True)
         finally:
             if bar is not None:
                 bar.close()
