@@ -18,6 +18,11 @@ twice, i.e. twice the training work; run with --trl-num-iterations-2 to time tha
 Each side runs `--steps` steps; the first warms up caches and allocators, and the fastest of the
 others is reported for both (this VM's speed drifts by 20-40% over minutes; every step's time is
 printed too).
+
+Precision is the same on both sides: `--precision auto` (default) is what the engine's `auto` picks on
+this CPU (bf16 where it has AVX512_BF16/AMX, else fp32); with bf16 ours samples from bf16 weights and
+trains under bf16 autocast, and TRL loads the model in bf16 (generation in bf16; peft keeps the LoRA
+factors in fp32) with `bf16=True` (training under autocast).
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ class _NoStopTask:
         return self.renderer.tokenizer.decode(tokens)
 
 
-def ours(steps: int, drop_constant_groups: bool = False) -> dict:
+def ours(steps: int, precision: str, drop_constant_groups: bool = False) -> dict:
     from trainer.backends import build_service_client
     from trainer.config.compose import compose_config
     from trainer.loop import RLLoop
@@ -83,10 +88,12 @@ def ours(steps: int, drop_constant_groups: bool = False) -> dict:
         "model=smollm2_135m", f"model.lora_rank={RANK}", "model.lora_alpha=16", "env=arithmetic", "eval=none",
         f"schedule.num_steps={steps}", f"schedule.groups_per_batch={N_PROMPTS}", f"schedule.group_size={N_SAMPLES}",
         f"schedule.updates_per_batch={UPDATES}", "schedule.save_every=0", f"sampling.max_tokens={NEW_TOKENS}",
-        "loss=grpo", f"schedule.drop_constant_groups={str(drop_constant_groups).lower()}"])
+        "loss=grpo", f"schedule.drop_constant_groups={str(drop_constant_groups).lower()}",
+        f"backend.sampler_dtype={precision}", f"backend.train_dtype={precision}"])
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         sc = build_service_client(cfg, Path(d))
+        dtypes = (str(sc.sampler_dtype).removeprefix("torch."), str(sc.train_dtype).removeprefix("torch."))
         _, _, task = build_components(cfg)
         loss, custom = make_loss(cfg, sc)
         loop = RLLoop(cfg, Path(d), sc, _NoStopTask(task), loss, custom, resolved_config_dict(cfg), progress=False)
@@ -105,10 +112,11 @@ def ours(steps: int, drop_constant_groups: bool = False) -> dict:
             "all_s": [per_step[s][-1]["time/step"] for s in timed],
             "trained": last[0]["env/rollouts_trained"],
             "setup_s": setup, "tokens": last[0]["tokens/sampled"], "loss_path": last[0]["loss/path"],
+            "dtypes": dtypes,
             "prompts": prompts}
 
 
-def trl(prompts: list[str], steps: int, num_iterations: int) -> dict:
+def trl(prompts: list[str], steps: int, num_iterations: int, bf16: bool) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -120,7 +128,7 @@ def trl(prompts: list[str], steps: int, num_iterations: int) -> dict:
     path = model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
     ds = Dataset.from_dict({"prompt": prompts * 4})
 
     def reward(completions: list[str], **_: Any) -> list[float]:
@@ -135,7 +143,7 @@ def trl(prompts: list[str], steps: int, num_iterations: int) -> dict:
     per_gen = UPDATES if num_iterations == 1 else 1
     with tempfile.TemporaryDirectory() as d:
         args = GRPOConfig(
-            output_dir=d, use_cpu=True, bf16=False, report_to=[], logging_steps=1000, save_strategy="no",
+            output_dir=d, use_cpu=True, bf16=bf16, report_to=[], logging_steps=1000, save_strategy="no",
             num_generations=N_SAMPLES,
             per_device_train_batch_size=(N_PROMPTS * N_SAMPLES) // per_gen, steps_per_generation=per_gen,
             num_iterations=num_iterations, max_completion_length=NEW_TOKENS, learning_rate=2e-4, beta=0.0,
@@ -159,18 +167,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--trl-num-iterations-2", action="store_true")
+    ap.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="both sides (auto: the engine's choice on this CPU)")
     ap.add_argument("--with-drop", action="store_true",
                     help="also time pairedrl with schedule.drop_constant_groups=true (less work than TRL)")
     a = ap.parse_args()
     import torch
 
     print(f"torch threads: {torch.get_num_threads()}, load: {os.getloadavg()[0]:.2f}")
-    r = ours(a.steps)
+    r = ours(a.steps, a.precision)
+    bf16 = r["dtypes"] == ("bfloat16", "bfloat16")
+    if not bf16 and "bfloat16" in r["dtypes"]:
+        raise SystemExit(f"mixed engine precision {r['dtypes']}: pass --precision float32 or bfloat16")
+    print(f"precision on both sides: {'bf16' if bf16 else 'fp32'} (engine sampler/train: {r['dtypes']})")
     print(f"pairedrl local engine, all 32 rollouts trained (same work as TRL): step {r['step_s']:.1f} s "
           f"(sample {r['sample_s']:.1f} s, train {r['train_s']:.1f} s, {r['tokens']} sampled tokens, loss path "
           f"{r['loss_path']}; setup {r['setup_s']:.1f} s; timed steps {', '.join(f'{x:.1f}' for x in r['all_s'])})")
     if a.with_drop:
-        d = ours(a.steps, drop_constant_groups=True)
+        d = ours(a.steps, a.precision, drop_constant_groups=True)
         print(f"pairedrl, schedule.drop_constant_groups=true (zero-advantage groups skipped, {d['trained']} of 32 "
               f"trained): step {d['step_s']:.1f} s (sample {d['sample_s']:.1f} s, train {d['train_s']:.1f} s)")
     if a.skip_trl:
@@ -178,12 +192,12 @@ def main() -> None:
     from trainer.backends.local.common import COMPUTE
 
     # TRL runs on the engine's compute thread as well: a second thread's OpenMP pool would slow it down
-    t = COMPUTE.run(lambda: trl(r["prompts"], a.steps, 1))
+    t = COMPUTE.run(lambda: trl(r["prompts"], a.steps, 1, bf16))
     print(f"TRL GRPOTrainer (1 generation -> 2 half-batch optimizer steps, same work): step {t['step_s']:.1f} s "
           f"(all steps {', '.join(f'{x:.1f}' for x in t['steps'])})")
     print(f"ratio pairedrl / TRL = {r['step_s'] / t['step_s']:.3f}  (target <= 0.25)")
     if a.trl_num_iterations_2:
-        t2 = COMPUTE.run(lambda: trl(r["prompts"], a.steps, 2))
+        t2 = COMPUTE.run(lambda: trl(r["prompts"], a.steps, 2, bf16))
         print(f"TRL GRPOTrainer num_iterations=2 (whole batch twice): step {t2['step_s']:.1f} s; "
               f"ratio {r['step_s'] / t2['step_s']:.3f}")
 
