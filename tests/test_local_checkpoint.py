@@ -141,7 +141,8 @@ def test_checkpoint_files_and_folders_reach_the_disk_before_the_rename(tmp_path,
         assert f in names, f
     assert renamed == [str(folder)]
     tmp_dir = Path(synced[3])
-    assert tmp_dir.parent == folder.parent and tmp_dir.name.startswith(".step1.")  # the temp folder, pre-rename
+    # the temp folder, before its rename
+    assert tmp_dir.parent == folder.parent and tmp_dir.name.startswith(".step1.")
     assert synced[-1] == str(folder.parent)  # the rename itself made durable
     meta, tensors, opt = ckpt.read(folder, with_optimizer=True)
     assert meta["step"] == 1 and torch.equal(tensors["m"][0], A) and opt == {"state": {}}

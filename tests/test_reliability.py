@@ -322,7 +322,8 @@ def test_resume_redoes_a_periodic_eval_killed_after_its_checkpoint_and_a_foreign
     assert json.loads((ev / "gsm8k_test_step2.summary.json").read_text())["step"] == 2
     assert (ev / "gsm8k_test_step1.summary.json").read_text() == step1  # finished: not redone
     assert json.loads((ev / "gsm8k_test_start.summary.json").read_text())["config_hash"] == cfg_hash
-    assert [(r["step"], r["update"]) for r in read_metrics(run)] == [(s, u) for s in range(3) for u in range(2)]
+    rows = read_metrics(run)
+    assert [(r["step"], r["update"]) for r in rows] == [(s, u) for s in range(3) for u in range(2)]
 
 
 def test_a_failed_final_save_is_recovered_like_a_step(tmp_path):

@@ -44,7 +44,8 @@ def render_markdown(result: dict[str, Any], out_dir: str | Path) -> str:
         "",
         "> " + DECISION_RULE.format(conf=conf),
         "",
-        (f"At n = {result['n_items']} items and alpha = {alpha:g} the half-width is {result['half_width']:.4f}, so "
+        (f"At n = {result['n_items']} items and alpha = {alpha:g} the half-width is "
+         f"{result['half_width']:.4f}, so "
          f"`validated` needs a gap above {_pts(result['half_width'])}. McNemar's exact test and the "
          "paired bootstrap are reported alongside; they do not change the verdict."),
         "",
@@ -64,7 +65,8 @@ def render_markdown(result: dict[str, Any], out_dir: str | Path) -> str:
                 else f"[{_pts(r['bootstrap_low'])}, {_pts(r['bootstrap_high'])}]")
         lines.append(
             f"| {label} | {r['n']} | {r['acc_treatment']:.4f} | {r['acc_baseline']:.4f} | {_pts(r['diff'])} "
-            f"| [{_pts(r['ci_low'])}, {_pts(r['ci_high'])}] | {r['verdict']} | {r['b_items']} | {r['c_items']} "
+            f"| [{_pts(r['ci_low'])}, {_pts(r['ci_high'])}] | {r['verdict']} "
+            f"| {r['b_items']} | {r['c_items']} "
             f"| {_p(r['mcnemar_p'])} | {boot} |")
     lines += [
         "",
