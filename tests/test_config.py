@@ -49,6 +49,20 @@ def test_experiment_arms_differ_only_in_loss_group():
     assert b["loss"]["mode"] == "binary_tv" and b["loss"]["delta"] == 0.15
 
 
+def test_cfg_job_printer_expands_the_experiments_own_sweep_axes(capsys):
+    """`--multirun +experiment=dppo_vs_grpo --cfg job` shows both arms (the experiment's
+    hydra.sweeper.params), and a command-line axis wins over the experiment's."""
+    from trainer.config.compose import CONF_DIR, print_sweep_configs
+
+    print_sweep_configs(CONF_DIR, ["--multirun", "+experiment=dppo_vs_grpo", "--cfg", "job"])
+    heads = [x for x in capsys.readouterr().out.splitlines() if x.startswith("# ---- job")]
+    assert heads == ["# ---- job 0: +experiment=dppo_vs_grpo loss=grpo",
+                     "# ---- job 1: +experiment=dppo_vs_grpo loss=dppo"]
+    print_sweep_configs(CONF_DIR, ["--multirun", "+experiment=dppo_vs_grpo", "loss=dppo", "--cfg", "job"])
+    heads = [x for x in capsys.readouterr().out.splitlines() if x.startswith("# ---- job")]
+    assert heads == ["# ---- job 0: +experiment=dppo_vs_grpo loss=dppo"]
+
+
 def test_sweep_expansion():
     assert sweep_jobs(["loss=grpo,dppo", "seed=0"]) == [["loss=grpo", "seed=0"], ["loss=dppo", "seed=0"]]
 

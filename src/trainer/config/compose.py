@@ -47,6 +47,12 @@ def print_sweep_configs(conf_dir: Path, argv: list[str]) -> int:
                 del args[i: i + 2]
             else:
                 del args[i]
+    # sweep axes an experiment sets in `hydra.sweeper.params` (e.g. loss: grpo,dppo) expand like the
+    # command line's; a key given on the command line wins, as in Hydra's BasicSweeper
+    first = sweep_jobs(args)[0]
+    params = compose_config(first, conf_dir, return_hydra_config=True).hydra.sweeper.get("params") or {}
+    given = {a.split("=", 1)[0].lstrip("+~") for a in args if "=" in a}
+    args = args + [f"{k}={v}" for k, v in params.items() if k not in given]
     for num, job in enumerate(sweep_jobs(args)):
         cfg = compose_config(job, conf_dir, return_hydra_config=(which != "job"))
         print(f"# ---- job {num}: {' '.join(job)}")
