@@ -363,3 +363,20 @@ def test_a_failed_final_save_is_recovered_like_a_step(tmp_path):
     out = loop.run()
     assert out["steps"] == 3 and out["checkpoint"] == "tinker://local/x" and out["recoveries"] == 1
     assert calls == {"start": 2, "steps": 6, "final_saves": 2}
+
+
+def test_drop_constant_groups_keeps_mixed_rollouts_first_when_topping_up():
+    from trainer.datums import Rollout
+    from trainer.loop import select_for_training
+
+    def ro(group: int, i: int) -> Rollout:
+        return Rollout(group=group, prompt_tokens=[1], tokens=[2, 3], logprobs=[-1.0, -1.0], reward=float(i),
+                       metrics={}, stop_reason="stop")
+
+    rollouts = [ro(g, i) for g in range(3) for i in range(2)]  # group_size 2; only group 2 is mixed
+    mixed_G = [False, False, True]
+    assert select_for_training(rollouts, mixed_G, False, 4) == rollouts
+    assert select_for_training(rollouts, mixed_G, True, 2) == rollouts[4:]
+    # 4 updates need 4 rollouts: both mixed ones, then the first constant ones (not the constant ones only)
+    assert select_for_training(rollouts, mixed_G, True, 4) == rollouts[4:] + rollouts[:2]
+    assert select_for_training(rollouts, [False] * 3, True, 2) == rollouts[:2]

@@ -202,13 +202,11 @@ class RLLoop:
                 rollouts.append(r)
         step_metrics = _rollout_metrics(rollouts, len(groups), sum(mixed_G))
         step_metrics["time/sample"] = t_sample
-        if s.drop_constant_groups:
-            kept = [r for r in rollouts if mixed_G[r.group]]
-            # keep at least one rollout per update so every batch still takes its optimizer steps
-            rollouts_train = kept if len(kept) >= s.updates_per_batch else rollouts[: s.updates_per_batch]
-        else:
-            rollouts_train = rollouts
+        rollouts_train = select_for_training(rollouts, mixed_G, s.drop_constant_groups, s.updates_per_batch)
         step_metrics["env/rollouts_trained"] = len(rollouts_train)
+        # datum positions actually sent to training (the dropped groups' rollouts are not)
+        step_metrics["tokens/trained"] = int(sum(len(r.prompt_tokens) + len(r.tokens) - 1
+                                                 for r in rollouts_train))
         datums = [rollout_to_datum(r) for r in rollouts_train]
         minibatches = split_minibatches(datums, s.updates_per_batch)
 
@@ -291,6 +289,19 @@ class RLLoop:
         state.last_checkpoint = info
 
 
+def select_for_training(rollouts: list[Rollout], mixed_G: list[bool], drop_constant_groups: bool,
+                        updates: int) -> list[Rollout]:
+    """The rollouts a step trains on: all of them, or with `drop_constant_groups` those of groups with
+    mixed rewards (the others have advantage 0 under group-mean baselines). At least `updates` are kept so
+    every batch still takes its optimizer steps: the mixed-group rollouts first, topped up with others."""
+    if not drop_constant_groups:
+        return rollouts
+    kept = [r for r in rollouts if mixed_G[r.group]]
+    if len(kept) >= updates:
+        return kept
+    return (kept + [r for r in rollouts if not mixed_G[r.group]])[:updates]
+
+
 class _ClientFailure(RuntimeError):
     pass
 
@@ -329,7 +340,6 @@ def _rollout_metrics(rollouts: list[Rollout], n_groups: int, mixed: int) -> dict
         "env/completion_len_mean": float(lengths.mean()),
         "env/frac_truncated": float(np.mean([r.stop_reason == "length" for r in rollouts])),
         "tokens/sampled": int(lengths.sum()),
-        "tokens/trained": int(sum(len(r.prompt_tokens) + len(r.tokens) - 1 for r in rollouts)),
     }
     for key in ("format", "correct"):
         vals = [r.metrics[key] for r in rollouts if key in r.metrics]

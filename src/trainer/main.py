@@ -258,8 +258,11 @@ def run_start_eval(cfg: DictConfig, service_client: Any, etask: Any, run_dir: Pa
         if made_under == cfg_hash:
             return out
         log.warning("%s was not made under this run's config; redoing the initial-weights eval", out)
-    summary = _greedy_eval(cfg, etask, service_client.create_sampling_client(base_model=cfg.model.base_model),
-                           retry, out, {"step": 0, "config_hash": cfg_hash}, False)
+    # tinker 0.38 returns a future of the client (`BackcompatSamplingClientFuture`); using it as the client
+    # is deprecated, so take its result, inside the retry so a failed creation is really retried
+    sampler = retry.call("create_sampling_client", lambda: service_client.create_sampling_client(
+        base_model=cfg.model.base_model).result())
+    summary = _greedy_eval(cfg, etask, sampler, retry, out, {"step": 0, "config_hash": cfg_hash}, False)
     log.info("eval %s of the initial weights: accuracy %.4f [%.4f, %.4f] on %d items", cfg.eval.name,
              summary["accuracy"], summary["wilson_low"], summary["wilson_high"], summary["n"])
     print(f"initial-weights eval: accuracy {summary['accuracy']:.4f} on {summary['n']} items "

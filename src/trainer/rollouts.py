@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from typing import Any, Sequence
 
 import tinker
@@ -11,6 +12,10 @@ from tinker_cookbook.rl.problem_env import ProblemEnv
 
 from trainer.datums import Rollout
 from trainer.retry import RetryPolicy
+
+log = logging.getLogger(__name__)
+# problems whose completion budget was cut by model.max_seq_len (warned once each per process)
+_warned_budget: set = set()
 
 
 def request_seed(seed: int, step: int, group: int, salt: str = "rollout") -> int:
@@ -30,6 +35,11 @@ async def _group_rollout(task: Any, problem: Any, group: int, group_size: int, s
     if budget < 1:
         raise ValueError(f"prompt of problem {problem.index} has {len(prompt_tokens)} tokens, "
                          f"no room under model.max_seq_len={max_seq_len}")
+    if budget < params.max_tokens and problem.index not in _warned_budget:
+        _warned_budget.add(problem.index)
+        log.warning("problem %s: prompt has %d tokens, so completions get %d of sampling.max_tokens=%d "
+                    "(model.max_seq_len=%d)", problem.index, len(prompt_tokens), budget, params.max_tokens,
+                    max_seq_len)
     params = params.model_copy(update={"stop": stop, "max_tokens": min(params.max_tokens, budget)})
     async with sem:
         resp = await retry.acall("sample", lambda: _await(sampling_client.sample(

@@ -461,7 +461,7 @@ class Config:
     experiment: str = "default"
     # arm name shown in logs and wandb (null = <loss>_seed<seed>)
     run_name: Optional[str] = None
-    # seed of LoRA init, data order and sampling
+    # seed of LoRA init and sampling (the data order comes from env.seed: the same for every seed)
     seed: int = 0
     # advantage estimator: group_mean (cookbook) | group_zscore | none
     advantage: str = "group_mean"
