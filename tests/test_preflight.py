@@ -43,6 +43,9 @@ def test_restoration_gate_passes_and_fails(tmp_path):
     checks = {c["name"]: c for c in rep["checks"]}
     assert checks["fresh-client logprobs max |diff|"]["value"] <= 1e-6
     assert checks["logprobs after one identical step max |diff|"]["status"] == "pass"
+    assert checks["arm configs differ only in loss"]["value"] == ["loss"]
+    assert checks["arm configs differ only in loss"]["status"] == "pass"
+    assert set(rep["meta"]["losses"]) == {"grpo", "dppo"} and rep["meta"]["losses"]["dppo"]["delta"] == 0.15
     # what the client cannot report is unverified, never passed
     assert any(c["status"] == "unverified" for c in rep["checks"])
     p, rep = preflight("restoration", ["preflight.planned_models=[Qwen/Qwen3.5-2B]"], tmp_path)
@@ -91,3 +94,43 @@ def test_sweep_refuses_without_passed_gates(tmp_path):
     assert p.returncode != 0
     assert "preflight gates have not all passed" in p.stderr and "correctness: not run" in p.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_arm_config_diff_catches_a_loss_option_that_leaks_into_another_group(tmp_path):
+    import shutil
+
+    from trainer.preflight.gates import arm_config_diff
+
+    assert arm_config_diff(LOCAL) == ["loss"]
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf)
+    dppo = conf / "loss" / "dppo.yaml"
+    body = dppo.read_text().replace("defaults:\n  - dppo_schema\n  - _self_\n", "")
+    dppo.write_text("# @package _global_\ndefaults:\n  - /loss/dppo_schema@loss\n  - _self_\n\nloss:\n"
+                    + "".join(f"  {line}\n" for line in body.splitlines())
+                    + "model:\n  train_unembed: true\n")
+    assert arm_config_diff(LOCAL, conf) == ["loss", "model"]
+
+
+def test_require_passed_refuses_records_of_another_loss_or_preflight_setting(tmp_path):
+    from omegaconf import OmegaConf
+
+    from trainer.config.compose import compose_config
+    from trainer.preflight.gates import GATES, _meta, require_passed
+
+    def cfg_of(*extra):
+        return compose_config([*LOCAL, f"preflight.dir={tmp_path}", *extra])
+
+    ran = cfg_of()  # the preflight's config (loss group: the default, grpo)
+    (tmp_path / "preflight").mkdir()
+    for gate in GATES:
+        meta = _meta(ran) if gate != "correctness" else {}
+        (tmp_path / "preflight" / f"{gate}.json").write_text(json.dumps({"passed": True, "meta": meta}))
+    require_passed(cfg_of("loss=dppo"))  # both arms of the sweep match what the gates ran
+    require_passed(cfg_of("loss=grpo"))
+    with pytest.raises(RuntimeError, match=r"another dppo loss config \(differs in loss\.delta"):
+        require_passed(cfg_of("loss=dppo", "loss.delta=0.3"))
+    with pytest.raises(RuntimeError, match="plan hash"):
+        require_passed(cfg_of("loss=dppo", "preflight.pilot_steps=1"))
+    assert OmegaConf.to_container(cfg_of("preflight.skip=true").preflight)["skip"] is True
+    require_passed(cfg_of("loss=dppo", "preflight.skip=true"))  # skip / dir are not part of the plan

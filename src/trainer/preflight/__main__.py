@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
         if g == "correctness":
             report = correctness.run(None)
         elif g == "restoration":
-            report = restoration(cfg, out)
+            report = restoration(cfg, out, overrides)
         else:
             if pilot is None:
                 pilot = run_pilot(cfg, out)

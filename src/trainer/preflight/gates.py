@@ -19,8 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 from trainer.preflight.common import Check, GateReport
 
 GATES = ("correctness", "restoration", "activation", "feasibility")
-# Keys that do not change what the gates measured (the loss is the swept switch).
-_PLAN_IGNORED = ("loss", "preflight", "logger", "retry", "resume", "checkpoint", "run_name")
+# Keys that do not change what the gates measured. The loss is the swept switch: it is left out of the
+# plan hash, and each gate records the loss config of both arms instead (`arm_losses`), which a sweep
+# job's own loss must equal. preflight.skip/dir only say whether and where to look.
+_PLAN_IGNORED = ("loss", "logger", "retry", "resume", "checkpoint", "run_name", "preflight.skip", "preflight.dir")
+ARMS = ("grpo", "dppo")
 
 
 def preflight_dir(cfg: DictConfig) -> Path:
@@ -33,8 +36,21 @@ def plan_hash(cfg: DictConfig) -> str:
     d = OmegaConf.to_container(cfg, resolve=True)
     d.pop("hydra", None)
     for k in _PLAN_IGNORED:
-        d.pop(k, None)
+        head, _, tail = k.partition(".")
+        if tail:
+            d.get(head, {}).pop(tail, None)
+        else:
+            d.pop(k, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def arm_losses(cfg: DictConfig) -> dict[str, dict]:
+    """The resolved loss config of each arm as the gates ran them (recorded in every gate's meta)."""
+    return {name: OmegaConf.to_container(_arm_cfg(cfg, name).loss, resolve=True) for name in ARMS}
+
+
+def _meta(cfg: DictConfig, **extra: Any) -> dict[str, Any]:
+    return {"plan_hash": plan_hash(cfg), "losses": arm_losses(cfg), **extra}
 
 
 def planned_models(cfg: DictConfig) -> list[str]:
@@ -90,8 +106,22 @@ def _new_client(sc: Any, cfg: DictConfig, seed: int) -> Any:
                                           train_unembed=m.train_unembed).result()
 
 
-def restoration(cfg: DictConfig, out_dir: Path) -> GateReport:
-    """Both arms' fresh clients start identical; each reports the planned model and optimizer."""
+def arm_config_diff(overrides: list[str], conf_dir: Path | None = None) -> list[str]:
+    """Top-level config keys in which the arms differ when each is composed on its own from the
+    preflight's overrides (loss-group overrides left out) plus `loss=<arm>`: `["loss"]` unless a loss
+    option leaks into another group."""
+    from trainer.config.compose import compose_config
+
+    base = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] != "loss"]
+    arms = {name: OmegaConf.to_container(compose_config(base + [f"loss={name}"], conf_dir), resolve=True)
+            for name in ARMS}
+    a, b = arms[ARMS[0]], arms[ARMS[1]]
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = None) -> GateReport:
+    """Both arms' fresh clients start identical; each reports the planned model and optimizer.
+    `overrides`: the command line the preflight was composed from (each arm is composed from it)."""
     from trainer.backends import build_service_client
     from trainer.main import build_components
 
@@ -99,10 +129,14 @@ def restoration(cfg: DictConfig, out_dir: Path) -> GateReport:
     sc = build_service_client(cfg, out_dir / "engine")
     _, _, task = build_components(cfg)
     data = _fixed_batch(cfg, task)
-    arms = {name: _arm_cfg(cfg, name) for name in ("grpo", "dppo")}
-    diff_keys = sorted(k for k in arms["grpo"] if arms["grpo"][k] != arms["dppo"][k])
-    report.checks.append(Check("arm configs differ only in loss", diff_keys, ["loss"],
-                               _status(diff_keys == ["loss"])))
+    arms = {name: _arm_cfg(cfg, name) for name in ARMS}
+    if overrides is None:
+        report.checks.append(Check("arm configs differ only in loss", None, ["loss"], "unverified",
+                                   "the preflight's overrides were not given"))
+    else:
+        diff_keys = arm_config_diff(overrides)
+        report.checks.append(Check("arm configs differ only in loss", diff_keys, ["loss"],
+                                   _status(diff_keys == ["loss"]), "each arm composed on its own"))
     clients = {name: _new_client(sc, a, a.seed) for name, a in arms.items()}
     lp = {name: _logprobs(tc, data) for name, tc in clients.items()}
     d0 = float(np.max(np.abs(lp["grpo"] - lp["dppo"])))
@@ -142,7 +176,7 @@ def restoration(cfg: DictConfig, out_dir: Path) -> GateReport:
         report.checks.append(Check(f"{name}: Adam lr/betas/eps on the server",
                                    None, {"lr": o.lr, "beta1": o.beta1, "beta2": o.beta2, "eps": o.eps},
                                    "unverified", "not introspectable through the client API; sent per step"))
-    report.meta = {"plan_hash": plan_hash(cfg), "tokens": int(lp["grpo"].size)}
+    report.meta = _meta(cfg, tokens=int(lp["grpo"].size))
     return report
 
 
@@ -220,7 +254,7 @@ def activation(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None =
         Check("served model", result.get("served_model"), planned_models(cfg),
               _status(result.get("served_model") in planned_models(cfg))),
     ]
-    report.meta = {"plan_hash": plan_hash(cfg), "pilot_dir": str(run_dir), "steps": len(steps)}
+    report.meta = _meta(cfg, pilot_dir=str(run_dir), steps=len(steps))
     return report
 
 
@@ -262,8 +296,8 @@ def feasibility(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None 
         Check("projected wall time, both arms serial + eval (min)", round(total_min, 1), f"<= {budget}",
               _status(total_min <= budget)),
     ]
-    report.meta = {"plan_hash": plan_hash(cfg), "pilot_dir": str(run_dir), "pilot_steps": len(st),
-                   "mean_completion_tokens": per_rollout_sampled}
+    report.meta = _meta(cfg, pilot_dir=str(run_dir), pilot_steps=len(st),
+                        mean_completion_tokens=per_rollout_sampled)
     return report
 
 
@@ -277,6 +311,7 @@ def require_passed(cfg: DictConfig) -> None:
     """Raise unless every gate's json in the preflight folder passed for this plan."""
     d = preflight_dir(cfg) / "preflight"
     h = plan_hash(cfg)
+    loss = OmegaConf.to_container(cfg.loss, resolve=True)
     problems = []
     for gate in GATES:
         p = d / f"{gate}.json"
@@ -289,6 +324,11 @@ def require_passed(cfg: DictConfig) -> None:
         elif gate != "correctness" and rep.get("meta", {}).get("plan_hash") != h:
             problems.append(f"{gate}: passed for a different config (plan hash {rep.get('meta', {}).get('plan_hash')}"
                             f" != {h}); rerun it")
+        elif gate != "correctness" and (rep["meta"].get("losses") or {}).get(cfg.loss.name) != loss:
+            ran = (rep["meta"].get("losses") or {}).get(cfg.loss.name) or {}
+            keys = sorted(k for k in set(ran) | set(loss) if ran.get(k) != loss.get(k)) or ["(not recorded)"]
+            problems.append(f"{gate}: passed with another {cfg.loss.name} loss config (differs in "
+                            f"{', '.join('loss.' + k for k in keys)}); rerun it with this one")
     if problems:
         raise RuntimeError("preflight gates have not all passed for this config:\n  " + "\n  ".join(problems)
                            + f"\nRun: python -m trainer.preflight all +experiment={cfg.experiment} ..."
