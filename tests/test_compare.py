@@ -281,6 +281,24 @@ def test_mismatched_item_sets_refused(tmp_path, capsys, problem):
     assert (base / "compare.json").read_bytes() == old
 
 
+def test_a_loss_setting_both_arms_have_must_match_between_arms(tmp_path):
+    """Only the loss function may differ: the token aggregation (a key of both loss configs) may not."""
+    rng = np.random.default_rng(5)
+    t, b = _arms(rng, 0.6, 0.5)
+    dppo = make_run(tmp_path / "d", "dppo", 0, t, overrides=("loss.aggregation=token_mean",))
+    grpo = make_run(tmp_path / "g", "grpo", 0, b)
+    with pytest.raises(CompareError, match=r"loss\.aggregation: 'token_mean' \(dppo_seed0\) vs 'sum' "
+                                           r"\(grpo_seed0\): a setting both losses have differs"):
+        compare([dppo, grpo], make_plots=False, out=tmp_path / "out")
+    for run, path in ((dppo, "two_pass"), (grpo, "one_pass")):  # the non-sum aggregation runs two-pass
+        rows = (run / "metrics.jsonl").read_text().splitlines()
+        rows[0] = json.dumps({**json.loads(rows[0]), "loss/path": path})
+        (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    out = compare([dppo, grpo], make_plots=False, out=tmp_path / "out", allow_config_diff=True)
+    assert any(d.startswith("loss.aggregation") for d in out["config_diff"])
+    assert any("different paths" in n and "'dppo_seed0': 'two_pass'" in n for n in out["notes"])
+
+
 def test_sweep_structure_errors(tmp_path):
     sweep, _ = make_sweep(tmp_path, seeds=(0, 1))
     # the dppo arm's loss must not change between seeds

@@ -28,7 +28,8 @@ from trainer.utils.io import atomic_write_json, atomic_write_text
 
 # Config keys (dotted prefixes) that may differ between the runs of one paired experiment:
 IGNORED_CONFIG_KEYS: tuple[str, ...] = (
-    "loss",               # the arm switch itself; each arm's loss group is checked across its seeds
+    "loss",               # the arm switch itself; each arm's loss group is checked across its seeds, and
+                          # the keys both losses have (aggregation) across the arms
     "seed",               # pairs are matched by seed; different seeds are the replication
     "run_name",           # the arm label (derived from loss and seed)
     "resume",             # resuming continues the same computation
@@ -183,6 +184,14 @@ def check_configs(runs: list[Run], roles: dict[str, str]) -> list[str]:
             for key, va, vb in config_differences(same[0].config["loss"], r.config["loss"], ignore=()):
                 found.append(f"loss.{key}: {va!r} ({same[0].arm}) vs {vb!r} ({r.arm}): the {role} arm's "
                              "loss differs between seeds")
+    # keys both loss configs have, other than the loss's identity, are settings the arms must share (the
+    # token aggregation also decides the one-pass vs two-pass path): only the loss function may differ
+    t = next(r for r in runs if roles[r.loss] == "treatment")
+    b = next(r for r in runs if roles[r.loss] == "baseline")
+    for key in sorted((set(t.config["loss"]) & set(b.config["loss"])) - {"name", "_target_"}):
+        if t.config["loss"][key] != b.config["loss"][key]:
+            found.append(f"loss.{key}: {t.config['loss'][key]!r} ({t.arm}) vs {b.config['loss'][key]!r} "
+                         f"({b.arm}): a setting both losses have differs between the arms")
     return found
 
 
@@ -336,7 +345,20 @@ def _run_notes(runs: list[Run]) -> list[str]:
     dirty = [r.arm for r in runs if (r.info.get("git") or {}).get("dirty")]
     if dirty:
         notes.append(f"run(s) {dirty} were made from a working tree with uncommitted changes")
+    paths = {r.arm: _loss_path(r.path / "metrics.jsonl") for r in runs}
+    if len(set(paths.values())) > 1:
+        notes.append("the arms computed their loss on different paths (same gradients, different speed and "
+                     f"metric rounding): {paths}")
     return notes
+
+
+def _loss_path(metrics: Path) -> str | None:
+    """`loss/path` (one_pass / two_pass) of a run's first metrics row, None if not recorded."""
+    try:
+        with metrics.open() as f:
+            return json.loads(f.readline()).get("loss/path")
+    except (OSError, ValueError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
