@@ -134,3 +134,17 @@ def test_require_passed_refuses_records_of_another_loss_or_preflight_setting(tmp
         require_passed(cfg_of("loss=dppo", "preflight.pilot_steps=1"))
     assert OmegaConf.to_container(cfg_of("preflight.skip=true").preflight)["skip"] is True
     require_passed(cfg_of("loss=dppo", "preflight.skip=true"))  # skip / dir are not part of the plan
+    require_passed(cfg_of("loss=dppo", "seed=2"))  # one preflight serves a replicate-seed sweep
+
+
+def test_served_model_must_be_the_configured_one_not_just_a_planned_stand_in():
+    from trainer.config.compose import compose_config
+    from trainer.preflight.gates import served_ok
+
+    flagship = compose_config(["+experiment=dppo_vs_grpo"])
+    assert served_ok("Qwen/Qwen3.5-2B", flagship)
+    # SmolLM2 is in the flagship's planned_models (offline rehearsal) but is not what it asks for
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in flagship.preflight.planned_models
+    assert not served_ok("HuggingFaceTB/SmolLM2-135M-Instruct", flagship)
+    assert served_ok("HuggingFaceTB/SmolLM2-135M-Instruct",
+                     compose_config(["+experiment=dppo_vs_grpo", "backend=local", "model=smollm2_135m"]))

@@ -22,7 +22,9 @@ GATES = ("correctness", "restoration", "activation", "feasibility")
 # Keys that do not change what the gates measured. The loss is the swept switch: it is left out of the
 # plan hash, and each gate records the loss config of both arms instead (`arm_losses`), which a sweep
 # job's own loss must equal. preflight.skip/dir only say whether and where to look.
-_PLAN_IGNORED = ("loss", "logger", "retry", "resume", "checkpoint", "run_name", "preflight.skip", "preflight.dir")
+# A replicate seed changes only the LoRA init and the sampling draws, so one preflight serves a seed sweep.
+_PLAN_IGNORED = ("loss", "seed", "logger", "retry", "resume", "checkpoint", "run_name", "preflight.skip",
+                 "preflight.dir")
 ARMS = ("grpo", "dppo")
 
 
@@ -56,6 +58,12 @@ def _meta(cfg: DictConfig, **extra: Any) -> dict[str, Any]:
 def planned_models(cfg: DictConfig) -> list[str]:
     pm = cfg.preflight.get("planned_models")
     return list(pm) if pm else [cfg.model.base_model]
+
+
+def served_ok(served: Any, cfg: DictConfig) -> bool:
+    """The service serves the model this config asks for, and the plan allows it (a stand-in listed in
+    planned_models for offline rehearsal passes only when the config itself runs that stand-in)."""
+    return served == cfg.model.base_model and served in planned_models(cfg)
 
 
 def _status(ok: bool) -> str:
@@ -162,8 +170,8 @@ def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = No
     for name, tc in clients.items():
         info = tc.get_info()
         served = getattr(info, "model_name", None) or getattr(getattr(info, "model_data", None), "model_name", None)
-        report.checks.append(Check(f"{name}: served model", served, planned_models(cfg),
-                                   _status(served in planned_models(cfg))))
+        report.checks.append(Check(f"{name}: served model", served, cfg.model.base_model,
+                                   _status(served_ok(served, cfg))))
         rank = getattr(info, "lora_rank", None)
         report.checks.append(Check(f"{name}: LoRA rank", rank, cfg.model.lora_rank,
                                    _status(rank == cfg.model.lora_rank) if rank is not None else "unverified"))
@@ -251,8 +259,8 @@ def activation(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None =
               _status(clip is not None and clip >= 0.0005)),
         Check("executed optim steps per batch", per_step, "== 2 for every step",
               _status(bool(per_step) and all(n == 2 for n in per_step))),
-        Check("served model", result.get("served_model"), planned_models(cfg),
-              _status(result.get("served_model") in planned_models(cfg))),
+        Check("served model", result.get("served_model"), cfg.model.base_model,
+              _status(served_ok(result.get("served_model"), cfg))),
     ]
     report.meta = _meta(cfg, pilot_dir=str(run_dir), steps=len(steps))
     return report
@@ -270,6 +278,8 @@ def feasibility(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None 
     trained = sum(r["tokens/trained"] for r in st)
     t_sample = sum(r["time/sample"] for r in st)
     t_train = sum(r["time/train"] for r in st)
+    # the rest of a step (the sampler weight save, datum building, logging), per step
+    t_other = sum(max(0.0, r["time/step"] - r["time/sample"] - r["time/train"]) for r in st) / max(1, len(st))
     s = cfg.schedule
     rollouts_full = s.groups_per_batch * s.group_size
     rollouts_pilot = max(1, len(st) * rollouts_full)  # the pilot keeps the plan's batch shape
@@ -281,7 +291,8 @@ def feasibility(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None 
     full_trained = s.num_steps * rollouts_full * per_rollout_trained
     n_eval = cfg.eval.n_examples or _n_test(cfg)
     eval_s = result.get("time/eval_per_item", 0.0) * n_eval * 2  # two arms
-    per_arm = result["time/setup"] + full_sampled * sample_s_per_tok + full_trained * train_s_per_tok
+    per_arm = (result["time/setup"] + full_sampled * sample_s_per_tok + full_trained * train_s_per_tok
+               + s.num_steps * t_other)
     # the arms run one after the other unless a parallel launcher is used; project the serial case
     total_min = (2 * per_arm + eval_s) / 60
     budget = float(cfg.preflight.budget_minutes)
@@ -291,6 +302,7 @@ def feasibility(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None 
         Check("sampling time per sampled token (ms)", round(1e3 * sample_s_per_tok, 4), "measured", "pass"),
         Check("training time per trained token (ms)", round(1e3 * train_s_per_tok, 4), "measured", "pass"),
         Check("eval time per item (s)", round(result.get("time/eval_per_item", 0.0), 3), "measured", "pass"),
+        Check("other time per step (s)", round(t_other, 3), "measured", "pass"),
         Check("projected sampled tokens (both arms)", int(2 * full_sampled), "info", "pass"),
         Check("projected trained tokens (both arms)", int(2 * full_trained), "info", "pass"),
         Check("projected wall time, both arms serial + eval (min)", round(total_min, 1), f"<= {budget}",
