@@ -394,6 +394,22 @@ def test_custom_loss_fn_errors_name_the_datum_and_key():
         fn([], [])
 
 
+def test_a_failing_loss_is_reported_as_a_loss_error_not_a_backend_failure():
+    """A RuntimeError inside the loss code would look like a poisoned client to the trainer (which then
+    recovers from checkpoints and fails again); it surfaces as LossFunctionError (a ValueError) instead."""
+    from trainer.backends.errors import is_retryable
+    from trainer.losses.adapter import LossFunctionError
+
+    class Broken(GRPOLoss):
+        def __call__(self, *a, **k):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    data, current = make_datums()
+    with pytest.raises(LossFunctionError, match="raised RuntimeError: mat1 and mat2") as e:
+        make_custom_loss_fn(Broken())(data, current)
+    assert isinstance(e.value, ValueError) and not is_retryable(e.value)
+
+
 def test_custom_loss_fn_through_tinkers_compute_custom_loss():
     """tinker's own client-side step: the CE weights it sends are -dloss/dlogprobs."""
     data, current = make_datums()

@@ -86,6 +86,12 @@ def test_weight_changing_calls_are_not_resent_after_an_ambiguous_error(what):
     assert loop._train_call(what, fn) == "ok" and len(calls) == 2
     fn, calls = failing_once(_timeout())
     assert loop._train_call("save_state", fn) == "ok" and len(calls) == 2
+    from trainer.losses.adapter import LossFunctionError
+
+    fn, calls = failing_once(LossFunctionError("loss grpo_custom_loss raised RuntimeError: bug"))
+    with pytest.raises(LossFunctionError):  # a bug in the loss: no retry, no checkpoint recovery
+        loop._train_call(what, fn)
+    assert len(calls) == 1
 
 
 @pytest.mark.slow

@@ -52,6 +52,10 @@ def datum_inputs(datum: Any, index: int, length: int) -> tuple[torch.Tensor, tor
     return sampler_T, adv_T, mask_T
 
 
+class LossFunctionError(ValueError):
+    """The client-side loss code raised: a bug or bad inputs, which no retry or recovery can fix."""
+
+
 def make_custom_loss_fn(loss: Callable[..., tuple[torch.Tensor, dict[str, float]]]) -> CustomLossFn:
     """Wrap `loss(logp, sampler_logp, advantages, mask)` as a tinker `CustomLossFnV1`.
 
@@ -80,7 +84,14 @@ def make_custom_loss_fn(loss: Callable[..., tuple[torch.Tensor, dict[str, float]
         sampler_BT = pad_sequence(sampler, batch_first=True, padding_value=0.0)
         adv_BT = pad_sequence(advs, batch_first=True, padding_value=0.0)
         mask_BT = pad_sequence(masks, batch_first=True, padding_value=0.0)
-        return loss(logp_BT, sampler_BT, adv_BT, mask_BT)
+        try:
+            return loss(logp_BT, sampler_BT, adv_BT, mask_BT)
+        except ValueError:
+            raise  # already names the bad input
+        except Exception as e:  # noqa: BLE001 - re-raised with its type named
+            # a failure of the loss code itself (a torch RuntimeError, say) would otherwise look like a
+            # backend failure to the trainer, which recovers from checkpoints and fails the same way again
+            raise LossFunctionError(f"loss {custom_loss_fn.__name__} raised {type(e).__name__}: {e}") from e
 
     custom_loss_fn.__name__ = f"{getattr(loss, 'name', type(loss).__name__)}_custom_loss"
     return custom_loss_fn
