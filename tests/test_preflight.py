@@ -123,8 +123,10 @@ def test_require_passed_refuses_records_of_another_loss_or_preflight_setting(tmp
 
     ran = cfg_of()  # the preflight's config (loss group: the default, grpo)
     (tmp_path / "preflight").mkdir()
+    from trainer.run_info import git_revision
+
     for gate in GATES:
-        meta = _meta(ran) if gate != "correctness" else {}
+        meta = _meta(ran) if gate != "correctness" else {"git": git_revision()}
         (tmp_path / "preflight" / f"{gate}.json").write_text(json.dumps({"passed": True, "meta": meta}))
     require_passed(cfg_of("loss=dppo"))  # both arms of the sweep match what the gates ran
     require_passed(cfg_of("loss=grpo"))
@@ -135,6 +137,10 @@ def test_require_passed_refuses_records_of_another_loss_or_preflight_setting(tmp
     assert OmegaConf.to_container(cfg_of("preflight.skip=true").preflight)["skip"] is True
     require_passed(cfg_of("loss=dppo", "preflight.skip=true"))  # skip / dir are not part of the plan
     require_passed(cfg_of("loss=dppo", "seed=2"))  # one preflight serves a replicate-seed sweep
+    (tmp_path / "preflight" / "correctness.json").write_text(json.dumps(
+        {"passed": True, "meta": {"git": {"rev": "0" * 40, "dirty": False}}}))
+    with pytest.raises(RuntimeError, match="correctness: passed for other code"):
+        require_passed(cfg_of("loss=dppo"))
 
 
 def test_served_model_must_be_the_configured_one_not_just_a_planned_stand_in():

@@ -434,6 +434,8 @@ def run(out_dir: Path | None = None, *, seed: int = 0, quiet: bool = False) -> G
     """Run the gate; print the table (unless quiet) and write `<out_dir>/preflight/correctness.json`."""
     import tinker
 
+    from trainer.run_info import git_revision
+
     fx = build_fixture(seed)
     report = GateReport(
         gate=GATE,
@@ -449,6 +451,8 @@ def run(out_dir: Path | None = None, *, seed: int = 0, quiet: bool = False) -> G
             },
             "torch": torch.__version__,
             "tinker": getattr(tinker, "__version__", "unknown"),
+            # the code the losses were checked at (require_passed compares it with the sweep's)
+            "git": git_revision(),
         },
     )
     if not quiet:

@@ -324,6 +324,9 @@ def require_passed(cfg: DictConfig) -> None:
     d = preflight_dir(cfg) / "preflight"
     h = plan_hash(cfg)
     loss = OmegaConf.to_container(cfg.loss, resolve=True)
+    from trainer.run_info import git_revision
+
+    code = git_revision()
     problems = []
     for gate in GATES:
         p = d / f"{gate}.json"
@@ -333,6 +336,10 @@ def require_passed(cfg: DictConfig) -> None:
         rep = json.loads(p.read_text())
         if not rep.get("passed"):
             problems.append(f"{gate}: FAILED")
+        elif gate == "correctness" and (rep.get("meta") or {}).get("git") != code:
+            was = (rep.get("meta") or {}).get("git") or {}
+            problems.append(f"correctness: passed for other code (git {was.get('rev')}, dirty {was.get('dirty')}; "
+                            f"this is {code.get('rev')}, dirty {code.get('dirty')}); rerun it (seconds)")
         elif gate != "correctness" and rep.get("meta", {}).get("plan_hash") != h:
             problems.append(f"{gate}: passed for a different config (plan hash {rep.get('meta', {}).get('plan_hash')}"
                             f" != {h}); rerun it")
