@@ -53,6 +53,8 @@ def test_smoke_run_end_to_end(tmp_path):
             assert key in r, key
     second = [r for r in rows if r["update"] == 1]
     assert all(r["drift/abs_p_max"] > 0 for r in second)
+    for s in (0, 1):  # step-level timings are one value per step, on every row of it
+        assert len({(r["time/step"], r["time/train"]) for r in rows if r["step"] == s}) == 1
     assert np.mean([r["drift/abs_p_max"] for r in second]) > np.mean(
         [r["drift/abs_p_max"] for r in rows if r["update"] == 0])
     ck = json.loads((run_dir / "checkpoint.json").read_text())

@@ -235,9 +235,10 @@ class RLLoop:
             row["faults/retries"] = self.retry.total
             rows.append(row)
         t_train = time.time() - t0
+        t_step_s = time.time() - t_step  # once, so every row of the step carries the same value
         for row in rows:
             row["time/train"] = t_train
-            row["time/step"] = time.time() - t_step
+            row["time/step"] = t_step_s
             sink.log(row)
         sink.log_rollouts(_rollout_samples(self.task, rollouts, step, cfg.logger.rollouts_per_step))
         state.data_cursor += s.groups_per_batch

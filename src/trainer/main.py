@@ -186,16 +186,21 @@ def run_training(cfg: DictConfig) -> float | None:
                   progress=sys.stderr.isatty() or bool(os.environ.get("PAIREDRL_PROGRESS")))
     if etask is not None and cfg.eval.every:
         loop.on_step_end = lambda step: periodic_eval(cfg, loop, etask, run_dir, step)
-    start_eval = None
-    if etask is not None and cfg.eval.at_start:
-        start_eval = run_start_eval(cfg, service_client, etask, run_dir, loop.retry, loop.cfg_hash)
     setup_s = time.time() - t_setup
+    start_eval, start_eval_s = None, 0.0
+    if etask is not None and cfg.eval.at_start:
+        t0 = time.time()
+        start_eval = run_start_eval(cfg, service_client, etask, run_dir, loop.retry, loop.cfg_hash)
+        start_eval_s = time.time() - t0
     t_train = time.time()
     try:
         result = loop.run()
     except ResumeError as e:
         fail(f"resume: {e}")
+    # setup: config, data, model load; the loop's total includes creating/restoring the training client,
+    # checkpoints and periodic evals
     result["time/setup"] = setup_s
+    result["time/start_eval"] = start_eval_s
     result["time/train_total"] = time.time() - t_train
 
     final_acc = None

@@ -21,6 +21,8 @@ class MetricsSink:
         self.wandb_run = None
         if logger_cfg.name == "wandb":
             self.wandb_run = self._init_wandb(run_dir, logger_cfg, run_name, config_dict, sweep_dir, resume)
+            if resume:
+                self._warn_redo("resumed")
 
     @staticmethod
     def _init_wandb(run_dir: Path, lc: Any, run_name: str, config_dict: dict, sweep_dir: Path | None,
@@ -38,10 +40,19 @@ class MetricsSink:
                           reinit=True)
 
     def reopen(self) -> None:
+        """After the logs were truncated to the last checkpoint (a recovery): append from there."""
         for name in ("jsonl", "rollouts"):
             f = getattr(self, name)
             f.close()
             setattr(self, name, JsonlAppender(f.path))
+        self._warn_redo("recovered from its last checkpoint")
+
+    def _warn_redo(self, what: str) -> None:
+        if self.wandb_run is not None:
+            # wandb refuses steps below its current one and cannot rewind an offline run
+            log.warning("the run %s: updates after its checkpoint are redone; wandb keeps the values first "
+                        "logged for them, metrics.jsonl holds the redone ones (identical on the local engine)",
+                        what)
 
     def log(self, row: dict[str, Any]) -> None:
         self.jsonl.write(row)
