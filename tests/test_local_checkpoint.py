@@ -146,3 +146,18 @@ def test_checkpoint_files_and_folders_reach_the_disk_before_the_rename(tmp_path,
     assert synced[-1] == str(folder.parent)  # the rename itself made durable
     meta, tensors, opt = ckpt.read(folder, with_optimizer=True)
     assert meta["step"] == 1 and torch.equal(tensors["m"][0], A) and opt == {"state": {}}
+
+
+def test_load_state_refuses_a_checkpoint_of_another_lora_alpha(sc, tmp_path):
+    """Same rank and modules but another alpha: the factors would run at another scale (alpha / rank)."""
+    from trainer.backends.local import LocalServiceClient
+
+    other = LocalServiceClient(state_dir=tmp_path, sampler_dtype="float32", train_dtype="float32", lora_alpha=32.0)
+    try:
+        path = other.create_lora_training_client(TINY, rank=4, seed=0).result().save_state("a32").result().path
+        tc = sc.create_lora_training_client(TINY, rank=4, seed=0).result()  # the fixture's alpha is 8
+        with pytest.raises(ValueError, match=r"alpha 32\.0.*alpha 8\.0"):
+            tc.load_state(path).result()
+        assert sc.create_training_client_from_state(path).result().alpha == 32.0  # adopts the checkpoint's
+    finally:
+        other.close()

@@ -385,9 +385,11 @@ class LocalTrainingClient(SelfFuture):
         """Copy a checkpoint's adapter (and optimizer state) into this client (runs on the caller's thread)."""
         meta, tensors, opt = ckpt.read(folder, with_optimizer)
         mine = {m: (A, B) for m, A, B in self._modules}
-        if set(tensors) != set(mine) or meta["rank"] != self.rank:
-            raise ValueError(f"checkpoint {folder} (rank {meta['rank']}, {len(tensors)} modules) does not match this "
-                             f"client (rank {self.rank}, {len(mine)} modules)")
+        if set(tensors) != set(mine) or meta["rank"] != self.rank or float(meta["alpha"]) != self.alpha:
+            # alpha too: the copied factors would otherwise run at another scale (alpha / rank)
+            raise ValueError(f"checkpoint {folder} (rank {meta['rank']}, alpha {meta['alpha']}, {len(tensors)} "
+                             f"modules) does not match this client (rank {self.rank}, alpha {self.alpha}, "
+                             f"{len(mine)} modules)")
         with self._base.lock, torch.no_grad():
             for m, (A, B) in tensors.items():
                 mine[m][0].copy_(A)
