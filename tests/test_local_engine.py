@@ -424,3 +424,27 @@ def test_optim_step_is_adamw_with_decoupled_decay_and_global_norm_clipping(sc):
         for p, r in zip(tc._params, ref):
             assert float((p.detach().double() - r).abs().max()) <= 1e-5 * scale
         assert all(p.grad is None or not p.grad.any() for p in tc._params)  # the step consumed the gradients
+
+
+def test_micro_batch_settings_do_not_change_gradients(sc, tmp_path):
+    """One micro-batch per datum, a token budget that splits the batch, and the fixture's 2 per micro-batch
+    give the same gradients (fp32 rounding) for a built-in loss and a custom one."""
+    from trainer.losses import GRPOLoss
+    from trainer.losses.adapter import make_custom_loss_fn
+
+    got = []
+    for kw in ({"micro_batch_size": 1}, {"micro_batch_size": 16, "micro_batch_tokens": 24}, None):
+        svc = sc if kw is None else LocalServiceClient(
+            state_dir=tmp_path / str(len(got)), sampler_dtype="float32", train_dtype="float32", lora_alpha=8.0, **kw)
+        tc = trained_client(svc, seed=3)
+        data = make_data(tc.get_tokenizer(), seed=7)
+        tc.forward_backward(data, "ppo").result()
+        tc.forward_backward_custom(data, make_custom_loss_fn(GRPOLoss())).result()
+        got.append(grads(tc))
+        if kw is not None:
+            svc.close()
+    scale = max(float(g.abs().max()) for g in got[-1])
+    assert scale > 0
+    for other in got[:-1]:
+        for a, b in zip(other, got[-1]):
+            assert float((a - b).abs().max()) <= 1e-5 * scale

@@ -72,6 +72,7 @@ class RLLoop:
         self.tc: Any = None
         self.info: dict[str, Any] = {}
         self.recoveries = 0
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ clients
     def _new_training_client(self) -> Any:
@@ -254,15 +255,29 @@ class RLLoop:
         recomputed here from the current logprobs the forward pass returned."""
         if self.loss_path == "two_pass":
             return _fb_metrics(fb)
-        out = finalize_per_datum_metrics(fb.metrics)
+        try:
+            out = finalize_per_datum_metrics(fb.metrics)
+        except ValueError as e:  # a server that drops the custom/...:sum keys: the logprobs still serve
+            self._warn_once("sums", "one-pass loss: %s; diagnostics come from the returned logprobs", e)
+            out = {}
         out["loss/value"] = float(fb.metrics.get("loss:sum", float("nan")))
-        logp = [torch.as_tensor(o["logprobs"].to_numpy(), dtype=torch.float32) for o in fb.loss_fn_outputs]
-        if len(logp) == len(mb):
+        outs = list(fb.loss_fn_outputs or [])
+        logp = [torch.as_tensor(o["logprobs"].to_numpy(), dtype=torch.float32)
+                for o in outs if "logprobs" in o]
+        if len(logp) != len(mb):
+            self._warn_once("logprobs", "one-pass loss: %d of %d datums came back with logprobs; the drift, "
+                            "ratio quantile and max diagnostics are not logged", len(logp), len(mb))
+        else:
             slp, adv, mask = zip(*[datum_inputs(d, i, len(lp)) for i, (d, lp) in enumerate(zip(mb, logp))])
             cat = [torch.cat(x) for x in (logp, slp, adv, mask)]
             diag = self.loss_fn.diagnostics(*cat)
             out.update({k: v for k, v in diag.items() if k not in out})
         return out
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
 
     def _train_call(self, what: str, fn: Callable[[], Any]) -> Any:
         # forward_backward / optim_step are not idempotent (gradients accumulate, updates apply): resent
