@@ -140,13 +140,11 @@ class SharedBase:
             return self._packed_unembed
 
     def stacked_weights(self) -> dict[str, torch.Tensor]:
-        """fp32 q|k|v and gate|up weights of every layer (`train_forward.fuse_base`), built once and
+        """fp32 q|k|v and gate|up weights of every layer (`sampler.fuse_base`), built once and
         shared by the training forward and the fp32 sampler."""
         with self.lock:
             if self._stacked is None:
-                from trainer.backends.local.train_forward import fuse_base
-
-                self._stacked = fuse_base(self.config, self.base_state)
+                self._stacked = S.fuse_base(self.config, self.base_state)
             return self._stacked
 
     def causal_lm(self) -> Any:

@@ -132,22 +132,31 @@ def rotary_tables(model: Any, max_context: int) -> tuple[torch.Tensor, torch.Ten
     return cos[0].float(), sin[0].float()
 
 
+def fuse_base(config: Any, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per layer `{prefix}.self_attn.qkv` and `{prefix}.mlp.gate_up`: the projections of one input stacked
+    into one weight (rows in q|k|v and gate|up order), for the sampler and `train_forward.stacked_linear`
+    (built once per base model; see `SharedBase.stacked_weights`)."""
+    out = {}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        qkv = [base[f"{p}.self_attn.{n}.weight"] for n in _PROJ_QKV]
+        out[f"{p}.self_attn.qkv"] = torch.cat(qkv).contiguous()
+        out[f"{p}.mlp.gate_up"] = torch.cat([base[f"{p}.mlp.{n}.weight"] for n in _PROJ_GU]).contiguous()
+    return out
+
+
 def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                   dtype: torch.dtype, pack: bool | None = None,
                   stacked: dict[str, torch.Tensor] | None = None) -> SamplerWeights:
     """Fuse base weights (fp32, HF names) into `dtype` (no LoRA; see `with_lora`); `pack` (default: fp32
-    on a oneDNN build) adds decode-packed copies of every projection. `stacked`: fp32 q|k|v and gate|up
-    weights already built (`train_forward.fuse_base`), shared instead of concatenated again."""
+    on a oneDNN build) adds decode-packed copies of every projection. `stacked`: `fuse_base(config, base)`
+    when already built (shared instead of concatenated again)."""
     check_architecture(config)
     pack = (_MKLDNN and dtype == torch.float32) if pack is None else pack
+    stacked = fuse_base(config, base) if stacked is None else stacked
 
     def w(name: str) -> torch.Tensor:
         return base[name + ".weight"].to(dtype)
-
-    def cat(p: str, names: Sequence[str], key: str) -> torch.Tensor:
-        if stacked is not None and key in stacked:
-            return stacked[key].to(dtype)
-        return torch.cat([w(f"{p}.{n}") for n in names], 0).contiguous()
 
     layers = []
     with torch.no_grad():
@@ -155,10 +164,10 @@ def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor,
             p = f"model.layers.{i}"
             layers.append(_Layer(
                 in_norm=w(f"{p}.input_layernorm"),
-                qkv=_lin(cat(f"{p}.self_attn", _PROJ_QKV, f"{p}.self_attn.qkv"), pack),
+                qkv=_lin(stacked[f"{p}.self_attn.qkv"].to(dtype), pack),
                 o=_lin(w(f"{p}.self_attn.o_proj"), pack),
                 post_norm=w(f"{p}.post_attention_layernorm"),
-                gate_up=_lin(cat(f"{p}.mlp", _PROJ_GU, f"{p}.mlp.gate_up"), pack),
+                gate_up=_lin(stacked[f"{p}.mlp.gate_up"].to(dtype), pack),
                 down=_lin(w(f"{p}.mlp.down_proj"), pack)))
         embed = w("model.embed_tokens")
         head_w = base.get("lm_head.weight", base["model.embed_tokens.weight"])

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from trainer.backends.local.sampler import _MKLDNN, rms_norm, rope
+from trainer.backends.local.sampler import _MKLDNN, _PROJ_GU, _PROJ_QKV, fuse_base, rms_norm, rope
 
 
 @dataclass
@@ -156,21 +156,6 @@ def stacked_linear(x: torch.Tensor, w: torch.Tensor, outs: Sequence[int],
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-_QKV = ("q_proj", "k_proj", "v_proj")
-_GATE_UP = ("gate_proj", "up_proj")
-
-
-def fuse_base(config: Any, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per layer `{prefix}.self_attn.qkv` and `{prefix}.mlp.gate_up`: the stacked frozen weights
-    `stacked_linear` multiplies by (built once per base model; see `SharedBase.stacked_weights`)."""
-    out = {}
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}"
-        out[f"{p}.self_attn.qkv"] = torch.cat([base[f"{p}.self_attn.{n}.weight"] for n in _QKV]).contiguous()
-        out[f"{p}.mlp.gate_up"] = torch.cat([base[f"{p}.mlp.{n}.weight"] for n in _GATE_UP]).contiguous()
-    return out
-
-
 def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: Packing) -> torch.Tensor:
     B, T = pk.idx_BT.shape
     nh, nkv, hd = q_NhD.shape[1], k_NhD.shape[1], q_NhD.shape[2]
@@ -207,13 +192,13 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
         p = f"model.layers.{i}"
         h = rms_norm(x, base[f"{p}.input_layernorm.weight"], eps)
         q, k, v = lin(h, fused[f"{p}.self_attn.qkv"], (nh * hd, nkv * hd, nkv * hd),
-                      [f"{p}.self_attn.{n}" for n in _QKV]).split([nh * hd, nkv * hd, nkv * hd], -1)
+                      [f"{p}.self_attn.{n}" for n in _PROJ_QKV]).split([nh * hd, nkv * hd, nkv * hd], -1)
         q = rope(q.view(N, nh, hd), cos_N, sin_N)
         k = rope(k.view(N, nkv, hd), cos_N, sin_N)
         o = f"{p}.self_attn.o_proj"
         x = x + lin(_attend(q, k, v.view(N, nkv, hd), pk), base[o + ".weight"], (config.hidden_size,), [o])
         h = rms_norm(x, base[f"{p}.post_attention_layernorm.weight"], eps)
-        gu = lin(h, fused[f"{p}.mlp.gate_up"], (inter, inter), [f"{p}.mlp.{n}" for n in _GATE_UP])
+        gu = lin(h, fused[f"{p}.mlp.gate_up"], (inter, inter), [f"{p}.mlp.{n}" for n in _PROJ_GU])
         g, u = gu.split(inter, -1)
         d = f"{p}.mlp.down_proj"
         x = x + lin(act(g) * u, base[d + ".weight"], (config.hidden_size,), [d])
