@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.lib.public_interfaces.custom_loss import LossHandle, check_loss_inputs, run_loss_handle
