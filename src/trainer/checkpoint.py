@@ -42,9 +42,10 @@ class CheckpointInfo:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-def config_hash(cfg_dict: dict) -> str:
+def config_hash(cfg_dict: dict, ignored: tuple[str, ...] = RESUME_IGNORED_KEYS) -> str:
+    """16 hex digits of the config without the `ignored` (dotted) keys."""
     d = json.loads(json.dumps(cfg_dict, default=str))
-    for key in RESUME_IGNORED_KEYS:
+    for key in ignored:
         node = d
         parts = key.split(".")
         for p in parts[:-1]:

@@ -33,17 +33,9 @@ def preflight_dir(cfg: DictConfig) -> Path:
 
 
 def plan_hash(cfg: DictConfig) -> str:
-    import hashlib
+    from trainer.checkpoint import config_hash
 
-    d = OmegaConf.to_container(cfg, resolve=True)
-    d.pop("hydra", None)
-    for k in _PLAN_IGNORED:
-        head, _, tail = k.partition(".")
-        if tail:
-            d.get(head, {}).pop(tail, None)
-        else:
-            d.pop(k, None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return config_hash(OmegaConf.to_container(cfg, resolve=True), ("hydra",) + _PLAN_IGNORED)
 
 
 def arm_losses(cfg: DictConfig) -> dict[str, dict]:
