@@ -23,6 +23,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from trainer.backends.local.common import COMPUTE  # noqa: E402
+from trainer.backends.local.sampler import _MKLDNN  # noqa: E402
 
 # SmolLM2-135M: hidden 576, 9 query / 3 kv heads of 64, MLP 1536, vocab 49152
 SHAPES = {"q|k|v": (960, 576), "o": (576, 576), "gate|up": (3072, 576), "down": (576, 1536)}
@@ -37,28 +38,31 @@ def _time(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def run(rows: int, decode_rows: int) -> None:
-    print(f"torch threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}")
+def _sweep(label: str, shapes: dict[str, tuple[int, int]], rows: int, product, reps: int) -> None:
+    """Time `product(x, w)` ([rows, in] x [out, in]^T) at each shape; print per-shape and overall GFLOPS."""
     total_f, total_t = 0.0, 0.0
-    for name, (o, i) in SHAPES.items():
+    for name, (o, i) in shapes.items():
         x, w = torch.randn(rows, i), torch.randn(o, i)
-        t = _time(lambda: F.linear(x, w), 20)
+        fn = product(x, w)
+        t = _time(fn, reps)
         fl = 2 * rows * o * i
         total_f, total_t = total_f + fl, total_t + t
-        print(f"train   {rows} x {i} -> {o:5d} ({name:7s}): {fl / t / 1e9:6.1f} GFLOPS")
-    print(f"train   all layer shapes: {total_f / total_t / 1e9:.1f} GFLOPS")
-    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        print(f"{label:7s} {rows} x {i} -> {o:5d} ({name:7s}): {fl / t / 1e9:6.1f} GFLOPS")
+    print(f"{label:7s} all shapes: {total_f / total_t / 1e9:.1f} GFLOPS")
+
+
+def run(rows: int, decode_rows: int) -> None:
+    print(f"torch threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}")
+    _sweep("train", SHAPES, rows, lambda x, w: lambda: F.linear(x, w), 20)
+    if not _MKLDNN:
         print("no oneDNN in this torch build: decode shapes skipped")
         return
-    total_f, total_t = 0.0, 0.0
-    for name, (o, i) in {**SHAPES, "unembed": (VOCAB, 576)}.items():
-        x, w = torch.randn(decode_rows, i), torch.randn(o, i)
+
+    def packed(x: torch.Tensor, w: torch.Tensor):
         p = torch.ops.mkldnn._reorder_linear_weight(w, decode_rows)
-        t = _time(lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), 100)
-        fl = 2 * decode_rows * o * i
-        total_f, total_t = total_f + fl, total_t + t
-        print(f"decode  {decode_rows} x {i} -> {o:5d} ({name:7s}): {fl / t / 1e9:6.1f} GFLOPS")
-    print(f"decode  all shapes: {total_f / total_t / 1e9:.1f} GFLOPS")
+        return lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+
+    _sweep("decode", {**SHAPES, "unembed": (VOCAB, 576)}, decode_rows, packed, 100)
 
 
 def main() -> None:
