@@ -188,10 +188,11 @@ def check_configs(runs: list[Run], roles: dict[str, str]) -> list[str]:
     # token aggregation also decides the one-pass vs two-pass path): only the loss function may differ
     t = next(r for r in runs if roles[r.loss] == "treatment")
     b = next(r for r in runs if roles[r.loss] == "baseline")
-    for key in sorted((set(t.config["loss"]) & set(b.config["loss"])) - {"name", "_target_"}):
-        if t.config["loss"][key] != b.config["loss"][key]:
-            found.append(f"loss.{key}: {t.config['loss'][key]!r} ({t.arm}) vs {b.config['loss'][key]!r} "
-                         f"({b.arm}): a setting both losses have differs between the arms")
+    shared = (set(t.config["loss"]) & set(b.config["loss"])) - {"name", "_target_"}
+    for key, va, vb in config_differences({k: t.config["loss"][k] for k in shared},
+                                          {k: b.config["loss"][k] for k in shared}, ignore=()):
+        found.append(f"loss.{key}: {va!r} ({t.arm}) vs {vb!r} ({b.arm}): a setting both losses have differs "
+                     "between the arms")
     return found
 
 
