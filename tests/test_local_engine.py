@@ -94,13 +94,13 @@ def test_custom_loss_gradient_equals_direct_autograd(sc):
     assert out.loss_fn_outputs[1]["logprobs"].shape == [data[1].model_input.length]
 
 
-def stretched(tc, data, noise_seed: int) -> list:
+def stretched(tc, data, noise_seed: int, noise: float = 0.4) -> list:
     """The datums with sampler logprobs spread around the current ones, so clipping is active."""
     cur = tc.forward(data, "cross_entropy").result().loss_fn_outputs
     g = torch.Generator().manual_seed(noise_seed)
     return [types.Datum(model_input=d.model_input, loss_fn_inputs={
         "target_tokens": d.loss_fn_inputs["target_tokens"],
-        "logprobs": c["logprobs"].to_torch() + torch.randn(d.model_input.length, generator=g) * 0.4,
+        "logprobs": c["logprobs"].to_torch() + torch.randn(d.model_input.length, generator=g) * noise,
         "advantages": d.loss_fn_inputs["advantages"]}) for d, c in zip(data, cur)]
 
 
@@ -321,25 +321,48 @@ def test_smollm2_tokenizer_is_chatml_with_im_end_eos():
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
-def test_builtin_ppo_equals_project_grpo_plugin(sc):
-    """Tinker's built-in `ppo` and the project's grpo plugin (through forward_backward_custom) agree."""
+def _plugin(name: str):
+    from trainer.losses import CISPOLoss, GRPOLoss, GSPOLoss, ImportanceSamplingLoss
+
+    return {"ppo": GRPOLoss(), "importance_sampling": ImportanceSamplingLoss(), "cispo": CISPOLoss(),
+            "gspo": GSPOLoss(clip_eps_low=0.05, clip_eps_high=0.05)}[name]
+
+
+# builtin name, its loss_fn_config, sampler-logprob noise (wide enough that the rule binds), the rule's key
+BUILTIN_PLUGIN_PAIRS = [
+    ("ppo", None, 0.4, "loss/grpo_clip_frac"),
+    ("importance_sampling", None, 0.4, None),
+    ("cispo", None, 1.2, "loss/cispo_clip_frac"),
+    ("gspo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}, 0.4, "loss/gspo_clip_frac"),
+]
+
+
+@pytest.mark.parametrize("name, config, noise, rule", BUILTIN_PLUGIN_PAIRS, ids=[p[0] for p in BUILTIN_PLUGIN_PAIRS])
+def test_builtin_losses_equal_the_project_plugins(sc, name, config, noise, rule):
+    """Tinker's built-in losses on the local engine and the project's plugins (through
+    forward_backward_custom) agree in value and gradient, with the plugin's own rule active."""
     from trainer.losses.adapter import make_custom_loss_fn
-    from trainer.losses.grpo import GRPOLoss
 
     tc = trained_client(sc, seed=1)
     data = make_data(tc.get_tokenizer(), seed=4)
-    data = stretched(tc, data, noise_seed=6)
+    data = stretched(tc, data, noise_seed=6, noise=noise)
+    ones = [torch.ones(d.model_input.length) for d in data]
+    data = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        **d.loss_fn_inputs, "mask": types.TensorData.from_torch(m),
+        "sequence_ratio_mask": types.TensorData.from_torch(m)}) for d, m in zip(data, ones)]
     zero(tc)
-    b = tc.forward_backward(data, "ppo").result()
+    b = tc.forward_backward(data, name, config).result()
     g_builtin = grads(tc)
     zero(tc)
-    c = tc.forward_backward_custom(data, make_custom_loss_fn(GRPOLoss())).result()
+    c = tc.forward_backward_custom(data, make_custom_loss_fn(_plugin(name))).result()
     g_plugin = grads(tc)
     zero(tc)
-    assert max(float(x.abs().max()) for x in g_builtin) > 1e-4
-    assert max_diff(g_builtin, g_plugin) <= 1e-6
+    scale = max(float(x.abs().max()) for x in g_builtin)
+    assert scale > 1e-4
+    assert max_diff(g_builtin, g_plugin) <= 1e-6 * max(1.0, scale)  # float32 rounding of O(1) gradients
     assert b.metrics["loss:sum"] == pytest.approx(c.metrics["loss:sum"], rel=1e-5, abs=1e-6)
-    assert c.metrics["loss/grpo_clip_frac"] > 0  # the clip was active on part of the batch
+    if rule is not None:
+        assert 0 < c.metrics[rule] < 1  # the rule acted on part of the batch
 
 
 def test_masked_one_pass_loss_skips_prompt_gradients_with_the_same_result(sc):

@@ -246,7 +246,7 @@ def test_aggregate_ignores_nonfinite_padding_values():
 @pytest.mark.parametrize("cls", [GRPOLoss, DPPOLoss])
 def test_plugins_use_the_shared_aggregation(cls):
     logp, sampler, adv, mask = random_batch(seed=5)
-    token_loss = cls().token_loss(logp, sampler, adv)
+    token_loss = cls().token_loss(logp, sampler, adv, mask)
     for mode in ("sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean"):
         value, _ = cls(aggregation=mode)(logp, sampler, adv, mask)
         torch.testing.assert_close(value, aggregate(token_loss, mask, mode))
@@ -490,7 +490,9 @@ def test_make_loss_handle_registers_a_handle_that_tinker_runs_client_side():
 
     loss = DPPOLoss()
     handle = make_loss_handle(loss, TracingOnlyServiceClient())
-    assert isinstance(handle, LossHandle) and handle.input_names == ("sampler_logprobs", "advantages", "mask")
+    assert isinstance(handle, LossHandle) and handle.input_names == (
+        "sampler_logprobs", "advantages", "mask", "anchor_logprobs"
+    )
     assert make_loss_handle(loss, object()) is None
     with pytest.raises(ValueError, match="aggregation='sum'"):
         make_loss_handle(DPPOLoss(aggregation="token_mean"), TracingOnlyServiceClient())

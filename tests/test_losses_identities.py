@@ -16,10 +16,23 @@ import pytest
 import torch
 
 from trainer.losses import AGGREGATIONS, DPPOLoss, GRPOLoss, aggregate
+from trainer.losses.aggregate import NEEDS_NORM_LENGTH
 from trainer.losses.trust_region import dppo_drop_mask, ppo_clip_active
 
 F64 = torch.float64
 INF = float("inf")
+
+
+NORM_LENGTH = 40.0  # the constant H of seq_mean_token_sum_norm (Dr. GRPO)
+
+
+def agg(aggregation: str) -> dict:
+    """Loss kwargs selecting `aggregation` (with its constant normaliser where it needs one)."""
+    return {"aggregation": aggregation, "norm_length": norm(aggregation)}
+
+
+def norm(aggregation: str) -> float | None:
+    return NORM_LENGTH if aggregation in NEEDS_NORM_LENGTH else None
 
 
 def drifted_batch(seed: int, B: int = 5, T: int = 16, drift: float = 0.5):
@@ -42,7 +55,7 @@ def value_and_grad(loss, logp, sampler, adv, mask):
 
 def importance_sampling(logp, sampler, adv, mask, aggregation="sum"):
     leaf = logp.detach().clone().requires_grad_(True)
-    value = aggregate(-torch.exp(leaf - sampler) * adv, mask, aggregation)
+    value = aggregate(-torch.exp(leaf - sampler) * adv, mask, aggregation, norm(aggregation))
     value.backward()
     return value.detach(), leaf.grad
 
@@ -50,12 +63,12 @@ def importance_sampling(logp, sampler, adv, mask, aggregation="sum"):
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_grpo_with_infinite_eps_is_importance_sampling(aggregation):
     batch = drifted_batch(seed=1)
-    v, g = value_and_grad(GRPOLoss(clip_eps=INF, aggregation=aggregation), *batch)
+    v, g = value_and_grad(GRPOLoss(clip_eps=INF, **agg(aggregation)), *batch)
     v_is, g_is = importance_sampling(*batch, aggregation=aggregation)
     torch.testing.assert_close(v, v_is)
     torch.testing.assert_close(g, g_is)
     # and finite eps differs on this drifted batch (the identity is not vacuous)
-    _, g_clip = value_and_grad(GRPOLoss(aggregation=aggregation), *batch)
+    _, g_clip = value_and_grad(GRPOLoss(**agg(aggregation)), *batch)
     assert not torch.allclose(g_clip, g_is)
 
 
@@ -89,15 +102,15 @@ def test_dppo_cap_truncates_the_importance_weight():
 def test_on_policy_both_losses_give_the_same_gradient(aggregation):
     _, sampler, adv, mask = drifted_batch(seed=3)
     logp = sampler.clone()
-    _, g_grpo = value_and_grad(GRPOLoss(aggregation=aggregation), logp, sampler, adv, mask)
+    _, g_grpo = value_and_grad(GRPOLoss(**agg(aggregation)), logp, sampler, adv, mask)
     for loss in (
-        DPPOLoss(mode="binary_tv", aggregation=aggregation),
-        DPPOLoss(mode="binary_kl", delta=0.01, aggregation=aggregation),
+        DPPOLoss(mode="binary_tv", **agg(aggregation)),
+        DPPOLoss(mode="binary_kl", delta=0.01, **agg(aggregation)),
     ):
         _, g = value_and_grad(loss, logp, sampler, adv, mask)
         torch.testing.assert_close(g, g_grpo)
     # closed form: -A times the aggregation weight of each loss token
-    w = torch.autograd.functional.jacobian(lambda x: aggregate(x, mask, aggregation), torch.zeros_like(adv))
+    w = torch.autograd.functional.jacobian(lambda x: aggregate(x, mask, aggregation, norm(aggregation)), torch.zeros_like(adv))
     expected = -adv * w
     torch.testing.assert_close(g_grpo, expected)
 
@@ -139,6 +152,6 @@ def test_grpo_and_dppo_normalise_identically_on_an_all_unmasked_batch():
     logp = sampler + 0.01  # tiny drift: nothing clipped (r ~ 1.01) or dropped
     mask = torch.ones_like(adv)
     for aggregation in AGGREGATIONS:
-        _, g_grpo = value_and_grad(GRPOLoss(aggregation=aggregation), logp, sampler, adv, mask)
-        _, g_dppo = value_and_grad(DPPOLoss(aggregation=aggregation), logp, sampler, adv, mask)
+        _, g_grpo = value_and_grad(GRPOLoss(**agg(aggregation)), logp, sampler, adv, mask)
+        _, g_dppo = value_and_grad(DPPOLoss(**agg(aggregation)), logp, sampler, adv, mask)
         torch.testing.assert_close(g_grpo, g_dppo)

@@ -38,7 +38,7 @@ def _in_set(key: str, value: Any, allowed: tuple) -> None:
     _require(value in allowed, key, f"must be one of {list(allowed)}", value)
 
 
-AGGREGATIONS = ("sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+AGGREGATIONS = ("sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
 # ----------------------------------------------------------------------------- model
@@ -76,7 +76,31 @@ class ModelConfig:
 
 # ----------------------------------------------------------------------------- loss
 @dataclass
-class GRPOLossConfig:
+class LossCommonConfig:
+    """Settings every loss plugin takes (each loss's dataclass adds its own after these)."""
+
+    # token-loss aggregation: sum (Tinker) | token_mean | seq_mean_token_sum | seq_mean_token_mean |
+    # seq_mean_token_sum_norm (Dr. GRPO: per-sequence sums / (#sequences * norm_length))
+    aggregation: str = "sum"
+    # the constant H of seq_mean_token_sum_norm (the completion budget); ignored by the others
+    norm_length: Optional[float] = None
+    # trust-region anchor: sampler (the rollout logprobs) | recomputed (trainer logprobs from one extra
+    # forward pass before the first update of each step; Stable-RL's *_recompute modes)
+    anchor: str = "sampler"
+    # coefficient of the k3 KL penalty to the initial weights (0 = off, no extra pass)
+    kl_coef: float = 0.0
+
+    def _check_common(self) -> None:
+        _in_set("aggregation", self.aggregation, AGGREGATIONS)
+        if self.aggregation == "seq_mean_token_sum_norm":
+            _require(self.norm_length is not None and self.norm_length > 0, "norm_length",
+                     "must be > 0 for aggregation seq_mean_token_sum_norm", self.norm_length)
+        _in_set("anchor", self.anchor, ("sampler", "recomputed"))
+        _require(0 <= self.kl_coef < math.inf, "kl_coef", "must be a finite number >= 0 (0 = off)", self.kl_coef)
+
+
+@dataclass
+class GRPOLossConfig(LossCommonConfig):
     # hydra.utils.instantiate target of this loss plugin
     _target_: str = "trainer.losses.grpo.GRPOLoss"
     # registry name of the loss (also the arm's loss label)
@@ -87,8 +111,6 @@ class GRPOLossConfig:
     clip_eps_low: Optional[float] = None
     # upper clip epsilon; null = clip_eps
     clip_eps_high: Optional[float] = None
-    # token-loss aggregation: sum (Tinker) | token_mean | seq_mean_token_sum | seq_mean_token_mean
-    aggregation: str = "sum"
     # binary-TV delta of the counterfactual DPPO mask logged in this arm (probability units)
     cf_dppo_delta: float = 0.15
 
@@ -98,12 +120,12 @@ class GRPOLossConfig:
             v = getattr(self, key)
             if v is not None:
                 _require(v > 0, key, "must be > 0 (inf disables the clip)", v)
-        _in_set("aggregation", self.aggregation, AGGREGATIONS)
+        self._check_common()
         _require(0 < self.cf_dppo_delta <= 1, "cf_dppo_delta", "must be in (0, 1]", self.cf_dppo_delta)
 
 
 @dataclass
-class DPPOLossConfig:
+class DPPOLossConfig(LossCommonConfig):
     # hydra.utils.instantiate target of this loss plugin
     _target_: str = "trainer.losses.dppo.DPPOLoss"
     # registry name of the loss (also the arm's loss label)
@@ -118,8 +140,6 @@ class DPPOLossConfig:
     delta_high: Optional[float] = None
     # truncation cap c of the importance weight min(r, c); 1e4 = the authors' "fair comparison"
     is_cap: float = 1.0e4
-    # token-loss aggregation: sum (Tinker) | token_mean | seq_mean_token_sum | seq_mean_token_mean
-    aggregation: str = "sum"
     # epsilon of the counterfactual GRPO clip fraction logged in this arm
     cf_grpo_eps: float = 0.2
 
@@ -136,8 +156,59 @@ class DPPOLossConfig:
             else:
                 _require(v > 0, key, "must be > 0 for binary_kl", v)
         _require(self.is_cap >= 1, "is_cap", "must be >= 1", self.is_cap)
-        _in_set("aggregation", self.aggregation, AGGREGATIONS)
+        self._check_common()
         _require(self.cf_grpo_eps > 0, "cf_grpo_eps", "must be > 0", self.cf_grpo_eps)
+
+
+@dataclass
+class ImportanceSamplingLossConfig(LossCommonConfig):
+    # hydra.utils.instantiate target of this loss plugin
+    _target_: str = "trainer.losses.importance_sampling.ImportanceSamplingLoss"
+    # registry name of the loss (also the arm's loss label)
+    name: str = "importance_sampling"
+
+    def __post_init__(self) -> None:
+        _require(self.name == "importance_sampling", "name", "must be 'importance_sampling' for this schema",
+                 self.name)
+        self._check_common()
+
+
+@dataclass
+class CISPOLossConfig(LossCommonConfig):
+    # hydra.utils.instantiate target of this loss plugin
+    _target_: str = "trainer.losses.cispo.CISPOLoss"
+    # registry name of the loss (also the arm's loss label)
+    name: str = "cispo"
+    # lower bound of the truncated IS weight clip(r, low, high) (Tinker's key and default)
+    clip_low_threshold: float = 0.0
+    # upper bound of the truncated IS weight (Tinker's key and default)
+    clip_high_threshold: float = 4.0
+
+    def __post_init__(self) -> None:
+        _require(self.name == "cispo", "name", "must be 'cispo' for this schema", self.name)
+        _require(0 <= self.clip_low_threshold <= 1, "clip_low_threshold", "must be in [0, 1]",
+                 self.clip_low_threshold)
+        _require(self.clip_high_threshold >= 1, "clip_high_threshold", "must be >= 1 (inf allowed)",
+                 self.clip_high_threshold)
+        self._check_common()
+
+
+@dataclass
+class GSPOLossConfig(LossCommonConfig):
+    # hydra.utils.instantiate target of this loss plugin
+    _target_: str = "trainer.losses.gspo.GSPOLoss"
+    # registry name of the loss (also the arm's loss label)
+    name: str = "gspo"
+    # lower clip epsilon of the sequence ratio (GSPO paper section 5.1: 3e-4)
+    clip_eps_low: float = 3.0e-4
+    # upper clip epsilon of the sequence ratio (GSPO paper section 5.1: 4e-4)
+    clip_eps_high: float = 4.0e-4
+
+    def __post_init__(self) -> None:
+        _require(self.name == "gspo", "name", "must be 'gspo' for this schema", self.name)
+        for key in ("clip_eps_low", "clip_eps_high"):
+            _require(getattr(self, key) > 0, key, "must be > 0 (inf disables the clip)", getattr(self, key))
+        self._check_common()
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -483,7 +554,9 @@ class Config:
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"model_schema": ModelConfig},
-    "loss": {"grpo_schema": GRPOLossConfig, "dppo_schema": DPPOLossConfig},
+    "loss": {"grpo_schema": GRPOLossConfig, "dppo_schema": DPPOLossConfig,
+             "importance_sampling_schema": ImportanceSamplingLossConfig, "cispo_schema": CISPOLossConfig,
+             "gspo_schema": GSPOLossConfig},
     "optimizer": {"adamw_schema": AdamWConfig},
     "schedule": {"schedule_schema": ScheduleConfig},
     "env": {"gsm8k_schema": GSM8KEnvConfig, "arithmetic_schema": ArithmeticEnvConfig},

@@ -18,6 +18,9 @@ from torch.nn.utils.rnn import pad_sequence
 SAMPLER_LOGPROBS_KEY = "logprobs"
 ADVANTAGES_KEY = "advantages"
 MASK_KEY = "mask"
+#: Optional per-datum inputs: the recomputed anchor and the initial weights' logprobs.
+ANCHOR_KEY = "anchor_logprobs"
+REF_KEY = "ref_logprobs"
 
 CustomLossFn = Callable[[list[Any], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -56,12 +59,27 @@ class LossFunctionError(ValueError):
     """The client-side loss code raised: a bug or bad inputs, which no retry or recovery can fix."""
 
 
+def optional_input(datum: Any, key: str, index: int, length: int) -> torch.Tensor | None:
+    """A datum's optional `loss_fn_inputs[key]` as float32 `[T]`, or None when absent."""
+    if key not in datum.loss_fn_inputs:
+        return None
+    t = datum.loss_fn_inputs[key].to_torch().reshape(-1).to(torch.float32)
+    if t.numel() != length:
+        raise ValueError(
+            f"datum[{index}] loss_fn_inputs[{key!r}] has {t.numel()} entries, but its current logprobs have {length}"
+        )
+    return t
+
+
 def make_custom_loss_fn(loss: Callable[..., tuple[torch.Tensor, dict[str, float]]]) -> CustomLossFn:
-    """Wrap `loss(logp, sampler_logp, advantages, mask)` as a tinker `CustomLossFnV1`.
+    """Wrap `loss(logp, sampler_logp, advantages, mask, anchor_logp, ref_logp)` as a tinker
+    `CustomLossFnV1`.
 
     The per-datum flat tensors are right-padded with zeros (mask 0) to `[B, T]` and the
     loss is called once, so the configured aggregation sees the whole minibatch. The
     padding of `logp` is differentiable, so each datum's logprobs receive their gradient.
+    `anchor_logprobs` / `ref_logprobs` are passed (as `anchor_logp=` / `ref_logp=`) when every
+    datum carries them (all or none).
     """
 
     def custom_loss_fn(data: Sequence[Any], logprobs_list: Sequence[torch.Tensor]):
@@ -70,6 +88,7 @@ def make_custom_loss_fn(loss: Callable[..., tuple[torch.Tensor, dict[str, float]
         if len(data) != len(logprobs_list):
             raise ValueError(f"custom loss: {len(data)} datums but {len(logprobs_list)} logprob tensors")
         sampler, advs, masks = [], [], []
+        extra: dict[str, list] = {ANCHOR_KEY: [], REF_KEY: []}
         for i, (datum, logp_T) in enumerate(zip(data, logprobs_list)):
             if logp_T.dim() != 1:
                 raise ValueError(
@@ -80,12 +99,24 @@ def make_custom_loss_fn(loss: Callable[..., tuple[torch.Tensor, dict[str, float]
             sampler.append(s_T.to(logp_T.dtype))
             advs.append(a_T.to(logp_T.dtype))
             masks.append(m_T.to(logp_T.dtype))
+            for key, got in extra.items():
+                t = optional_input(datum, key, i, logp_T.shape[0])
+                got.append(None if t is None else t.to(logp_T.dtype))
+        padded_extra = {}
+        for key, got in extra.items():
+            present = [t is not None for t in got]
+            if any(present) and not all(present):
+                raise ValueError(f"custom loss: {sum(present)} of {len(got)} datums carry loss_fn_inputs[{key!r}]; "
+                                 "all or none must")
+            padded_extra[key] = pad_sequence(got, batch_first=True, padding_value=0.0) if all(present) else None
         logp_BT = pad_sequence(list(logprobs_list), batch_first=True, padding_value=0.0)
         sampler_BT = pad_sequence(sampler, batch_first=True, padding_value=0.0)
         adv_BT = pad_sequence(advs, batch_first=True, padding_value=0.0)
         mask_BT = pad_sequence(masks, batch_first=True, padding_value=0.0)
         try:
-            return loss(logp_BT, sampler_BT, adv_BT, mask_BT)
+            extras = {name: padded_extra[key] for name, key in (("anchor_logp", ANCHOR_KEY), ("ref_logp", REF_KEY))
+                      if padded_extra[key] is not None}
+            return loss(logp_BT, sampler_BT, adv_BT, mask_BT, **extras)
         except ValueError:
             raise  # already names the bad input
         except Exception as e:  # noqa: BLE001 - re-raised with its type named

@@ -9,6 +9,14 @@ verl/trainer/ppo/core_algos.py::agg_loss, and to Tinker's token sum):
 - `seq_mean_token_mean`: per-sequence token mean, averaged over non-empty sequences
   (Stable-RL `seq-mean-token-mean`; its `+1e-8` guard is unnecessary here because empty
   sequences are excluded exactly).
+- `seq_mean_token_sum_norm`: Dr. GRPO's constant normaliser (Liu et al. 2025, arXiv 2503.20783
+  section 3.1: the per-sequence 1/|o_i| replaced by a constant, the generation budget): the
+  per-sequence token sum averaged over non-empty sequences, divided by `norm_length` H.
+  Pinned to verl-project/verl @ 018f23b5, verl/trainer/ppo/core_algos.py::agg_loss
+  (`seq-mean-token-sum-norm`, `(sum / #seqs) / loss_scale_factor`); Stable-RL @ c6af1d1 omits
+  the sequence mean there, verl's later fix keeps it. H is configured (`loss.norm_length`,
+  the completion budget by default), never the padded width of a minibatch, so it is the same
+  constant for every minibatch and every arm.
 A flat `[T]` input is one sequence.
 """
 
@@ -16,7 +24,15 @@ from __future__ import annotations
 
 import torch
 
-AGGREGATIONS: tuple[str, ...] = ("sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+AGGREGATIONS: tuple[str, ...] = (
+    "sum",
+    "token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum_norm",
+)
+#: Aggregations that need the constant normaliser `norm_length`.
+NEEDS_NORM_LENGTH: tuple[str, ...] = ("seq_mean_token_sum_norm",)
 
 
 def check_aggregation(mode: str, owner: str = "aggregation") -> str:
@@ -26,13 +42,28 @@ def check_aggregation(mode: str, owner: str = "aggregation") -> str:
     return mode
 
 
-def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+def check_norm_length(mode: str, norm_length: float | None, owner: str = "norm_length") -> float | None:
+    """`norm_length` as a float (> 0) when `mode` needs it, else None; ValueError when missing or bad."""
+    if mode not in NEEDS_NORM_LENGTH:
+        return None
+    if isinstance(norm_length, bool) or not isinstance(norm_length, (int, float)) or not norm_length > 0:
+        raise ValueError(
+            f"{owner} must be a number > 0 for aggregation {mode!r} (the constant normaliser H), "
+            f"got {norm_length!r}"
+        )
+    return float(norm_length)
+
+
+def aggregate(
+    token_loss: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: float | None = None
+) -> torch.Tensor:
     """Reduce a per-token loss (`[T]` or `[B, T]`) over the loss tokens (mask == 1).
 
     Non-loss positions are excluded with `torch.where` (not multiplied by 0), so garbage in
     padding cannot leak NaN/inf into the value. The mask is detached.
     """
     check_aggregation(mode)
+    norm = check_norm_length(mode, norm_length)
     if token_loss.shape != mask.shape:
         raise ValueError(
             f"aggregate: mask shape {tuple(mask.shape)} != token_loss shape {tuple(token_loss.shape)}"
@@ -55,5 +86,7 @@ def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.
     seq_sum_B = masked_BT.sum(dim=-1)
     if mode == "seq_mean_token_sum":
         return seq_sum_B.sum() / n_seqs
+    if mode == "seq_mean_token_sum_norm":
+        return seq_sum_B.sum() / n_seqs / norm
     # seq_mean_token_mean: empty rows have seq_sum 0, so clamping their count to 1 adds 0.
     return (seq_sum_B / tokens_B.clamp(min=1).to(seq_sum_B.dtype)).sum() / n_seqs

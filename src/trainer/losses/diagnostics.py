@@ -1,30 +1,44 @@
 """Diagnostics logged with identical keys by every loss arm.
 
 All statistics are over loss tokens (mask == 1), computed in float64 under no_grad from
-detached tensors. The trust-region masks are passed in by the loss, so each arm reports
-its own rule and the other arm's rule as a counterfactual:
-- `loss/dppo_masked_frac`: fraction of loss tokens the DPPO rule drops (counterfactual
-  binary TV with `cf_dppo_delta` in the GRPO arm);
+detached tensors. The rule masks come from the arm's `TrustRegionRules`, so each arm reports
+its own rule and every other loss's rule as a counterfactual, point by point comparable:
+- `loss/dppo_masked_frac`: fraction of loss tokens the DPPO rule drops;
 - `loss/dppo_masked_frac_nonzero_adv`: the same among loss tokens with A != 0 (Stable-RL's
   `pg_clipfrac` denominator); 0.0 when there are none;
-- `loss/grpo_clip_frac`: fraction of loss tokens where the PPO clip binds (clipped branch
-  selected, zero gradient); counterfactual with `cf_grpo_eps` in the DPPO arm;
+- `loss/grpo_clip_frac`: fraction where the PPO clip binds (clipped branch, zero gradient);
+- `loss/cispo_clip_frac`: fraction whose CISPO importance weight is truncated (r outside
+  [low, high]; the gradient is kept, scaled);
+- `loss/gspo_clip_frac`: fraction in sequences whose GSPO sequence-ratio clip binds;
+- `loss/<rule>_frac_adv_pos`, `loss/<rule>_frac_adv_neg`: each rule's fraction among the loss
+  tokens with A > 0, resp. A < 0 (0.0 when there are none), the share it acts on by sign;
 - `drift/abs_p_q50|q90|q99|max`: quantiles (linear interpolation) of |p - p_sampler|;
 - `drift/kl_sampler_current`: mean k3 estimator of KL(sampler || current) with tokens
   sampled from the sampler: k3 = (r - 1) - log r, r = p / p_sampler (unbiased, >= 0);
 - `ratio/mean`, `ratio/max`: of r = exp(logp - sampler_logp), unclamped;
-- `ratio/cap_hits`: number of loss tokens with r > c (c = the DPPO IS cap; 1e4 in GRPO);
+- `ratio/cap_hits`: number of loss tokens with r > c (c = the DPPO IS cap; 1e4 elsewhere);
+- `entropy/sampled_token_estimate`: mean of -log mu(y) over the sampled loss tokens, the
+  sampled-token estimator of the sampler's per-token entropy (unbiased for
+  E_t H(mu(.|prefix)) because y ~ mu); the exact entropy needs full logits and is logged
+  separately where the engine returns it (`entropy/exact`);
 - `loss/n_tokens`: number of loss tokens.
+With a recomputed anchor the DPPO, GRPO and GSPO rules are evaluated against it (the drift
+keys stay sampler-relative).
 """
 
 from __future__ import annotations
 
 import torch
 
+from trainer.losses.trust_region import RULES
+
+RULE_KEYS: tuple[str, ...] = tuple(
+    f"loss/{rule}_frac{suffix}" for rule in RULES for suffix in ("", "_adv_pos", "_adv_neg")
+)
+
 DIAGNOSTIC_KEYS: tuple[str, ...] = (
-    "loss/dppo_masked_frac",
+    *RULE_KEYS,
     "loss/dppo_masked_frac_nonzero_adv",
-    "loss/grpo_clip_frac",
     "drift/abs_p_q50",
     "drift/abs_p_q90",
     "drift/abs_p_q99",
@@ -33,10 +47,16 @@ DIAGNOSTIC_KEYS: tuple[str, ...] = (
     "ratio/mean",
     "ratio/max",
     "ratio/cap_hits",
+    "entropy/sampled_token_estimate",
     "loss/n_tokens",
 )
 
 _QUANTILES = (0.5, 0.9, 0.99)
+
+
+def _frac(hit: torch.Tensor, among: torch.Tensor) -> float:
+    n = int(among.sum().item())
+    return float((hit & among).sum().item()) / n if n else 0.0
 
 
 @torch.no_grad()
@@ -46,11 +66,12 @@ def compute_diagnostics(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    dppo_drop: torch.Tensor,
-    grpo_clip: torch.Tensor,
+    rule_masks: dict[str, torch.Tensor],
     is_cap: float,
 ) -> dict[str, float]:
     """The DIAGNOSTIC_KEYS dict (floats) for one batch; see the module docstring."""
+    if set(rule_masks) != set(RULES):
+        raise ValueError(f"compute_diagnostics: rule_masks must have keys {list(RULES)}, got {sorted(rule_masks)}")
     sel = mask.detach() != 0
     n = int(sel.sum().item())
     if n == 0:
@@ -58,20 +79,23 @@ def compute_diagnostics(
     lp = logp.detach()[sel].double()
     slp = sampler_logp.detach()[sel].double()
     adv = advantages.detach()[sel]
-    drop = dppo_drop.detach()[sel].bool()
-    clip = grpo_clip.detach()[sel].bool()
+    every = torch.ones_like(adv, dtype=torch.bool)
+    pos, neg, nonzero = adv > 0, adv < 0, adv != 0
+
+    out: dict[str, float] = {}
+    for rule in RULES:
+        hit = rule_masks[rule].detach().expand_as(mask)[sel].bool()
+        out[f"loss/{rule}_frac"] = _frac(hit, every)
+        out[f"loss/{rule}_frac_adv_pos"] = _frac(hit, pos)
+        out[f"loss/{rule}_frac_adv_neg"] = _frac(hit, neg)
+        if rule == "dppo_masked":
+            out["loss/dppo_masked_frac_nonzero_adv"] = _frac(hit, nonzero)
 
     log_ratio = lp - slp
     ratio = torch.exp(log_ratio)
     abs_dp = (torch.exp(lp) - torch.exp(slp)).abs()
     q50, q90, q99 = torch.quantile(abs_dp, torch.tensor(_QUANTILES, dtype=torch.float64)).tolist()
-    nonzero = adv != 0
-    n_nonzero = int(nonzero.sum().item())
-    masked_nonzero = float((drop & nonzero).sum().item()) / n_nonzero if n_nonzero else 0.0
-    return {
-        "loss/dppo_masked_frac": float(drop.sum().item()) / n,
-        "loss/dppo_masked_frac_nonzero_adv": masked_nonzero,
-        "loss/grpo_clip_frac": float(clip.sum().item()) / n,
+    out.update({
         "drift/abs_p_q50": q50,
         "drift/abs_p_q90": q90,
         "drift/abs_p_q99": q99,
@@ -80,5 +104,7 @@ def compute_diagnostics(
         "ratio/mean": float(ratio.mean().item()),
         "ratio/max": float(ratio.max().item()),
         "ratio/cap_hits": float((ratio > is_cap).sum().item()),
+        "entropy/sampled_token_estimate": float((-slp).mean().item()),
         "loss/n_tokens": float(n),
-    }
+    })
+    return {key: out[key] for key in DIAGNOSTIC_KEYS}

@@ -6,7 +6,7 @@ import torch
 
 from trainer.losses.base import PolicyLoss, positive_param
 from trainer.losses.registry import register_loss
-from trainer.losses.trust_region import DPPO_MODES, dppo_drop_mask, dppo_token_loss, ppo_clip_active
+from trainer.losses.trust_region import DPPO_MODES, TrustRegionRules, dppo_drop_mask, dppo_token_loss
 
 # Authors' defaults: verl-project/verl examples/dppo_trainer (PR #5397 @ 182383bbb),
 # run_qwen30b_dppo.sh: delta 0.15 for TV, 0.05 for KL, clip_ratio_c 10000.
@@ -27,6 +27,8 @@ class DPPOLoss(PolicyLoss):
     delta None -> 0.15 (binary_tv) / 0.05 (binary_kl); delta_low / delta_high default to
     delta. binary_tv needs deltas in (0, 1]; binary_kl deltas > 0; inf disables the rule.
     `is_cap` (c) >= 1; `cf_grpo_eps` sets the counterfactual PPO clip in `loss/grpo_clip_frac`.
+    With `anchor="recomputed"` the mask is taken against the anchor and the IS weight stays on
+    the sampler: Stable-RL's `dppo_binary_tv_recompute` / `dppo_binary_kl_recompute`.
     """
 
     def __init__(
@@ -39,8 +41,11 @@ class DPPOLoss(PolicyLoss):
         is_cap: float = 1e4,
         aggregation: str = "sum",
         cf_grpo_eps: float = 0.2,
+        norm_length: float | None = None,
+        anchor: str = "sampler",
+        kl_coef: float = 0.0,
     ) -> None:
-        super().__init__(name, aggregation)
+        super().__init__(name, aggregation, norm_length, anchor, kl_coef)
         owner = "DPPOLoss"
         if mode not in DPPO_MODES:
             raise ValueError(f"{owner}: mode must be one of {list(DPPO_MODES)}, got {mode!r}")
@@ -58,30 +63,35 @@ class DPPOLoss(PolicyLoss):
             raise ValueError(f"{owner}: is_cap must be >= 1 (inf allowed), got {is_cap!r}")
         self.is_cap = float(is_cap)
         self.cf_grpo_eps = positive_param(owner, "cf_grpo_eps", cf_grpo_eps)
+        self.rules = TrustRegionRules(
+            dppo_mode=self.mode,
+            dppo_delta_low=self.delta_low,
+            dppo_delta_high=self.delta_high,
+            grpo_eps_low=self.cf_grpo_eps,
+            grpo_eps_high=self.cf_grpo_eps,
+        )
 
     def keep_mask(
-        self, logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor
+        self, logp: torch.Tensor, anchor_logp: torch.Tensor, advantages: torch.Tensor
     ) -> torch.Tensor:
         """1.0 where the token is kept, 0.0 where DPPO drops it (detached, logp's dtype)."""
-        drop = dppo_drop_mask(logp, sampler_logp, advantages, self.mode, self.delta_low, self.delta_high)
+        drop = dppo_drop_mask(logp, anchor_logp, advantages, self.mode, self.delta_low, self.delta_high)
         return (~drop).to(logp.dtype)
 
     def token_loss(
-        self, logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor
+        self,
+        logp: torch.Tensor,
+        sampler_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        anchor_logp: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        keep = self.keep_mask(logp, sampler_logp, advantages)
+        keep = self.keep_mask(logp, sampler_logp if anchor_logp is None else anchor_logp, advantages)
         return dppo_token_loss(logp, sampler_logp, advantages, keep, self.is_cap)
-
-    def trust_region_masks(
-        self, logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        drop = dppo_drop_mask(logp, sampler_logp, advantages, self.mode, self.delta_low, self.delta_high)
-        clip = ppo_clip_active(logp, sampler_logp, advantages, self.cf_grpo_eps, self.cf_grpo_eps)
-        return drop, clip
 
     def __repr__(self) -> str:
         return (
             f"DPPOLoss(name={self.name!r}, mode={self.mode!r}, delta_low={self.delta_low}, "
-            f"delta_high={self.delta_high}, is_cap={self.is_cap}, aggregation={self.aggregation!r}, "
+            f"delta_high={self.delta_high}, is_cap={self.is_cap}, {self._common_repr()}, "
             f"cf_grpo_eps={self.cf_grpo_eps})"
         )

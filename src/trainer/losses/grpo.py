@@ -6,7 +6,7 @@ import torch
 
 from trainer.losses.base import PolicyLoss, positive_param
 from trainer.losses.registry import register_loss
-from trainer.losses.trust_region import dppo_drop_mask, grpo_token_loss, ppo_clip_active
+from trainer.losses.trust_region import TrustRegionRules, grpo_token_loss
 
 # GRPO has no IS cap; `ratio/cap_hits` uses DPPO's default c so both arms count the same thing.
 GRPO_DIAGNOSTIC_CAP = 1e4
@@ -19,7 +19,8 @@ class GRPOLoss(PolicyLoss):
     Pinned to Tinker's built-in `ppo` loss (docs /tinker/losses/ppo; clip thresholds 0.8 /
     1.2 by default, token sum), which spindle's `_loss` "ppo" branch reproduces.
     `clip_eps_low` / `clip_eps_high` default to `clip_eps`; `cf_dppo_delta` sets the
-    counterfactual DPPO binary-TV rule reported as `loss/dppo_masked_frac`.
+    counterfactual DPPO binary-TV rule reported as `loss/dppo_masked_frac`. With
+    `anchor="recomputed"` the clip is on the ratio to the anchor (see `grpo_token_loss`).
     """
 
     def __init__(
@@ -30,8 +31,11 @@ class GRPOLoss(PolicyLoss):
         clip_eps_high: float | None = None,
         aggregation: str = "sum",
         cf_dppo_delta: float = 0.15,
+        norm_length: float | None = None,
+        anchor: str = "sampler",
+        kl_coef: float = 0.0,
     ) -> None:
-        super().__init__(name, aggregation)
+        super().__init__(name, aggregation, norm_length, anchor, kl_coef)
         owner = "GRPOLoss"
         self.clip_eps = positive_param(owner, "clip_eps", clip_eps)
         self.eps_low = positive_param(
@@ -42,23 +46,25 @@ class GRPOLoss(PolicyLoss):
         )
         self.cf_dppo_delta = positive_param(owner, "cf_dppo_delta", cf_dppo_delta, upper=1.0)
         self.is_cap = GRPO_DIAGNOSTIC_CAP
+        self.rules = TrustRegionRules(
+            dppo_delta_low=self.cf_dppo_delta,
+            dppo_delta_high=self.cf_dppo_delta,
+            grpo_eps_low=self.eps_low,
+            grpo_eps_high=self.eps_high,
+        )
 
     def token_loss(
-        self, logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor
+        self,
+        logp: torch.Tensor,
+        sampler_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        anchor_logp: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return grpo_token_loss(logp, sampler_logp, advantages, self.eps_low, self.eps_high)
-
-    def trust_region_masks(
-        self, logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        drop = dppo_drop_mask(
-            logp, sampler_logp, advantages, "binary_tv", self.cf_dppo_delta, self.cf_dppo_delta
-        )
-        clip = ppo_clip_active(logp, sampler_logp, advantages, self.eps_low, self.eps_high)
-        return drop, clip
+        return grpo_token_loss(logp, sampler_logp, advantages, self.eps_low, self.eps_high, anchor_logp)
 
     def __repr__(self) -> str:
         return (
             f"GRPOLoss(name={self.name!r}, eps_low={self.eps_low}, eps_high={self.eps_high}, "
-            f"aggregation={self.aggregation!r}, cf_dppo_delta={self.cf_dppo_delta})"
+            f"{self._common_repr()}, cf_dppo_delta={self.cf_dppo_delta})"
         )

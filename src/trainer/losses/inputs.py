@@ -42,3 +42,19 @@ def check_loss_inputs(
         raise ValueError("loss input 'mask' must contain only 0 and 1")
     if not bool((m != 0).any()):
         raise ValueError("loss input 'mask' is empty: it selects no loss tokens")
+
+
+def check_optional_input(name: str, t: torch.Tensor | None, logp: torch.Tensor) -> torch.Tensor | None:
+    """None, or `t` checked like the required inputs (tensor, logp's shape, floating, finite)."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"loss input {name!r} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.shape != logp.shape:
+        raise ValueError(f"loss input {name!r} has shape {tuple(t.shape)}, expected logp's shape {tuple(logp.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"loss input {name!r} must be a floating-point tensor, got {t.dtype}")
+    bad = ~torch.isfinite(t.detach())
+    if bool(bad.any()):
+        raise ValueError(f"loss input {name!r} has {int(bad.sum())} non-finite value(s) (NaN/inf)")
+    return t

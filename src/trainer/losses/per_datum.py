@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
-from trainer.losses.adapter import ADVANTAGES_KEY, MASK_KEY, SAMPLER_LOGPROBS_KEY, default_mask
+from trainer.losses.adapter import ADVANTAGES_KEY, ANCHOR_KEY, MASK_KEY, REF_KEY, SAMPLER_LOGPROBS_KEY, default_mask
+from trainer.losses.base import kl_k3
+from trainer.losses.trust_region import RULES
 
 PER_DATUM_SAMPLER_KEY = "sampler_logprobs"
 PER_DATUM_INPUT_RANKS: dict[str, int] = {
@@ -30,25 +32,29 @@ PER_DATUM_INPUT_RANKS: dict[str, int] = {
     PER_DATUM_SAMPLER_KEY: 1,
     ADVANTAGES_KEY: 1,
     MASK_KEY: 1,
+    ANCHOR_KEY: 1,
 }
 
 # Per-datum metric sums (tinker metric-key rule custom/<name>:sum) and how
 # `finalize_per_datum_metrics` turns them into the shared diagnostic keys.
 _COUNT_KEYS = {
     "n_tokens": "custom/loss/n_tokens:sum",
-    "dppo_masked": "custom/loss/dppo_masked:sum",
     "nonzero_adv": "custom/loss/nonzero_adv_tokens:sum",
+    "pos_adv": "custom/loss/pos_adv_tokens:sum",
+    "neg_adv": "custom/loss/neg_adv_tokens:sum",
     "dppo_masked_nonzero_adv": "custom/loss/dppo_masked_nonzero_adv:sum",
-    "grpo_clipped": "custom/loss/grpo_clipped:sum",
     "ratio_sum": "custom/ratio/sum:sum",
     "cap_hits": "custom/ratio/cap_hits:sum",
     "kl_k3_sum": "custom/drift/kl_k3:sum",
+    "nll_sum": "custom/entropy/sampled_nll:sum",
+    **{f"{rule}{sfx}": f"custom/loss/{rule}{sfx}:sum" for rule in RULES for sfx in ("", "_adv_pos", "_adv_neg")},
 }
+_KL_REF_KEY = "custom/loss/kl_ref:sum"
 
 
 @dataclass(frozen=True)
 class PerDatumLoss:
-    """`fn(logprobs, sampler_logprobs, advantages, mask) -> (loss, metrics)` and its ranks."""
+    """`fn(logprobs, sampler_logprobs, advantages, mask, anchor_logprobs[, ref_logprobs])` and its ranks."""
 
     fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
     input_ranks: Mapping[str, int]
@@ -60,7 +66,8 @@ def make_per_datum_fn(loss: Any) -> PerDatumLoss:
     Summed over datums it equals the padded batch loss in value and gradient. Its metrics
     are counts / sums (see `finalize_per_datum_metrics`); quantiles and maxima cannot be
     combined by tinker's sum/mean rule and are left to `loss.diagnostics` on the returned
-    logprobs.
+    logprobs. The anchor input is always read (`with_per_datum_inputs` fills it with the
+    sampler logprobs when there is no recomputed anchor); `ref_logprobs` only with kl_coef > 0.
     """
     if getattr(loss, "aggregation", None) != "sum":
         raise ValueError(
@@ -69,38 +76,64 @@ def make_per_datum_fn(loss: Any) -> PerDatumLoss:
             "make_custom_loss_fn path for other aggregations"
         )
     is_cap = float(loss.is_cap)
+    kl_coef = float(getattr(loss, "kl_coef", 0.0))
 
-    def per_datum_loss(logprobs, sampler_logprobs, advantages, mask):
+    def metrics_and_loss(logprobs, sampler_logprobs, advantages, mask, anchor_logprobs):
         sel = mask > 0
-        token_loss = loss.token_loss(logprobs, sampler_logprobs, advantages)
+        token_loss = loss.token_loss(logprobs, sampler_logprobs, advantages, mask, anchor_logprobs)
         value = torch.where(sel, token_loss, torch.zeros_like(token_loss)).sum()
 
-        drop, clip = loss.trust_region_masks(logprobs, sampler_logprobs, advantages)
+        masks = loss.rules.masks(logprobs, sampler_logprobs, advantages, mask, anchor_logprobs)
         log_ratio = logprobs.detach() - sampler_logprobs
         ratio = torch.exp(log_ratio)
         zeros = torch.zeros_like(ratio)
         nonzero = sel & (advantages != 0)
+        pos = sel & (advantages > 0)
+        neg = sel & (advantages < 0)
         metrics = {
             _COUNT_KEYS["n_tokens"]: sel.float().sum(),
-            _COUNT_KEYS["dppo_masked"]: (sel & drop).float().sum(),
             _COUNT_KEYS["nonzero_adv"]: nonzero.float().sum(),
-            _COUNT_KEYS["dppo_masked_nonzero_adv"]: (nonzero & drop).float().sum(),
-            _COUNT_KEYS["grpo_clipped"]: (sel & clip).float().sum(),
+            _COUNT_KEYS["pos_adv"]: pos.float().sum(),
+            _COUNT_KEYS["neg_adv"]: neg.float().sum(),
+            _COUNT_KEYS["dppo_masked_nonzero_adv"]: (nonzero & masks["dppo_masked"]).float().sum(),
             _COUNT_KEYS["ratio_sum"]: torch.where(sel, ratio, zeros).sum(),
             _COUNT_KEYS["cap_hits"]: (sel & (ratio > is_cap)).float().sum(),
             _COUNT_KEYS["kl_k3_sum"]: torch.where(sel, ratio - 1.0 - log_ratio, zeros).sum(),
+            _COUNT_KEYS["nll_sum"]: torch.where(sel, -sampler_logprobs, zeros).sum(),
         }
+        for rule in RULES:
+            hit = masks[rule]
+            metrics[_COUNT_KEYS[rule]] = (sel & hit).float().sum()
+            metrics[_COUNT_KEYS[f"{rule}_adv_pos"]] = (pos & hit).float().sum()
+            metrics[_COUNT_KEYS[f"{rule}_adv_neg"]] = (neg & hit).float().sum()
         return value, metrics
 
+    ranks = dict(PER_DATUM_INPUT_RANKS)
+    if kl_coef > 0:
+
+        def per_datum_loss(logprobs, sampler_logprobs, advantages, mask, anchor_logprobs, ref_logprobs):
+            value, metrics = metrics_and_loss(logprobs, sampler_logprobs, advantages, mask, anchor_logprobs)
+            kl_t = kl_k3(logprobs, ref_logprobs)
+            kl = torch.where(mask > 0, kl_t, torch.zeros_like(kl_t)).sum()
+            metrics[_KL_REF_KEY] = kl.detach()
+            return value + kl_coef * kl, metrics
+
+        ranks[REF_KEY] = 1
+    else:
+
+        def per_datum_loss(logprobs, sampler_logprobs, advantages, mask, anchor_logprobs):
+            return metrics_and_loss(logprobs, sampler_logprobs, advantages, mask, anchor_logprobs)
+
     per_datum_loss.__name__ = f"{loss.name}_per_datum"
-    return PerDatumLoss(fn=per_datum_loss, input_ranks=dict(PER_DATUM_INPUT_RANKS))
+    return PerDatumLoss(fn=per_datum_loss, input_ranks=ranks)
 
 
 def finalize_per_datum_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     """Turn summed per-datum metrics into the shared diagnostic keys derivable from sums.
 
-    Returns loss/n_tokens, loss/dppo_masked_frac, loss/dppo_masked_frac_nonzero_adv,
-    loss/grpo_clip_frac, ratio/mean, ratio/cap_hits, drift/kl_sampler_current.
+    Returns loss/n_tokens, every rule's loss/<rule>_frac[_adv_pos|_adv_neg],
+    loss/dppo_masked_frac_nonzero_adv, ratio/mean, ratio/cap_hits, drift/kl_sampler_current,
+    entropy/sampled_token_estimate, and loss/kl_ref when the KL term ran.
     """
     missing = [k for k in _COUNT_KEYS.values() if k not in metrics]
     if missing:
@@ -109,23 +142,33 @@ def finalize_per_datum_metrics(metrics: Mapping[str, float]) -> dict[str, float]
     n = get["n_tokens"]
     if n <= 0:
         raise ValueError("finalize_per_datum_metrics: no loss tokens (custom/loss/n_tokens:sum is 0)")
-    nz = get["nonzero_adv"]
-    return {
+
+    def frac(count: float, among: float) -> float:
+        return count / among if among else 0.0
+
+    out = {
         "loss/n_tokens": n,
-        "loss/dppo_masked_frac": get["dppo_masked"] / n,
-        "loss/dppo_masked_frac_nonzero_adv": get["dppo_masked_nonzero_adv"] / nz if nz else 0.0,
-        "loss/grpo_clip_frac": get["grpo_clipped"] / n,
+        "loss/dppo_masked_frac_nonzero_adv": frac(get["dppo_masked_nonzero_adv"], get["nonzero_adv"]),
         "ratio/mean": get["ratio_sum"] / n,
         "ratio/cap_hits": get["cap_hits"],
         "drift/kl_sampler_current": get["kl_k3_sum"] / n,
+        "entropy/sampled_token_estimate": get["nll_sum"] / n,
     }
+    for rule in RULES:
+        out[f"loss/{rule}_frac"] = get[rule] / n
+        out[f"loss/{rule}_frac_adv_pos"] = frac(get[f"{rule}_adv_pos"], get["pos_adv"])
+        out[f"loss/{rule}_frac_adv_neg"] = frac(get[f"{rule}_adv_neg"], get["neg_adv"])
+    if _KL_REF_KEY in metrics:
+        out["loss/kl_ref"] = float(metrics[_KL_REF_KEY]) / n
+    return out
 
 
 def with_per_datum_inputs(datum: Any) -> Any:
     """Copy of a tinker `Datum` with the keys the per-datum function reads.
 
-    Adds `sampler_logprobs` (= its `logprobs`) and, when absent, `mask` by the same rule
-    as `make_custom_loss_fn` (advantages != 0 or logprobs != 0).
+    Adds `sampler_logprobs` (= its `logprobs`), `anchor_logprobs` (= its `logprobs`) when it
+    carries no recomputed anchor, and, when absent, `mask` by the same rule as
+    `make_custom_loss_fn` (advantages != 0 or logprobs != 0).
     """
     from tinker import types
 
@@ -135,6 +178,8 @@ def with_per_datum_inputs(datum: Any) -> Any:
             raise ValueError(f"with_per_datum_inputs: datum has no loss_fn_inputs[{key!r}]")
     sampler_T = inputs[SAMPLER_LOGPROBS_KEY].to_torch().to(torch.float32)
     inputs[PER_DATUM_SAMPLER_KEY] = types.TensorData.from_torch(sampler_T)
+    if ANCHOR_KEY not in inputs:
+        inputs[ANCHOR_KEY] = types.TensorData.from_torch(sampler_T)
     if MASK_KEY not in inputs:
         adv_T = inputs[ADVANTAGES_KEY].to_torch().to(torch.float32)
         inputs[MASK_KEY] = types.TensorData.from_torch(default_mask(sampler_T, adv_T))

@@ -11,8 +11,18 @@ Slow by design; meant for fixtures of a few thousand tokens.
 - DPPO (Stable-RL @ c6af1d1 compute_policy_loss_with_mask): w = min(exp(min(logp -
   logp_s, 20)), c); l = -A*w*keep*logp; dl/dlogp = -A*w*keep; keep from the binary TV /
   binary KL rule with the A > 0 / A <= 0 directions.
+- Importance sampling (Tinker `importance_sampling`): l = -r*A; dl/dlogp = -A*r.
+- CISPO (Tinker `cispo`): w = clip(r, low, high); l = -w*A*logp; dl/dlogp = -A*w.
+- GSPO (Tinker `gspo`, GSPO-token): s = exp(mean of logp - logp_s over the sequence's loss
+  tokens); l = -min(s*A, clip(s, 1-eps_low, 1+eps_high)*A) on each token; dl/dlogp_t = -A*s
+  unless the clipped branch is strictly smaller, where it is 0.
+- Recomputed anchor a: the GRPO/GSPO clip is on the ratio to a and the clipped branch carries
+  w = pi_a/mu (decoupled PPO); the DPPO rule is on a, its weight on the sampler.
+- KL to the initial weights: k3 = exp(d) - 1 - d, d = ref - logp; dk3/dlogp = 1 - exp(d);
+  the loss adds kl_coef times k3 aggregated like the policy term.
 - Aggregation weights: sum 1; token_mean 1/N; seq_mean_token_sum 1/S; seq_mean_token_mean
-  1/(S*n_i) with N loss tokens, S non-empty sequences, n_i tokens of sequence i.
+  1/(S*n_i); seq_mean_token_sum_norm 1/(S*H) with N loss tokens, S non-empty sequences, n_i
+  tokens of sequence i, H the configured constant.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 Rows = Sequence[Sequence[float]]
 
@@ -71,7 +82,7 @@ def ref_dppo_token(
     return -a * w * keep * lp, -a * w * keep
 
 
-def _weights(mask: Rows, aggregation: str) -> list[list[float]]:
+def _weights(mask: Rows, aggregation: str, norm_length: float | None = None) -> list[list[float]]:
     counts = [sum(1 for m in row if m != 0) for row in mask]
     n_tokens = sum(counts)
     n_seqs = sum(1 for c in counts if c > 0)
@@ -85,6 +96,10 @@ def _weights(mask: Rows, aggregation: str) -> list[list[float]]:
             w = 1.0 / n_seqs
         elif aggregation == "seq_mean_token_mean":
             w = 1.0 / (n_seqs * c) if c else 0.0
+        elif aggregation == "seq_mean_token_sum_norm":
+            if norm_length is None:
+                raise ValueError("seq_mean_token_sum_norm needs norm_length")
+            w = 1.0 / (n_seqs * norm_length)
         else:
             raise ValueError(f"unknown aggregation {aggregation!r}")
         out.append([w if m != 0 else 0.0 for m in row])
@@ -99,47 +114,124 @@ def _quantile(sorted_vals: list[float], q: float) -> float:
     return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
 
 
+def ref_clip_token(
+    lp: float, slp: float, alp: float, a: float, eps_low: float, eps_high: float
+) -> tuple[float, float]:
+    """(loss, dloss/dlogp) of one token under the PPO clip anchored at `alp` (alp = slp: Tinker ppo)."""
+    r, r_a, w = math.exp(lp - slp), math.exp(lp - alp), math.exp(alp - slp)
+    lo, hi = 1.0 - eps_low, 1.0 + eps_high
+    r_a_clipped = lo if r_a < lo else min(r_a, hi)
+    unclipped, clipped = r * a, r_a_clipped * w * a
+    if clipped < unclipped:
+        return -clipped, 0.0
+    return -unclipped, -a * r
+
+
+def ref_cispo_token(lp: float, slp: float, a: float, low: float, high: float) -> tuple[float, float]:
+    w = min(max(math.exp(min(lp - slp, 20.0)), low), high)
+    return -w * a * lp, -w * a
+
+
+def ref_is_token(lp: float, slp: float, a: float) -> tuple[float, float]:
+    r = math.exp(lp - slp)
+    return -r * a, -r * a
+
+
+def _seq_mean(row_a: Sequence[float], row_b: Sequence[float], m_row: Sequence[float]) -> float:
+    diffs = [x - y for x, y, m in zip(row_a, row_b, m_row) if m != 0]
+    return sum(diffs) / len(diffs) if diffs else 0.0
+
+
+def _seq_ratios(logp: Rows, sampler_logp: Rows, anchor_logp: Rows, mask: Rows) -> list[tuple[float, float, float]]:
+    """Per sequence: (s, s_a, w) = exp of the mean log-ratios current/sampler, current/anchor, anchor/sampler."""
+    return [
+        (math.exp(_seq_mean(lp, slp, m)), math.exp(_seq_mean(lp, alp, m)), math.exp(_seq_mean(alp, slp, m)))
+        for lp, slp, alp, m in zip(logp, sampler_logp, anchor_logp, mask)
+    ]
+
+
+def ref_gspo_token(
+    s: float, s_a: float, w: float, a: float, eps_low: float, eps_high: float
+) -> tuple[float, float]:
+    """(loss, dloss/dlogp_t) of one token of a sequence with ratios (s, s_a, w) under GSPO-token."""
+    lo, hi = 1.0 - eps_low, 1.0 + eps_high
+    s_a_clipped = lo if s_a < lo else min(s_a, hi)
+    unclipped, clipped = s * a, s_a_clipped * w * a
+    if clipped < unclipped:
+        return -clipped, 0.0
+    return -unclipped, -a * s
+
+
+#: The rule settings of the diagnostics (each loss's defaults; a plugin overrides its own).
+DEFAULT_RULES: dict[str, Any] = {
+    "dppo_mode": "binary_tv",
+    "dppo_delta_low": 0.15,
+    "dppo_delta_high": 0.15,
+    "grpo_eps_low": 0.2,
+    "grpo_eps_high": 0.2,
+    "cispo_low": 0.0,
+    "cispo_high": 4.0,
+    "gspo_eps_low": 3e-4,
+    "gspo_eps_high": 4e-4,
+}
+
+
 def ref_diagnostics(
     logp: Rows,
     sampler_logp: Rows,
     adv: Rows,
     mask: Rows,
     *,
-    drop_mode: str,
-    drop_delta_low: float,
-    drop_delta_high: float,
-    clip_eps_low: float,
-    clip_eps_high: float,
-    cap: float,
+    rules: dict[str, Any] | None = None,
+    anchor_logp: Rows | None = None,
+    cap: float = 1e4,
 ) -> dict[str, float]:
     """The shared diagnostics, token by token (see trainer.losses.diagnostics for meanings)."""
-    n = n_nonzero = dropped = dropped_nonzero = clipped = cap_hits = 0
-    ratio_sum = k3_sum = 0.0
+    rl = {**DEFAULT_RULES, **(rules or {})}
+    anchor = sampler_logp if anchor_logp is None else anchor_logp
+    seq = _seq_ratios(logp, sampler_logp, anchor, mask)
+    counts = {k: 0 for k in ("n", "pos", "neg", "nonzero", "dppo_nonzero", "cap_hits")}
+    hits = {f"{rule}{sfx}": 0 for rule in RULE_NAMES for sfx in ("", "_pos", "_neg")}
+    ratio_sum = k3_sum = nll_sum = 0.0
     ratio_max = -math.inf
     abs_dp: list[float] = []
-    for lp_row, s_row, a_row, m_row in zip(logp, sampler_logp, adv, mask):
-        for lp, slp, a, m in zip(lp_row, s_row, a_row, m_row):
+    for i, (lp_row, s_row, a_row, m_row, al_row) in enumerate(zip(logp, sampler_logp, adv, mask, anchor)):
+        s_a = seq[i][1]
+        for lp, slp, a, m, alp in zip(lp_row, s_row, a_row, m_row, al_row):
             if m == 0:
                 continue
-            n += 1
-            r = math.exp(lp - slp)
-            is_dropped = ref_dppo_dropped(lp, slp, a, drop_mode, drop_delta_low, drop_delta_high)
-            dropped += is_dropped
-            if a != 0:
-                n_nonzero += 1
-                dropped_nonzero += is_dropped
-            if (a > 0 and r > 1.0 + clip_eps_high) or (a < 0 and r < 1.0 - clip_eps_low):
-                clipped += 1
-            cap_hits += r > cap
+            r, r_a = math.exp(lp - slp), math.exp(lp - alp)
+            acts = {
+                "dppo_masked": ref_dppo_dropped(
+                    lp, alp, a, rl["dppo_mode"], rl["dppo_delta_low"], rl["dppo_delta_high"]
+                ),
+                "grpo_clip": (a > 0 and r_a > 1.0 + rl["grpo_eps_high"]) or (a < 0 and r_a < 1.0 - rl["grpo_eps_low"]),
+                "cispo_clip": r > rl["cispo_high"] or r < rl["cispo_low"],
+                "gspo_clip": (a > 0 and s_a > 1.0 + rl["gspo_eps_high"]) or (a < 0 and s_a < 1.0 - rl["gspo_eps_low"]),
+            }
+            counts["n"] += 1
+            counts["pos"] += a > 0
+            counts["neg"] += a < 0
+            counts["nonzero"] += a != 0
+            counts["dppo_nonzero"] += a != 0 and acts["dppo_masked"]
+            for rule, hit in acts.items():
+                hits[rule] += hit
+                hits[f"{rule}_pos"] += hit and a > 0
+                hits[f"{rule}_neg"] += hit and a < 0
+            counts["cap_hits"] += r > cap
             ratio_sum += r
             ratio_max = max(ratio_max, r)
             k3_sum += r - 1.0 - (lp - slp)
+            nll_sum += -slp
             abs_dp.append(abs(math.exp(lp) - math.exp(slp)))
     abs_dp.sort()
-    return {
-        "loss/dppo_masked_frac": dropped / n,
-        "loss/dppo_masked_frac_nonzero_adv": dropped_nonzero / n_nonzero if n_nonzero else 0.0,
-        "loss/grpo_clip_frac": clipped / n,
+    n = counts["n"]
+
+    def frac(k: int, among: int) -> float:
+        return k / among if among else 0.0
+
+    out = {
+        "loss/dppo_masked_frac_nonzero_adv": frac(counts["dppo_nonzero"], counts["nonzero"]),
         "drift/abs_p_q50": _quantile(abs_dp, 0.5),
         "drift/abs_p_q90": _quantile(abs_dp, 0.9),
         "drift/abs_p_q99": _quantile(abs_dp, 0.99),
@@ -147,26 +239,122 @@ def ref_diagnostics(
         "drift/kl_sampler_current": k3_sum / n,
         "ratio/mean": ratio_sum / n,
         "ratio/max": ratio_max,
-        "ratio/cap_hits": float(cap_hits),
+        "ratio/cap_hits": float(counts["cap_hits"]),
+        "entropy/sampled_token_estimate": nll_sum / n,
         "loss/n_tokens": float(n),
     }
+    for rule in RULE_NAMES:
+        out[f"loss/{rule}_frac"] = hits[rule] / n
+        out[f"loss/{rule}_frac_adv_pos"] = frac(hits[f"{rule}_pos"], counts["pos"])
+        out[f"loss/{rule}_frac_adv_neg"] = frac(hits[f"{rule}_neg"], counts["neg"])
+    return out
 
 
-def _reduce(token_fn, logp: Rows, sampler_logp: Rows, adv: Rows, mask: Rows, aggregation: str) -> RefResult:
-    weights = _weights(mask, aggregation)
+RULE_NAMES = ("dppo_masked", "grpo_clip", "cispo_clip", "gspo_clip")
+
+
+def _reduce(
+    token_fn, logp: Rows, sampler_logp: Rows, adv: Rows, mask: Rows, aggregation: str,
+    norm_length: float | None = None, anchor_logp: Rows | None = None,
+) -> RefResult:
+    """`token_fn(i, lp, slp, alp, a) -> (loss, dloss/dlogp)` reduced with the aggregation weights."""
+    weights = _weights(mask, aggregation, norm_length)
+    anchor = sampler_logp if anchor_logp is None else anchor_logp
     value = 0.0
     grad = []
-    for lp_row, s_row, a_row, w_row in zip(logp, sampler_logp, adv, weights):
+    for i, (lp_row, s_row, a_row, w_row, al_row) in enumerate(zip(logp, sampler_logp, adv, weights, anchor)):
         g_row = []
-        for lp, slp, a, w in zip(lp_row, s_row, a_row, w_row):
+        for lp, slp, a, w, alp in zip(lp_row, s_row, a_row, w_row, al_row):
             if w == 0.0:
                 g_row.append(0.0)
                 continue
-            loss_t, grad_t = token_fn(lp, slp, a)
+            loss_t, grad_t = token_fn(i, lp, slp, alp, a)
             value += w * loss_t
             g_row.append(w * grad_t)
         grad.append(g_row)
     return RefResult(value=value, grad=grad)
+
+
+def _add_kl(res: RefResult, logp: Rows, ref_logp: Rows, mask: Rows, aggregation: str,
+            norm_length: float | None, kl_coef: float) -> None:
+    weights = _weights(mask, aggregation, norm_length)
+    total = n = 0.0
+    for i, (lp_row, r_row, w_row, m_row) in enumerate(zip(logp, ref_logp, weights, mask)):
+        for t, (lp, ref, w, m) in enumerate(zip(lp_row, r_row, w_row, m_row)):
+            if m == 0:
+                continue
+            d = ref - lp
+            k3 = math.exp(d) - 1.0 - d
+            res.value += kl_coef * w * k3
+            res.grad[i][t] += kl_coef * w * (1.0 - math.exp(d))
+            total += k3
+            n += 1
+    res.metrics["loss/kl_ref"] = total / n
+
+
+def ref_loss(
+    loss: str,
+    logp: Rows,
+    sampler_logp: Rows,
+    adv: Rows,
+    mask: Rows,
+    *,
+    aggregation: str = "sum",
+    norm_length: float | None = None,
+    anchor_logp: Rows | None = None,
+    ref_logp: Rows | None = None,
+    kl_coef: float = 0.0,
+    rules: dict[str, Any] | None = None,
+    cap: float = 1e4,
+    **params: Any,
+) -> RefResult:
+    """Reference value, gradient and diagnostics of `loss` (grpo | dppo | importance_sampling |
+    cispo | gspo) on `[B][T]` nested lists. `params` are the loss's own settings:
+    grpo eps_low/eps_high; dppo mode/delta_low/delta_high (cap = c); cispo low/high;
+    gspo eps_low/eps_high. `rules` overrides the diagnostics' counterfactual settings."""
+    anchor = sampler_logp if anchor_logp is None else anchor_logp
+    rl = dict(rules or {})
+    if loss == "grpo":
+        el, eh = params.get("eps_low", 0.2), params.get("eps_high", 0.2)
+        rl.update(grpo_eps_low=el, grpo_eps_high=eh)
+
+        def fn(i, lp, slp, alp, a):
+            return ref_clip_token(lp, slp, alp, a, el, eh)
+    elif loss == "dppo":
+        mode = params.get("mode", "binary_tv")
+        dl, dh = params.get("delta_low", 0.15), params.get("delta_high", 0.15)
+        rl.update(dppo_mode=mode, dppo_delta_low=dl, dppo_delta_high=dh)
+
+        def fn(i, lp, slp, alp, a):
+            w = min(math.exp(min(lp - slp, 20.0)), cap)
+            keep = 0.0 if ref_dppo_dropped(lp, alp, a, mode, dl, dh) else 1.0
+            return -a * w * keep * lp, -a * w * keep
+    elif loss == "importance_sampling":
+
+        def fn(i, lp, slp, alp, a):
+            return ref_is_token(lp, slp, a)
+    elif loss == "cispo":
+        low, high = params.get("low", 0.0), params.get("high", 4.0)
+        rl.update(cispo_low=low, cispo_high=high)
+
+        def fn(i, lp, slp, alp, a):
+            return ref_cispo_token(lp, slp, a, low, high)
+    elif loss == "gspo":
+        el, eh = params.get("eps_low", 3e-4), params.get("eps_high", 4e-4)
+        rl.update(gspo_eps_low=el, gspo_eps_high=eh)
+        seq = _seq_ratios(logp, sampler_logp, anchor, mask)
+
+        def fn(i, lp, slp, alp, a):
+            return ref_gspo_token(*seq[i], a, el, eh)
+    else:
+        raise ValueError(f"unknown loss {loss!r}")
+    res = _reduce(fn, logp, sampler_logp, adv, mask, aggregation, norm_length, anchor_logp)
+    res.metrics = ref_diagnostics(logp, sampler_logp, adv, mask, rules=rl, anchor_logp=anchor_logp, cap=cap)
+    if kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs ref_logp")
+        _add_kl(res, logp, ref_logp, mask, aggregation, norm_length, kl_coef)
+    return res
 
 
 def ref_grpo(
@@ -182,27 +370,8 @@ def ref_grpo(
     cap: float = 1e4,
 ) -> RefResult:
     """Reference GRPO loss value, gradient and diagnostics on `[B][T]` nested lists."""
-    res = _reduce(
-        lambda lp, slp, a: ref_grpo_token(lp, slp, a, eps_low, eps_high),
-        logp,
-        sampler_logp,
-        adv,
-        mask,
-        aggregation,
-    )
-    res.metrics = ref_diagnostics(
-        logp,
-        sampler_logp,
-        adv,
-        mask,
-        drop_mode="binary_tv",
-        drop_delta_low=cf_dppo_delta,
-        drop_delta_high=cf_dppo_delta,
-        clip_eps_low=eps_low,
-        clip_eps_high=eps_high,
-        cap=cap,
-    )
-    return res
+    return ref_loss("grpo", logp, sampler_logp, adv, mask, aggregation=aggregation, cap=cap, eps_low=eps_low,
+                    eps_high=eps_high, rules={"dppo_delta_low": cf_dppo_delta, "dppo_delta_high": cf_dppo_delta})
 
 
 def ref_dppo(
@@ -219,24 +388,6 @@ def ref_dppo(
     cf_grpo_eps: float = 0.2,
 ) -> RefResult:
     """Reference DPPO loss value, gradient and diagnostics on `[B][T]` nested lists."""
-    res = _reduce(
-        lambda lp, slp, a: ref_dppo_token(lp, slp, a, mode, delta_low, delta_high, cap),
-        logp,
-        sampler_logp,
-        adv,
-        mask,
-        aggregation,
-    )
-    res.metrics = ref_diagnostics(
-        logp,
-        sampler_logp,
-        adv,
-        mask,
-        drop_mode=mode,
-        drop_delta_low=delta_low,
-        drop_delta_high=delta_high,
-        clip_eps_low=cf_grpo_eps,
-        clip_eps_high=cf_grpo_eps,
-        cap=cap,
-    )
-    return res
+    return ref_loss("dppo", logp, sampler_logp, adv, mask, aggregation=aggregation, cap=cap, mode=mode,
+                    delta_low=delta_low, delta_high=delta_high,
+                    rules={"grpo_eps_low": cf_grpo_eps, "grpo_eps_high": cf_grpo_eps})

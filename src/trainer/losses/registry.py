@@ -35,7 +35,7 @@ def register_loss(name: str) -> Callable[[_T], _T]:
 
 def get_loss_class(name: str) -> type:
     """The loss class registered under `name`; ValueError listing the known names otherwise."""
-    # Importing the package registers the built-in losses (grpo, dppo).
+    # Importing the package registers the built-in losses.
     import trainer.losses  # noqa: F401
 
     try:

@@ -7,6 +7,8 @@ Every returned mask is computed from detached inputs: no gradient flows through 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 DPPO_MODES: tuple[str, ...] = ("binary_tv", "binary_kl")
@@ -81,10 +83,35 @@ def dppo_drop_mask(
     return torch.where(advantages.detach() > 0, drop_pos, drop_neg)
 
 
+def clamped_ratio(logp: torch.Tensor, anchor_logp: torch.Tensor) -> torch.Tensor:
+    """exp(logp - anchor_logp) with the log-ratio clamped to [-20, 20] (differentiable in logp)."""
+    return torch.exp(torch.clamp(logp - anchor_logp.detach(), min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP))
+
+
+def anchor_weight(anchor_logp: torch.Tensor, sampler_logp: torch.Tensor) -> torch.Tensor:
+    """sg(pi_anchor / mu): the decoupled-PPO correction from the anchor back to the sampler.
+
+    Exactly 1 when the anchor is the sampler (exp(0)); see `grpo_token_loss`.
+    """
+    return clamped_ratio(anchor_logp.detach(), sampler_logp).detach()
+
+
 def grpo_token_loss(
-    logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+    logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    anchor_logp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PPO-clip token loss `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)`, r = exp(logp - sampler_logp).
+
+    With a recomputed anchor (trainer logprobs before the first update) the clip moves to the
+    anchor ratio r_a = pi/pi_anchor and the sampler correction w = sg(pi_anchor/mu) multiplies
+    the clipped branch: `-min(r*A, clip(r_a)*w*A)` (decoupled PPO, Hilton et al. 2022, arXiv
+    2110.00641 eq. 3; r = r_a*w). Its gradient is -A*r where the anchor clip does not bind and 0
+    where it does, as Stable-RL's `ppo_recompute` mask (anchor for the rule, sampler for the
+    weight). Without an anchor r_a = r and w = 1: Tinker's `ppo`.
 
     Tinker built-in `ppo` (docs /tinker/losses/ppo; spindle `_loss` branch "ppo"): no dual clip.
     Gradient -A*r on unclipped tokens, 0 where the clip binds. One guard Tinker does not document:
@@ -93,10 +120,14 @@ def grpo_token_loss(
     overflows, and inf * 0 would put NaN into the gradient, even of masked tokens (a garbage sampler
     logprob) and of A > 0 tokens whose clip binds. Past the clamp the token's gradient is 0.
     """
-    log_ratio = torch.clamp(logp - sampler_logp.detach(), min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    ratio = clamped_ratio(logp, sampler_logp)
     adv = advantages.detach()
-    clipped = torch.clamp(ratio, min=1.0 - eps_low, max=1.0 + eps_high)
+    if anchor_logp is None:
+        clipped = torch.clamp(ratio, min=1.0 - eps_low, max=1.0 + eps_high)
+    else:
+        anchor_ratio = clamped_ratio(logp, anchor_logp)
+        weight = anchor_weight(anchor_logp, sampler_logp)
+        clipped = torch.clamp(anchor_ratio, min=1.0 - eps_low, max=1.0 + eps_high) * weight
     return -torch.minimum(ratio * adv, clipped * adv)
 
 
@@ -116,3 +147,135 @@ def dppo_token_loss(
     log_ratio = torch.clamp(logp.detach() - sampler_logp.detach(), max=LOG_RATIO_CLAMP)
     weight = torch.clamp(torch.exp(log_ratio), max=is_cap)
     return -advantages.detach() * weight * keep.detach() * logp
+
+
+def importance_sampling_token_loss(
+    logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor
+) -> torch.Tensor:
+    """Tinker's built-in `importance_sampling` token loss `-r*A`, r = exp(logp - sampler_logp).
+
+    Gradient -A*r everywhere: no trust region. The log-ratio is clamped to [-20, 20] as in
+    `grpo_token_loss` (identical within it; past it the token's gradient is 0, not NaN).
+    """
+    return -clamped_ratio(logp, sampler_logp) * advantages.detach()
+
+
+def cispo_token_loss(
+    logp: torch.Tensor, sampler_logp: torch.Tensor, advantages: torch.Tensor, low: float, high: float
+) -> torch.Tensor:
+    """Tinker's built-in `cispo` token loss `-sg(clip(r, low, high)) * A * logp`.
+
+    The clip truncates the IS weight but never zeroes a token's gradient: -A*clip(r) for
+    every token (MiniMax-M1, arXiv 2506.13585 eq. 4, with the weight's bounds as absolute
+    thresholds on r, as Tinker configures them).
+    """
+    weight = torch.clamp(torch.exp(torch.clamp(logp.detach() - sampler_logp.detach(), max=LOG_RATIO_CLAMP)),
+                         min=low, max=high)
+    return -weight * advantages.detach() * logp
+
+
+def cispo_clip_active(logp: torch.Tensor, sampler_logp: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Bool mask of tokens whose CISPO weight is truncated: r > high or r < low (either sign of A)."""
+    ratio = torch.exp(logp.detach() - sampler_logp.detach())
+    return (ratio > high) | (ratio < low)
+
+
+def sequence_log_ratio(logp: torch.Tensor, anchor_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Detached mean of logp - anchor_logp over each sequence's loss tokens, shaped to broadcast.
+
+    GSPO's length-normalised sequence log-ratio (arXiv 2507.18071 eq. 7). The last dim is the
+    token dim; a row without loss tokens gets 0. Clamped to [-20, 20].
+    """
+    sel = mask.detach() > 0
+    diff = torch.where(sel, logp.detach() - anchor_logp.detach(), torch.zeros_like(logp))
+    count = sel.to(logp.dtype).sum(dim=-1, keepdim=True).clamp(min=1.0)
+    return torch.clamp(diff.sum(dim=-1, keepdim=True) / count, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+
+
+def gspo_token_loss(
+    logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    anchor_logp: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GSPO-token loss `-min(s_t*A, clip(s_t, 1-eps_low, 1+eps_high)*A)` per token.
+
+    s_t = sg(s) * p/sg(p): every token carries the sequence ratio s = exp(mean log(p/mu)) and the
+    gradient of its own logprob (Tinker docs /tinker/losses/gspo; verl-project/verl @ 018f23b5,
+    verl/trainer/ppo/core_algos.py::compute_policy_loss_gspo). With a recomputed anchor the clip
+    moves to the anchor's sequence ratio s_a and w = sg(s/s_a) multiplies the clipped branch, as in
+    `grpo_token_loss`.
+    """
+    own = logp - logp.detach()
+    seq_ratio = torch.exp(sequence_log_ratio(logp, sampler_logp, mask) + own)
+    adv = advantages.detach()
+    if anchor_logp is None:
+        clipped = torch.clamp(seq_ratio, min=1.0 - eps_low, max=1.0 + eps_high)
+    else:
+        anchor_lr = sequence_log_ratio(logp, anchor_logp, mask)
+        weight = torch.exp(sequence_log_ratio(anchor_logp, sampler_logp, mask))
+        clipped = torch.clamp(torch.exp(anchor_lr + own), min=1.0 - eps_low, max=1.0 + eps_high) * weight
+    return -torch.minimum(seq_ratio * adv, clipped * adv)
+
+
+def gspo_clip_active(
+    logp: torch.Tensor,
+    anchor_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> torch.Tensor:
+    """Bool mask of tokens where GSPO's sequence clip binds (A > 0, s > 1+eps_high or A < 0, s < 1-eps_low)."""
+    seq_ratio = torch.exp(sequence_log_ratio(logp, anchor_logp, mask)).expand_as(logp)
+    adv = advantages.detach()
+    return ((adv > 0) & (seq_ratio > 1.0 + eps_high)) | ((adv < 0) & (seq_ratio < 1.0 - eps_low))
+
+
+#: Rule names in the order every arm reports them (`loss/<rule>_frac`).
+RULES: tuple[str, ...] = ("dppo_masked", "grpo_clip", "cispo_clip", "gspo_clip")
+
+
+@dataclass(frozen=True)
+class TrustRegionRules:
+    """The four token rules every arm evaluates: its own with its own settings, the others as
+    counterfactuals (what that loss would have dropped, clipped or truncated on this batch).
+
+    Defaults are each loss's own defaults: DPPO binary TV 0.15 (authors' scripts), GRPO 0.2,
+    CISPO 0.0 / 4.0 (Tinker), GSPO 3e-4 / 4e-4 (arXiv 2507.18071 section 5.1).
+    """
+
+    dppo_mode: str = "binary_tv"
+    dppo_delta_low: float = 0.15
+    dppo_delta_high: float = 0.15
+    grpo_eps_low: float = 0.2
+    grpo_eps_high: float = 0.2
+    cispo_low: float = 0.0
+    cispo_high: float = 4.0
+    gspo_eps_low: float = 3e-4
+    gspo_eps_high: float = 4e-4
+
+    def masks(
+        self,
+        logp: torch.Tensor,
+        sampler_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        anchor_logp: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """{rule: bool mask of the tokens it acts on}, detached. The trust regions (DPPO, GRPO,
+        GSPO) use the anchor; CISPO's weight truncation is on the sampler ratio."""
+        anchor = sampler_logp if anchor_logp is None else anchor_logp
+        return {
+            "dppo_masked": dppo_drop_mask(
+                logp, anchor, advantages, self.dppo_mode, self.dppo_delta_low, self.dppo_delta_high
+            ),
+            "grpo_clip": ppo_clip_active(logp, anchor, advantages, self.grpo_eps_low, self.grpo_eps_high),
+            "cispo_clip": cispo_clip_active(logp, sampler_logp, self.cispo_low, self.cispo_high),
+            "gspo_clip": gspo_clip_active(
+                logp, anchor, advantages, mask, self.gspo_eps_low, self.gspo_eps_high
+            ),
+        }

@@ -9,6 +9,11 @@ tokens, `slp` = `loss_fn_inputs["logprobs"]` (sampler), `A` = `loss_fn_inputs["a
 - ppo:                 -sum(min(r * A, clip(r, lo, hi) * A)), lo/hi = clip_low/high_threshold (0.8/1.2)
 - cispo:               -sum(sg(clip(r, lo, hi)) * lp * A),     defaults 0.0/4.0
 - dro:                 -sum(lp * A - 0.5 * beta * (lp - slp)^2), beta required
+- gspo:                -sum(min(s_t * A, clip(s_t, lo, hi) * A)), s_t = sg(s) * exp(lp - sg(lp)),
+                       s = exp(mean of (lp - slp) over the positions `sequence_ratio_mask` marks)
+                       (docs /tinker/losses/gspo, GSPO-token). The docs state no defaults for its
+                       thresholds or mask, so the local engine requires `clip_low_threshold`,
+                       `clip_high_threshold` (absolute bounds on s, as for ppo) and the mask input.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ DEFAULT_CONFIG: dict[str, dict[str, float]] = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {},
+    "gspo": {},
 }
 REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": (),
@@ -31,10 +37,12 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "ppo": _RL_INPUTS,
     "cispo": _RL_INPUTS,
     "dro": _RL_INPUTS,
+    "gspo": _RL_INPUTS + ("sequence_ratio_mask",),
 }
 _ALLOWED_CONFIG = {"cross_entropy": set(), "importance_sampling": set(),
                    "ppo": {"clip_low_threshold", "clip_high_threshold"},
-                   "cispo": {"clip_low_threshold", "clip_high_threshold"}, "dro": {"beta"}}
+                   "cispo": {"clip_low_threshold", "clip_high_threshold"}, "dro": {"beta"},
+                 "gspo": {"clip_low_threshold", "clip_high_threshold"}}
 
 
 def resolve_config(loss_fn: str, loss_fn_config: Mapping[str, Any] | None) -> dict[str, float]:
@@ -50,6 +58,9 @@ def resolve_config(loss_fn: str, loss_fn_config: Mapping[str, Any] | None) -> di
         cfg[k] = float(v)
     if loss_fn == "dro" and "beta" not in cfg:
         raise ValueError("loss_fn 'dro' needs loss_fn_config={'beta': ...}")
+    if loss_fn == "gspo" and not {"clip_low_threshold", "clip_high_threshold"} <= set(cfg):
+        raise ValueError("loss_fn 'gspo' needs loss_fn_config={'clip_low_threshold': ..., 'clip_high_threshold': ...} "
+                         "on the local engine (no documented defaults)")
     return cfg
 
 
@@ -83,12 +94,21 @@ def _dro(lp, inputs, cfg):
     return -(lp * A - 0.5 * cfg["beta"] * (lp - slp) ** 2).sum()
 
 
+def _gspo(lp, inputs, cfg):
+    A, in_ratio = inputs["advantages"], inputs["sequence_ratio_mask"] != 0
+    log_ratio = (lp.detach() - inputs["logprobs"])[in_ratio].mean() if bool(in_ratio.any()) else lp.new_zeros(())
+    ratio = torch.exp(log_ratio + lp - lp.detach())
+    clipped = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    return -torch.minimum(ratio * A, clipped * A).sum()
+
+
 LOSSES: dict[str, Callable[[torch.Tensor, Mapping[str, torch.Tensor], dict[str, float]], torch.Tensor]] = {
     "cross_entropy": _cross_entropy,
     "importance_sampling": _importance_sampling,
     "ppo": _ppo,
     "cispo": _cispo,
     "dro": _dro,
+    "gspo": _gspo,
 }
 
 
