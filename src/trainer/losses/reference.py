@@ -120,11 +120,11 @@ def ref_clip_token(
     """(loss, dloss/dlogp) of one token under the PPO clip anchored at `alp` (alp = slp: Tinker ppo)."""
     r, r_a, w = math.exp(lp - slp), math.exp(lp - alp), math.exp(alp - slp)
     lo, hi = 1.0 - eps_low, 1.0 + eps_high
-    r_a_clipped = lo if r_a < lo else min(r_a, hi)
-    unclipped, clipped = r * a, r_a_clipped * w * a
-    if clipped < unclipped:
-        return -clipped, 0.0
-    return -unclipped, -a * r
+    # the clipped branch is the smaller one exactly when the clip binds in the direction of A
+    # (decided on r_a itself: r and r_a * w agree only up to rounding)
+    if (a > 0 and r_a > hi) or (a < 0 and r_a < lo):
+        return -(lo if r_a < lo else hi) * w * a, 0.0
+    return -r * a, -a * r
 
 
 def ref_cispo_token(lp: float, slp: float, a: float, low: float, high: float) -> tuple[float, float]:
@@ -155,11 +155,9 @@ def ref_gspo_token(
 ) -> tuple[float, float]:
     """(loss, dloss/dlogp_t) of one token of a sequence with ratios (s, s_a, w) under GSPO-token."""
     lo, hi = 1.0 - eps_low, 1.0 + eps_high
-    s_a_clipped = lo if s_a < lo else min(s_a, hi)
-    unclipped, clipped = s * a, s_a_clipped * w * a
-    if clipped < unclipped:
-        return -clipped, 0.0
-    return -unclipped, -a * s
+    if (a > 0 and s_a > hi) or (a < 0 and s_a < lo):
+        return -(lo if s_a < lo else hi) * w * a, 0.0
+    return -s * a, -a * s
 
 
 #: The rule settings of the diagnostics (each loss's defaults; a plugin overrides its own).

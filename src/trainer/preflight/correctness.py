@@ -3,7 +3,8 @@
 On a fixed seeded fixture (>= 1000 loss tokens, variable lengths, prompt and padding
 positions filled with garbage, all-zero-advantage groups, realistic sampler/current
 drift, a few r > c spikes) every loss (GRPO, DPPO binary_tv, DPPO binary_kl, each
-aggregation; plus clip-higher GRPO and asymmetric-delta DPPO) is compared with
+aggregation; plus clip-higher GRPO, asymmetric-delta DPPO, importance sampling, CISPO and GSPO,
+the last three at the aggregations they are run with) is compared with
 `trainer.losses.reference` three ways:
 - float64 tensors through the plugin (value, gradient, diagnostics);
 - float32 tinker `Datum`s through `make_custom_loss_fn` (the two-pass forward_backward_custom path);
@@ -28,10 +29,13 @@ import torch
 
 from trainer.losses.adapter import make_custom_loss_fn
 from trainer.losses.diagnostics import DIAGNOSTIC_KEYS
+from trainer.losses.cispo import CISPOLoss
 from trainer.losses.dppo import DPPOLoss
 from trainer.losses.grpo import GRPOLoss
+from trainer.losses.gspo import GSPOLoss
+from trainer.losses.importance_sampling import ImportanceSamplingLoss
 from trainer.losses.per_datum import finalize_per_datum_metrics, with_per_datum_inputs
-from trainer.losses.reference import RefResult, ref_dppo, ref_grpo
+from trainer.losses.reference import RefResult, ref_dppo, ref_grpo, ref_loss
 from trainer.preflight.common import Check, GateReport
 
 GATE = "correctness"
@@ -40,7 +44,14 @@ GRAD_ATOL, GRAD_RTOL = 1e-5, 1e-3
 MIN_COSINE = 0.9999
 METRIC_RTOL_F64 = 1e-6
 METRIC_RTOL_F32 = 1e-4
-AGGREGATIONS = ("sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+AGGREGATIONS = ("sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+# the constant H of seq_mean_token_sum_norm on the fixture (its longest response is 64 tokens)
+NORM_LENGTH = 64.0
+
+
+def _agg(agg: str) -> dict[str, Any]:
+    """Loss / reference kwargs selecting aggregation `agg` (with H where it needs one)."""
+    return {"aggregation": agg, "norm_length": NORM_LENGTH if agg == "seq_mean_token_sum_norm" else None}
 
 
 # ----------------------------------------------------------------------------- fixture
@@ -132,45 +143,24 @@ class Case:
 
 
 def default_cases() -> list[Case]:
+    def case(name: str, make: Callable[..., Any], ref_name: str, aggs: tuple[str, ...] = AGGREGATIONS,
+             **params: Any) -> Case:
+        return Case(name, lambda agg: make(**_agg(agg)),
+                    lambda *rows, aggregation: ref_loss(ref_name, *rows, **_agg(aggregation), **params), aggs)
+
     return [
-        Case(
-            "grpo",
-            lambda agg: GRPOLoss(aggregation=agg),
-            lambda *rows, aggregation: ref_grpo(*rows, aggregation=aggregation),
-            AGGREGATIONS,
-        ),
-        Case(
-            "dppo_binary_tv",
-            lambda agg: DPPOLoss(mode="binary_tv", aggregation=agg),
-            lambda *rows, aggregation: ref_dppo(
-                *rows, mode="binary_tv", delta_low=0.15, delta_high=0.15, aggregation=aggregation
-            ),
-            AGGREGATIONS,
-        ),
-        Case(
-            "dppo_binary_kl",
-            lambda agg: DPPOLoss(mode="binary_kl", aggregation=agg),
-            lambda *rows, aggregation: ref_dppo(
-                *rows, mode="binary_kl", delta_low=0.05, delta_high=0.05, aggregation=aggregation
-            ),
-            AGGREGATIONS,
-        ),
-        Case(
-            "grpo_clip_higher",
-            lambda agg: GRPOLoss(clip_eps_low=0.2, clip_eps_high=0.28, aggregation=agg),
-            lambda *rows, aggregation: ref_grpo(*rows, eps_low=0.2, eps_high=0.28, aggregation=aggregation),
-            ("sum",),
-        ),
-        Case(
-            "dppo_tv_asym_c3",
-            lambda agg: DPPOLoss(
-                mode="binary_tv", delta_low=0.1, delta_high=0.2, is_cap=3.0, aggregation=agg
-            ),
-            lambda *rows, aggregation: ref_dppo(
-                *rows, mode="binary_tv", delta_low=0.1, delta_high=0.2, cap=3.0, aggregation=aggregation
-            ),
-            ("sum",),
-        ),
+        case("grpo", GRPOLoss, "grpo"),
+        case("dppo_binary_tv", lambda **kw: DPPOLoss(mode="binary_tv", **kw), "dppo", mode="binary_tv",
+             delta_low=0.15, delta_high=0.15),
+        case("dppo_binary_kl", lambda **kw: DPPOLoss(mode="binary_kl", **kw), "dppo", mode="binary_kl",
+             delta_low=0.05, delta_high=0.05),
+        case("grpo_clip_higher", lambda **kw: GRPOLoss(clip_eps_low=0.2, clip_eps_high=0.28, **kw), "grpo",
+             ("sum",), eps_low=0.2, eps_high=0.28),
+        case("dppo_tv_asym_c3", lambda **kw: DPPOLoss(mode="binary_tv", delta_low=0.1, delta_high=0.2, is_cap=3.0, **kw),
+             "dppo", ("sum",), mode="binary_tv", delta_low=0.1, delta_high=0.2, cap=3.0),
+        case("importance_sampling", ImportanceSamplingLoss, "importance_sampling", ("sum", "token_mean")),
+        case("cispo", CISPOLoss, "cispo", ("sum", "seq_mean_token_sum_norm")),
+        case("gspo", GSPOLoss, "gspo", ("sum", "seq_mean_token_mean")),
     ]
 
 
@@ -323,6 +313,8 @@ def _fixture_checks(fx: Fixture) -> list[Check]:
         at_least("dppo_tv_masked_frac", tv["loss/dppo_masked_frac"], 0.01),
         at_least("dppo_kl_masked_frac", kl["loss/dppo_masked_frac"], 0.01),
         at_least("grpo_clip_frac", tv["loss/grpo_clip_frac"], 0.01),
+        at_least("cispo_clip_frac", tv["loss/cispo_clip_frac"], 0.005),
+        at_least("gspo_clip_frac", tv["loss/gspo_clip_frac"], 0.01),
     ]
 
 
