@@ -304,3 +304,35 @@ def test_loss_config_errors_name_the_key():
     ):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             validate(compose(overrides))
+
+
+@pytest.mark.parametrize("overrides, path", [
+    (["loss=dppo"], "one_pass"),
+    (["loss=gspo", "loss.aggregation=seq_mean_token_mean"], "two_pass"),
+], ids=["dppo_one_pass", "gspo_two_pass"])
+def test_training_with_recomputed_anchor_and_kl_penalty(tmp_path, overrides, path):
+    """train.py on the tiny model: the anchor pass and the reference logprobs are timed, the anchor is the
+    trainer's pre-update logprobs (no anchored rule fires at the first update while the sampler-relative
+    drift is non-zero), the KL to the initial weights is 0 before any update and grows after, and the
+    mismatch keys are the first update's drift."""
+    from test_trainer_e2e import TINY, read_metrics, run_train
+
+    run_dir = tmp_path / "run"
+    p = run_train([*TINY, *overrides, "eval=none", "loss.anchor=recomputed", "loss.kl_coef=0.05",
+                   f"hydra.run.dir={run_dir}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert [(r["step"], r["update"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in rows:
+        assert r["loss/path"] == path
+        assert 0 < r["time/anchor_forward"] and 0 < r["time/ref_logprobs"]
+        assert r["time/train"] >= r["time/anchor_forward"] + r["time/ref_logprobs"]
+        first = next(x for x in rows if x["step"] == r["step"] and x["update"] == 0)
+        assert r["mismatch/abs_p_max"] == first["drift/abs_p_max"]
+        assert r["mismatch/kl_k3"] == first["drift/kl_sampler_current"]
+    for r in rows:
+        if r["update"] == 0:
+            assert r["loss/dppo_masked_frac"] == 0.0 and r["loss/grpo_clip_frac"] == 0.0
+    assert rows[0]["loss/kl_ref"] < 1e-6  # LoRA starts at B = 0: the first update sees the initial weights
+    assert rows[-1]["loss/kl_ref"] > 1e-4
+    assert rows[-1]["drift/abs_p_max"] > 0

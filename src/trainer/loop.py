@@ -26,7 +26,7 @@ from trainer.backends.errors import is_not_applied, is_retryable
 from trainer.config.schema import arm_name
 from trainer.checkpoint import (CheckpointInfo, ResumeError, check_resumable, config_hash, rng_state,
                                 save_checkpoint, truncate_log)
-from trainer.losses.adapter import datum_inputs
+from trainer.losses.adapter import ANCHOR_KEY, REF_KEY, datum_inputs, optional_input
 from trainer.losses.per_datum import finalize_per_datum_metrics, with_per_datum_inputs
 from trainer.datums import Rollout, rollout_to_datum, split_minibatches
 from trainer.lr_schedule import lr_at
@@ -73,6 +73,7 @@ class RLLoop:
         self.info: dict[str, Any] = {}
         self.recoveries = 0
         self._warned: set[str] = set()
+        self._ref_sampler: Any = None  # a sampler of the initial weights (loss.kl_coef > 0)
 
     # ------------------------------------------------------------------ clients
     def _new_training_client(self) -> Any:
@@ -209,9 +210,11 @@ class RLLoop:
         step_metrics["tokens/trained"] = int(sum(len(r.prompt_tokens) + len(r.tokens) - 1
                                                  for r in rollouts_train))
         datums = [rollout_to_datum(r) for r in rollouts_train]
-        minibatches = split_minibatches(datums, s.updates_per_batch)
 
         t0 = time.time()
+        datums, input_timings = self._anchor_and_ref_inputs(datums, rollouts_train)
+        step_metrics.update(input_timings)
+        minibatches = split_minibatches(datums, s.updates_per_batch)
         rows = []
         for u, mb in enumerate(minibatches):
             t_u = time.time()
@@ -237,7 +240,9 @@ class RLLoop:
             rows.append(row)
         t_train = time.time() - t0
         t_step_s = time.time() - t_step  # once, so every row of the step carries the same value
+        mismatch = _first_update_mismatch(rows[0])
         for row in rows:
+            row.update(mismatch)
             row["time/train"] = t_train
             row["time/step"] = t_step_s
             sink.log(row)
@@ -247,6 +252,41 @@ class RLLoop:
         if s.save_every and state.step % s.save_every == 0 and state.step < s.num_steps:
             self._save(state)
         return step_metrics["env/reward_mean"]
+
+    def _anchor_and_ref_inputs(self, datums: list, rollouts: list[Rollout]) -> tuple[list, dict[str, float]]:
+        """The datums with `anchor_logprobs` (loss.anchor: recomputed: the trainer's logprobs from one
+        forward pass of the current weights, before the first update, as Stable-RL's `*_recompute` modes)
+        and `ref_logprobs` (loss.kl_coef > 0: logprobs of the initial weights, from a sampler of the base
+        model: LoRA starts with B = 0), and the seconds each extra pass took."""
+        timings: dict[str, float] = {}
+        extra: list[dict[str, Any]] = [{} for _ in datums]
+        if getattr(self.loss_fn, "anchor", "sampler") == "recomputed":
+            t0 = time.time()
+            fwd = [tinker.Datum(model_input=d.model_input, loss_fn_inputs={
+                "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": d.loss_fn_inputs["mask"]})
+                for d in datums]
+            out = self._train_call("forward", lambda: self.tc.forward(fwd, "cross_entropy").result())
+            if len(out.loss_fn_outputs) != len(datums):
+                raise ValueError(f"anchor forward returned {len(out.loss_fn_outputs)} outputs for {len(datums)} datums")
+            for e, o in zip(extra, out.loss_fn_outputs):
+                e[ANCHOR_KEY] = o["logprobs"]
+            timings["time/anchor_forward"] = time.time() - t0
+        if float(getattr(self.loss_fn, "kl_coef", 0.0)) > 0:
+            t0 = time.time()
+            if self._ref_sampler is None:
+                self._ref_sampler = self.retry.call("create_sampling_client", lambda: self.sc.create_sampling_client(
+                    base_model=self.cfg.model.base_model))
+            futures = [self._ref_sampler.compute_logprobs(tinker.ModelInput.from_ints(r.prompt_tokens + r.tokens))
+                       for r in rollouts]
+            for e, f in zip(extra, futures):
+                lps = f.result()[1:]  # position i of a datum predicts token i + 1 of the sequence
+                e[REF_KEY] = tinker.TensorData.from_numpy(np.asarray([0.0 if v is None else v for v in lps],
+                                                                     dtype=np.float32))
+            timings["time/ref_logprobs"] = time.time() - t0
+        if not timings:
+            return datums, timings
+        return [tinker.Datum(model_input=d.model_input, loss_fn_inputs={**d.loss_fn_inputs, **e})
+                for d, e in zip(datums, extra)], timings
 
     def _loss_metrics(self, fb: Any, mb: list) -> dict[str, Any]:
         """The shared loss diagnostics of one update, whichever path computed the loss.
@@ -270,7 +310,9 @@ class RLLoop:
         else:
             slp, adv, mask = zip(*[datum_inputs(d, i, len(lp)) for i, (d, lp) in enumerate(zip(mb, logp))])
             cat = [torch.cat(x) for x in (logp, slp, adv, mask)]
-            diag = self.loss_fn.diagnostics(*cat)
+            anchors = [optional_input(d, ANCHOR_KEY, i, len(lp)) for i, (d, lp) in enumerate(zip(mb, logp))]
+            anchor = torch.cat(anchors) if all(a is not None for a in anchors) else None
+            diag = self.loss_fn.diagnostics(*cat, anchor)
             out.update({k: v for k, v in diag.items() if k not in out})
         return out
 
@@ -331,6 +373,18 @@ _BACKEND_FAILURES = (tinker.TinkerError, RuntimeError, ConnectionError, TimeoutE
 
 def _is_client_failure(exc: BaseException) -> bool:
     return isinstance(exc, _ClientFailure)
+
+
+# The drift of the first update of a step is the sampler/trainer mismatch: no update has moved the weights
+_MISMATCH_KEYS = {"drift/abs_p_q50": "mismatch/abs_p_q50", "drift/abs_p_q90": "mismatch/abs_p_q90",
+                  "drift/abs_p_q99": "mismatch/abs_p_q99", "drift/abs_p_max": "mismatch/abs_p_max",
+                  "drift/kl_sampler_current": "mismatch/kl_k3"}
+
+
+def _first_update_mismatch(first_row: dict[str, Any]) -> dict[str, float]:
+    """`mismatch/*` of a step: |p_trainer - p_sampler| quantiles and the k3 KL(sampler || trainer) at its first
+    update (minibatch 0, before any optim_step of the step), logged on every row of the step."""
+    return {new: first_row[old] for old, new in _MISMATCH_KEYS.items() if old in first_row}
 
 
 def _fb_metrics(fb: Any) -> dict[str, Any]:
