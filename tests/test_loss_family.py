@@ -326,6 +326,7 @@ def test_training_with_recomputed_anchor_and_kl_penalty(tmp_path, overrides, pat
     for r in rows:
         assert r["loss/path"] == path
         assert 0 < r["time/anchor_forward"] and 0 < r["time/ref_logprobs"]
+        assert r["entropy/exact"] > 0 and r["entropy/sampled_token_estimate"] > 0
         assert r["time/train"] >= r["time/anchor_forward"] + r["time/ref_logprobs"]
         first = next(x for x in rows if x["step"] == r["step"] and x["update"] == 0)
         assert r["mismatch/abs_p_max"] == first["drift/abs_p_max"]
@@ -336,3 +337,33 @@ def test_training_with_recomputed_anchor_and_kl_penalty(tmp_path, overrides, pat
     assert rows[0]["loss/kl_ref"] < 1e-6  # LoRA starts at B = 0: the first update sees the initial weights
     assert rows[-1]["loss/kl_ref"] > 1e-4
     assert rows[-1]["drift/abs_p_max"] > 0
+
+
+def test_local_forward_returns_the_exact_entropy(tmp_path_factory):
+    """The no-grad forward's `entropy` output equals -sum_v p log p from the full next-token distribution
+    (all V logprobs per position through rank-2 target_tokens), and training calls do not pay for it."""
+    from local_client import local_service_client
+    from tinker import types
+
+    gen = local_service_client(tmp_path_factory, "entropy")
+    sc = next(gen)
+    try:
+        tc = sc.create_lora_training_client("pairedrl/tiny-random", rank=4, seed=0).result()
+        V = tc._base.vocab_size
+        ids = [[5, 9, 2, 7, 11, 3], [4, 4, 8]]
+        data = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
+                            loss_fn_inputs={"target_tokens": s[1:]}) for s in ids]
+        out = tc.forward(data, "cross_entropy").result()
+        full = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]), loss_fn_inputs={
+            "target_tokens": types.TensorData.from_torch(torch.arange(V).repeat(len(s) - 1, 1))}) for s in ids]
+        lp_full = tc.forward(full, "cross_entropy").result().loss_fn_outputs
+        for o, f in zip(out.loss_fn_outputs, lp_full):
+            lp = f["logprobs"].to_torch().double()
+            expected = -(lp.exp() * lp).sum(-1)
+            torch.testing.assert_close(o["entropy"].to_torch().double(), expected, atol=1e-4, rtol=1e-4)
+            assert float(expected.min()) > 0.1  # a near-uniform random model: far from the trivial 0
+            assert "entropy" not in f  # rank-2 targets: logprobs only
+        fb = tc.forward_backward(data, "cross_entropy").result()
+        assert all("entropy" not in o for o in fb.loss_fn_outputs)
+    finally:
+        gen.close()

@@ -257,7 +257,9 @@ class RLLoop:
         """The datums with `anchor_logprobs` (loss.anchor: recomputed: the trainer's logprobs from one
         forward pass of the current weights, before the first update, as Stable-RL's `*_recompute` modes)
         and `ref_logprobs` (loss.kl_coef > 0: logprobs of the initial weights, from a sampler of the base
-        model: LoRA starts with B = 0), and the seconds each extra pass took."""
+        model: LoRA starts with B = 0), and the step metrics of the extra passes: their seconds, and
+        `entropy/exact` (mean next-token entropy of the trainer over the loss tokens, before the first
+        update) where the anchor pass returns per-position entropies (the local engine does)."""
         timings: dict[str, float] = {}
         extra: list[dict[str, Any]] = [{} for _ in datums]
         if getattr(self.loss_fn, "anchor", "sampler") == "recomputed":
@@ -271,6 +273,10 @@ class RLLoop:
             for e, o in zip(extra, out.loss_fn_outputs):
                 e[ANCHOR_KEY] = o["logprobs"]
             timings["time/anchor_forward"] = time.time() - t0
+            if all("entropy" in o for o in out.loss_fn_outputs):  # the local engine's forward has full logits
+                ent = np.concatenate([o["entropy"].to_numpy() for o in out.loss_fn_outputs])
+                mask = np.concatenate([d.loss_fn_inputs["mask"].to_numpy() for d in datums]) > 0
+                timings["entropy/exact"] = float(ent[mask].astype(np.float64).mean())
         if float(getattr(self.loss_fn, "kl_coef", 0.0)) > 0:
             t0 = time.time()
             if self._ref_sampler is None:

@@ -259,6 +259,26 @@ def pack_unembed(W_VH: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(W_VH, _UNEMBED_ROWS)
 
 
+@torch.no_grad()
+def target_logprobs_and_entropy(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
+                                scale: float, y_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob of `y_N[n]`, exact entropy of row n's next-token distribution), fp32, in row blocks and
+    without gradients: H = log Z - sum_v softmax_v * (l_v - max l). Kept off the training path (it costs
+    one more pass over each [rows, vocab] block); the no-grad `forward` uses it."""
+    h_NH = h_NH.float()
+    N = h_NH.shape[0]
+    lp_N, ent_N = h_NH.new_empty(N), h_NH.new_empty(N)
+    for a in range(0, N, _UNEMBED_ROWS):
+        b = min(N, a + _UNEMBED_ROWS)
+        shifted = linear(h_NH[a:b], W_VH, lora, scale)
+        shifted = shifted - shifted.amax(-1, keepdim=True)
+        e = shifted.exp()
+        z = e.sum(-1)
+        lp_N[a:b] = shifted.gather(1, y_N[a:b, None]).squeeze(1) - z.log()
+        ent_N[a:b] = z.log() - (e * shifted).sum(-1) / z
+    return lp_N, ent_N
+
+
 def target_logprobs(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
                     scale: float, y_N: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
     """Logprob of target `y_N[n]` under row n's next-token distribution, in fp32 (`packed`: the

@@ -159,14 +159,16 @@ class LocalTrainingClient(SelfFuture):
             out.append(range(start, len(preps)))
         return out
 
-    def _logprobs(self, preps: list[_Prepared], grad_from: list[int] | None = None) -> list[torch.Tensor]:
+    def _logprobs(self, preps: list[_Prepared], grad_from: list[int] | None = None,
+                  entropy: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Target logprobs of a micro-batch (graph kept when grad is enabled). Call with the lock held.
 
         The forward is `train_forward.forward` over packed rows, datums of one group sharing their
         prompt rows. `grad_from[i]`: datum i's positions before this index cannot affect its loss (mask
         0 there), so their unembedding runs without a graph: no [positions, vocab] softmax gradient and
         no backward matmul through lm_head for the prompt (TRL's `logits_to_keep` idea, with the prompt
-        logprobs still returned, computed once per distinct (row, target))."""
+        logprobs still returned, computed once per distinct (row, target)). `entropy` (no-grad calls with
+        rank-1 targets): a list that receives each datum's exact per-position entropy."""
         b = self._base
         b.activate(self.model_id)  # flushes deleted adapters
         for prm in self._params:  # peft marks only its active adapter trainable; these are ours
@@ -191,6 +193,13 @@ class LocalTrainingClient(SelfFuture):
                 lp = lg.gather(-1, t) - torch.logsumexp(lg, -1, keepdim=True)
                 out.append(lp if p.targets.dim() == 2 else lp.squeeze(-1))
             return out
+        if entropy is not None:
+            idx = torch.cat(list(pk.rows))
+            lp, ent = TF.target_logprobs_and_entropy(hidden.index_select(0, idx), W, head_lora, self.scale,
+                                                     torch.cat([p.targets for p in preps]))
+            sizes = [len(p.ids) for p in preps]
+            entropy += list(ent.split(sizes))
+            return list(lp.split(sizes))
         cuts = [min(max(0, int(s)), len(p.ids)) for s, p in zip(grad_from or [0] * len(preps), preps)]
         idx_g = torch.cat([rows[c:] for c, rows in zip(cuts, pk.rows)])
         tgt_g = torch.cat([p.targets[c:] for c, p in zip(cuts, preps)])
@@ -210,18 +219,24 @@ class LocalTrainingClient(SelfFuture):
         return out
 
     @staticmethod
-    def _outputs(lps: list[torch.Tensor]) -> list[dict[str, types.TensorData]]:
-        return [{"logprobs": types.TensorData.from_torch(lp.detach().to(torch.float32).contiguous())} for lp in lps]
+    def _outputs(lps: list[torch.Tensor], entropy: list[torch.Tensor] | None = None
+                 ) -> list[dict[str, types.TensorData]]:
+        out = [{"logprobs": types.TensorData.from_torch(lp.detach().to(torch.float32).contiguous())} for lp in lps]
+        for o, ent in zip(out, entropy or []):  # `forward` only: the exact next-token entropy per position
+            o["entropy"] = types.TensorData.from_torch(ent.to(torch.float32).contiguous())
+        return out
 
     # ------------------------------------------------------------------ built-in losses
     def _run_builtin(self, data: Any, loss_fn: str, loss_fn_config: Any, backward: bool) -> types.ForwardBackwardOutput:
         cfg = resolve_config(loss_fn, loss_fn_config)
         preps = self._prepare(data, REQUIRED_INPUTS[loss_fn])
         total, lps_all, passes = 0.0, [], 0
+        # a no-grad forward also returns the exact entropy (the logits are at hand; the training passes skip it)
+        entropy: list[torch.Tensor] | None = None if backward or any(p.targets.dim() != 1 for p in preps) else []
         for mb in self._micro_batches(preps):
             chunk = [preps[i] for i in mb]
             with self._base.lock, torch.set_grad_enabled(backward):
-                lps = self._logprobs(chunk)
+                lps = self._logprobs(chunk, entropy=entropy)
                 passes += 1
                 loss = sum(datum_loss(loss_fn, lp, p.inputs, cfg) for lp, p in zip(lps, chunk))
                 if backward:
@@ -230,12 +245,12 @@ class LocalTrainingClient(SelfFuture):
             lps_all += lps
         metrics = {"loss:sum": total, "engine/forward_passes:sum": float(passes),
                    "engine/micro_batches:sum": float(passes)}
-        return types.ForwardBackwardOutput(loss_fn_output_type=OUTPUT_TYPE, loss_fn_outputs=self._outputs(lps_all),
-                                           metrics=metrics)
+        return types.ForwardBackwardOutput(loss_fn_output_type=OUTPUT_TYPE,
+                                           loss_fn_outputs=self._outputs(lps_all, entropy), metrics=metrics)
 
     def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: Mapping[str, Any] | None = None
                 ) -> AwaitableConcurrentFuture:
-        """Loss and target logprobs without gradients."""
+        """Loss, target logprobs and (local engine only) the exact per-position entropy, without gradients."""
         return self._submit(lambda: self._run_builtin(data, loss_fn, loss_fn_config, backward=False))
 
     def forward_backward(self, data: list[types.Datum], loss_fn: str,
