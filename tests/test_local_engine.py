@@ -325,7 +325,7 @@ def _plugin(name: str):
     from trainer.losses import CISPOLoss, GRPOLoss, GSPOLoss, ImportanceSamplingLoss
 
     return {"ppo": GRPOLoss(), "importance_sampling": ImportanceSamplingLoss(), "cispo": CISPOLoss(),
-            "gspo": GSPOLoss(clip_eps_low=0.05, clip_eps_high=0.05)}[name]
+            "gspo": GSPOLoss(seq_clip_eps_low=0.05, seq_clip_eps_high=0.05)}[name]
 
 
 # builtin name, its loss_fn_config, sampler-logprob noise (wide enough that the rule binds), the rule's key

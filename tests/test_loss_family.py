@@ -59,7 +59,7 @@ CASES = [
     ("cispo_tight", lambda: CISPOLoss(clip_low_threshold=0.8, clip_high_threshold=1.2), "cispo",
      {"low": 0.8, "high": 1.2, "rules": {"cispo_low": 0.8, "cispo_high": 1.2}}, "loss/cispo_clip_frac"),
     ("gspo_default", lambda: GSPOLoss(), "gspo", {}, "loss/gspo_clip_frac"),
-    ("gspo_wide_seq_mean", lambda: GSPOLoss(clip_eps_low=0.05, clip_eps_high=0.08, aggregation="seq_mean_token_mean"),
+    ("gspo_wide_seq_mean", lambda: GSPOLoss(seq_clip_eps_low=0.05, seq_clip_eps_high=0.08, aggregation="seq_mean_token_mean"),
      "gspo", {"eps_low": 0.05, "eps_high": 0.08, "aggregation": "seq_mean_token_mean"}, "loss/gspo_clip_frac"),
     ("grpo_dr_grpo_norm", lambda: GRPOLoss(aggregation="seq_mean_token_sum_norm", norm_length=64),
      "grpo", {"aggregation": "seq_mean_token_sum_norm", "norm_length": 64.0}, "loss/grpo_clip_frac"),
@@ -102,7 +102,7 @@ ANCHORED = [
     ("dppo_tv", lambda: DPPOLoss(anchor="recomputed"), {}, "loss/dppo_masked_frac"),
     ("dppo_kl", lambda: DPPOLoss(mode="binary_kl", anchor="recomputed"),
      {"mode": "binary_kl", "delta_low": 0.05, "delta_high": 0.05}, "loss/dppo_masked_frac"),
-    ("gspo", lambda: GSPOLoss(clip_eps_low=0.02, clip_eps_high=0.02, anchor="recomputed"),
+    ("gspo", lambda: GSPOLoss(seq_clip_eps_low=0.02, seq_clip_eps_high=0.02, anchor="recomputed"),
      {"eps_low": 0.02, "eps_high": 0.02}, "loss/gspo_clip_frac"),
 ]
 
@@ -203,7 +203,7 @@ def test_gspo_clips_whole_sequences():
     slp = torch.log(torch.full((2, 3), 0.5, dtype=F64))
     logp = torch.log(torch.tensor([[0.6, 0.6, 0.6], [0.45, 0.5, 0.55]], dtype=F64)).requires_grad_(True)
     adv = torch.tensor([[1.0] * 3, [1.0] * 3], dtype=F64)
-    value, _ = GSPOLoss(clip_eps_low=0.1, clip_eps_high=0.1)(logp, slp, adv, torch.ones(2, 3, dtype=F64))
+    value, _ = GSPOLoss(seq_clip_eps_low=0.1, seq_clip_eps_high=0.1)(logp, slp, adv, torch.ones(2, 3, dtype=F64))
     value.backward()
     assert torch.equal(logp.grad[0], torch.zeros(3, dtype=F64))  # s = 1.2 > 1.1 with A > 0
     s1 = math.exp((math.log(0.9) + 0 + math.log(1.1)) / 3)
@@ -211,7 +211,7 @@ def test_gspo_clips_whole_sequences():
 
 
 @pytest.mark.parametrize("make", [
-    lambda: ImportanceSamplingLoss(), lambda: CISPOLoss(), lambda: GSPOLoss(clip_eps_low=0.05, clip_eps_high=0.05),
+    lambda: ImportanceSamplingLoss(), lambda: CISPOLoss(), lambda: GSPOLoss(seq_clip_eps_low=0.05, seq_clip_eps_high=0.05),
     lambda: GRPOLoss(kl_coef=0.1), lambda: DPPOLoss(anchor="recomputed"),
 ])
 def test_custom_fn_and_traced_per_datum_fn_equal_the_batch_loss(make):
@@ -265,8 +265,8 @@ def test_constructors_check_their_settings():
         CISPOLoss(clip_low_threshold=-0.1)
     with pytest.raises(ValueError, match="clip_high_threshold must be >= 1"):
         CISPOLoss(clip_high_threshold=0.5)
-    with pytest.raises(ValueError, match="clip_eps_low"):
-        GSPOLoss(clip_eps_low=0.0)
+    with pytest.raises(ValueError, match="seq_clip_eps_low"):
+        GSPOLoss(seq_clip_eps_low=0.0)
     with pytest.raises(ValueError, match="norm_length must be a number > 0"):
         GRPOLoss(aggregation="seq_mean_token_sum_norm")
     with pytest.raises(ValueError, match="anchor must be one of"):
@@ -367,3 +367,21 @@ def test_local_forward_returns_the_exact_entropy(tmp_path_factory):
         assert all("entropy" not in o for o in fb.loss_fn_outputs)
     finally:
         gen.close()
+
+
+def test_any_two_loss_configs_agree_on_the_keys_they_share():
+    """eval.compare requires the settings both arms' loss groups have to be equal (only the loss may
+    differ), so a sweep over any losses at their defaults must pass that check."""
+    from itertools import combinations
+
+    from omegaconf import OmegaConf
+
+    from trainer.config.compose import compose_config
+
+    names = ["grpo", "dppo", "importance_sampling", "cispo", "gspo"]
+    cfgs = {n: OmegaConf.to_container(compose_config([f"loss={n}"]).loss, resolve=True) for n in names}
+    for a, b in combinations(names, 2):
+        shared = (set(cfgs[a]) & set(cfgs[b])) - {"name", "_target_"}
+        assert shared >= {"aggregation", "norm_length", "anchor", "kl_coef"}
+        for key in shared:
+            assert cfgs[a][key] == cfgs[b][key], (a, b, key)

@@ -200,13 +200,13 @@ class GSPOLossConfig(LossCommonConfig):
     # registry name of the loss (also the arm's loss label)
     name: str = "gspo"
     # lower clip epsilon of the sequence ratio (GSPO paper section 5.1: 3e-4)
-    clip_eps_low: float = 3.0e-4
+    seq_clip_eps_low: float = 3.0e-4
     # upper clip epsilon of the sequence ratio (GSPO paper section 5.1: 4e-4)
-    clip_eps_high: float = 4.0e-4
+    seq_clip_eps_high: float = 4.0e-4
 
     def __post_init__(self) -> None:
         _require(self.name == "gspo", "name", "must be 'gspo' for this schema", self.name)
-        for key in ("clip_eps_low", "clip_eps_high"):
+        for key in ("seq_clip_eps_low", "seq_clip_eps_high"):
             _require(getattr(self, key) > 0, key, "must be > 0 (inf disables the clip)", getattr(self, key))
         self._check_common()
 

@@ -28,13 +28,15 @@ class GSPOLoss(PolicyLoss):
     (1/G) sum_i min(s_i A_i, clip(s_i) A_i)). A whole sequence is clipped or not; the paper's
     ranges are tiny because s is a geometric mean. The sequence log-ratio is clamped to [-20, 20]
     (verl clamps it at 10). With `anchor="recomputed"` the clip is on the anchor's sequence ratio.
+    The knobs are named `seq_clip_eps_*`, not GRPO's `clip_eps_*`: they are a different quantity, and
+    `eval.compare` requires keys that two arms' loss configs share to be equal.
     """
 
     def __init__(
         self,
         name: str = "gspo",
-        clip_eps_low: float = DEFAULT_EPS_LOW,
-        clip_eps_high: float = DEFAULT_EPS_HIGH,
+        seq_clip_eps_low: float = DEFAULT_EPS_LOW,
+        seq_clip_eps_high: float = DEFAULT_EPS_HIGH,
         aggregation: str = "sum",
         norm_length: float | None = None,
         anchor: str = "sampler",
@@ -42,8 +44,8 @@ class GSPOLoss(PolicyLoss):
     ) -> None:
         super().__init__(name, aggregation, norm_length, anchor, kl_coef)
         owner = "GSPOLoss"
-        self.eps_low = positive_param(owner, "clip_eps_low", clip_eps_low)
-        self.eps_high = positive_param(owner, "clip_eps_high", clip_eps_high)
+        self.eps_low = positive_param(owner, "seq_clip_eps_low", seq_clip_eps_low)
+        self.eps_high = positive_param(owner, "seq_clip_eps_high", seq_clip_eps_high)
         self.rules = TrustRegionRules(gspo_eps_low=self.eps_low, gspo_eps_high=self.eps_high)
 
     def token_loss(
