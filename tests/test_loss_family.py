@@ -306,37 +306,64 @@ def test_loss_config_errors_name_the_key():
             validate(compose(overrides))
 
 
-@pytest.mark.parametrize("overrides, path", [
-    (["loss=dppo"], "one_pass"),
-    (["loss=gspo", "loss.aggregation=seq_mean_token_mean"], "two_pass"),
-], ids=["dppo_one_pass", "gspo_two_pass"])
-def test_training_with_recomputed_anchor_and_kl_penalty(tmp_path, overrides, path):
-    """train.py on the tiny model: the anchor pass and the reference logprobs are timed, the anchor is the
-    trainer's pre-update logprobs (no anchored rule fires at the first update while the sampler-relative
-    drift is non-zero), the KL to the initial weights is 0 before any update and grows after, and the
-    mismatch keys are the first update's drift."""
-    from test_trainer_e2e import TINY, read_metrics, run_train
-
-    run_dir = tmp_path / "run"
-    p = run_train([*TINY, *overrides, "eval=none", "loss.anchor=recomputed", "loss.kl_coef=0.05",
-                   f"hydra.run.dir={run_dir}"], tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = read_metrics(run_dir)
+def check_anchor_kl_rows(rows: list[dict], path: str) -> None:
+    """The anchor pass and the reference logprobs are timed, the anchor is the trainer's pre-update
+    logprobs (no anchored rule fires at the first update), the KL to the initial weights is 0 before any
+    update and grows after, the exact entropy is logged, and the mismatch keys are the first update's drift."""
     assert [(r["step"], r["update"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in rows:
         assert r["loss/path"] == path
         assert 0 < r["time/anchor_forward"] and 0 < r["time/ref_logprobs"]
-        assert r["entropy/exact"] > 0 and r["entropy/sampled_token_estimate"] > 0
         assert r["time/train"] >= r["time/anchor_forward"] + r["time/ref_logprobs"]
+        assert r["entropy/exact"] > 0 and r["entropy/sampled_token_estimate"] > 0
         first = next(x for x in rows if x["step"] == r["step"] and x["update"] == 0)
         assert r["mismatch/abs_p_max"] == first["drift/abs_p_max"]
         assert r["mismatch/kl_k3"] == first["drift/kl_sampler_current"]
-    for r in rows:
         if r["update"] == 0:
             assert r["loss/dppo_masked_frac"] == 0.0 and r["loss/grpo_clip_frac"] == 0.0
     assert rows[0]["loss/kl_ref"] < 1e-6  # LoRA starts at B = 0: the first update sees the initial weights
     assert rows[-1]["loss/kl_ref"] > 1e-4
     assert rows[-1]["drift/abs_p_max"] > 0
+
+
+def test_training_with_recomputed_anchor_and_kl_penalty_one_pass(tmp_path):
+    """train.py on the tiny model, DPPO on the one-pass (registered per-datum loss) path."""
+    from test_trainer_e2e import TINY, read_metrics, run_train
+
+    run_dir = tmp_path / "run"
+    p = run_train([*TINY, "loss=dppo", "eval=none", "loss.anchor=recomputed", "loss.kl_coef=0.05",
+                   f"hydra.run.dir={run_dir}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    check_anchor_kl_rows(read_metrics(run_dir), "one_pass")
+
+
+@pytest.mark.slow
+def test_three_loss_sweep_gives_every_arm_the_same_metric_keys(tmp_path):
+    """`--multirun loss=grpo,dppo,cispo` on the tiny model (Dr. GRPO aggregation: the two-pass path;
+    recomputed anchor and KL penalty): three arms, one run folder each, identical metric keys and eval
+    items, so compare can pair any treatment with the baseline point by point."""
+    import json
+
+    from test_trainer_e2e import TINY, read_metrics, run_train
+
+    sweep = tmp_path / "sweep"
+    p = run_train(["--multirun", "loss=grpo,dppo,cispo", "seed=0", *TINY, "loss.aggregation=seq_mean_token_sum_norm",
+                   "loss.anchor=recomputed", "loss.kl_coef=0.05", f"hydra.sweep.dir={sweep}"], tmp_path, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    arms = json.loads((sweep / "arms.json").read_text())
+    assert sorted(a["arm"] for a in arms.values()) == ["cispo_seed0", "dppo_seed0", "grpo_seed0"]
+    keys, items = [], []
+    for job in sorted(arms):
+        run = sweep / job
+        rows = read_metrics(run)
+        check_anchor_kl_rows(rows, "two_pass")
+        keys.append({k for r in rows for k in r})
+        ev = [json.loads(x) for x in (run / "eval" / "gsm8k_test.jsonl").read_text().splitlines()]
+        items.append([(e["index"], e["question_sha256"]) for e in ev])
+        config = (run / "config.yaml").read_text()
+        assert "aggregation: seq_mean_token_sum_norm" in config and "norm_length: 12" in config
+    assert keys[0] == keys[1] == keys[2]
+    assert items[0] == items[1] == items[2] and len(items[0]) == 4
 
 
 def test_local_forward_returns_the_exact_entropy(tmp_path_factory):
