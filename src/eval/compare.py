@@ -37,6 +37,7 @@ IGNORED_CONFIG_KEYS: tuple[str, ...] = (
     "backend.state_dir",  # per-run output path of the engine's checkpoints
     "preflight.dir",      # where the preflight results were read from
     "logger",             # where metrics go (wandb project/group/run names, mode); no effect on training
+    "report",             # whether the per-run report is written; no effect on training
     "hydra",              # Hydra's runtime section (output dirs, job names), if present
 )
 PLOTS_DIR = "compare_plots"
