@@ -115,8 +115,9 @@ def make_run_plots(rows: list[dict[str, Any]], evals: list[dict[str, Any]], out_
     if series:
         fig, ax = new_figure(f"Masked / clipped token fractions: {label}", "update (global index)",
                              "fraction of the update's tokens")
-        for (name, (x, y)), color in zip(series, ("tab:orange", "tab:blue")):
-            ax.plot(x, y, marker="." if len(x) <= 60 else None, color=color, label=name)
+        # every run logs both losses' diagnostics; dashed on top so equal curves both stay visible
+        for (name, (x, y)), color, style in zip(series, ("tab:orange", "tab:blue"), ("-", "--")):
+            ax.plot(x, y, marker="." if len(x) <= 60 else None, color=color, linestyle=style, label=name)
         files["masked_clip"] = finish_figure(fig, out_dir / "masked_clip.png")
     else:
         notes.append(f"masked/clip plot skipped: metrics.jsonl has neither '{MASKED_KEY}' nor '{CLIP_KEY}'")
@@ -143,14 +144,22 @@ def make_run_plots(rows: list[dict[str, Any]], evals: list[dict[str, Any]], out_
     steps, total = reward_by_step(rows, "time/step")
     if steps:
         fig, ax = new_figure(f"Step time breakdown: {label}", "rollout step", "seconds")
-        bottom = [0.0] * len(steps)
-        for key, name in TIME_PARTS:
+        parts, bottom = [], [0.0] * len(steps)
+        for key, _ in TIME_PARTS:
             part = dict(zip(*reward_by_step(rows, key)))
-            vals = [min(part.get(s, 0.0), t - b) for s, t, b in zip(steps, total, bottom)]
-            ax.bar(steps, vals, bottom=bottom, label=name, width=0.8)
+            vals = [max(0.0, min(part.get(s, 0.0), t - b)) for s, t, b in zip(steps, total, bottom)]
+            parts.append(vals)
             bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.bar(steps, [max(0.0, t - b) for t, b in zip(total, bottom)], bottom=bottom, width=0.8,
-               label="other (sampler weights, datums)", color="tab:gray")
+        parts.append([max(0.0, t - b) for t, b in zip(total, bottom)])
+        names = [n for _, n in TIME_PARTS] + ["other (sampler weights, datums)"]
+        colors = ["tab:blue", "tab:orange", "tab:gray"]
+        if len(steps) <= 60:  # bars while they can be told apart, a stacked area beyond
+            bottom = [0.0] * len(steps)
+            for vals, name, color in zip(parts, names, colors):
+                ax.bar(steps, vals, bottom=bottom, width=0.8, label=name, color=color)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+        else:
+            ax.stackplot(steps, *parts, labels=names, colors=colors)
         files["step_time"] = finish_figure(fig, out_dir / "step_time.png")
     else:
         notes.append("step time plot skipped: metrics.jsonl has no 'time/step'")
