@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_trainer_e2e import TINY, read_metrics, run_train
 from wandb_records import offline_runs
 
@@ -45,7 +44,7 @@ def test_wandb_run_has_eval_curve_tables_summary_and_config(wandb_run):
                  for s in ("_start", "_step1", "")]
     assert _eval_rows(wb.history) == [(0, 0, summaries[0]["accuracy"]), (2, 1, summaries[1]["accuracy"]),
                                       (4, 2, summaries[2]["accuracy"])]
-    final_row = [h for h in wb.history if h["_step"] == 4][0]
+    final_row = next(h for h in wb.history if h["_step"] == 4)
     assert final_row["eval/wilson_high"] == pytest.approx(summaries[2]["wilson_high"])
     # training rows keep _step = global update, and carry the rollout step that eval/* is plotted against
     rows = read_metrics(run)
@@ -87,7 +86,7 @@ def test_progress_lines_without_a_terminal(wandb_run):
         lines = [x for x in text.splitlines() if "| reward " in x]
         assert len(lines) == 2, text[-2000:]
         for step, line in enumerate(lines, start=1):
-            r = [r for r in rows if r["step"] == step - 1][0]
+            r = next(r for r in rows if r["step"] == step - 1)
             assert f"step {step}/2 | reward {r['env/reward_mean']:.3f} | masked " in line
             assert " clip " in line and " s/step | ETA " in line
     assert "grpo_seed0:" not in p.stderr  # no tqdm bar of the loop (its description is the arm)

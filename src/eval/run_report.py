@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eval.plots import (DRIFT_KEY, MASKED_KEY, CLIP_KEY, REWARD_KEY, finish_figure, load_metrics, new_figure,
+from eval.plots import (CLIP_KEY, DRIFT_KEY, MASKED_KEY, REWARD_KEY, finish_figure, load_metrics, new_figure,
                         per_update, reward_by_step)
 
 REPORT_FILE = "report.md"

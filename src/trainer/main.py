@@ -187,11 +187,15 @@ def run_training(cfg: DictConfig) -> float | None:
         wandb_run = WandbRun(run_dir, cfg.logger, arm_name(cfg), config_dict, sweep_dir, resuming,
                              cfg.schedule.updates_per_batch)
     try:
-        return _train_and_evaluate(cfg, run_dir, sweep_dir, service_client, task, etask, config_dict, t_setup,
-                                   wandb_run)
-    finally:
-        if wandb_run is not None:
-            wandb_run.finish()
+        out = _train_and_evaluate(cfg, run_dir, sweep_dir, service_client, task, etask, config_dict, t_setup,
+                                  wandb_run)
+    except BaseException:
+        if wandb_run is not None:  # marked failed in wandb, with what it logged so far
+            wandb_run.finish(exit_code=1)
+        raise
+    if wandb_run is not None:
+        wandb_run.finish()
+    return out
 
 
 def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, service_client: Any, task: Any,

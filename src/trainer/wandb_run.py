@@ -147,8 +147,8 @@ class WandbRun:
             if _is_scalar(v) or isinstance(v, str):
                 self.run.summary[f"eval_vs_start/{k}"] = v
 
-    def finish(self) -> None:
-        self.run.finish()
+    def finish(self, exit_code: int | None = None) -> None:
+        self.run.finish(exit_code=exit_code)
 
     def _read_ledger(self) -> list[str]:
         if not self._ledger_path.is_file():
