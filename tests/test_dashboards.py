@@ -157,3 +157,43 @@ def test_sweep_compare_logs_a_compare_run_in_the_arms_group(tmp_path):
         img = row[f"compare/plots/{name}"]
         assert (cr.dir / "files" / img["path"]).read_bytes()[:8] == PNG_MAGIC
     assert cr.summary["compare/verdict"] == result["verdict"]
+
+
+def test_terminal_keeps_the_bar_and_gets_no_progress_lines(tmp_path):
+    """stderr on a terminal (a pseudo-terminal here): the tqdm bar, not the per-step log lines."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    run = tmp_path / "run"
+    master, slave = pty.openpty()
+    # 24 x 120 characters (a fresh pseudo-terminal is 0 wide, and the bar fits itself to the width)
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    chunks: list[bytes] = []
+
+    def drain() -> None:  # read while the run writes: a full terminal buffer would block it
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the other end closed
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "eval=none", "report.enabled=false",
+                            f"hydra.run.dir={run}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=slave,
+                           text=True, timeout=300, env={**os.environ, "PAIREDRL_PROGRESS": ""})
+    finally:
+        os.close(slave)
+        reader.join(timeout=10)
+        os.close(master)
+    tty = b"".join(chunks)
+    assert p.returncode == 0, tty.decode(errors="replace")[-3000:]
+    assert "| reward " not in p.stdout and "| reward " not in (run / "train.log").read_text()
+    assert b"grpo_seed0: 100%" in tty and b"2/2" in tty
