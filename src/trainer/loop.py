@@ -85,6 +85,10 @@ class LoopState:
 
 
 class RLLoop:
+    # the run's WandbRun when train.py opened one (it logs the evals and finishes it); None: the sink
+    # opens its own if logger=wandb
+    wandb_run: Any = None
+
     def __init__(self, cfg: DictConfig, run_dir: Path, service_client: Any, task: Any, loss_fn: Any,
                  custom_loss: Any, config_dict: dict, sweep_dir: Path | None = None,
                  progress: bool | str = True, on_step_end: Callable[[int], None] | None = None,
@@ -168,7 +172,8 @@ class RLLoop:
         s = self.cfg.schedule
         state = self._start()
         sink = MetricsSink(self.run_dir, self.cfg.logger, arm_name(self.cfg), self.config_dict, self.sweep_dir,
-                           resume=state.step > 0, wandb_run=self.wandb_run, updates_per_batch=s.updates_per_batch)
+                           resume=state.step > 0, wandb_run=self.wandb_run,
+                           updates_per_batch=s.get("updates_per_batch", 1))
         bar = None
         lines = ProgressLines(s.num_steps, state.step) if self.progress == "lines" else None
         if self.progress == "bar":
