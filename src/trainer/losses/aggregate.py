@@ -9,8 +9,8 @@ verl/trainer/ppo/core_algos.py::agg_loss, and to Tinker's token sum):
 - `seq_mean_token_mean`: per-sequence token mean, averaged over non-empty sequences
   (Stable-RL `seq-mean-token-mean`; its `+1e-8` guard is unnecessary here because empty
   sequences are excluded exactly).
-- `seq_mean_token_sum_norm`: Dr. GRPO's constant normaliser (Liu et al. 2025, arXiv 2503.20783
-  section 3.1: the per-sequence 1/|o_i| replaced by a constant, the generation budget): the
+- `seq_mean_token_sum_norm`: Dr. GRPO's constant normaliser (Liu et al. 2025, arXiv 2503.20783:
+  the per-sequence 1/|o_i| replaced by a constant, the generation budget): the
   per-sequence token sum averaged over non-empty sequences, divided by `norm_length` H.
   Pinned to verl-project/verl @ 018f23b5, verl/trainer/ppo/core_algos.py::agg_loss
   (`seq-mean-token-sum-norm`, `(sum / #seqs) / loss_scale_factor`); Stable-RL @ c6af1d1 omits

@@ -22,7 +22,7 @@ class CISPOLoss(PolicyLoss):
 
     Pinned to Tinker's built-in `cispo` (docs /tinker/losses/cispo; `loss_fn_config` keys
     `clip_low_threshold` / `clip_high_threshold`, defaults 0.0 / 4.0; token sum), after MiniMax-M1
-    (arXiv 2506.13585, eq. 4-5). The weight is truncated, the token is never dropped: the gradient
+    (arXiv 2506.13585). The weight is truncated, the token is never dropped: the gradient
     is -A*clip(r) on every token. Thresholds are absolute bounds on r: 0 <= low <= 1 <= high
     (inf allowed). Its own rule, `loss/cispo_clip_frac`, counts the truncated tokens. CISPO has no
     anchored trust region; `anchor` only moves the other losses' counterfactual rules.

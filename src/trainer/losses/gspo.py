@@ -19,7 +19,7 @@ class GSPOLoss(PolicyLoss):
     """Token loss `-min(s_t*A, clip(s_t, 1-eps_low, 1+eps_high)*A)`, s_t = sg(s) * p/sg(p),
     s = exp(mean over the sequence's loss tokens of log(p/mu)).
 
-    Pinned to the GSPO paper (arXiv 2507.18071, eq. 7 and the GSPO-token eq. 13-14), to Tinker's
+    Pinned to the GSPO paper (arXiv 2507.18071: the sequence ratio and its GSPO-token form), to Tinker's
     built-in `gspo` (docs /tinker/losses/gspo: GSPO-token, summed over tokens; the sequence is the
     datum, the ratio's tokens are the loss mask), and to verl-project/verl @
     018f23b5f83a13340421349e40ec42530739b23a, verl/trainer/ppo/core_algos.py::

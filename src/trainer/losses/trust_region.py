@@ -109,7 +109,7 @@ def grpo_token_loss(
     With a recomputed anchor (trainer logprobs before the first update) the clip moves to the
     anchor ratio r_a = pi/pi_anchor and the sampler correction w = sg(pi_anchor/mu) multiplies
     the clipped branch: `-min(r*A, clip(r_a)*w*A)` (decoupled PPO, Hilton et al. 2022, arXiv
-    2110.00641 eq. 3; r = r_a*w). Its gradient is -A*r where the anchor clip does not bind and 0
+    2110.00641; r = r_a*w). Its gradient is -A*r where the anchor clip does not bind and 0
     where it does, as Stable-RL's `ppo_recompute` mask (anchor for the rule, sampler for the
     weight). Without an anchor r_a = r and w = 1: Tinker's `ppo`.
 
@@ -166,7 +166,7 @@ def cispo_token_loss(
     """Tinker's built-in `cispo` token loss `-sg(clip(r, low, high)) * A * logp`.
 
     The clip truncates the IS weight but never zeroes a token's gradient: -A*clip(r) for
-    every token (MiniMax-M1, arXiv 2506.13585 eq. 4, with the weight's bounds as absolute
+    every token (MiniMax-M1, arXiv 2506.13585, with the weight's bounds as absolute
     thresholds on r, as Tinker configures them).
     """
     weight = torch.clamp(torch.exp(torch.clamp(logp.detach() - sampler_logp.detach(), max=LOG_RATIO_CLAMP)),
@@ -183,7 +183,7 @@ def cispo_clip_active(logp: torch.Tensor, sampler_logp: torch.Tensor, low: float
 def sequence_log_ratio(logp: torch.Tensor, anchor_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Detached mean of logp - anchor_logp over each sequence's loss tokens, shaped to broadcast.
 
-    GSPO's length-normalised sequence log-ratio (arXiv 2507.18071 eq. 7). The last dim is the
+    GSPO's length-normalised sequence log-ratio (arXiv 2507.18071). The last dim is the
     token dim; a row without loss tokens gets 0. Clamped to [-20, 20].
     """
     sel = mask.detach() > 0
