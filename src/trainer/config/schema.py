@@ -463,6 +463,10 @@ class DecisionConfig:
     baseline: str = "grpo"
     # accuracy the steps-to-threshold endpoint waits for (null = the baseline's final accuracy)
     threshold: Optional[float] = None
+    # design assumption: share of items on which the two arms disagree (null = 0.3, stated as assumed)
+    discordance: Optional[float] = None
+    # design assumption: between-seed sd of one arm's accuracy, as an A/A sweep measures it (null = 0)
+    seed_sd: Optional[float] = None
 
     def __post_init__(self) -> None:
         _in_set("method", self.method, DECISION_METHODS)
@@ -483,6 +487,10 @@ class DecisionConfig:
                  "for a margin)", self.margin)
         if self.threshold is not None:
             _require(0 < self.threshold <= 1, "threshold", "must be in (0, 1] or null", self.threshold)
+        if self.discordance is not None:
+            _require(0 < self.discordance <= 1, "discordance", "must be in (0, 1] or null", self.discordance)
+        if self.seed_sd is not None:
+            _require(0 <= self.seed_sd < 1, "seed_sd", "must be in [0, 1) or null", self.seed_sd)
 
 
 def arm_name(cfg: Any) -> str:
