@@ -305,8 +305,8 @@ def design(plan: Plan, n_sims: int = 1000, n_bootstrap: int = 400, grid: int = 3
         "false_positive_rate": {k: v[0] for k, v in curves.items()},
     }
     if plan.n_seeds < 2:
-        out["notes"] = ["seed_t needs >= 2 seeds per arm: no seed-level MDE with one seed (the verdict would "
-                        "concern two fixed checkpoints)"]
+        out["notes"] = [("seed_t needs >= 2 seeds per arm: no seed-level MDE with one seed (the verdict would "
+                        "concern two fixed checkpoints)")]
     if plan.target_effect is not None:
         at = sim.decisions(plan.target_effect, methods)
         out["power_at_target"] = {k: float(v.mean()) for k, v in at.items()}
@@ -458,12 +458,12 @@ def plan_from_config(cfg: Any, n_seeds: int, discordance: float | None = None, s
 
 
 def render(result: dict[str, Any]) -> str:
-    pts = lambda x: "-" if x is None else f"{100 * x:.2f} pts"  # noqa: E731
-    lines = [f"design: {result['n_items']} items x {result['n_seeds']} seed(s) per arm, alpha {result['alpha']:g}, "
-             f"power {result['power']:g}, margin {result['margin']:g}",
+    pts = lambda x: "-" if x is None else f"{100 * x:.2f} pts"
+    lines = [(f"design: {result['n_items']} items x {result['n_seeds']} seed(s) per arm, alpha {result['alpha']:g}, "
+             f"power {result['power']:g}, margin {result['margin']:g}"),
              f"  discordance {result['discordance']:.3f} ({result['assumptions'].get('discordance')})",
-             f"  seed sd {result['seed_sd']:.4f} ({result['assumptions'].get('seed_sd')}); training-noise sd of a "
-             f"seed pair's gap tau = {result['tau']:.4f}",
+             (f"  seed sd {result['seed_sd']:.4f} ({result['assumptions'].get('seed_sd')}); training-noise sd of a "
+             f"seed pair's gap tau = {result['tau']:.4f}"),
              "", f"{'method':18s} {'MDE (sim)':>11s} {'MDE (closed)':>13s} {'false pos. at 0':>16s}"]
     for k in METHODS:
         mark = " <- decision" if k == result["decision_method"] else ""
@@ -471,8 +471,8 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"{k:18s} {pts(result['mde'][k]):>11s} {pts(result['mde_closed_form'][k]):>13s} "
                      f"{'-' if fp is None else f'{fp:.3f}':>16s}{mark}")
     if result.get("target_effect") is not None:
-        lines += ["", f"target effect {pts(result['target_effect'])}: detectable by the decision method: "
-                  f"{'YES' if result['detectable'] else 'NO'}"]
+        lines += ["", (f"target effect {pts(result['target_effect'])}: detectable by the decision method: "
+                  f"{'YES' if result['detectable'] else 'NO'}")]
         for k in METHODS:
             pw = result["power_at_target"].get(k)
             lines.append(f"  {k:18s} power {'-' if pw is None else f'{pw:.3f}'}, items needed "

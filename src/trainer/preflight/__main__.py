@@ -18,7 +18,15 @@ def main(argv: list[str]) -> int:
     from trainer.config.compose import compose_config
     from trainer.config.schema import ConfigError, validate
     from trainer.preflight import correctness
-    from trainer.preflight.gates import GATES, activation, design, feasibility, preflight_dir, restoration, run_pilot
+    from trainer.preflight.gates import (
+        GATES,
+        activation,
+        design,
+        feasibility,
+        preflight_dir,
+        restoration,
+        run_pilot,
+    )
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
     if not argv or argv[0] not in GATES + ("all",):

@@ -317,7 +317,8 @@ def design(cfg: DictConfig, out_dir: Path, n_seeds: int = 1, n_sims: int = 400) 
     """What the plan can detect (eval.design with the config's decision group and design assumptions).
     It reports every method's minimum detectable effect; it fails only when decision.target_effect is set
     and the plan's own decision method cannot detect it at decision.power."""
-    from eval.design import METHODS, design as run_design, plan_from_config
+    from eval.design import METHODS, plan_from_config
+    from eval.design import design as run_design
 
     plan = plan_from_config(cfg, n_seeds)
     res = run_design(plan, n_sims=n_sims, n_bootstrap=200, plot=Path(out_dir) / "preflight" / "design_power.png")
