@@ -458,7 +458,7 @@ def plan_from_config(cfg: Any, n_seeds: int, discordance: float | None = None, s
 
 
 def render(result: dict[str, Any]) -> str:
-    pts = lambda x: "-" if x is None else f"{100 * x:.2f} pts"
+    pts = lambda x: "none" if x is None else f"{100 * x:.2f} pts"
     lines = [(f"design: {result['n_items']} items x {result['n_seeds']} seed(s) per arm, alpha {result['alpha']:g}, "
              f"power {result['power']:g}, margin {result['margin']:g}"),
              f"  discordance {result['discordance']:.3f} ({result['assumptions'].get('discordance')})",
@@ -477,6 +477,8 @@ def render(result: dict[str, Any]) -> str:
             pw = result["power_at_target"].get(k)
             lines.append(f"  {k:18s} power {'-' if pw is None else f'{pw:.3f}'}, items needed "
                          f"{result['items_needed'][k]}, seeds needed {result['seeds_needed'][k]}")
+    lines.append(f"(none: no effect up to the discordance {100 * result['discordance']:.1f} pts reaches power "
+                 f"{result['power']:g}, or no closed form for this design)")
     for n in result.get("notes", []):
         lines.append(f"note: {n}")
     if result.get("plot"):
