@@ -138,8 +138,8 @@ def test_from_an_aa_sweep_estimates_discordance_and_seed_sd(tmp_path):
     sweep = tmp_path / "aa"
     sweep.mkdir()
     c = {s: rng.random(200) < p for s, p in ((0, 0.3), (1, 0.4), (2, 0.35))}
-    for s in c:
-        make_run(sweep / str(s), "grpo", s, c[s])
+    for s, correct in c.items():
+        make_run(sweep / str(s), "grpo", s, correct)
     est = pilot_estimates(sweep)
     assert est["seed_sd"] == pytest.approx(np.std([c[s].mean() for s in c], ddof=1))
     pairs = [(0, 1), (0, 2), (1, 2)]
@@ -152,7 +152,8 @@ def test_from_an_aa_sweep_estimates_discordance_and_seed_sd(tmp_path):
 
 def test_design_gate_fails_only_when_the_decision_method_misses_the_target(tmp_path):
     from trainer.config.compose import compose_config
-    from trainer.preflight.gates import GATES, design as design_gate
+    from trainer.preflight.gates import GATES
+    from trainer.preflight.gates import design as design_gate
 
     assert GATES[-1] == "design"
     base = ["eval.n_examples=300", "decision.discordance=0.3"]

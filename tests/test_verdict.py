@@ -241,8 +241,8 @@ def test_several_treatments_are_holm_adjusted(tmp_path):
     assert out["treatments"] == ["cispo", "dppo"] and out["baseline"] == "grpo"
     rows = {r["treatment"]: r for r in out["comparisons"]}
     p = {k: 2 * math.exp(-n * d ** 2 / 2) for k, d in (("dppo", 0.092), ("cispo", 0.089))}
-    for k in p:
-        assert rows[k]["p_rule"] == pytest.approx(p[k], rel=1e-9)
+    for k, pk in p.items():
+        assert rows[k]["p_rule"] == pytest.approx(pk, rel=1e-9)
         assert rows[k]["methods"]["paired_hoeffding"]["verdict"] == "validated"  # unadjusted
     assert rows["dppo"]["p_holm"] == pytest.approx(2 * p["dppo"])
     assert rows["cispo"]["p_holm"] == pytest.approx(max(2 * p["dppo"], p["cispo"]))
