@@ -662,6 +662,8 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
         raise CompareError(f"the decision rule is seed_t (over seeds), but this comparison has {len(seeds)} seed "
                            f"per arm ({seeds}); run >= 2 seeds (seed=0,1,2) or decide with an item-level method "
                            "(--method paired_hoeffding --override-decision)")
+    if rule.method == "paired_bootstrap" and n_bootstrap == 0:
+        raise CompareError("the decision rule is paired_bootstrap, but --bootstrap 0 turns the bootstrap off")
     aa_spread_, aa_notes = (None, [])
     if aa is not None:
         aa_spread_, aa_notes = _load_aa(aa, names[0], item_sha, ordered[0], rule, order, allow_config_diff)

@@ -477,8 +477,12 @@ def render(result: dict[str, Any]) -> str:
             pw = result["power_at_target"].get(k)
             lines.append(f"  {k:18s} power {'-' if pw is None else f'{pw:.3f}'}, items needed "
                          f"{result['items_needed'][k]}, seeds needed {result['seeds_needed'][k]}")
-    lines.append(f"(none: no effect up to the discordance {100 * result['discordance']:.1f} pts reaches power "
-                 f"{result['power']:g}, or no closed form for this design)")
+    if any(v is None for v in list(result["mde"].values()) + list(result["mde_closed_form"].values())):
+        lines.append(f"(none: no effect up to the discordance, {100 * result['discordance']:.1f} pts, reaches power "
+                     f"{result['power']:g}, or no closed form for this design)")
+    if result["tau"] > 0:
+        lines.append("(training noise tau > 0: the item-level methods' power counts validations that are partly "
+                     "seed noise, as their false-positive rate at 0 shows; only seed_t's MDE is about the loss)")
     for n in result.get("notes", []):
         lines.append(f"note: {n}")
     if result.get("plot"):
