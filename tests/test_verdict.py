@@ -98,8 +98,10 @@ def test_two_level_bootstrap_spread_matches_its_closed_form_variance():
     (1/S) [ mean_s (D_s - D)^2 + mean_s var_s / n ]  (var_s: the population variance of seed s's items)."""
     rng = np.random.default_rng(4)
     S, n = 4, 300
-    d = rng.choice([-1.0, 0.0, 1.0], size=(S, n), p=[0.2, 0.5, 0.3])
-    d[1] = np.where(rng.random(n) < 0.3, 1.0, 0.0)  # a seed with another mean
+    # three seeds with the same item values (resampling one shared item draw for all of them would not
+    # average their item noise: sd 0.035 instead of 0.023) and a seed with another mean
+    x = rng.choice([-1.0, 0.0, 1.0], size=n, p=[0.2, 0.5, 0.3])
+    d = np.stack([x, x, x, np.where(rng.random(n) < 0.3, 1.0, 0.0)])
     lo, hi, means = two_level_bootstrap_ci(d, alpha=0.05, n_resamples=6000, seed=1)
     D = d.mean(axis=1)
     var = (np.mean((D - D.mean()) ** 2) + np.mean(d.var(axis=1)) / n) / S
