@@ -518,7 +518,8 @@ def _curve_table(curves: dict, steps: list[int], pairs: dict[int, dict[str, Run]
                 lo, hi = wilson_interval(round(a[0, k] * n_items), n_items, alpha)
                 lows.append(lo)
                 highs.append(hi)
-        arms[loss] = {"accuracy": a.mean(axis=0).tolist(), "low": lows, "high": highs,
+        arms[loss] = {"accuracy": a.mean(axis=0).tolist(), "low": [max(0.0, x) for x in lows],
+                      "high": [min(1.0, x) for x in highs],
                       "interval": "t over seeds" if S >= 2 else "Wilson"}
     if threshold is None:
         threshold = float(acc_SK[baseline][:, -1].mean())
@@ -572,8 +573,9 @@ def _load_aa(aa: str | Path, eval_name: str, item_sha: str, ref: Run, rule: Rule
         raise CompareError(f"--aa {path}: two runs share a seed ({seeds})")
     if len(seeds) < 2:
         raise CompareError(f"--aa {path}: an A/A sweep needs >= 2 seeds, it has {seeds}")
+    # the decision group only says how to read the runs: an A/A made under another rule still measures the noise
     diffs = [f"{k}: {va!r} (A/B {ref.arm}) vs {vb!r} (A/A {r.arm})" for r in runs
-             for k, va, vb in config_differences(ref.config, r.config)]
+             for k, va, vb in config_differences(ref.config, r.config, IGNORED_CONFIG_KEYS + ("decision",))]
     if diffs and not allow_config_diff:
         raise CompareError(f"--aa {path}: the A/A runs' configs differ from the A/B runs' outside the loss group "
                            "(another experiment or setting?); pass --allow-config-diff to use it anyway:\n  "

@@ -151,7 +151,7 @@ def _seeds_section(r: dict[str, Any], result: dict[str, Any]) -> list[str]:
     per = ", ".join(f"seed {s}: {_pts(d)}" for s, d in zip(result["seeds"], sl["per_seed_diff"]))
     lines = [f"### Seed level ({r['treatment']} - {r['baseline']}): this training procedure", "",
              f"Per-seed paired differences: {per}.",
-             (f"Mean {_pts(sl['mean'])}, sd over seeds {_pts(sl['sd'])}; Student t {conf:g}% interval (df "
+             (f"Mean {_pts(sl['mean'])}, sd over seeds {_size(sl['sd'])}; Student t {conf:g}% interval (df "
               f"{sl['df']}, t = {sl['t_crit']:.3f}) [{_pts(sl['t_ci_low'])}, {_pts(sl['t_ci_high'])}], p = "
               f"{_p(sl['t_p'])}.")]
     if sl.get("two_level_low") is not None:
@@ -166,11 +166,11 @@ def _aa_calibration_section(r: dict[str, Any], result: dict[str, Any]) -> list[s
     yes = "exceeds" if c["exceeds_aa_noise"] else "does NOT exceed"
     return [f"### A/A calibration ({r['treatment']} vs {r['baseline']})", "",
             (f"A/A sweep `{aa['sweep']}` ({aa['loss']}, seeds {aa['seeds']}): between-seed sd of the endpoint "
-             f"{_pts(c['aa_between_seed_sd'])}; two runs of the same loss differ by sd "
-             f"{_pts(c['noise_sd_of_one_gap'])}, the mean of {result['n_seeds']} seed-pair gap(s) by "
-             f"{_pts(c['noise_se_of_mean_gap'])}. Observed gap {_pts(c['observed_gap'])}, noise interval "
+             f"{_size(c['aa_between_seed_sd'])}; two runs of the same loss differ by sd "
+             f"{_size(c['noise_sd_of_one_gap'])}, the mean of {result['n_seeds']} seed-pair gap(s) by "
+             f"{_size(c['noise_se_of_mean_gap'])}. Observed gap {_pts(c['observed_gap'])}, noise interval "
              f"(t, df {c['df']}) [{_pts(c['low'])}, {_pts(c['high'])}]: the gap **{yes}** the A/A noise floor. "
-             f"Largest A/A seed-pair gap {_pts(c['aa_max_abs_pair_diff'])} "
+             f"Largest A/A seed-pair gap {_size(c['aa_max_abs_pair_diff'])} "
              f"({'exceeded' if c['exceeds_every_aa_pair'] else 'not exceeded'})."), ""]
 
 
@@ -184,7 +184,9 @@ def _curve_section(result: dict[str, Any]) -> list[str]:
         lines.append(f"| {s} | " + " | ".join(f"{v['accuracy'][k]:.4f} [{v['low'][k]:.3f}, {v['high'][k]:.3f}]"
                                                for v in cv["arms"].values()) + " |")
     lines += ["", f"Steps to reach accuracy {cv['threshold']:.4f} (first eval at or above it; None = never): "
-              + "; ".join(f"{loss}: {d}" for loss, d in cv["steps_to_threshold"].items()) + "."]
+              + "; ".join(f"{loss}: " + ", ".join(f"seed {s} {'never' if v is None else f'step {v}'}"
+                                                  for s, v in d.items())
+                          for loss, d in cv["steps_to_threshold"].items()) + "."]
     for loss, t in cv["treatments"].items():
         a = t["auc"]
         seed_iv = (f", t over seeds [{_pts(a['seed_t_low'])}, {_pts(a['seed_t_high'])}]"
@@ -215,8 +217,8 @@ def _aa_report(result: dict[str, Any]) -> list[str]:
              "## Between-seed spread", "",
              "| seed | endpoint mean |", "|---:|---:|"]
     lines += [f"| {s} | {a:.4f} |" for s, a in aa["accuracy_by_seed"].items()]
-    lines += ["", (f"Mean {aa['mean']:.4f}, between-seed sd {_pts(aa['between_seed_sd'])}, largest seed-pair gap "
-                   f"{_pts(aa['max_abs_pair_diff'])}, mean item discordance between two seeds "
+    lines += ["", (f"Mean {aa['mean']:.4f}, between-seed sd {_size(aa['between_seed_sd'])}, largest seed-pair gap "
+                   f"{_size(aa['max_abs_pair_diff'])}, mean item discordance between two seeds "
                    f"{aa['mean_discordance']:.3f}."), "",
               "## What an item-level test says about two seeds of the same loss", "",
               "| seeds | diff | Hoeffding CI | McNemar p | discordance | item-level 'significant' |",
@@ -268,6 +270,11 @@ def _endpoint(rule: dict[str, Any]) -> str:
 
 def _ci(iv: list[float] | None) -> str:
     return "-" if not iv else f"[{_pts(iv[0])}, {_pts(iv[1])}]"
+
+
+def _size(x: float | None) -> str:
+    """An unsigned size (sd, se, gap magnitude) in percentage points."""
+    return "-" if x is None else f"{100.0 * x:.2f} pts"
 
 
 def _pts(x: float | None) -> str:
