@@ -94,7 +94,7 @@ def test_between_seed_noise_makes_item_level_tests_fire_and_seed_t_does_not():
 
 def test_design_mde_simulated_agrees_with_closed_form_and_target_answers():
     plan = Plan(n_items=400, n_seeds=1, discordance=0.25, target_effect=0.05)
-    res = design(plan, n_sims=1500, n_bootstrap=300, grid=41)
+    res = design(plan, n_sims=800, n_bootstrap=200, grid=31)
     for k in ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap"):
         assert res["mde"][k] == pytest.approx(res["mde_closed_form"][k], abs=0.012), k
     assert res["mde"]["seed_t"] is None and res["notes"]
@@ -157,13 +157,10 @@ def test_design_gate_fails_only_when_the_decision_method_misses_the_target(tmp_p
 
     assert GATES[-1] == "design"
     base = ["eval.n_examples=300", "decision.discordance=0.3"]
-    rep = design_gate(compose_config(base), tmp_path, n_seeds=1, n_sims=200)
+    rep = design_gate(compose_config(base), tmp_path, n_seeds=1, n_sims=100)
     assert rep.passed and rep.meta["design"]["mde"]["paired_hoeffding"] > 0.1
-    miss = design_gate(compose_config(base + ["decision.target_effect=0.05"]), tmp_path, n_sims=200)
+    miss = design_gate(compose_config(base + ["decision.target_effect=0.05"]), tmp_path, n_sims=100)
     assert not miss.passed and miss.checks[-1].status == "fail"
-    hit = design_gate(compose_config(base + ["decision.target_effect=0.05", "decision.method=mcnemar_exact"]),
-                      tmp_path, n_sims=200)
-    assert not hit.passed  # McNemar's MDE at 300 items is ~ 8 pts: still above 5
-    easy = design_gate(compose_config(base + ["decision.target_effect=0.2"]), tmp_path, n_sims=200)
+    easy = design_gate(compose_config(base + ["decision.target_effect=0.2"]), tmp_path, n_sims=100)
     assert easy.passed and easy.checks[-1].status == "pass"
     assert (tmp_path / "preflight" / "design_power.png").is_file()
