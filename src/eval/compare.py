@@ -308,7 +308,8 @@ def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool) -> Rule:
         raise CompareError(f"run {runs[0].path}: decision config: decision.{e}") from None
     changed = []
     for key, value in cli.items():
-        if value is None or value == getattr(cfg, key):
+        # the threshold only sets a secondary (reported) endpoint: changing it decides nothing
+        if value is None or value == getattr(cfg, key) or key == "threshold":
             continue
         changed.append(f"{key}: {getattr(cfg, key)!r} -> {value!r}")
     if changed and not override:
@@ -835,7 +836,8 @@ def main(argv: list[str] | None = None) -> int:
     rule.add_argument("--margin", type=float, default=None, help="gain the lower bound must exceed")
     rule.add_argument("--endpoint", default=None, choices=("final", "step", "auc"))
     rule.add_argument("--step", type=int, default=None, help="eval step of --endpoint step")
-    rule.add_argument("--threshold", type=float, default=None, help="accuracy of the steps-to-threshold endpoint")
+    rule.add_argument("--threshold", type=float, default=None,
+                      help="accuracy of the steps-to-threshold endpoint (reported only: no override needed)")
     rule.add_argument("--override-decision", action="store_true",
                       help="decide with the rule given here instead of the pre-registered one (the report says so)")
     p.add_argument("--bootstrap", type=int, default=10000, help="bootstrap resamples (0 = off)")
