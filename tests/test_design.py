@@ -164,3 +164,17 @@ def test_design_gate_fails_only_when_the_decision_method_misses_the_target(tmp_p
     easy = design_gate(compose_config(base + ["decision.target_effect=0.2"]), tmp_path, n_sims=100)
     assert easy.passed and easy.checks[-1].status == "pass"
     assert (tmp_path / "preflight" / "design_power.png").is_file()
+
+
+def test_the_decision_rule_is_part_of_the_plan_hash_not_of_the_resume_hash():
+    from omegaconf import OmegaConf
+
+    from trainer.checkpoint import config_hash
+    from trainer.config.compose import compose_config
+    from trainer.preflight.gates import plan_hash
+
+    a, b = compose_config([]), compose_config(["decision.method=seed_t"])
+    assert plan_hash(a) != plan_hash(b)  # gates passed under one rule do not serve a sweep under another
+    assert plan_hash(a) == plan_hash(compose_config(["seed=3"]))
+    ra, rb = (config_hash(OmegaConf.to_container(c, resolve=True)) for c in (a, b))
+    assert ra == rb  # a run resumes whatever rule its verdict will be read with
