@@ -275,6 +275,8 @@ def pair_by_seed(runs: list[Run], losses: list[str]) -> dict[int, dict[str, Run]
 # ----------------------------------------------------------------------------- decision rule
 @dataclass
 class Rule:
+    """The decision rule compare applies: the runs' `decision` config, with any --override-decision change."""
+
     method: str
     alpha: float
     margin: float
@@ -444,11 +446,6 @@ def aa_calibration(aa: dict[str, Any], gap_S: list[float], alpha: float) -> dict
             "exceeds_every_aa_pair": bool(abs(gap) > (aa["max_abs_pair_diff"] or 0.0))}
 
 # ----------------------------------------------------------------------------- main entry
-def _corrects(run: Run, order: list[int]) -> np.ndarray:
-    m = {r["index"]: r["correct"] for r in run.records}
-    return np.array([m[i] for i in order], dtype=np.bool_)
-
-
 def _final_step(run: Run) -> int:
     return int(((run.config.get("schedule") or {}).get("num_steps")) or 0)
 

@@ -122,7 +122,8 @@ def bootstrap_means(diff_N: np.ndarray, n_resamples: int = 10000, seed: int = 0,
 
 
 def decide(diff: float, ci_low: float) -> str:
-    """The pre-registered decision rule (see DECISION_RULE)."""
+    """The paired-Hoeffding verdict at margin 0 (DECISION_RULE), the one paired_compare reports; eval.compare
+    decides with the config's `decision` rule instead (interval_verdict / pvalue_verdict)."""
     if ci_low > 0:
         return "validated"
     if diff > 0:
