@@ -1,6 +1,6 @@
 """`python -m trainer.preflight <gate|all> [+experiment=dppo_vs_grpo] [overrides]`.
 
-Gates: correctness, restoration, activation, feasibility, design. Each prints a table and writes
+Gates: correctness, design, restoration, activation, feasibility. Each prints a table and writes
 `<preflight.dir>/preflight/<gate>.json`; the exit code is non-zero when a gate fails. `all` runs
 them in order and stops at the first failure."""
 
@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-USAGE = ("usage: python -m trainer.preflight {correctness|restoration|activation|feasibility|design|all} "
+USAGE = ("usage: python -m trainer.preflight {correctness|design|restoration|activation|feasibility|all} "
          "[overrides]")
 
 

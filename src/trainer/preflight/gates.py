@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer.preflight.common import Check, GateReport
 
-GATES = ("correctness", "restoration", "activation", "feasibility", "design")
+# design runs second: it costs seconds and can stop a plan that cannot answer its question before the pilot
+GATES = ("correctness", "design", "restoration", "activation", "feasibility")
 # Keys that do not change what the gates measured. The loss is the swept switch: it is left out of the
 # plan hash, and each gate records the loss config of both arms instead (`arm_losses`), which a sweep
 # job's own loss must equal. preflight.skip/dir only say whether and where to look.
