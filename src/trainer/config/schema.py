@@ -491,6 +491,10 @@ class DecisionConfig:
             _require(0 < self.discordance <= 1, "discordance", "must be in (0, 1] or null", self.discordance)
         if self.seed_sd is not None:
             _require(0 <= self.seed_sd < 1, "seed_sd", "must be in [0, 1) or null", self.seed_sd)
+@dataclass
+class ReportConfig:
+    # write report.md with PNG plots into the run folder at the end of a run (python -m eval.report)
+    enabled: bool = True
 
 
 def arm_name(cfg: Any) -> str:
@@ -530,6 +534,8 @@ class Config:
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     # the pre-registered decision rule of eval.compare (part of the plan hash)
     decision: DecisionConfig = field(default_factory=DecisionConfig)
+    # the per-run report written at the end
+    report: ReportConfig = field(default_factory=ReportConfig)
     # checkpoint to evaluate (python -m eval.run checkpoint=<path>)
     checkpoint: Optional[str] = None
 
