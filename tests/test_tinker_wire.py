@@ -164,3 +164,44 @@ def test_wrong_url_or_key_fails_fast_naming_it(tmp_path, server):
                       env={"TINKER_API_KEY": key, "TINKER_BASE_URL": url, "TINKER_TELEMETRY": "0"})
         assert p.returncode == 2 and needle in p.stderr and url in p.stderr, p.stderr[-2000:]
         assert "Traceback" not in p.stderr
+
+
+def test_sdk_errors_are_classified():
+    """What the pinned SDK raises once its own retries are spent, and what the trainer does about it."""
+    import httpx
+    import tinker
+    from tinker.lib.retryable_exception import RetryableException
+
+    from trainer.backends.errors import RECOVER, RESEND, USER, classify, is_retryable
+    from trainer.losses.adapter import LossFunctionError
+
+    req = httpx.Request("POST", "http://tinker.invalid/api/v1/forward_backward")
+
+    def status(code: int) -> Exception:
+        return tinker.APIStatusError("x", response=httpx.Response(code, request=req), body=None)
+
+    def failed(category: str) -> Exception:
+        return tinker.RequestFailedError("Request failed", request_id="r",
+                                         category=tinker.types.RequestErrorCategory(category))
+
+    def sdk_value_error() -> Exception:
+        try:
+            raise ValueError("Error retrieving result: ... with status 404") from status(404)
+        except ValueError as e:
+            return e
+
+    cases = {
+        RESEND: [tinker.RateLimitError("x", response=httpx.Response(429, request=req), body=None)],
+        RECOVER: [failed("server"), failed("user"), RetryableException(message="Promise expired"), sdk_value_error(),
+                  ValueError("Proto deserialization failed: bad bytes"), status(500), status(409), status(410),
+                  tinker.APITimeoutError(request=req), tinker.APIConnectionError(request=req),
+                  RuntimeError("A previous request failed; this TrainingClient is poisoned")],
+        USER: [status(400), status(401), status(404), status(422), ValueError("datum[0] has no target_tokens"),
+               LossFunctionError("loss raised RuntimeError: bug")],
+        None: [KeyError("bug"), AttributeError("bug")],
+    }
+    for want, excs in cases.items():
+        for exc in excs:
+            assert classify(exc) == want, (exc, want)
+    assert not is_retryable(cases[RECOVER][-1])  # a poisoned client: resending on it cannot succeed
+    assert is_retryable(failed("server")) and not is_retryable(status(401))

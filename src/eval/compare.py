@@ -248,7 +248,8 @@ def _correct_by_index(run: Run, order: list[int]) -> np.ndarray:
 # ----------------------------------------------------------------------------- main entry
 def compare(paths: list[str | Path], treatment: str = "dppo", baseline: str = "grpo", alpha: float = 0.05,
             eval_name: str | None = None, allow_config_diff: bool = False, n_bootstrap: int = 10000,
-            seed: int = 0, out: str | Path | None = None, make_plots: bool = True) -> dict[str, Any]:
+            seed: int = 0, out: str | Path | None = None, make_plots: bool = True,
+            allow_mixed_loss_paths: bool = False) -> dict[str, Any]:
     """Run all checks, compute the statistics and write compare.json / compare.md / plots."""
     if treatment == baseline:
         raise CompareError(f"--treatment and --baseline are both '{treatment}'")
@@ -305,6 +306,11 @@ def compare(paths: list[str | Path], treatment: str = "dppo", baseline: str = "g
                      "job": r.job, "run_name": r.info.get("arm", r.config.get("run_name")),
                      "eval_file": str(r.eval_file), **summ})
     notes = _run_notes(ordered)
+    mixed = _mixed_loss_paths(ordered)
+    if mixed and not (allow_mixed_loss_paths or allow_config_diff):
+        raise CompareError(f"the runs computed their loss on different paths {mixed} (backend.loss_path=auto fell "
+                           "back in some of them): rerun with a pinned backend.loss_path, or pass "
+                           "--allow-mixed-loss-paths (same gradients; diagnostics are rounded differently)")
     result.update(
         treatment=treatment, baseline=baseline, eval_name=names[0], per_seed=per_seed, arms=arms,
         decision_rule=DECISION_RULE.format(conf=100 * (1 - alpha)),
@@ -353,6 +359,12 @@ def _run_notes(runs: list[Run]) -> list[str]:
     return notes
 
 
+def _mixed_loss_paths(runs: list[Run]) -> dict[str, str | None]:
+    """{arm: loss/path} when the runs' recorded loss paths differ, else {}."""
+    paths = {r.arm: _loss_path(r.path / "metrics.jsonl") for r in runs}
+    return paths if len(set(paths.values())) > 1 else {}
+
+
 def _loss_path(metrics: Path) -> str | None:
     """`loss/path` (one_pass / two_pass) of a run's first metrics row, None if not recorded."""
     try:
@@ -375,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="eval file eval/<NAME>.jsonl (default: config eval.name)")
     p.add_argument("--allow-config-diff", action="store_true",
                    help="compare even if configs differ outside the loss group (recorded in the report)")
+    p.add_argument("--allow-mixed-loss-paths", action="store_true",
+                   help="compare even if the runs computed their loss on different paths (loss/path)")
     p.add_argument("--bootstrap", type=int, default=10000, help="bootstrap resamples (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed")
     p.add_argument("--out", default=None,
@@ -385,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         result = compare(args.paths, treatment=args.treatment, baseline=args.baseline, alpha=args.alpha,
                          eval_name=args.eval_name, allow_config_diff=args.allow_config_diff,
                          n_bootstrap=args.bootstrap, seed=args.seed, out=args.out,
-                         make_plots=not args.no_plots)
+                         make_plots=not args.no_plots, allow_mixed_loss_paths=args.allow_mixed_loss_paths)
     except (CompareError, ValueError, FileNotFoundError) as e:
         print(f"eval.compare: error: {e}", file=sys.stderr)
         return 1

@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from trainer.advantages import compute_advantages
-from trainer.backends.errors import is_not_applied, is_retryable
+from trainer.backends.errors import RECOVER, RESEND, USER, BackendRequestError, classify, is_not_applied, is_retryable
 from trainer.config.schema import arm_name
 from trainer.checkpoint import (CheckpointInfo, ResumeError, check_resumable, config_hash, rng_state,
                                 save_checkpoint, truncate_log)
@@ -100,13 +100,24 @@ class RLLoop:
         if ckpt is not None:
             try:
                 self.tc = self._restore_training_client(ckpt.tinker_path)
-            except (FileNotFoundError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - a checkpoint the backend cannot load, or a failed request
+                refused = isinstance(e, tinker.RequestFailedError) and str(getattr(e, "category", "")).lower(
+                ).endswith("user")
+                if classify(e) == RECOVER and not refused and not isinstance(e, FileNotFoundError):
+                    raise _ClientFailure(f"load_state: {type(e).__name__}: {e}") from e
+                if classify(e) is None:
+                    raise
                 raise ResumeError(f"cannot restore {ckpt.tinker_path} named in "
                                   f"{self.run_dir / 'checkpoint.json'}: {e}") from None
             state = LoopState(ckpt.step, ckpt.optim_steps, ckpt.data_cursor, ckpt)
             log.info("resuming from %s at step %d", ckpt.tinker_path, ckpt.step)
         else:
-            self.tc = self._new_training_client()
+            try:
+                self.tc = self._new_training_client()
+            except Exception as e:  # noqa: BLE001
+                if classify(e) != RECOVER:
+                    raise
+                raise _ClientFailure(f"create_training_client: {type(e).__name__}: {e}") from e
             state = LoopState()
         for name in ("metrics.jsonl", "rollouts.jsonl"):
             kept, dropped = truncate_log(self.run_dir / name, state.step)
@@ -116,18 +127,33 @@ class RLLoop:
         return state
 
     def _recover(self, state: LoopState, exc: BaseException) -> LoopState:
-        """Recreate the training client from the last checkpoint and redo the steps after it."""
+        """Recreate the training client from the last checkpoint and redo the steps after it.
+
+        Bounded by `retry.max_attempts` recoveries in a row that make no progress (the same step failing
+        again), so a long run survives many unrelated faults while a persistent one still ends it."""
         self.recoveries += 1
-        if self.recoveries > self.cfg.retry.max_attempts:
-            raise TrainingClientLost(f"giving up after {self.recoveries - 1} recoveries: {exc}") from exc
+        at = (state.step, state.optim_steps)
+        self._stuck = (getattr(self, "_stuck", 0) + 1) if getattr(self, "_stuck_at", None) == at else 1
+        self._stuck_at = at
+        if self._stuck > self.cfg.retry.max_attempts:
+            raise TrainingClientLost(f"giving up after {self._stuck - 1} recoveries at step {state.step}: "
+                                     f"{type(exc).__name__}: {exc}") from exc
         log.warning("training client failed (%s: %s); recovering from the last checkpoint",
                     type(exc).__name__, exc)
-        return self._start()
+        while True:
+            try:
+                return self._start()
+            except _ClientFailure as again:  # creating the new client failed too: counts as another try
+                self._stuck += 1
+                if self._stuck > self.cfg.retry.max_attempts:
+                    raise TrainingClientLost(f"giving up: no training client after {self._stuck - 1} tries: "
+                                             f"{again}") from again
+                log.warning("recreating the training client failed (%s); trying again", again)
 
     # ------------------------------------------------------------------ main
     def run(self) -> dict[str, Any]:
         s = self.cfg.schedule
-        state = self._start()
+        state = self._start_with_retries()
         sink = MetricsSink(self.run_dir, self.cfg.logger, arm_name(self.cfg), self.config_dict, self.sweep_dir,
                            resume=state.step > 0)
         bar = None
@@ -173,9 +199,20 @@ class RLLoop:
                 "checkpoint": state.last_checkpoint.tinker_path if state.last_checkpoint else None,
                 "retries": self.retry.total, "recoveries": self.recoveries, **self.info}
 
+    def _start_with_retries(self) -> LoopState:
+        for attempt in range(self.cfg.retry.max_attempts):
+            try:
+                return self._start()
+            except _ClientFailure as exc:
+                if attempt == self.cfg.retry.max_attempts - 1:
+                    raise TrainingClientLost(f"no training client after {attempt + 1} tries: {exc}") from exc
+                log.warning("creating the training client failed (%s); trying again", exc)
+        raise AssertionError("unreachable")
+
     def sampling_client(self) -> Any:
-        return self.retry.call("save_weights_and_get_sampling_client",
-                               lambda: self.tc.save_weights_and_get_sampling_client().result())
+        """A sampler on the current weights (idempotent: a failed attempt is simply made again)."""
+        return self._train_call("save_weights_and_get_sampling_client",
+                                lambda: self.tc.save_weights_and_get_sampling_client().result())
 
     def _do_step(self, state: LoopState, sink: MetricsSink) -> float:
         cfg, s = self.cfg, self.cfg.schedule
@@ -185,11 +222,16 @@ class RLLoop:
         n = len(self.train_problems)
         problems = [self.train_problems[(state.data_cursor + g) % n] for g in range(s.groups_per_batch)]
         t0 = time.time()
-        groups = asyncio.run(sample_batch(
-            self.task, problems, sampling_client, seed=cfg.seed, step=step, group_size=s.group_size,
-            temperature=cfg.sampling.temperature, max_tokens=cfg.sampling.max_tokens, top_p=cfg.sampling.top_p,
-            top_k=cfg.sampling.top_k, max_seq_len=cfg.model.max_seq_len, concurrency=cfg.sampling.concurrency,
-            retry=self.retry))
+        try:
+            groups = asyncio.run(sample_batch(
+                self.task, problems, sampling_client, seed=cfg.seed, step=step, group_size=s.group_size,
+                temperature=cfg.sampling.temperature, max_tokens=cfg.sampling.max_tokens,
+                top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, max_seq_len=cfg.model.max_seq_len,
+                concurrency=cfg.sampling.concurrency, retry=self.retry))
+        except Exception as exc:  # noqa: BLE001 - sampling retried in place already; now a new client
+            if classify(exc) != RECOVER and classify(exc) != RESEND:
+                raise
+            raise _ClientFailure(f"sample: {type(exc).__name__}: {exc}") from exc
         t_sample = time.time() - t0
 
         rollouts: list[Rollout] = []
@@ -286,16 +328,19 @@ class RLLoop:
         retryable = is_not_applied if what in _NOT_IDEMPOTENT else is_retryable
         try:
             return self.retry.call(what, fn, retryable)
-        except (ValueError, TypeError):
-            raise
-        except _BACKEND_FAILURES as exc:
-            # the request failed at the backend (or poisoned the client): recover from a checkpoint.
-            # Anything else (a bug here) propagates with its traceback instead of being retried.
-            raise _ClientFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - classified: recover, the user's fault, or a bug
+            kind = classify(exc)
+            if kind in (RESEND, RECOVER):  # failed at the backend, maybe applied: redo from a checkpoint
+                raise _ClientFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
+            if kind == USER and isinstance(exc, tinker.APIStatusError):
+                raise BackendRequestError(f"{what}: the backend refused the request: {exc}") from exc
+            raise  # our own ValueError (bad input, a failing loss) or a bug: with its traceback
 
     def _save(self, state: LoopState, final: bool = False) -> None:
         name = f"step{state.step:06d}" + ("_final" if final else "")
-        path = self._train_call("save_state", lambda: self.tc.save_state(name).result().path)
+        # overwrite=True makes a resend idempotent: a save that landed but whose reply was lost would
+        # otherwise be refused as a duplicate name (409, retried by the SDK for 5 minutes)
+        path = self._train_call("save_state", lambda: self.tc.save_state(name, overwrite=True).result().path)
         history = (state.last_checkpoint.history if state.last_checkpoint else []) + [
             {"step": state.step, "tinker_path": path, "time": time.time()}]
         info = CheckpointInfo(tinker_path=path, step=state.step, optim_steps=state.optim_steps,
@@ -323,10 +368,6 @@ class _ClientFailure(RuntimeError):
 
 
 _NOT_IDEMPOTENT = ("forward_backward", "optim_step")
-
-
-# tinker.TinkerError covers the SDK's API errors; a poisoned client raises RuntimeError
-_BACKEND_FAILURES = (tinker.TinkerError, RuntimeError, ConnectionError, TimeoutError, OSError)
 
 
 def _is_client_failure(exc: BaseException) -> bool:

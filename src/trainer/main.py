@@ -123,7 +123,7 @@ def make_loss(cfg: DictConfig, service_client: Any) -> tuple[Any, Any]:
                     "the two-pass path (same gradients, other cost and metric rounding); pin "
                     "backend.loss_path so that every arm of a sweep runs the same path", type(e).__name__, e)
         return loss, make_custom_loss_fn(loss)
-    if getattr(handle, "loss_id", "local") is None:
+    if cfg.backend.name == "tinker" and getattr(handle, "loss_id", None) is None:
         log.info("the service runs registered losses client-side (custom_loss_server_side=false): one-pass "
                  "semantics, two model passes per update")
     return loss, handle
@@ -216,10 +216,15 @@ def run_training(cfg: DictConfig) -> float | None:
         start_eval = run_start_eval(cfg, service_client, etask, run_dir, loop.retry, loop.cfg_hash)
         start_eval_s = time.time() - t0
     t_train = time.time()
+    from trainer.backends.errors import BackendRequestError
+    from trainer.loop import TrainingClientLost
+
     try:
         result = loop.run()
     except ResumeError as e:
         fail(f"resume: {e}")
+    except (TrainingClientLost, BackendRequestError) as e:  # the run folder keeps every finished step
+        fail(f"backend: {e}; the run resumes from its last checkpoint when started again")
     # setup: config, data, model load; the loop's total includes creating/restoring the training client,
     # checkpoints and periodic evals
     result["time/setup"] = setup_s
