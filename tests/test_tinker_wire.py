@@ -205,3 +205,36 @@ def test_sdk_errors_are_classified():
             assert classify(exc) == want, (exc, want)
     assert not is_retryable(cases[RECOVER][-1])  # a poisoned client: resending on it cannot succeed
     assert is_retryable(failed("server")) and not is_retryable(status(401))
+
+
+FAULT_KINDS = "500,429,408,410,failed_server,failed_user,drop,poison"
+
+
+@pytest.mark.slow
+def test_ten_percent_faults_on_the_wire_give_the_fault_free_run(tmp_path):
+    """A tenth of the calls fail across the kinds the service can produce (`delay` aside: each costs the
+    SDK's 45-60 s timeout), plus chosen ones that force a dropped reply after the work was taken, a lost
+    model and a failed future: every (step, update) row still appears once, with the values of the
+    fault-free in-process run, and the final eval is the same."""
+    args = ["schedule.num_steps=3", "retry.backoff_s=0.0"]
+    ref, run = tmp_path / "ref", tmp_path / "faulty"
+    p = run_train([*LOCAL, *args, f"hydra.run.dir={ref}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    at = "at=optim_step#2:drop,forward_backward#5:poison,save_weights#2:drop,asample#3:drop"
+    srv = Server(tmp_path / "state", "--faults", f"rate=0.1 seed=7 kinds={FAULT_KINDS} {at}")
+    try:
+        p = run_train([*WIRE, *args, f"hydra.run.dir={run}"], tmp_path, env=srv.env(), timeout=600)
+        stats = srv.stats()
+    finally:
+        out = srv.stop()
+    assert p.returncode == 0, p.stderr[-3000:]
+    injected = stats["faults"]
+    assert sum(injected.values()) >= 8 and {"drop", "poison"} <= set(injected), injected
+    assert "faults injected" in out
+    result = json.loads((run / "result.json").read_text())
+    assert result["recoveries"] >= 1  # the lost model was replaced from a checkpoint
+    rows = read_metrics(run)
+    assert [(r["step"], r["update"]) for r in rows] == [(s, u) for s in range(3) for u in range(2)]
+    assert [r["global_update"] for r in rows] == list(range(6))
+    assert_same_rows(read_metrics(ref), rows)
+    assert eval_records(ref) == eval_records(run)
