@@ -94,7 +94,10 @@ def rollouts(run: Path) -> list[tuple]:
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["one_pass", "two_pass"])
 def test_wire_run_equals_in_process_run(tmp_path, server, path):
-    extra = [f"backend.loss_path={path}"] + (["eval=none"] if path == "two_pass" else [])
+    # one request per group on both sides (the local engine's default; the wire's is per_sample, pinned by
+    # the resume and fault tests below)
+    extra = [f"backend.loss_path={path}", "sampling.requests=per_group"] + (["eval=none"] if path == "two_pass"
+                                                                          else [])
     local, wire = tmp_path / "local", tmp_path / "wire"
     p = run_train([*LOCAL, *extra, f"hydra.run.dir={local}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -113,7 +116,7 @@ def test_wire_run_equals_in_process_run(tmp_path, server, path):
 
 @pytest.mark.slow
 def test_sigkill_and_resume_over_the_wire(tmp_path, server):
-    args = ["schedule.num_steps=3", "eval=none"]
+    args = ["schedule.num_steps=3", "eval=none", "sampling.requests=per_sample"]
     ref = tmp_path / "ref"
     p = run_train([*LOCAL, *args, f"hydra.run.dir={ref}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -216,7 +219,7 @@ def test_ten_percent_faults_on_the_wire_give_the_fault_free_run(tmp_path):
     SDK's 45-60 s timeout), plus chosen ones that force a dropped reply after the work was taken, a lost
     model and a failed future: every (step, update) row still appears once, with the values of the
     fault-free in-process run, and the final eval is the same."""
-    args = ["schedule.num_steps=3", "retry.backoff_s=0.0"]
+    args = ["schedule.num_steps=3", "retry.backoff_s=0.0", "sampling.requests=per_sample"]
     ref, run = tmp_path / "ref", tmp_path / "faulty"
     p = run_train([*LOCAL, *args, f"hydra.run.dir={ref}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -238,3 +241,36 @@ def test_ten_percent_faults_on_the_wire_give_the_fault_free_run(tmp_path):
     assert [r["global_update"] for r in rows] == list(range(6))
     assert_same_rows(read_metrics(ref), rows)
     assert eval_records(ref) == eval_records(run)
+
+
+def test_group_samples_differ_by_construction_and_rerun_identically(tmp_path):
+    """Per-sample requests carry distinct derived seeds: a group's samples differ even where one seeded
+    request would repeat itself, and a rerun draws the same tokens; duplicates are measured and warned."""
+    import asyncio
+    from trainer.backends.local import LocalServiceClient
+    from trainer.config.compose import compose_config
+    from trainer.datums import Rollout
+    from trainer.loop import frac_duplicate_in_group
+    from trainer.main import build_components
+    from trainer.retry import RetryPolicy
+    from trainer.rollouts import sample_batch, sample_seed
+
+    assert len({sample_seed(0, 3, 1, i) for i in range(64)}) == 64
+    assert sample_seed(0, 3, 1, 5) == sample_seed(0, 3, 1, 5) != sample_seed(1, 3, 1, 5)
+    cfg = compose_config(["model=tiny_random", "env=gsm8k", "env.n_examples=4", "env.convo_prefix=none"])
+    _, _, task = build_components(cfg)
+    sc = LocalServiceClient(state_dir=tmp_path / "engine", sampler_dtype="float32", train_dtype="float32")
+    sampler = sc.create_sampling_client(base_model="pairedrl/tiny-random")
+
+    def draw():
+        return asyncio.run(sample_batch(task, task.train_problems()[:2], sampler, seed=0, step=0, group_size=4,
+                                        temperature=1.0, max_tokens=8, top_p=1.0, top_k=-1, max_seq_len=512,
+                                        concurrency=8, retry=RetryPolicy(), per_sample=True))
+
+    a, b = draw(), draw()
+    assert [[r.tokens for r in g] for g in a] == [[r.tokens for r in g] for g in b]
+    assert frac_duplicate_in_group(a) == 0.0
+    same = [[Rollout(group=0, prompt_tokens=[1], tokens=[5, 6], logprobs=[0.0, 0.0], reward=0.0, metrics={},
+                     stop_reason="stop") for _ in range(4)]]
+    assert frac_duplicate_in_group(same) == 0.75
+    sc.close()

@@ -73,6 +73,8 @@ class RLLoop:
         self.info: dict[str, Any] = {}
         self.recoveries = 0
         self._warned: set[str] = set()
+        mode = cfg.sampling.get("requests", "auto")
+        self.per_sample_requests = mode == "per_sample" or (mode == "auto" and cfg.backend.name == "tinker")
 
     # ------------------------------------------------------------------ clients
     def _new_training_client(self) -> Any:
@@ -227,7 +229,8 @@ class RLLoop:
                 self.task, problems, sampling_client, seed=cfg.seed, step=step, group_size=s.group_size,
                 temperature=cfg.sampling.temperature, max_tokens=cfg.sampling.max_tokens,
                 top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, max_seq_len=cfg.model.max_seq_len,
-                concurrency=cfg.sampling.concurrency, retry=self.retry))
+                concurrency=cfg.sampling.concurrency, retry=self.retry,
+                per_sample=getattr(self, "per_sample_requests", False)))
         except Exception as exc:  # noqa: BLE001 - sampling retried in place already; now a new client
             if classify(exc) != RECOVER and classify(exc) != RESEND:
                 raise
@@ -244,6 +247,12 @@ class RLLoop:
                 r.advantage = float(a)
                 rollouts.append(r)
         step_metrics = _rollout_metrics(rollouts, len(groups), sum(mixed_G))
+        step_metrics["env/frac_duplicate_in_group"] = dup = frac_duplicate_in_group(groups)
+        if dup > DUPLICATE_WARN and cfg.sampling.temperature >= 1.0:
+            self._warn_once("duplicates", "step %d: %.0f%% of the completions repeat another of their group at "
+                            "temperature %g: identical samples get zero advantage and teach nothing; check "
+                            "that the backend draws a group's samples independently (sampling.requests="
+                            "per_sample seeds each one)", step, 100 * dup, cfg.sampling.temperature)
         step_metrics["time/sample"] = t_sample
         rollouts_train = select_for_training(rollouts, mixed_G, s.drop_constant_groups, s.updates_per_batch)
         step_metrics["env/rollouts_trained"] = len(rollouts_train)
@@ -385,6 +394,18 @@ def _fb_metrics(fb: Any) -> dict[str, Any]:
         else:
             out[k] = float(v)
     return out
+
+
+# share of duplicated completions above which a step at temperature >= 1 warns (a healthy policy at T=1
+# repeats itself only on very short answers)
+DUPLICATE_WARN = 0.5
+
+
+def frac_duplicate_in_group(groups: list[list[Rollout]]) -> float:
+    """Share of rollouts whose completion tokens equal an earlier rollout of the same group."""
+    n = sum(len(g) for g in groups)
+    dup = sum(len(g) - len({tuple(r.tokens) for r in g}) for g in groups)
+    return dup / max(1, n)
 
 
 def _rollout_metrics(rollouts: list[Rollout], n_groups: int, mixed: int) -> dict[str, float]:

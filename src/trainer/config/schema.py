@@ -412,8 +412,14 @@ class SamplingConfig:
     top_k: int = -1
     # maximum sample requests in flight at once
     concurrency: int = 256
+    # how a group is requested: per_group (one request, num_samples = group_size) | per_sample (one request
+    # per sample, each with its own derived seed) | auto (per_sample on backend=tinker, where a seeded
+    # request with num_samples > 1 may return identical samples; per_group on the local engine, whose
+    # seeded request draws each sample independently)
+    requests: str = "auto"
 
     def __post_init__(self) -> None:
+        _in_set("requests", self.requests, ("auto", "per_group", "per_sample"))
         _require(self.temperature > 0, "temperature", "must be > 0 for RL rollouts", self.temperature)
         _positive_int("max_tokens", self.max_tokens)
         _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
