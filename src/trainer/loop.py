@@ -268,14 +268,17 @@ class RLLoop:
             t_u = time.time()
             if self.loss_path == "one_pass":
                 mb = [with_per_datum_inputs(d) for d in mb]
-            fb = self._train_call("forward_backward", lambda mb=mb: self.tc.forward_backward_custom(
-                mb, self.custom_loss).result())
             lr = lr_at(state.optim_steps, s.num_steps * s.updates_per_batch, cfg.optimizer.lr, s.lr_schedule,
                        s.warmup_steps, s.min_lr_ratio)
             o = cfg.optimizer
             params = tinker.AdamParams(learning_rate=lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
                                        weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm)
-            opt = self._train_call("optim_step", lambda: self.tc.optim_step(params).result())
+            if cfg.backend.get("pipeline_optim_step", False):
+                fb, opt = self._train_call(_PIPELINED, lambda mb=mb: self._fb_then_optim(mb, params))
+            else:
+                fb = self._train_call("forward_backward", lambda mb=mb: self.tc.forward_backward_custom(
+                    mb, self.custom_loss).result())
+                opt = self._train_call("optim_step", lambda: self.tc.optim_step(params).result())
             state.optim_steps += 1
             row = {"step": step, "update": u, "global_update": state.optim_steps - 1, "optim/lr": lr,
                    "loss/path": self.loss_path}
@@ -325,6 +328,15 @@ class RLLoop:
             out.update({k: v for k, v in diag.items() if k not in out})
         return out
 
+    def _fb_then_optim(self, mb: list, params: Any) -> tuple[Any, Any]:
+        """forward_backward and optim_step submitted back to back, then both awaited: requests of one
+        client run in submission order (tinker 0.38 reserves the custom loss's two passes' request ids
+        up front, `training_client.py::forward_backward_custom`), so the step lands in the same server
+        cycle instead of one round trip later, as the cookbook's RL loop does."""
+        fb = self.tc.forward_backward_custom(mb, self.custom_loss)
+        opt = self.tc.optim_step(params)
+        return fb.result(), opt.result()
+
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -334,7 +346,10 @@ class RLLoop:
         # forward_backward / optim_step are not idempotent (gradients accumulate, updates apply): resent
         # in place only after errors that guarantee the server applied nothing; any other failure
         # (timeout, 5xx: maybe applied) redoes the step from the last checkpoint instead
-        retryable = is_not_applied if what in _NOT_IDEMPOTENT else is_retryable
+        # the pipelined pair is never resent in place: the optim_step may have applied whatever gradient
+        # had accumulated when its forward_backward failed
+        retryable = ((lambda exc: False) if what == _PIPELINED else
+                     is_not_applied if what in _NOT_IDEMPOTENT else is_retryable)
         try:
             return self.retry.call(what, fn, retryable)
         except Exception as exc:  # noqa: BLE001 - classified: recover, the user's fault, or a bug
@@ -377,6 +392,7 @@ class _ClientFailure(RuntimeError):
 
 
 _NOT_IDEMPOTENT = ("forward_backward", "optim_step")
+_PIPELINED = "forward_backward+optim_step"
 
 
 def _is_client_failure(exc: BaseException) -> bool:

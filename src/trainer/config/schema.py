@@ -341,6 +341,9 @@ class LocalBackendConfig:
     loss_path: str = "auto"
     # restoration gate: max |logprob diff| between fresh clients and across save -> restore
     restore_tolerance: float = 1e-6
+    # send optim_step right behind forward_backward instead of after its result (no resend in place then:
+    # a failure of either redoes the step from the last checkpoint)
+    pipeline_optim_step: bool = True
 
     def __post_init__(self) -> None:
         _in_set("loss_path", self.loss_path, LOSS_PATHS)
@@ -370,6 +373,9 @@ class TinkerBackendConfig:
     # restoration gate: max |logprob diff| between fresh clients and across save -> restore (bf16 GPUs
     # serving separate clients agree to ~1e-2, not to the embedded engine's 1e-6)
     restore_tolerance: float = 0.02
+    # send optim_step right behind forward_backward instead of after its result (one server cycle instead
+    # of a round trip more; no resend in place then: a failure of either redoes the step from a checkpoint)
+    pipeline_optim_step: bool = True
 
     def __post_init__(self) -> None:
         _in_set("loss_path", self.loss_path, LOSS_PATHS)
