@@ -114,12 +114,22 @@ def test_wire_run_equals_in_process_run(tmp_path, server, path):
     assert ck["tinker_path"].startswith("tinker://") and ck["optim_steps"] == 4
 
 
-@pytest.mark.slow
-def test_sigkill_and_resume_over_the_wire(tmp_path, server):
-    args = ["schedule.num_steps=3", "eval=none", "sampling.requests=per_sample"]
-    ref = tmp_path / "ref"
-    p = run_train([*LOCAL, *args, f"hydra.run.dir={ref}"], tmp_path)
+# the resume and fault tests share one in-process reference: 3 steps, one request per sample (the wire's
+# default), with the final eval
+REF_ARGS = ["schedule.num_steps=3", "retry.backoff_s=0.0", "sampling.requests=per_sample"]
+
+
+@pytest.fixture(scope="module")
+def local_ref(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("local_ref")
+    p = run_train([*LOCAL, *REF_ARGS, f"hydra.run.dir={tmp / 'ref'}"], tmp)
     assert p.returncode == 0, p.stderr[-3000:]
+    return tmp / "ref"
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_over_the_wire(tmp_path, server, local_ref):
+    args = REF_ARGS
     run = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *WIRE, *args, f"hydra.run.dir={run}"],
                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -134,7 +144,8 @@ def test_sigkill_and_resume_over_the_wire(tmp_path, server):
     p = run_train([*WIRE, *args, f"hydra.run.dir={run}"], tmp_path, env=server.env())
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resuming the run in" in p.stdout
-    assert_same_rows(read_metrics(ref), read_metrics(run))
+    assert_same_rows(read_metrics(local_ref), read_metrics(run))
+    assert eval_records(local_ref) == eval_records(run)
 
 
 def _safe_rows(run: Path) -> list[dict]:
@@ -214,15 +225,12 @@ FAULT_KINDS = "500,429,408,410,failed_server,failed_user,drop,poison"
 
 
 @pytest.mark.slow
-def test_ten_percent_faults_on_the_wire_give_the_fault_free_run(tmp_path):
+def test_ten_percent_faults_on_the_wire_give_the_fault_free_run(tmp_path, local_ref):
     """A tenth of the calls fail across the kinds the service can produce (`delay` aside: each costs the
     SDK's 45-60 s timeout), plus chosen ones that force a dropped reply after the work was taken, a lost
     model and a failed future: every (step, update) row still appears once, with the values of the
     fault-free in-process run, and the final eval is the same."""
-    args = ["schedule.num_steps=3", "retry.backoff_s=0.0", "sampling.requests=per_sample"]
-    ref, run = tmp_path / "ref", tmp_path / "faulty"
-    p = run_train([*LOCAL, *args, f"hydra.run.dir={ref}"], tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
+    args, ref, run = REF_ARGS, local_ref, tmp_path / "faulty"
     at = "at=optim_step#2:drop,forward_backward#5:poison,save_weights#2:drop,asample#3:drop"
     srv = Server(tmp_path / "state", "--faults", f"rate=0.1 seed=7 kinds={FAULT_KINDS} {at}")
     try:
@@ -273,4 +281,52 @@ def test_group_samples_differ_by_construction_and_rerun_identically(tmp_path):
     same = [[Rollout(group=0, prompt_tokens=[1], tokens=[5, 6], logprobs=[0.0, 0.0], reward=0.0, metrics={},
                      stop_reason="stop") for _ in range(4)]]
     assert frac_duplicate_in_group(same) == 0.75
+    sc.close()
+
+
+def test_optim_step_is_sent_before_forward_backward_returns(tmp_path):
+    """backend.pipeline_optim_step: the loop submits optim_step while forward_backward is still running
+    (the client orders them), and the pair's results are those of the unpipelined calls."""
+    import tinker
+
+    from trainer.backends.local import LocalServiceClient
+    from trainer.datums import Rollout, rollout_to_datum
+    from trainer.loop import RLLoop
+    from trainer.losses.adapter import make_custom_loss_fn
+    from trainer.losses.grpo import GRPOLoss
+
+    sc = LocalServiceClient(state_dir=tmp_path / "engine", sampler_dtype="float32", train_dtype="float32")
+    rollouts = [Rollout(group=0, prompt_tokens=[1, 7, 9, 11], tokens=[20 + i, 30, 40, 2], logprobs=[-3.0] * 4,
+                        reward=0.0, metrics={}, stop_reason="stop", advantage=(-1.0) ** i) for i in range(4)]
+    mb = [rollout_to_datum(r) for r in rollouts]
+    params = tinker.AdamParams(learning_rate=0.01)
+    events: list[str] = []
+
+    class Spy:  # the real client; records when each call is submitted and whether forward_backward had finished
+        def __init__(self, tc):
+            self.tc, self.fb = tc, None
+
+        def forward_backward_custom(self, data, fn):
+            self.fb = self.tc.forward_backward_custom(data, fn)
+            events.append("fb submitted")
+            return self.fb
+
+        def optim_step(self, p):
+            events.append("optim submitted" + (" after fb finished" if self.fb.future().done() else ""))
+            return self.tc.optim_step(p)
+
+    outs = []
+    for pipelined in (True, False):
+        loop = RLLoop.__new__(RLLoop)
+        tc = sc.create_lora_training_client("pairedrl/tiny-random", rank=4, seed=0)
+        loop.tc, loop.custom_loss = Spy(tc), make_custom_loss_fn(GRPOLoss())
+        if pipelined:
+            fb, opt = loop._fb_then_optim(mb, params)
+        else:
+            fb = loop.tc.forward_backward_custom(mb, loop.custom_loss).result()
+            opt = loop.tc.optim_step(params).result()
+        outs.append((fb.metrics["loss:sum"], opt.metrics["grad_norm:mean"]))
+    assert events[:2] == ["fb submitted", "optim submitted"]
+    assert events[2:] == ["fb submitted", "optim submitted after fb finished"]
+    assert outs[0] == pytest.approx(outs[1], rel=1e-6)
     sc.close()
