@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from test_trainer_e2e import TINY, read_metrics, run_train  # noqa: E402
+from test_trainer_e2e import TINY, read_metrics, run_train
 
 # the model config's LoRA alpha is not part of the Tinker protocol: the server is told it
 ENGINE = ["--lora-alpha", "8", "--sampler-dtype", "float32", "--train-dtype", "float32"]
@@ -255,6 +255,7 @@ def test_group_samples_differ_by_construction_and_rerun_identically(tmp_path):
     """Per-sample requests carry distinct derived seeds: a group's samples differ even where one seeded
     request would repeat itself, and a rerun draws the same tokens; duplicates are measured and warned."""
     import asyncio
+
     from trainer.backends.local import LocalServiceClient
     from trainer.config.compose import compose_config
     from trainer.datums import Rollout

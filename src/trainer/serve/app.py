@@ -24,20 +24,27 @@ import asyncio
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from aiohttp import web
 from tinker import types
 from tinker.lib.public_interfaces.custom_loss import LossHandle
 
 from trainer.serve.faults import FaultPlan
-from trainer.serve.wire import (decode_forward_backward, encode_forward_backward_output, encode_sample_response,
-                                rebuild_graph)
+from trainer.serve.wire import (
+    decode_forward_backward,
+    encode_forward_backward_output,
+    encode_sample_response,
+    rebuild_graph,
+)
 
 log = logging.getLogger("trainer.serve")
 PROTO = "application/x-protobuf"
+# results kept for retrieval; beyond this the oldest finished quarter expires (HTTP 410 when asked again)
+MAX_FUTURES = 50_000
 
 
 class ModelLost(RuntimeError):
@@ -105,6 +112,7 @@ class TinkerServer:
         self.samplers: dict[str, Any] = {}
         self.losses: dict[str, LossHandle] = {}
         self.futures: dict[str, _Pending] = {}
+        self.expired: set[str] = set()
         self.taken: dict[tuple, dict] = {}  # (kind, id, seq) -> the UntypedAPIFuture reply already given
         self.counts: dict[str, int] = {}  # requests per endpoint (benchmarks read them from /stats)
         self._ids = itertools.count(1)
@@ -177,6 +185,11 @@ class TinkerServer:
     def _register(self, future: Future, encode: Callable[[Any], tuple[bytes, str]], **extra: Any) -> dict:
         rid = f"req-{next(self._ids)}"
         self.futures[rid] = _Pending(future, encode)
+        if len(self.futures) > MAX_FUTURES:  # the oldest finished results expire, as promises do on the service
+            for old in [k for k, p in itertools.islice(self.futures.items(), len(self.futures) // 4)
+                        if p.future.done()]:
+                del self.futures[old]
+                self.expired.add(old)
         return {"request_id": rid, **{k: v for k, v in extra.items() if v is not None}}
 
     def _once(self, key: tuple, make: Callable[[], dict]) -> web.Response:
@@ -401,14 +414,16 @@ class TinkerServer:
     async def retrieve_future(self, request: web.Request) -> web.Response:
         req = await self._body(request, types.FutureRetrieveRequest)
         pending = self.futures.get(req.request_id)
+        if pending is None and req.request_id in self.expired:  # the SDK resubmits on 410 where it can
+            return web.json_response({"detail": f"promise {req.request_id} expired"}, status=410)
         if pending is None:
             raise web.HTTPNotFound(text=f'{{"detail": "unknown request_id {req.request_id}"}}',
                                    content_type="application/json")
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending.future)), timeout=self.poll_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return web.json_response({"type": "try_again"})
-        except Exception:  # noqa: BLE001 - reported below from the future itself
+        except Exception:  # noqa: BLE001, S110 - reported below from the future itself
             pass
         fault = request.get("fault")
         if fault in ("failed_server", "failed_user"):
@@ -419,7 +434,7 @@ class TinkerServer:
             return web.json_response({"error": f"{type(exc).__name__}: {exc}", "category": category})
         try:
             body, ctype = pending.encode(pending.future.result())
-        except Exception as e:  # noqa: BLE001 - an engine result the wire cannot carry is the server's bug
+        except Exception as e:
             log.exception("encoding the result of %s failed", req.request_id)
             return web.json_response({"error": f"server could not encode the result: {e}", "category": "server"})
         return web.Response(body=body, content_type=ctype.split(";")[0])

@@ -58,7 +58,7 @@ class FaultPlan:
         self._lock = threading.Lock()
 
     @classmethod
-    def parse(cls, spec: str | None) -> "FaultPlan":
+    def parse(cls, spec: str | None) -> FaultPlan:
         plan: dict = {}
         for item in (spec or "").split():
             key, sep, value = item.partition("=")
