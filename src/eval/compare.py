@@ -37,6 +37,7 @@ IGNORED_CONFIG_KEYS: tuple[str, ...] = (
     "backend.state_dir",  # per-run output path of the engine's checkpoints
     "preflight.dir",      # where the preflight results were read from
     "logger",             # where metrics go (wandb project/group/run names, mode); no effect on training
+    "report",             # whether the per-run report is written; no effect on training
     "hydra",              # Hydra's runtime section (output dirs, job names), if present
 )
 PLOTS_DIR = "compare_plots"
@@ -394,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None,
                    help="output folder (default: the sweep, or the runs' common parent)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-wandb", action="store_true",
+                   help="do not log the comparison to wandb (default: logged when the arms logged to wandb)")
     args = p.parse_args(argv)
     try:
         result = compare(args.paths, treatment=args.treatment, baseline=args.baseline, alpha=args.alpha,
@@ -403,6 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     except (CompareError, ValueError, FileNotFoundError) as e:
         print(f"eval.compare: error: {e}", file=sys.stderr)
         return 1
+    if not args.no_wandb:
+        from eval.wandb_log import log_compare
+
+        try:
+            log_compare(result)
+        except Exception as e:  # noqa: BLE001 - compare.json/compare.md are written; say what failed
+            print(f"eval.compare: the comparison was not logged to wandb: {type(e).__name__}: {e}",
+                  file=sys.stderr)
     print(json.dumps(result, indent=2, sort_keys=True))
     return 0
 

@@ -197,3 +197,35 @@ def _color(role: str) -> str:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+# ----------------------------------------------------------------------------- shared style
+# The run report (eval/run_report.py) draws with these, so its figures look like the comparison's:
+# the same size, resolution, grid and legend, saved the same way.
+FIGSIZE = (7, 4)
+
+
+def new_figure(title: str, xlabel: str, ylabel: str, figsize: tuple[float, float] = FIGSIZE) -> tuple[Any, Any]:
+    fig, ax = plt.subplots(figsize=figsize)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    # steps and updates are counts: integer ticks only
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig, ax
+
+
+def finish_figure(fig: Any, path: Path, legend: bool = True) -> str:
+    """Legend (when anything is labelled), tight layout, atomic save, close; returns the path."""
+    try:
+        for ax in fig.axes:
+            if legend and ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize="small")
+        fig.tight_layout()
+        _save(fig, Path(path))
+    finally:
+        plt.close(fig)
+    return str(path)

@@ -113,3 +113,13 @@ def _p(p: float) -> str:
     if p == 0 or (p < 1e-4 and not math.isnan(p)):
         return f"{p:.2e}"
     return f"{p:.4f}"
+
+
+if __name__ == "__main__":
+    # `python -m eval.report <run folder>`: the single-run report (eval/run_report.py); this module's
+    # own job is compare.md, written by `python -m eval.compare`
+    import sys
+
+    from eval.run_report import main
+
+    sys.exit(main())

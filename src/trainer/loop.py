@@ -37,6 +37,41 @@ from trainer.rollouts import sample_batch
 log = logging.getLogger(__name__)
 
 
+class ProgressLines:
+    """Progress without a terminal (nohup, SLURM, CI): one INFO line per rollout step, which Hydra's
+    logging sends to stdout and the run folder's train.log. The ETA uses the mean wall time of the
+    steps done by this process, including checkpoints and periodic evals."""
+
+    def __init__(self, total: int, start_step: int) -> None:
+        self.total = total
+        self.start_step = start_step
+        self.t0 = time.time()
+
+    def step_done(self, step: int, rows: list[dict[str, Any]]) -> str:
+        per_step = (time.time() - self.t0) / max(1, step - self.start_step)
+        first = rows[0] if rows else {}
+        parts = [f"step {step}/{self.total}", f"reward {_fmt(first.get('env/reward_mean'))}"]
+        for label, key in (("masked", "loss/dppo_masked_frac"), ("clip", "loss/grpo_clip_frac")):
+            vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+            if vals:
+                parts.append(f"{label} {_fmt(float(np.mean(vals)))}")
+        parts.append(f"{_fmt(first.get('time/step'), '.1f')} s/step")
+        parts.append(f"ETA {_duration(per_step * (self.total - step))}")
+        line = " | ".join(parts)
+        log.info("%s", line)
+        return line
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+
+def _duration(s: float) -> str:
+    s = int(round(s))
+    h, m = divmod(s // 60, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s"
+
+
 class TrainingClientLost(RuntimeError):
     """A training-client call failed for good (e.g. a poisoned Tinker client)."""
 
@@ -50,9 +85,19 @@ class LoopState:
 
 
 class RLLoop:
+    # the run's WandbRun when train.py opened one (it logs the evals and finishes it); None: the sink
+    # opens its own if logger=wandb
+    wandb_run: Any = None
+    # one sample request per rollout (sampling.requests; set from the config in __init__)
+    per_sample_requests: bool = False
+    # recoveries in a row without progress, and the (step, optim_steps) they happened at
+    _stuck: int = 0
+    _stuck_at: tuple[int, int] | None = None
+
     def __init__(self, cfg: DictConfig, run_dir: Path, service_client: Any, task: Any, loss_fn: Any,
                  custom_loss: Any, config_dict: dict, sweep_dir: Path | None = None,
-                 progress: bool = True, on_step_end: Callable[[int], None] | None = None) -> None:
+                 progress: bool | str = True, on_step_end: Callable[[int], None] | None = None,
+                 wandb_run: Any = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.sc = service_client
@@ -62,7 +107,9 @@ class RLLoop:
         self.loss_path = "one_pass" if not callable(custom_loss) else "two_pass"
         self.config_dict = config_dict
         self.sweep_dir = sweep_dir
-        self.progress = progress
+        # True / "bar": a tqdm bar (terminals); "lines": one log line per step (no terminal); False: none
+        self.progress = "bar" if progress is True else (progress or None)
+        self.wandb_run = wandb_run
         self.on_step_end = on_step_end
         self.retry = RetryPolicy.from_config(cfg.retry)
         self.train_problems = task.train_problems()
@@ -75,6 +122,7 @@ class RLLoop:
         self._warned: set[str] = set()
         mode = cfg.sampling.get("requests", "auto")
         self.per_sample_requests = mode == "per_sample" or (mode == "auto" and cfg.backend.name == "tinker")
+        self.last_rows: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ clients
     def _new_training_client(self) -> Any:
@@ -135,7 +183,7 @@ class RLLoop:
         again), so a long run survives many unrelated faults while a persistent one still ends it."""
         self.recoveries += 1
         at = (state.step, state.optim_steps)
-        self._stuck = (getattr(self, "_stuck", 0) + 1) if getattr(self, "_stuck_at", None) == at else 1
+        self._stuck = self._stuck + 1 if self._stuck_at == at else 1
         self._stuck_at = at
         if self._stuck > self.cfg.retry.max_attempts:
             raise TrainingClientLost(f"giving up after {self._stuck - 1} recoveries at step {state.step}: "
@@ -157,9 +205,11 @@ class RLLoop:
         s = self.cfg.schedule
         state = self._start_with_retries()
         sink = MetricsSink(self.run_dir, self.cfg.logger, arm_name(self.cfg), self.config_dict, self.sweep_dir,
-                           resume=state.step > 0)
+                           resume=state.step > 0, wandb_run=self.wandb_run,
+                           updates_per_batch=s.get("updates_per_batch", 1))
         bar = None
-        if self.progress:
+        lines = ProgressLines(s.num_steps, state.step) if self.progress == "lines" else None
+        if self.progress == "bar":
             from tqdm import tqdm
 
             bar = tqdm(total=s.num_steps, initial=state.step, desc=arm_name(self.cfg), unit="step",
@@ -191,6 +241,8 @@ class RLLoop:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{last_reward:.3f}")
+                if lines is not None:
+                    lines.step_done(state.step, self.last_rows)
                 if self.on_step_end is not None:
                     self.on_step_end(state.step)
         finally:
@@ -230,7 +282,7 @@ class RLLoop:
                 temperature=cfg.sampling.temperature, max_tokens=cfg.sampling.max_tokens,
                 top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, max_seq_len=cfg.model.max_seq_len,
                 concurrency=cfg.sampling.concurrency, retry=self.retry,
-                per_sample=getattr(self, "per_sample_requests", False)))
+                per_sample=self.per_sample_requests))
         except Exception as exc:  # noqa: BLE001 - sampling retried in place already; now a new client
             if classify(exc) != RECOVER and classify(exc) != RESEND:
                 raise
@@ -295,7 +347,9 @@ class RLLoop:
             row["time/train"] = t_train
             row["time/step"] = t_step_s
             sink.log(row)
-        sink.log_rollouts(_rollout_samples(self.task, rollouts, step, cfg.logger.rollouts_per_step))
+        self.last_rows = rows
+        sink.log_rollouts(_rollout_samples(self.task, rollouts, problems, step, cfg.logger.rollouts_per_step),
+                          step, state.optim_steps - 1)
         state.data_cursor += s.groups_per_batch
         state.step += 1
         if s.save_every and state.step % s.save_every == 0 and state.step < s.num_steps:
@@ -442,7 +496,7 @@ def _rollout_metrics(rollouts: list[Rollout], n_groups: int, mixed: int) -> dict
     return out
 
 
-def _rollout_samples(task: Any, rollouts: list[Rollout], step: int, k: int) -> list[dict]:
+def _rollout_samples(task: Any, rollouts: list[Rollout], problems: list[Any], step: int, k: int) -> list[dict]:
     out = []
     # one sample from each of the first k groups: a spread of prompts rather than k copies of one
     seen = set()
@@ -452,7 +506,10 @@ def _rollout_samples(task: Any, rollouts: list[Rollout], step: int, k: int) -> l
         if r.group in seen:
             continue
         seen.add(r.group)
+        completion = task.decode(r.tokens)
+        correct = r.metrics.get("correct")
         out.append({"step": step, "group": r.group, "prompt": task.renderer.tokenizer.decode(r.prompt_tokens),
-                    "completion": task.decode(r.tokens), "reward": r.reward, "advantage": r.advantage,
-                    "stop_reason": r.stop_reason})
+                    "completion": completion, "parsed": task.parse_answer(completion),
+                    "gold": str(problems[r.group].answer), "correct": None if correct is None else correct >= 0.5,
+                    "reward": r.reward, "advantage": r.advantage, "stop_reason": r.stop_reason})
     return out

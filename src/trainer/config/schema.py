@@ -470,6 +470,12 @@ class PreflightConfig:
         _positive_int("pilot_eval_items", self.pilot_eval_items)
 
 
+@dataclass
+class ReportConfig:
+    # write report.md with PNG plots into the run folder at the end of a run (python -m eval.report)
+    enabled: bool = True
+
+
 def arm_name(cfg: Any) -> str:
     """The arm label: one loss x one seed, unless run_name overrides it."""
     return cfg.run_name or f"{cfg.loss.name}_seed{cfg.seed}"
@@ -505,6 +511,8 @@ class Config:
     retry: RetryConfig = field(default_factory=RetryConfig)
     # preflight gate settings
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    # the per-run report written at the end
+    report: ReportConfig = field(default_factory=ReportConfig)
     # checkpoint to evaluate (python -m eval.run checkpoint=<path>)
     checkpoint: Optional[str] = None
 
