@@ -179,6 +179,32 @@ def _plot_accuracy(runs: list[PlotRun], title: str, path: Path) -> None:
         plt.close(fig)
 
 
+def plot_eval_curve(curve: dict[str, Any], path: Path, title: str) -> str:
+    """Accuracy vs eval step of each arm (mean over seeds) with its interval band (t over seeds, or Wilson
+    for one seed), from compare's `curve` table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    try:
+        steps = curve["steps"]
+        palette = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+        for i, (loss, arm) in enumerate(curve["arms"].items()):
+            color = palette[i % len(palette)]
+            ax.plot(steps, arm["accuracy"], marker="o", color=color, label=f"{loss} ({arm['interval']})")
+            ax.fill_between(steps, arm["low"], arm["high"], color=color, alpha=0.2)
+        if curve.get("threshold") is not None:
+            ax.axhline(curve["threshold"], color="grey", linestyle=":", label="threshold")
+        ax.set_xlabel("rollout step")
+        ax.set_ylabel("eval accuracy")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+    return str(path)
+
+
 def _save(fig: Any, path: Path) -> None:
     """savefig via a temp file and os.replace: never a torn PNG."""
     from trainer.utils.io import atomic_replace

@@ -53,6 +53,9 @@ def verdict_rows(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     """The verdict table: one row per seed, then the combined result; columns are the scalars they have."""
     per_seed = list(result.get("per_seed", []))
     scopes = [(f"seed {s.get('seed')}", s) for s in per_seed] + [("combined", result)]
+    if len(result.get("comparisons") or []) > 1:  # several treatments: one row each (Holm-adjusted verdicts)
+        per_seed = list(result["comparisons"])
+        scopes = [(f"{c.get('treatment')} vs {c.get('baseline')}", c) for c in per_seed]
     cols: list[str] = []
     # the per-seed rows' statistics (the combined result also holds run-level strings: paths, the rule)
     for r in per_seed or [result]:
@@ -70,7 +73,8 @@ def log_compare(result: dict[str, Any], out_dir: str | Path | None = None) -> st
     from trainer.wandb_run import resolve_mode
 
     out_dir = Path(out_dir or result["output_dir"])
-    t, b = result.get("treatment"), result.get("baseline")
+    t = result.get("treatment") or "+".join(result.get("treatments") or []) or "aa"
+    b = result.get("baseline")
     config = {k: v for k, v in result.items() if _scalar(v) or isinstance(v, str)}
     config.update(arms=[a.get("arm") for a in result.get("arms", [])], inputs=result.get("inputs"))
     run = wandb.init(project=settings["project"], entity=settings["entity"], group=settings["group"],

@@ -385,6 +385,9 @@ class FaultsConfig:
         _require(self.latency_s >= 0, "latency_s", "must be >= 0", self.latency_s)
 
 
+LOSS_PATHS = ("auto", "one_pass", "two_pass")
+
+
 @dataclass
 class LocalBackendConfig:
     # backend kind
@@ -405,8 +408,17 @@ class LocalBackendConfig:
     num_threads: Optional[int] = None
     # injected faults (testing the trainer's retry and resume paths)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    # how the loss is computed: auto | one_pass (registered per-datum loss) | two_pass (client-side callable)
+    loss_path: str = "auto"
+    # restoration gate: max |logprob diff| between fresh clients and across save -> restore
+    restore_tolerance: float = 1e-6
+    # send optim_step right behind forward_backward instead of after its result (no resend in place then:
+    # a failure of either redoes the step from the last checkpoint)
+    pipeline_optim_step: bool = True
 
     def __post_init__(self) -> None:
+        _in_set("loss_path", self.loss_path, LOSS_PATHS)
+        _require(self.restore_tolerance > 0, "restore_tolerance", "must be > 0", self.restore_tolerance)
         _in_set("sampler_dtype", self.sampler_dtype, ("auto", "bfloat16", "float32"))
         _in_set("train_dtype", self.train_dtype, ("auto", "bfloat16", "float32"))
         _positive_int("micro_batch_size", self.micro_batch_size)
@@ -424,8 +436,22 @@ class TinkerBackendConfig:
     base_url: Optional[str] = None
     # environment variable holding the API key (the key itself is never stored in configs)
     api_key_env: str = "TINKER_API_KEY"
-    # use a server-side registered custom loss (one pass) when the server supports it
-    one_pass_custom_loss: bool = True
+    # how the loss is computed: auto (one pass where the loss allows and the service registers it, else two
+    # passes with a warning) | one_pass (fail if unavailable) | two_pass (client-side callable)
+    loss_path: str = "auto"
+    # seconds to wait for the service to answer before failing (an unreachable or wrong TINKER_BASE_URL)
+    connect_timeout_s: float = 10.0
+    # restoration gate: max |logprob diff| between fresh clients and across save -> restore (bf16 GPUs
+    # serving separate clients agree to ~1e-2, not to the embedded engine's 1e-6)
+    restore_tolerance: float = 0.02
+    # send optim_step right behind forward_backward instead of after its result (one server cycle instead
+    # of a round trip more; no resend in place then: a failure of either redoes the step from a checkpoint)
+    pipeline_optim_step: bool = True
+
+    def __post_init__(self) -> None:
+        _in_set("loss_path", self.loss_path, LOSS_PATHS)
+        _require(0 < self.connect_timeout_s <= 25, "connect_timeout_s", "must be in (0, 25]", self.connect_timeout_s)
+        _require(self.restore_tolerance > 0, "restore_tolerance", "must be > 0", self.restore_tolerance)
 
 
 # ----------------------------------------------------------------------------- logger
@@ -463,8 +489,14 @@ class SamplingConfig:
     top_k: int = -1
     # maximum sample requests in flight at once
     concurrency: int = 256
+    # how a group is requested: per_group (one request, num_samples = group_size) | per_sample (one request
+    # per sample, each with its own derived seed) | auto (per_sample on backend=tinker, where a seeded
+    # request with num_samples > 1 may return identical samples; per_group on the local engine, whose
+    # seeded request draws each sample independently)
+    requests: str = "auto"
 
     def __post_init__(self) -> None:
+        _in_set("requests", self.requests, ("auto", "per_group", "per_sample"))
         _require(self.temperature > 0, "temperature", "must be > 0 for RL rollouts", self.temperature)
         _positive_int("max_tokens", self.max_tokens)
         _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
@@ -509,6 +541,59 @@ class PreflightConfig:
         _positive_int("pilot_eval_items", self.pilot_eval_items)
 
 
+DECISION_METHODS = ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap", "seed_t")
+ENDPOINTS = ("final", "step", "auc")
+
+
+@dataclass
+class DecisionConfig:
+    # the pre-registered test: paired_hoeffding | mcnemar_exact | paired_bootstrap | seed_t (over seeds)
+    method: str = "paired_hoeffding"
+    # two-sided error rate of the rule's interval / test (Holm-adjusted over several treatments)
+    alpha: float = 0.05
+    # `validated` needs the interval's lower bound above this gain (accuracy points as a fraction)
+    margin: float = 0.0
+    # what is compared: final (accuracy at the end) | step (accuracy at decision.step) | auc (per-item
+    # area under the eval curve over the eval.every evals)
+    endpoint: str = "final"
+    # the eval step of endpoint=step (a multiple of eval.every, or schedule.num_steps)
+    step: Optional[int] = None
+    # the smallest gain the plan must be able to detect (the design gate fails if it cannot); null = none
+    target_effect: Optional[float] = None
+    # power at which the design step reports minimum detectable effects
+    power: float = 0.8
+    # loss of the baseline arm; every other loss of a sweep is a treatment compared against it
+    baseline: str = "grpo"
+    # accuracy the steps-to-threshold endpoint waits for (null = the baseline's final accuracy)
+    threshold: Optional[float] = None
+    # design assumption: share of items on which the two arms disagree (null = 0.3, stated as assumed)
+    discordance: Optional[float] = None
+    # design assumption: between-seed sd of one arm's accuracy, as an A/A sweep measures it (null = 0)
+    seed_sd: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _in_set("method", self.method, DECISION_METHODS)
+        _require(0 < self.alpha < 1, "alpha", "must be in (0, 1)", self.alpha)
+        _require(0 <= self.margin < 1, "margin", "must be in [0, 1)", self.margin)
+        _in_set("endpoint", self.endpoint, ENDPOINTS)
+        if self.endpoint == "step":
+            _require(self.step is not None, "step", "must be set when endpoint=step", self.step)
+        if self.step is not None:
+            _nonneg_int("step", self.step)
+        if self.target_effect is not None:
+            _require(0 < self.target_effect <= 1, "target_effect", "must be in (0, 1] or null",
+                     self.target_effect)
+        _require(0 < self.power < 1, "power", "must be in (0, 1)", self.power)
+        # the exact test has no shift parameter: a margin needs an interval method
+        _require(self.method != "mcnemar_exact" or self.margin == 0, "margin",
+                 "must be 0 with method=mcnemar_exact (use paired_hoeffding, paired_bootstrap or seed_t "
+                 "for a margin)", self.margin)
+        if self.threshold is not None:
+            _require(0 < self.threshold <= 1, "threshold", "must be in (0, 1] or null", self.threshold)
+        if self.discordance is not None:
+            _require(0 < self.discordance <= 1, "discordance", "must be in (0, 1] or null", self.discordance)
+        if self.seed_sd is not None:
+            _require(0 <= self.seed_sd < 1, "seed_sd", "must be in [0, 1) or null", self.seed_sd)
 @dataclass
 class ReportConfig:
     # write report.md with PNG plots into the run folder at the end of a run (python -m eval.report)
@@ -550,6 +635,8 @@ class Config:
     retry: RetryConfig = field(default_factory=RetryConfig)
     # preflight gate settings
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    # the pre-registered decision rule of eval.compare (part of the plan hash)
+    decision: DecisionConfig = field(default_factory=DecisionConfig)
     # the per-run report written at the end
     report: ReportConfig = field(default_factory=ReportConfig)
     # checkpoint to evaluate (python -m eval.run checkpoint=<path>)
@@ -606,7 +693,7 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         except ConfigError as e:
             raise ConfigError(f"{group}.{e}") from None
     top = {k: v for k, v in cfg.items() if k not in GROUPS and k != "hydra"}
-    for key in ("sampling", "retry", "preflight"):
+    for key in ("sampling", "retry", "preflight", "decision"):
         try:
             objects[key] = OmegaConf.to_object(cfg[key])
         except ConfigError as e:

@@ -1,4 +1,4 @@
-"""The experiment's gates: restoration, activation, feasibility (correctness lives in correctness.py).
+"""The experiment's gates: restoration, activation, feasibility, design (correctness lives in correctness.py).
 
 Each gate returns a GateReport (measured value, bound, pass/fail per check) that is written to
 `<preflight dir>/preflight/<gate>.json`. A sweep with `preflight.skip=false` refuses to start unless
@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer.preflight.common import Check, GateReport
 
-GATES = ("correctness", "restoration", "activation", "feasibility")
+# design runs second: it costs seconds and can stop a plan that cannot answer its question before the pilot
+GATES = ("correctness", "design", "restoration", "activation", "feasibility")
 # Keys that do not change what the gates measured. The loss is the swept switch: it is left out of the
 # plan hash, and each gate records the loss config of both arms instead (`arm_losses`), which a sweep
 # job's own loss must equal. preflight.skip/dir only say whether and where to look.
@@ -139,8 +140,11 @@ def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = No
                                    _status(diff_keys == ["loss"]), "each arm composed on its own"))
     clients = {name: _new_client(sc, a, a.seed) for name, a in arms.items()}
     lp = {name: _logprobs(tc, data) for name, tc in clients.items()}
+    # the backend's own bound: the embedded engine is deterministic to 1e-6; a bf16 GPU service serving
+    # two clients (or a restored one) on other hardware paths is not (backend.restore_tolerance)
+    tol = float(cfg.backend.get("restore_tolerance", 1e-6))
     d0 = float(np.max(np.abs(lp["grpo"] - lp["dppo"])))
-    report.checks.append(Check("fresh-client logprobs max |diff|", d0, "<= 1e-6", _status(d0 <= 1e-6),
+    report.checks.append(Check("fresh-client logprobs max |diff|", d0, f"<= {tol:g}", _status(d0 <= tol),
                                f"{lp['grpo'].size} tokens of {len(data)} GSM8K-style sequences"))
     # one identical SFT step on both: exposes different LoRA initialisations (B=0 hides them at step 0)
     o = cfg.optimizer
@@ -152,13 +156,13 @@ def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = No
     lp1 = {name: _logprobs(tc, data) for name, tc in clients.items()}
     d1 = float(np.max(np.abs(lp1["grpo"] - lp1["dppo"])))
     moved = float(np.max(np.abs(lp1["grpo"] - lp["grpo"])))
-    report.checks.append(Check("logprobs after one identical step max |diff|", d1, "<= 1e-6",
-                               _status(d1 <= 1e-6), f"the step moved logprobs by up to {moved:.2e}"))
+    report.checks.append(Check("logprobs after one identical step max |diff|", d1, f"<= {tol:g}",
+                               _status(d1 <= tol), f"the step moved logprobs by up to {moved:.2e}"))
     # save -> restore with optimizer -> identical logprobs
     path = clients["grpo"].save_state("preflight_restoration").result().path
     restored = sc.create_training_client_from_state_with_optimizer(path).result()
     d2 = float(np.max(np.abs(_logprobs(restored, data) - lp1["grpo"])))
-    report.checks.append(Check("save_state -> restore logprobs max |diff|", d2, "<= 1e-6", _status(d2 <= 1e-6)))
+    report.checks.append(Check("save_state -> restore logprobs max |diff|", d2, f"<= {tol:g}", _status(d2 <= tol)))
     for name, tc in clients.items():
         info = tc.get_info()
         served = getattr(info, "model_name", None) or getattr(getattr(info, "model_data", None), "model_name", None)
@@ -321,6 +325,35 @@ def feasibility(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None 
     ]
     report.meta = _meta(cfg, pilot_dir=str(run_dir), pilot_steps=len(st),
                         mean_completion_tokens=per_rollout_sampled)
+    return report
+
+
+# ----------------------------------------------------------------------------- design
+def design(cfg: DictConfig, out_dir: Path, n_seeds: int = 1, n_sims: int = 400) -> GateReport:
+    """What the plan can detect (eval.design with the config's decision group and design assumptions).
+    It reports every method's minimum detectable effect; it fails only when decision.target_effect is set
+    and the plan's own decision method cannot detect it at decision.power."""
+    from eval.design import METHODS, plan_from_config
+    from eval.design import design as run_design
+
+    plan = plan_from_config(cfg, n_seeds)
+    res = run_design(plan, n_sims=n_sims, n_bootstrap=200, plot=Path(out_dir) / "preflight" / "design_power.png")
+    report = GateReport("design")
+    for k in METHODS:
+        mde = res["mde"][k]
+        report.checks.append(Check(f"MDE at power {plan.power:g}: {k}", mde, "info", "pass",
+                                   "decision method" if k == plan.method else "secondary"))
+    mde = res["mde"][plan.method]
+    if plan.target_effect is None:
+        report.checks.append(Check("decision method detects the target effect", mde, "no target", "pass",
+                                   "decision.target_effect is null: the design is reported, not enforced"))
+    else:
+        report.checks.append(Check("decision method detects the target effect", mde, f"<= {plan.target_effect}",
+                                   _status(bool(res["detectable"])),
+                                   f"{plan.method} at {plan.n_items} items x {plan.n_seeds} seed(s); items needed "
+                                   f"{res['items_needed'][plan.method]}, seeds needed {res['seeds_needed'][plan.method]}"))
+    summary = {k: v for k, v in res.items() if k != "power_curve"}
+    report.meta = _meta(cfg, design=summary)
     return report
 
 
