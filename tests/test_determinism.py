@@ -52,11 +52,12 @@ GREEDY = types.SamplingParams(max_tokens=48, temperature=0.0, stop=[])
 
 def _crowd(scl, prompts):
     """The two probe requests (seeded x4 and greedy x1, at positions 3 and 6) among six others of other
-    lengths and settings: seeded, unseeded, top-p / top-k, more samples, prompt logprobs."""
+    lengths and settings: seeded, unseeded, top-p / top-k, prompt logprobs, and 32 short samples, so the
+    batch starts at 56 rows and shrinks to 24 after 6 tokens."""
     others = [(2, types.SamplingParams(max_tokens=20, temperature=0.8, seed=7, stop=[], top_p=0.9)),
               (3, types.SamplingParams(max_tokens=48, temperature=1.0, stop=[])),
               (1, types.SamplingParams(max_tokens=30, temperature=1.0, seed=5, top_k=20, stop=[])),
-              (8, types.SamplingParams(max_tokens=12, temperature=1.0, seed=9, stop=[])),
+              (32, types.SamplingParams(max_tokens=6, temperature=1.0, seed=9, stop=[])),
               (1, GREEDY),
               (5, types.SamplingParams(max_tokens=40, temperature=0.7, seed=3, stop=[]))]
 
@@ -145,12 +146,12 @@ def test_runs_are_reproducible_under_load_and_under_the_joblib_launcher(tmp_path
     assert p.returncode == 0, p.stderr[-3000:]
     info = json.loads((ref / "run_info.json").read_text())
     assert info["torch_threads"] == 1
-    # the same command while another process keeps a core busy (the scheduler's batches change with
-    # timing; the numbers must not)
+    # again while another process keeps a core busy, and with a scheduler that decodes whatever has
+    # arrived at once instead of waiting for a burst to end: other batches, the same numbers
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         loaded = tmp_path / "loaded"
-        p = _train([*SMOL_RUN, f"hydra.run.dir={loaded}"], tmp_path)
+        p = _train([*SMOL_RUN, "backend.sample_batch_wait_s=0", f"hydra.run.dir={loaded}"], tmp_path)
     finally:
         hog.kill()
         hog.wait()

@@ -1,5 +1,5 @@
-"""Fast batched sampler for Llama-architecture models: fused weights, batched prefill, static
-KV-cache decode, per-token logprobs gathered as it goes.
+"""Fast batched sampler for Llama-architecture models: fused weights, per-prompt prefill, static
+KV-cache decode, per-token logprobs gathered as it goes; batch-invariant.
 
 Why not `transformers.generate`: with `output_scores` it keeps `B x vocab` floats per step (8-16 GB
 at batch 64 for SmolLM2) and its per-step Python overhead dominates a 135M model on CPU. Here each
@@ -11,8 +11,15 @@ CPU speed (measured on a 2-core AVX2 EPYC, `bench/sampler.py`): decode matmuls h
 plain `F.linear` (MKL sgemm) reaches ~60 GFLOPS; oneDNN with the weights pre-packed for that shape
 (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`, the kernels torch inductor uses on CPU)
 runs the same fp32 product ~1.7x faster (2x on the 49152-wide unembedding), so fp32 decode uses packed
-copies. Prefill packs all distinct prompts of a batch into one token stream so its matmuls have
-thousands of rows (attention still runs per prompt, so no FLOPs go to padding or cross-prompt masks).
+copies.
+
+Batch invariance (a request's tokens and logprobs are bit-identical alone or in any batch, for one
+machine and thread count): the scheduler batches requests by arrival timing, and GEMM libraries pick
+kernels, hence summation orders, by row count, so every product that mixes rows of different requests
+(decode projections, first-token logits) runs over fixed `ROW_BLOCK`-row blocks; each prompt is
+prefilled on its own (its row count is its length); the cache holds each row's tokens from index 0 and
+decode attention runs per run of rows of equal length, with no padding or mask; and each row's token
+and logprob come from its own logits by the same formulas whatever the other rows do.
 
 Numerics follow transformers 5.5 `models/llama/modeling_llama.py` (RMSNorm in fp32 then cast,
 `rotate_half` RoPE with the model's own rotary tables, SDPA with scale head_dim^-0.5, SiLU-gated MLP),
