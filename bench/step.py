@@ -19,6 +19,12 @@ Each side runs `--steps` steps; the first warms up caches and allocators, and th
 others is reported for both (this VM's speed drifts by 20-40% over minutes; every step's time is
 printed too).
 
+Each side's roofline fraction is the time the step's useful GEMM work would take at this CPU's measured
+ceilings in the step's precision (bench/gemm.py: training shapes for prefill and training, the faster
+decode path for decode), over the measured step time. Useful work is counted the same for both sides:
+2 FLOPs per multiply-add of every projection and the unembedding, each prompt once per group, every
+sampled token once, and each update's forward + input-gradient backward over its packed rows.
+
 Precision is the same on both sides: `--precision auto` (default) is what the engine's `auto` picks on
 this CPU (bf16 where it has AVX512_BF16/AMX, else fp32); with bf16 ours samples from bf16 weights and
 trains under bf16 autocast, and TRL loads the model in bf16 (generation in bf16; peft keeps the LoRA
@@ -38,6 +44,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 N_PROMPTS, N_SAMPLES, NEW_TOKENS, UPDATES, RANK = 8, 4, 64, 2, 8
 
@@ -102,8 +109,9 @@ def ours(steps: int, precision: str, drop_constant_groups: bool = False) -> dict
         rows = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines()]
         import asyncio
 
-        prompts = [task.renderer.tokenizer.decode(asyncio.run(task.make_env(p).initial_observation())[0].to_ints())
-                   for p in task.train_problems()[:N_PROMPTS]]
+        obs = [asyncio.run(task.make_env(p).initial_observation())[0].to_ints()
+               for p in task.train_problems()[:N_PROMPTS]]
+        prompts = [task.renderer.tokenizer.decode(o) for o in obs]
     timed = [s for s in range(1, steps)] or [0]
     per_step = {s: [r for r in rows if r["step"] == s] for s in timed}
     best = min(timed, key=lambda s: per_step[s][-1]["time/step"])
@@ -112,7 +120,7 @@ def ours(steps: int, precision: str, drop_constant_groups: bool = False) -> dict
             "all_s": [per_step[s][-1]["time/step"] for s in timed],
             "trained": last[0]["env/rollouts_trained"],
             "setup_s": setup, "tokens": last[0]["tokens/sampled"], "loss_path": last[0]["loss/path"],
-            "dtypes": dtypes,
+            "dtypes": dtypes, "prompt_tokens": sum(len(o) for o in obs),
             "prompts": prompts}
 
 
@@ -162,6 +170,22 @@ def trl(prompts: list[str], steps: int, num_iterations: int, bf16: bool) -> dict
     return {"step_s": min(per_step[1:] or per_step), "steps": per_step}
 
 
+def step_flops(prompt_tokens: int, sampled_tokens: int) -> dict[str, float]:
+    """Useful FLOPs of one step (see the module docstring): prefill, decode and training."""
+    from gemm import MACS_PER_TOKEN
+
+    rows = prompt_tokens + sampled_tokens  # packed training rows over all updates: each prompt once per group
+    return {"prefill": 2 * MACS_PER_TOKEN * prompt_tokens, "decode": 2 * MACS_PER_TOKEN * sampled_tokens,
+            "train": 2 * 2 * MACS_PER_TOKEN * rows}
+
+
+def roofline(flops: dict[str, float], ceil: dict, step_s: float) -> tuple[float, float]:
+    """(seconds the GEMM work takes at the ceilings, that over the measured step time)."""
+    t = (flops["prefill"] + flops["train"]) / (ceil["train_gflops"] * 1e9) + flops["decode"] / (
+        ceil["decode_gflops"] * 1e9)
+    return t, t / step_s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
@@ -183,6 +207,18 @@ def main() -> None:
     print(f"pairedrl local engine, all 32 rollouts trained (same work as TRL): step {r['step_s']:.1f} s "
           f"(sample {r['sample_s']:.1f} s, train {r['train_s']:.1f} s, {r['tokens']} sampled tokens, loss path "
           f"{r['loss_path']}; setup {r['setup_s']:.1f} s; timed steps {', '.join(f'{x:.1f}' for x in r['all_s'])})")
+    from gemm import DTYPES, ceilings
+
+    from trainer.backends.local.common import COMPUTE
+
+    flops = step_flops(r["prompt_tokens"], r["tokens"])
+    ceil = COMPUTE.run(lambda: ceilings(DTYPES[r["dtypes"][0]]))
+    gemm_s, frac = roofline(flops, ceil, r["step_s"])
+    print(f"step work {sum(flops.values()) / 1e12:.3f} TFLOP (prefill {flops['prefill'] / 1e12:.3f}, decode "
+          f"{flops['decode'] / 1e12:.3f}, train {flops['train'] / 1e12:.3f}); {r['dtypes'][0]} GEMM ceilings on this "
+          f"CPU: train {ceil['train_gflops']:.0f} GFLOPS [{ceil['train_kernel']}], decode {ceil['decode_gflops']:.0f} "
+          f"GFLOPS [{ceil['decode_kernel']}] -> {gemm_s:.2f} s at the ceilings")
+    print(f"pairedrl roofline fraction {frac:.3f}")
     if a.with_drop:
         d = ours(a.steps, a.precision, drop_constant_groups=True)
         print(f"pairedrl, schedule.drop_constant_groups=true (zero-advantage groups skipped, {d['trained']} of 32 "
@@ -195,7 +231,8 @@ def main() -> None:
     t = COMPUTE.run(lambda: trl(r["prompts"], a.steps, 1, bf16))
     print(f"TRL GRPOTrainer (1 generation -> 2 half-batch optimizer steps, same work): step {t['step_s']:.1f} s "
           f"(all steps {', '.join(f'{x:.1f}' for x in t['steps'])})")
-    print(f"ratio pairedrl / TRL = {r['step_s'] / t['step_s']:.3f}  (target <= 0.25)")
+    print(f"TRL roofline fraction {roofline(flops, ceil, t['step_s'])[1]:.3f} (same useful work)")
+    print(f"ratio pairedrl / TRL = {r['step_s'] / t['step_s']:.3f}")
     if a.trl_num_iterations_2:
         t2 = COMPUTE.run(lambda: trl(r["prompts"], a.steps, 2, bf16))
         print(f"TRL GRPOTrainer num_iterations=2 (whole batch twice): step {t2['step_s']:.1f} s; "

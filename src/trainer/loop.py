@@ -1,4 +1,4 @@
-"""The generic RL loop over a Tinker-style client (see ../shared/DESIGN.md, "Data flow").
+"""The generic RL loop over a Tinker-style client (docs/architecture.md describes the data flow).
 
 Per rollout step: a sampling client from the current weights; every group sampled concurrently;
 rewards from the env; advantages; datums; `updates_per_batch` minibatches, each one

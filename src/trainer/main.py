@@ -171,7 +171,9 @@ def run_training(cfg: DictConfig) -> float | None:
                         was.get("rev"), " (dirty)" if was.get("dirty") else "", now.get("rev"),
                         " (dirty)" if now.get("dirty") else "")
     else:
-        info = write_run_files(run_dir, cfg, {"batch": batch, "run_dir": str(run_dir)})
+        info = write_run_files(run_dir, cfg, {"batch": batch, "run_dir": str(run_dir),
+                                              # the engine's resolved precision (None: the service decides)
+                                              "precision": getattr(service_client, "precision", None)})
     if sweep_dir is not None:
         from hydra.core.hydra_config import HydraConfig
 

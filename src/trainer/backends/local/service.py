@@ -7,6 +7,7 @@ seems to be the tinker default"); pass `lora_alpha` (e.g. the model config's val
 
 from __future__ import annotations
 
+import os
 import uuid
 import weakref
 from concurrent.futures import Future
@@ -29,9 +30,12 @@ DEFAULT_LORA_ALPHA = 32.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+AUTO_PRECISION_ENV = "PAIREDRL_AUTO_PRECISION"
+
+
 def cpu_has_fast_bf16() -> bool:
     """bf16 matmuls are fast only with AVX512_BF16 / AMX; on AVX2-only CPUs torch falls back to a
-    kernel ~5x slower than fp32 (measured here: 15 vs 80 GFLOPS for a 576x3072 linear)."""
+    kernel several times slower than fp32 (bench/gemm.py measures both)."""
     try:
         flags = open("/proc/cpuinfo").read()
     except OSError:
@@ -39,12 +43,32 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def auto_precision() -> tuple[torch.dtype, str]:
+    """What `sampler_dtype=auto` / `train_dtype=auto` mean on this machine, and why.
+
+    `PAIREDRL_AUTO_PRECISION=float32|bfloat16` overrides the CPU check, so a whole test suite (its
+    subprocesses included) can be run in the other precision on any CPU; settings that name a
+    precision keep it."""
+    forced = os.environ.get(AUTO_PRECISION_ENV, "").strip()
+    if forced and forced != "auto":
+        if forced not in _DTYPES:
+            raise ValueError(f"{AUTO_PRECISION_ENV}={forced!r}: expected one of auto, {', '.join(sorted(_DTYPES))}")
+        return _DTYPES[forced], f"{AUTO_PRECISION_ENV}={forced}"
+    if cpu_has_fast_bf16():
+        return torch.bfloat16, "the CPU has AVX512_BF16/AMX bf16 matmuls"
+    return torch.float32, "the CPU has no AVX512_BF16/AMX: bf16 matmuls would be slower than fp32"
+
+
 def _dtype(name: str, what: str) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        return auto_precision()[0]
     if name not in _DTYPES:
         raise ValueError(f"{what} must be one of {sorted(_DTYPES) + ['auto']}, got {name!r}")
     return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class LocalServiceClient:
@@ -56,6 +80,9 @@ class LocalServiceClient:
         self.state_dir = Path(state_dir).expanduser().resolve()
         self.sampler_dtype = _dtype(sampler_dtype, "sampler_dtype")
         self.train_dtype = _dtype(train_dtype, "train_dtype")
+        # what ran, recorded in run_info.json and the gates' reports: bf16 noise is ~1e3x fp32's
+        self.precision = {"sampler_dtype": dtype_name(self.sampler_dtype), "train_dtype": dtype_name(self.train_dtype),
+                          "auto": auto_precision()[1] if "auto" in (sampler_dtype, train_dtype) else None}
         for name, v in (("micro_batch_size", micro_batch_size), ("micro_batch_tokens", micro_batch_tokens),
                         ("max_sample_batch", max_sample_batch)):
             if not isinstance(v, int) or v < 1:
