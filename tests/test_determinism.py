@@ -33,7 +33,7 @@ def _questions(n: int) -> list[str]:
     return rows
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", pytest.param("bfloat16", marks=pytest.mark.bf16)])
 def smol(request, tmp_path_factory):
     sc = LocalServiceClient(state_dir=tmp_path_factory.mktemp("det"), sampler_dtype=request.param,
                             train_dtype="float32")
