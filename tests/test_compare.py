@@ -320,7 +320,7 @@ def test_sweep_structure_errors(tmp_path):
         compare([sweep], make_plots=False)
     # treatment == baseline, and a run of a third loss name
     with pytest.raises(CompareError, match="both 'grpo'"):
-        compare([sweep], treatment="grpo", make_plots=False)
-    with pytest.raises(CompareError, match="neither the treatment 'ppo'"):
+        compare([sweep], treatment="grpo", baseline="grpo", make_plots=False)
+    with pytest.raises(CompareError, match="no run has the treatment loss 'ppo'"):
         compare([sweep / "0", sweep / "2"], treatment="ppo", make_plots=False)
     assert not (sweep / "compare.json").exists()

@@ -187,3 +187,21 @@ def test_multirun_pair_then_compare(tmp_path):
     assert out["n"] == 4
     assert (sweep / "compare.json").exists() and (sweep / "compare.md").exists()
     assert len(list((sweep / "compare_plots").glob("*.png"))) >= 3
+
+
+def test_periodic_evals_hold_the_final_eval_items_and_form_a_curve(tmp_path):
+    """eval.every: every periodic eval (and the initial-weights one) evaluates the final eval's items, so
+    eval.compare can pair the curve point by point (its reader refuses any other item set)."""
+    from eval.endpoints import auc_scores, curve_files, load_curve
+    from eval.records import read_item_records
+
+    run_dir = tmp_path / "run"
+    p = run_train([*TINY, "eval.every=1", "eval.at_start=true", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    files = curve_files(run_dir / "eval", "gsm8k_test", 2)
+    assert sorted(files) == [0, 1, 2] and files[1].name == "gsm8k_test_step1.jsonl"
+    final = read_item_records(files[2])
+    curve = load_curve("run", run_dir / "eval", "gsm8k_test", 2, final)
+    assert all(sorted(c) == sorted(r["index"] for r in final) for c in curve.values())
+    auc = auc_scores(curve, [0, 1, 2], sorted(curve[2]))
+    assert auc.shape == (4,) and ((auc >= 0) & (auc <= 1)).all()

@@ -1,11 +1,15 @@
-"""`python -m eval.compare <sweep> | <run_a> <run_b>`: the paired verdict of two arms.
+"""`python -m eval.compare <sweep> | <run_a> <run_b> [--aa <A/A sweep>]`: the paired verdict of the arms.
 
 Finds the runs (numbered subfolders of a sweep, or two run folders), checks that they are one
 paired experiment (same items, configs equal outside the `loss` group and the per-run keys in
-IGNORED_CONFIG_KEYS), pairs treatment and baseline by seed and by item index, and writes
-`compare.json`, `compare.md` and `compare_plots/*.png` into the output folder. compare.json is
-also printed on stdout. Every check runs before anything is written, so a refused comparison
-leaves an existing compare.json untouched.
+IGNORED_CONFIG_KEYS), pairs each treatment with the baseline by seed and by item index, decides
+with the runs' pre-registered `decision` rule (Holm-adjusted over several treatments; the other
+methods are reported as secondary), and writes `compare.json`, `compare.md` and
+`compare_plots/*.png` into the output folder. compare.json is also printed on stdout.
+A sweep of one loss at several seeds (A/A) gets the between-seed spread instead of a verdict; given
+as `--aa` beside an A/B sweep it says whether the A/B gap exceeds that spread.
+Every check runs before anything is written, so a refused comparison leaves an existing
+compare.json untouched.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -22,8 +27,32 @@ from typing import Any
 import numpy as np
 import yaml
 
-from eval.records import read_item_records, summarize
-from eval.stats import DECISION_RULE, paired_compare
+from eval.endpoints import (
+    EndpointError,
+    accuracy_by_step,
+    auc_scores,
+    common_steps,
+    endpoint_scores,
+    load_curve,
+    steps_to_threshold,
+)
+from eval.records import read_item_records, summarize, wilson_interval
+from eval.stats import (
+    ESTIMANDS,
+    RULE_METHODS,
+    RULE_TEXT,
+    bootstrap_means,
+    bootstrap_p,
+    hoeffding_half_width,
+    hoeffding_p,
+    holm_adjust,
+    interval_verdict,
+    paired_compare,
+    pvalue_verdict,
+    seed_t_interval,
+    t_quantile,
+    two_level_bootstrap_ci,
+)
 from trainer.utils.io import atomic_write_json, atomic_write_text
 
 # Config keys (dotted prefixes) that may differ between the runs of one paired experiment:
@@ -37,6 +66,7 @@ IGNORED_CONFIG_KEYS: tuple[str, ...] = (
     "backend.state_dir",  # per-run output path of the engine's checkpoints
     "preflight.dir",      # where the preflight results were read from
     "logger",             # where metrics go (wandb project/group/run names, mode); no effect on training
+    "report",             # whether the per-run report is written; no effect on training
     "hydra",              # Hydra's runtime section (output dirs, job names), if present
 )
 PLOTS_DIR = "compare_plots"
@@ -178,21 +208,22 @@ def check_configs(runs: list[Run], roles: dict[str, str]) -> list[str]:
     for r in runs[1:]:
         for key, va, vb in config_differences(ref.config, r.config):
             found.append(f"{key}: {va!r} ({ref.arm}, {ref.path}) vs {vb!r} ({r.arm}, {r.path})")
-    for role in ("treatment", "baseline"):
-        same = [r for r in runs if roles[r.loss] == role]
+    for loss, role in roles.items():
+        same = [r for r in runs if r.loss == loss]
         for r in same[1:]:
             for key, va, vb in config_differences(same[0].config["loss"], r.config["loss"], ignore=()):
                 found.append(f"loss.{key}: {va!r} ({same[0].arm}) vs {vb!r} ({r.arm}): the {role} arm's "
                              "loss differs between seeds")
     # keys both loss configs have, other than the loss's identity, are settings the arms must share (the
     # token aggregation also decides the one-pass vs two-pass path): only the loss function may differ
-    t = next(r for r in runs if roles[r.loss] == "treatment")
-    b = next(r for r in runs if roles[r.loss] == "baseline")
-    shared = (set(t.config["loss"]) & set(b.config["loss"])) - {"name", "_target_"}
-    for key, va, vb in config_differences({k: t.config["loss"][k] for k in shared},
-                                          {k: b.config["loss"][k] for k in shared}, ignore=()):
-        found.append(f"loss.{key}: {va!r} ({t.arm}) vs {vb!r} ({b.arm}): a setting both losses have differs "
-                     "between the arms")
+    b = next((r for r in runs if roles[r.loss] == "baseline"), None)
+    for loss in (x for x in roles if roles[x] == "treatment" and b is not None):
+        t = next(r for r in runs if r.loss == loss)
+        shared = (set(t.config["loss"]) & set(b.config["loss"])) - {"name", "_target_"}
+        for key, va, vb in config_differences({k: t.config["loss"][k] for k in shared},
+                                              {k: b.config["loss"][k] for k in shared}, ignore=()):
+            found.append(f"loss.{key}: {va!r} ({t.arm}) vs {vb!r} ({b.arm}): a setting both losses have differs "
+                         "between the arms")
     return found
 
 
@@ -219,67 +250,403 @@ def check_item_sets(runs: list[Run]) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def pair_by_seed(runs: list[Run], treatment: str, baseline: str) -> dict[int, tuple[Run, Run]]:
-    """{seed: (treatment run, baseline run)}; exactly one run per (arm, seed)."""
+def pair_by_seed(runs: list[Run], losses: list[str]) -> dict[int, dict[str, Run]]:
+    """{seed: {loss: run}} for the arms `losses`; exactly one run per (arm, seed), every arm at every seed."""
     by_key: dict[tuple[str, int], Run] = {}
     for r in runs:
-        if r.loss not in (treatment, baseline):
-            raise CompareError(f"run {r.path} has loss '{r.loss}', neither the treatment '{treatment}' "
-                               f"nor the baseline '{baseline}' (set --treatment/--baseline)")
+        if r.loss not in losses:
+            raise CompareError(f"run {r.path} has loss '{r.loss}', neither the treatment "
+                               f"'{'/'.join(losses[1:])}' nor the baseline '{losses[0]}' (set --treatment/--baseline)")
         if (r.loss, r.seed) in by_key:
             raise CompareError(f"two runs of arm {r.arm}: {by_key[(r.loss, r.seed)].path} and {r.path}; "
                                "compare needs exactly one run per (loss, seed)")
         by_key[(r.loss, r.seed)] = r
-    pairs = {}
+    pairs: dict[int, dict[str, Run]] = {}
     for seed in sorted({r.seed for r in runs}):
-        t, b = by_key.get((treatment, seed)), by_key.get((baseline, seed))
-        if t is None or b is None:
-            have, lack = (t or b), (treatment if t is None else baseline)
-            raise CompareError(f"seed {seed} has no '{lack}' run to pair with {have.arm} ({have.path})")
-        pairs[seed] = (t, b)
+        have = {loss: by_key[(loss, seed)] for loss in losses if (loss, seed) in by_key}
+        for loss in losses:
+            if loss not in have:
+                other = next(iter(have.values()))
+                raise CompareError(f"seed {seed} has no '{loss}' run to pair with {other.arm} ({other.path}): "
+                                   "a seed present in one arm only cannot be paired")
+        pairs[seed] = have
     return pairs
 
 
-def _correct_by_index(run: Run, order: list[int]) -> np.ndarray:
-    m = {r["index"]: r["correct"] for r in run.records}
-    return np.array([m[i] for i in order], dtype=np.bool_)
+# ----------------------------------------------------------------------------- decision rule
+@dataclass
+class Rule:
+    """The decision rule compare applies: the runs' `decision` config, with any --override-decision change."""
 
+    method: str
+    alpha: float
+    margin: float
+    endpoint: str
+    step: int | None
+    threshold: float | None
+    baseline: str
+    source: str  # "config" | "default (runs predate decision config)"
+    overridden: list[str] = field(default_factory=list)  # "key: config value -> used value"
+
+    def text(self) -> str:
+        where = {"final": "final accuracy", "step": f"accuracy at step {self.step}",
+                 "auc": "area under the eval curve (per item)"}[self.endpoint]
+        return (RULE_TEXT[self.method].format(conf=100 * (1 - self.alpha), alpha=self.alpha)
+                + f", endpoint {where}, margin {self.margin:g}")
+
+
+def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool) -> Rule:
+    """The runs' pre-registered `decision` config, and the command line's changes to it (only with
+    --override-decision)."""
+    from trainer.config.schema import ConfigError, DecisionConfig
+
+    raw = runs[0].config.get("decision")
+    source = "config"
+    if raw is None:
+        raw, source = {}, "default (the runs' config has no `decision` group: made before it existed)"
+    known = {f for f in DecisionConfig.__dataclass_fields__}
+    try:
+        cfg = DecisionConfig(**{k: v for k, v in raw.items() if k in known})
+    except (ConfigError, TypeError) as e:
+        raise CompareError(f"run {runs[0].path}: decision config: decision.{e}") from None
+    changed = []
+    for key, value in cli.items():
+        # the threshold only sets a secondary (reported) endpoint: changing it decides nothing
+        if value is None or value == getattr(cfg, key) or key == "threshold":
+            continue
+        changed.append(f"{key}: {getattr(cfg, key)!r} -> {value!r}")
+    if changed and not override:
+        raise CompareError("the command line asks for another decision rule than the pre-registered one ("
+                           + "; ".join(changed) + "); pass --override-decision to decide with it anyway (the "
+                           "report then says so), or drop those options")
+    merged = {**{k: getattr(cfg, k) for k in known}, **{k: v for k, v in cli.items() if v is not None}}
+    try:
+        cfg = DecisionConfig(**merged)
+    except ConfigError as e:
+        raise CompareError(f"decision rule: {e}") from None
+    return Rule(method=cfg.method, alpha=cfg.alpha, margin=cfg.margin, endpoint=cfg.endpoint, step=cfg.step,
+                threshold=cfg.threshold, baseline=cfg.baseline, source=source, overridden=changed)
+
+
+# ----------------------------------------------------------------------------- statistics
+def method_table(t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float, n_bootstrap: int,
+                 seed: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
+    """(item-level paired_compare, {method: estimate/interval/p/verdict/estimand}, helpers for Holm)."""
+    item = paired_compare(t_SN, b_SN, alpha=alpha, n_bootstrap=0, seed=seed)
+    diff, n_items, S = item["diff"], item["n_items"], item["n_seeds"]
+    d_SN = t_SN.astype(np.float64) - b_SN.astype(np.float64)
+    d_N = d_SN.mean(axis=0)
+    methods: dict[str, dict[str, Any]] = {}
+    methods["paired_hoeffding"] = {"estimate": diff, "ci_low": item["ci_low"], "ci_high": item["ci_high"],
+                                   "p": hoeffding_p(diff, n_items, margin),
+                                   "verdict": interval_verdict(diff, item["ci_low"], item["ci_high"], margin)}
+    p_dir = item["mcnemar_p"] if diff > 0 else 1.0
+    methods["mcnemar_exact"] = {"estimate": diff, "ci_low": None, "ci_high": None, "p": p_dir,
+                                "p_two_sided": item["mcnemar_p"], "b_items": item["b_items"],
+                                "c_items": item["c_items"], "verdict": pvalue_verdict(diff, p_dir, alpha)}
+    helpers: dict[str, Any] = {"n_items": n_items, "diff": diff}
+    if n_bootstrap > 0:
+        means = bootstrap_means(d_N, n_bootstrap, seed)
+        lo, hi = (float(x) for x in np.quantile(means, [alpha / 2, 1 - alpha / 2]))
+        item["bootstrap_low"], item["bootstrap_high"] = lo, hi
+        methods["paired_bootstrap"] = {"estimate": diff, "ci_low": lo, "ci_high": hi,
+                                       "p": bootstrap_p(means, diff, margin),
+                                       "verdict": interval_verdict(diff, lo, hi, margin)}
+        helpers["bootstrap_means"] = means
+    seed_level = None
+    if S >= 2:
+        D_S = d_SN.mean(axis=1)
+        st = seed_t_interval(D_S, alpha, margin)
+        methods["seed_t"] = {"estimate": st["mean"], "ci_low": st["ci_low"], "ci_high": st["ci_high"],
+                             "p": st["p"], "verdict": interval_verdict(st["mean"], st["ci_low"], st["ci_high"],
+                                                                         margin)}
+        helpers["per_seed_diff"] = D_S
+        seed_level = {"per_seed_diff": st["per_seed"], "mean": st["mean"], "sd": st["sd"], "se": st["se"],
+                      "df": st["df"], "t_crit": st["t_crit"], "t_ci_low": st["ci_low"], "t_ci_high": st["ci_high"],
+                      "t_p": st["p"]}
+        if n_bootstrap > 0:
+            lo, hi, _ = two_level_bootstrap_ci(d_SN, alpha, n_bootstrap, seed)
+            methods["two_level_bootstrap"] = {"estimate": diff, "ci_low": lo, "ci_high": hi, "p": None,
+                                              "verdict": interval_verdict(diff, lo, hi, margin)}
+            seed_level.update(two_level_low=lo, two_level_high=hi)
+    for name, m in methods.items():
+        m["estimand"] = ESTIMANDS[name]
+    item["seed_level"] = seed_level
+    return item, methods, helpers
+
+
+def rule_interval(method: str, helpers: dict[str, Any], level: float) -> tuple[float, float] | None:
+    """The rule's interval at `level` (Holm's step-down level of this treatment); None for exact McNemar."""
+    if method == "paired_hoeffding":
+        h = hoeffding_half_width(helpers["n_items"], level)
+        return max(-1.0, helpers["diff"] - h), min(1.0, helpers["diff"] + h)
+    if method == "paired_bootstrap":
+        lo, hi = np.quantile(helpers["bootstrap_means"], [level / 2, 1 - level / 2])
+        return float(lo), float(hi)
+    if method == "seed_t":
+        st = seed_t_interval(helpers["per_seed_diff"], level)
+        return st["ci_low"], st["ci_high"]
+    return None
+
+
+def decide_all(rows: list[dict[str, Any]], helpers: list[dict[str, Any]], rule: Rule) -> None:
+    """Holm's step-down over the treatments: the j-th smallest rule p is decided at level alpha / (K - j),
+    with the rule's own interval at that level (at K = 1 this is the plain rule); the first failure stops."""
+    K = len(rows)
+    ps = [r["methods"][rule.method]["p"] for r in rows]
+    adj = holm_adjust(ps)
+    still = True
+    for j, i in enumerate(sorted(range(K), key=lambda i: ps[i])):
+        row, level = rows[i], rule.alpha / (K - j)
+        m = row["methods"][rule.method]
+        iv = rule_interval(rule.method, helpers[i], level)
+        if iv is None:
+            verdict = pvalue_verdict(m["estimate"], m["p"], level)
+        else:
+            verdict = interval_verdict(m["estimate"], iv[0], iv[1], rule.margin)
+        if verdict == "validated" and not still:
+            verdict = "inconclusive"  # Holm stops at the first treatment that fails
+        still = still and verdict == "validated"
+        row.update(p_rule=m["p"], p_holm=adj[i], holm_level=level, rule_ci=list(iv) if iv else None,
+                   verdict=verdict)
+
+
+def aa_spread(endpoint_by_seed: dict[int, np.ndarray], alpha: float) -> dict[str, Any]:
+    """Between-seed spread of one arm: per-seed mean endpoint, its sd, and every seed pair's item-level test
+    (what an A/B report would have said had the two seeds been the two arms)."""
+    seeds = sorted(endpoint_by_seed)
+    acc = {s: float(np.mean(endpoint_by_seed[s])) for s in seeds}
+    pairs = []
+    for i, a in enumerate(seeds):
+        for b in seeds[i + 1:]:
+            r = paired_compare(endpoint_by_seed[a], endpoint_by_seed[b], alpha=alpha, n_bootstrap=0)
+            pairs.append({"seed_a": a, "seed_b": b, "diff": r["diff"], "ci_low": r["ci_low"], "ci_high": r["ci_high"],
+                          "mcnemar_p": r["mcnemar_p"], "discordance": (r["b"] + r["c"]) / r["n"],
+                          "item_level_significant": bool(r["ci_low"] > 0 or r["ci_high"] < 0 or r["mcnemar_p"] < alpha)})
+    values = np.array([acc[s] for s in seeds])
+    return {"seeds": seeds, "accuracy_by_seed": {str(s): acc[s] for s in seeds}, "mean": float(values.mean()),
+            "between_seed_sd": float(values.std(ddof=1)) if len(seeds) > 1 else None,
+            "max_abs_pair_diff": max((abs(p["diff"]) for p in pairs), default=None),
+            "mean_discordance": float(np.mean([p["discordance"] for p in pairs])) if pairs else None,
+            "pairs": pairs, "pairs_item_level_significant": sum(p["item_level_significant"] for p in pairs)}
+
+
+def aa_calibration(aa: dict[str, Any], gap_S: list[float], alpha: float) -> dict[str, Any]:
+    """Is the A/B gap beyond the A/A noise floor? Two runs of the same arm at different seeds differ by
+    sqrt(2) x the A/A between-seed sd; the mean of S seed-pair gaps by that / sqrt(S). The interval
+    gap +- t_{K-1} x that (K = A/A seeds, whose sd is itself estimated) must exclude 0."""
+    K, S = len(aa["seeds"]), len(gap_S)
+    gap = float(np.mean(gap_S))
+    sd = aa["between_seed_sd"]
+    se = math.sqrt(2.0) * sd / math.sqrt(S)
+    t_crit = t_quantile(1 - alpha / 2, K - 1)
+    return {"observed_gap": gap, "aa_between_seed_sd": sd, "noise_sd_of_one_gap": math.sqrt(2.0) * sd,
+            "noise_se_of_mean_gap": se, "df": K - 1, "t_crit": t_crit, "low": gap - t_crit * se,
+            "high": gap + t_crit * se, "aa_max_abs_pair_diff": aa["max_abs_pair_diff"],
+            "exceeds_aa_noise": bool(abs(gap) > t_crit * se),
+            "exceeds_every_aa_pair": bool(abs(gap) > (aa["max_abs_pair_diff"] or 0.0))}
 
 # ----------------------------------------------------------------------------- main entry
-def compare(paths: list[str | Path], treatment: str = "dppo", baseline: str = "grpo", alpha: float = 0.05,
-            eval_name: str | None = None, allow_config_diff: bool = False, n_bootstrap: int = 10000,
-            seed: int = 0, out: str | Path | None = None, make_plots: bool = True) -> dict[str, Any]:
-    """Run all checks, compute the statistics and write compare.json / compare.md / plots."""
-    if treatment == baseline:
-        raise CompareError(f"--treatment and --baseline are both '{treatment}'")
-    if not 0 < alpha < 1:
-        raise CompareError(f"--alpha must be in (0, 1), got {alpha}")
-    if n_bootstrap < 0:
-        raise CompareError(f"--bootstrap must be >= 0, got {n_bootstrap}")
-    paths = [Path(p).resolve() for p in paths]
+def _final_step(run: Run) -> int:
+    return int(((run.config.get("schedule") or {}).get("num_steps")) or 0)
+
+
+def _load_inputs(paths: list[Path], eval_name: str | None, out: str | Path | None) -> tuple[list[Run], Path]:
     if len(paths) == 1:
         if (paths[0] / "config.yaml").is_file():
             raise CompareError(f"{paths[0]} is a single run folder; pass its sweep folder or two run folders")
         runs = [load_run(p, eval_name, job) for job, p in discover_runs(paths[0])]
-        out_dir = Path(out).resolve() if out else paths[0]
-    elif len(paths) == 2:
+        return runs, Path(out).resolve() if out else paths[0]
+    if len(paths) == 2:
         if paths[0] == paths[1]:
             raise CompareError(f"the two run folders are the same: {paths[0]}")
         runs = [load_run(p, eval_name) for p in paths]
-        if runs[0].seed != runs[1].seed:
-            raise CompareError(f"the two runs have different seeds ({runs[0].arm}: {runs[0].path}, "
-                               f"{runs[1].arm}: {runs[1].path}); arms are paired within one seed")
-        out_dir = Path(out).resolve() if out else Path(os.path.commonpath([str(p) for p in paths]))
-    else:
-        raise CompareError(f"expected one sweep folder or two run folders, got {len(paths)} paths")
+        a, b = runs
+        if a.loss != b.loss and a.seed != b.seed:
+            raise CompareError(f"the two runs have different seeds ({a.arm}: {a.path}, {b.arm}: {b.path}); "
+                               "arms are paired within one seed")
+        return runs, Path(out).resolve() if out else Path(os.path.commonpath([str(p) for p in paths]))
+    raise CompareError(f"expected one sweep folder or two run folders, got {len(paths)} paths")
 
+
+def _curves_and_scores(runs: list[Run], rule: Rule, order: list[int]) -> tuple[dict, list[int], dict, list[str]]:
+    """Each run's eval curve, the steps all runs share, each run's endpoint scores, notes."""
+    finals = {_final_step(r) for r in runs}
+    if len(finals) != 1:
+        raise CompareError(f"the runs have different schedule.num_steps: {sorted(finals)}")
+    final_step = finals.pop()
+    try:
+        curves = {r.arm: load_curve(f"{r.arm} ({r.path})", r.path / "eval", r.eval_name, final_step, r.records)
+                  for r in runs}
+        steps, notes = common_steps(curves)
+        if rule.endpoint != "final" and notes:
+            raise CompareError("endpoint=" + rule.endpoint + " needs the same eval steps in every run: "
+                               + "; ".join(notes))
+        scores = {r.arm: endpoint_scores(curves[r.arm], rule.endpoint, rule.step, steps, order, final_step,
+                                         f"{r.arm} ({r.path})") for r in runs}
+    except EndpointError as e:
+        raise CompareError(str(e)) from None
+    return curves, steps, scores, notes
+
+
+def _stack(scores: dict[str, np.ndarray], runs: list[Run]) -> np.ndarray:
+    return np.stack([scores[r.arm] for r in runs])
+
+
+def _curve_table(curves: dict, steps: list[int], pairs: dict[int, dict[str, Run]], baseline: str,
+                 treatments: list[str], alpha: float, threshold: float | None) -> dict[str, Any] | None:
+    """Accuracy vs step per arm (mean over seeds, interval), the paired per-step difference, the
+    per-item area under the curve (paired) and steps to threshold; None with fewer than 2 shared steps."""
+    if len(steps) < 2:
+        return None
+    seeds = list(pairs)
+    S = len(seeds)
+    arms: dict[str, Any] = {}
+    acc_SK: dict[str, np.ndarray] = {}
+    for loss in [baseline] + treatments:
+        a = np.array([accuracy_by_step(curves[pairs[s][loss].arm], steps) for s in seeds])
+        acc_SK[loss] = a
+        n_items = len(next(iter(curves[pairs[seeds[0]][loss].arm].values())))
+        lows, highs = [], []
+        for k in range(len(steps)):
+            if S >= 2:
+                st = seed_t_interval(a[:, k], alpha)
+                lows.append(st["ci_low"])
+                highs.append(st["ci_high"])
+            else:
+                lo, hi = wilson_interval(round(a[0, k] * n_items), n_items, alpha)
+                lows.append(lo)
+                highs.append(hi)
+        arms[loss] = {"accuracy": a.mean(axis=0).tolist(), "low": [max(0.0, x) for x in lows],
+                      "high": [min(1.0, x) for x in highs],
+                      "interval": "t over seeds" if S >= 2 else "Wilson"}
+    if threshold is None:
+        threshold = float(acc_SK[baseline][:, -1].mean())
+    reach = {loss: {str(s): steps_to_threshold(acc_SK[loss][i].tolist(), steps, threshold)
+                    for i, s in enumerate(seeds)} for loss in acc_SK}
+    per_treatment = {}
+    for loss in treatments:
+        rows = []
+        for k, step in enumerate(steps):
+            order = sorted(curves[pairs[seeds[0]][baseline].arm][step])
+            t = np.stack([[curves[pairs[s][loss].arm][step][i] for i in order] for s in seeds])
+            b = np.stack([[curves[pairs[s][baseline].arm][step][i] for i in order] for s in seeds])
+            r = paired_compare(t, b, alpha=alpha, n_bootstrap=0)
+            row = {"step": step, "diff": r["diff"], "ci_low": r["ci_low"], "ci_high": r["ci_high"],
+                   "mcnemar_p": r["mcnemar_p"]}
+            if S >= 2:
+                st = seed_t_interval((t.astype(float) - b).mean(axis=1), alpha)
+                row.update(seed_t_low=st["ci_low"], seed_t_high=st["ci_high"])
+            rows.append(row)
+        order = sorted(curves[pairs[seeds[0]][baseline].arm][steps[-1]])
+        auc_t = np.stack([auc_scores(curves[pairs[s][loss].arm], steps, order) for s in seeds])
+        auc_b = np.stack([auc_scores(curves[pairs[s][baseline].arm], steps, order) for s in seeds])
+        r = paired_compare(auc_t, auc_b, alpha=alpha, n_bootstrap=0)
+        auc = {"treatment": r["acc_treatment"], "baseline": r["acc_baseline"], "diff": r["diff"],
+               "ci_low": r["ci_low"], "ci_high": r["ci_high"], "sign_test_p": r["mcnemar_p"],
+               "items_higher": r["b_items"], "items_lower": r["c_items"]}
+        if S >= 2:
+            st = seed_t_interval((auc_t - auc_b).mean(axis=1), alpha)
+            auc.update(seed_t_low=st["ci_low"], seed_t_high=st["ci_high"])
+        gaps = [reach[loss][str(s)] - reach[baseline][str(s)] for s in seeds
+                if reach[loss][str(s)] is not None and reach[baseline][str(s)] is not None]
+        per_treatment[loss] = {"by_step": rows, "auc": auc,
+                               "steps_to_threshold_diff": gaps,
+                               "steps_to_threshold_mean_diff": float(np.mean(gaps)) if gaps else None}
+    return {"steps": steps, "arms": arms, "threshold": threshold, "steps_to_threshold": reach,
+            "treatments": per_treatment}
+
+
+def _load_aa(aa: str | Path, eval_name: str, item_sha: str, ref: Run, rule: Rule, order: list[int],
+             allow_config_diff: bool) -> tuple[dict[str, Any], list[str]]:
+    """The A/A sweep's between-seed spread on the same endpoint and items; refuses a sweep that is not an
+    A/A of this experiment."""
+    path = Path(aa).resolve()
+    runs = [load_run(p, eval_name, job) for job, p in discover_runs(path)]
+    losses = sorted({r.loss for r in runs})
+    if len(losses) != 1:
+        raise CompareError(f"--aa {path}: not an A/A sweep: its runs have losses {losses} (an A/A sweep runs one "
+                           "loss at several seeds: python train.py --multirun loss=grpo seed=0,1,2)")
+    seeds = sorted(r.seed for r in runs)
+    if len(set(seeds)) != len(seeds):
+        raise CompareError(f"--aa {path}: two runs share a seed ({seeds})")
+    if len(seeds) < 2:
+        raise CompareError(f"--aa {path}: an A/A sweep needs >= 2 seeds, it has {seeds}")
+    # the decision group only says how to read the runs: an A/A made under another rule still measures the noise
+    diffs = [f"{k}: {va!r} (A/B {ref.arm}) vs {vb!r} (A/A {r.arm})" for r in runs
+             for k, va, vb in config_differences(ref.config, r.config, IGNORED_CONFIG_KEYS + ("decision",))]
+    if diffs and not allow_config_diff:
+        raise CompareError(f"--aa {path}: the A/A runs' configs differ from the A/B runs' outside the loss group "
+                           "(another experiment or setting?); pass --allow-config-diff to use it anyway:\n  "
+                           + "\n  ".join(diffs[:20]))
+    for r in runs:
+        load_records(r)
+    sha = check_item_sets(runs)
+    if sha != item_sha:
+        raise CompareError(f"--aa {path}: the A/A runs evaluated other items than the A/B runs (item set sha256 "
+                           f"{sha[:12]} vs {item_sha[:12]})")
+    _, _, scores, notes = _curves_and_scores(runs, rule, order)
+    spread = aa_spread({r.seed: scores[r.arm] for r in runs}, rule.alpha)
+    spread.update(sweep=str(path), loss=losses[0])
+    return spread, [f"A/A: {n}" for n in notes] + [f"A/A config differs (allowed): {d}" for d in diffs]
+
+
+def compare(paths: list[str | Path], treatment: str | list[str] | None = None, baseline: str | None = None,
+            alpha: float | None = None, eval_name: str | None = None, allow_config_diff: bool = False,
+            n_bootstrap: int = 10000, seed: int = 0, out: str | Path | None = None, make_plots: bool = True,
+            method: str | None = None, margin: float | None = None, endpoint: str | None = None,
+            step: int | None = None, threshold: float | None = None, override_decision: bool = False,
+            aa: str | Path | None = None) -> dict[str, Any]:
+    """Run all checks, compute the statistics and write compare.json / compare.md / plots.
+
+    The decision rule comes from the runs' `decision` config; method/alpha/margin/endpoint/step/threshold/
+    baseline given here must equal it unless override_decision (then the report says what changed)."""
+    if alpha is not None and not 0 < alpha < 1:
+        raise CompareError(f"--alpha must be in (0, 1), got {alpha}")
+    if n_bootstrap < 0:
+        raise CompareError(f"--bootstrap must be >= 0, got {n_bootstrap}")
+    treatments_given = ([t for t in treatment.split(",") if t] if isinstance(treatment, str)
+                        else list(treatment) if treatment else [])
+    if baseline is not None and baseline in treatments_given:
+        raise CompareError(f"--treatment and --baseline are both '{baseline}'")
+    paths = [Path(p).resolve() for p in paths]
+    runs, out_dir = _load_inputs(paths, eval_name, out)
     names = [runs[0].eval_name]
     if any(r.eval_name != names[0] for r in runs):
         raise CompareError("runs have different eval names: "
                            + ", ".join(f"{r.path.name}={r.eval_name}" for r in runs) + " (pass --eval-name)")
-    pairs = pair_by_seed(runs, treatment, baseline)
-    roles = {treatment: "treatment", baseline: "baseline"}
-    ordered = [r for s in pairs for r in (pairs[s][1], pairs[s][0])]  # baseline first: the reference config
+    rule = resolve_rule(runs, {"method": method, "alpha": alpha, "margin": margin, "endpoint": endpoint,
+                               "step": step, "threshold": threshold, "baseline": baseline}, override_decision)
+    losses = sorted({r.loss for r in runs})
+    notes: list[str] = []
+    if len(losses) == 1:
+        if treatments_given:
+            raise CompareError(f"A/A sweep passed as A/B: every run has loss '{losses[0]}' (seeds "
+                               f"{sorted(r.seed for r in runs)}), so there is no treatment arm to compare; "
+                               "drop --treatment for the A/A report (between-seed spread), or pass this folder "
+                               "as --aa to the comparison of an A/B sweep")
+        if aa is not None:
+            raise CompareError("--aa calibrates an A/B comparison, but the runs given are themselves an A/A "
+                               f"sweep (loss '{losses[0]}' only)")
+        return _compare_aa(runs, rule, names[0], paths, out_dir, allow_config_diff, make_plots)
+    base = rule.baseline
+    if base not in losses:
+        raise CompareError(f"the baseline '{base}' (decision.baseline / --baseline) has no run; the runs' losses "
+                           f"are {losses}")
+    for t in treatments_given:
+        if t == base:
+            raise CompareError(f"--treatment and --baseline are both '{t}'")
+        if t not in losses:
+            raise CompareError(f"no run has the treatment loss '{t}': the runs' losses are {losses} (set "
+                               "--treatment/--baseline)")
+    treatments = treatments_given or [x for x in losses if x != base]
+    left_out = [r for r in runs if r.loss not in treatments and r.loss != base]
+    if left_out:
+        notes.append("runs left out by --treatment: " + ", ".join(r.arm for r in left_out))
+        runs = [r for r in runs if r not in left_out]
+    pairs = pair_by_seed(runs, [base] + treatments)
+    roles = {base: "baseline", **{t: "treatment" for t in treatments}}
+    ordered = [pairs[s][loss] for s in pairs for loss in [base] + treatments]  # baseline first: the reference
     config_diff = check_configs(ordered, roles)
     if config_diff and not allow_config_diff:
         shown = "\n  ".join(config_diff[:20]) + ("\n  ..." if len(config_diff) > 20 else "")
@@ -289,44 +656,126 @@ def compare(paths: list[str | Path], treatment: str = "dppo", baseline: str = "g
         load_records(r)
     item_sha = check_item_sets(ordered)
     order = sorted(r["index"] for r in ordered[0].records)
+    curves, steps, scores, curve_notes = _curves_and_scores(ordered, rule, order)
+    notes += curve_notes
+    seeds = list(pairs)
+    if rule.method == "seed_t" and len(seeds) < 2:
+        raise CompareError(f"the decision rule is seed_t (over seeds), but this comparison has {len(seeds)} seed "
+                           f"per arm ({seeds}); run >= 2 seeds (seed=0,1,2) or decide with an item-level method "
+                           "(--method paired_hoeffding --override-decision)")
+    if rule.method == "paired_bootstrap" and n_bootstrap == 0:
+        raise CompareError("the decision rule is paired_bootstrap, but --bootstrap 0 turns the bootstrap off")
+    aa_spread_, aa_notes = (None, [])
+    if aa is not None:
+        aa_spread_, aa_notes = _load_aa(aa, names[0], item_sha, ordered[0], rule, order, allow_config_diff)
+        notes += aa_notes
 
-    correct_T_SN = np.stack([_correct_by_index(pairs[s][0], order) for s in pairs])
-    correct_B_SN = np.stack([_correct_by_index(pairs[s][1], order) for s in pairs])
-    result = paired_compare(correct_T_SN, correct_B_SN, alpha=alpha, n_bootstrap=n_bootstrap, seed=seed)
-    per_seed = []
-    for i, s in enumerate(pairs):
-        r = paired_compare(correct_T_SN[i], correct_B_SN[i], alpha=alpha, n_bootstrap=n_bootstrap, seed=seed)
-        r.update(seed=s, treatment_arm=pairs[s][0].arm, baseline_arm=pairs[s][1].arm)
-        per_seed.append(r)
+    rows, helpers = [], []
+    for loss in treatments:
+        t_SN = _stack(scores, [pairs[s][loss] for s in seeds])
+        b_SN = _stack(scores, [pairs[s][base] for s in seeds])
+        item, methods, h = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
+        per_seed = []
+        for i, s in enumerate(seeds):
+            r = paired_compare(t_SN[i], b_SN[i], alpha=rule.alpha, n_bootstrap=n_bootstrap, seed=seed)
+            r.update(seed=s, treatment_arm=pairs[s][loss].arm, baseline_arm=pairs[s][base].arm)
+            per_seed.append(r)
+        row = {"treatment": loss, "baseline": base, **item, "per_seed": per_seed, "methods": methods,
+               "bootstrap_resamples": int(n_bootstrap), "bootstrap_seed": int(seed)}
+        if aa_spread_ is not None:
+            row["aa_calibration"] = aa_calibration(aa_spread_, list(h.get("per_seed_diff", [item["diff"]])),
+                                                   rule.alpha)
+        rows.append(row)
+        helpers.append(h)
+    decide_all(rows, helpers, rule)
+    curve = _curve_table(curves, steps, pairs, base, treatments, rule.alpha, rule.threshold)
+
     arms = []
     for r in ordered:
-        summ = summarize(r.records, alpha=alpha)
+        summ = summarize(r.records, alpha=rule.alpha)
         arms.append({"arm": r.arm, "role": roles[r.loss], "loss": r.loss, "seed": r.seed, "run": str(r.path),
                      "job": r.job, "run_name": r.info.get("arm", r.config.get("run_name")),
-                     "eval_file": str(r.eval_file), **summ})
-    notes = _run_notes(ordered)
-    result.update(
-        treatment=treatment, baseline=baseline, eval_name=names[0], per_seed=per_seed, arms=arms,
-        decision_rule=DECISION_RULE.format(conf=100 * (1 - alpha)),
-        config_diff=config_diff, ignored_config_keys=list(IGNORED_CONFIG_KEYS), item_set_sha256=item_sha,
-        inputs=[str(p) for p in paths], output_dir=str(out_dir), plots={}, notes=notes,
-    )
+                     "eval_file": str(r.eval_file), "endpoint_mean": float(np.mean(scores[r.arm])), **summ})
+    notes += _run_notes(ordered)
+    result: dict[str, Any] = {
+        "mode": "ab", "treatments": treatments, "baseline": base, "eval_name": names[0],
+        "verdict_scope": "across_seeds" if rule.method == "seed_t" else "fixed_checkpoints",
+        "n_seeds": len(seeds), "seeds": seeds, "decision": _rule_dict(rule), "comparisons": rows,
+        "verdicts": {r["treatment"]: r["verdict"] for r in rows}, "curve": curve, "aa": aa_spread_,
+        "arms": arms, "config_diff": config_diff, "ignored_config_keys": list(IGNORED_CONFIG_KEYS),
+        "item_set_sha256": item_sha, "inputs": [str(p) for p in paths], "output_dir": str(out_dir), "plots": {},
+        "notes": notes,
+        # kept from the one-treatment report: the alpha, method and decision-rule text at the top level
+        "alpha": rule.alpha, "method": rule.method, "decision_rule": rule.text(),
+    }
+    if len(rows) == 1:  # one treatment: its numbers at the top level too, as before
+        result.update({k: v for k, v in rows[0].items() if k not in result or k in ("verdict",)},
+                      treatment=treatments[0])
+    return _write(result, ordered, roles, out_dir, make_plots, f" ({', '.join(treatments)} vs {base})")
 
-    # everything is checked: from here on we write
+
+def _rule_dict(rule: Rule) -> dict[str, Any]:
+    return {"method": rule.method, "alpha": rule.alpha, "margin": rule.margin, "endpoint": rule.endpoint,
+            "step": rule.step, "threshold": rule.threshold, "baseline": rule.baseline, "source": rule.source,
+            "overridden": rule.overridden, "text": rule.text(), "estimand": ESTIMANDS[rule.method]}
+
+
+def _compare_aa(runs: list[Run], rule: Rule, eval_name: str, paths: list[Path], out_dir: Path,
+                allow_config_diff: bool, make_plots: bool) -> dict[str, Any]:
+    """One loss at several seeds: the between-seed spread (the noise floor of an A/B gap)."""
+    seeds = sorted(r.seed for r in runs)
+    if len(set(seeds)) != len(seeds):
+        raise CompareError(f"two runs of one arm share a seed: {[r.arm for r in runs]}")
+    if len(seeds) < 2:
+        raise CompareError(f"one run of loss '{runs[0].loss}' only: nothing to compare (an A/A sweep needs "
+                           ">= 2 seeds, an A/B sweep two losses)")
+    runs = sorted(runs, key=lambda r: r.seed)
+    roles = {runs[0].loss: "baseline"}
+    config_diff = check_configs(runs, {runs[0].loss: "A/A"})
+    if config_diff and not allow_config_diff:
+        raise CompareError("configs differ outside the `loss` group; pass --allow-config-diff to compare anyway:\n  "
+                           + "\n  ".join(config_diff[:20]))
+    for r in runs:
+        load_records(r)
+    item_sha = check_item_sets(runs)
+    order = sorted(r["index"] for r in runs[0].records)
+    _, _, scores, notes = _curves_and_scores(runs, rule, order)
+    spread = aa_spread({r.seed: scores[r.arm] for r in runs}, rule.alpha)
+    spread.update(sweep=str(paths[0]), loss=runs[0].loss)
+    arms = [{"arm": r.arm, "role": "A/A", "loss": r.loss, "seed": r.seed, "run": str(r.path), "job": r.job,
+             "run_name": r.info.get("arm"), "eval_file": str(r.eval_file),
+             "endpoint_mean": float(np.mean(scores[r.arm])), **summarize(r.records, alpha=rule.alpha)} for r in runs]
+    result = {"mode": "aa", "verdict": None, "verdict_scope": "across_seeds", "baseline": runs[0].loss,
+              "treatments": [], "eval_name": eval_name, "n_seeds": len(seeds), "seeds": seeds, "n_items": len(order),
+              "decision": _rule_dict(rule), "aa": spread, "arms": arms, "config_diff": config_diff,
+              "ignored_config_keys": list(IGNORED_CONFIG_KEYS), "item_set_sha256": item_sha,
+              "inputs": [str(p) for p in paths], "output_dir": str(out_dir), "plots": {},
+              "notes": notes + _run_notes(runs), "alpha": rule.alpha, "method": rule.method,
+              "decision_rule": rule.text()}
+    return _write(result, runs, roles, out_dir, make_plots, f" (A/A: {runs[0].loss})")
+
+
+def _write(result: dict[str, Any], runs: list[Run], roles: dict[str, str], out_dir: Path, make_plots: bool,
+           title_suffix: str) -> dict[str, Any]:
+    """Everything is checked: from here on we write (plots, compare.md, then compare.json last)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    notes = result["notes"]
     if make_plots:
-        from eval.plots import PlotRun, load_metrics
+        from eval.plots import PlotRun, load_metrics, plot_eval_curve
         from eval.plots import make_plots as _make_plots
 
         plot_runs = []
-        for r, a in zip(ordered, arms):
+        for r, a in zip(runs, result["arms"]):
             rows, metric_notes = load_metrics(r.path / "metrics.jsonl")
             notes += metric_notes
-            plot_runs.append(PlotRun(label=r.arm, role=a["role"], seed=r.seed, metrics=rows,
+            plot_runs.append(PlotRun(label=r.arm, role=roles.get(r.loss, "baseline"), seed=r.seed, metrics=rows,
                                      accuracy=a["accuracy"], wilson_low=a["wilson_low"],
                                      wilson_high=a["wilson_high"]))
-        files, plot_notes = _make_plots(plot_runs, out_dir / PLOTS_DIR, f" ({treatment} vs {baseline})")
+        files, plot_notes = _make_plots(plot_runs, out_dir / PLOTS_DIR, title_suffix)
         notes += plot_notes
+        if result.get("curve"):
+            files["eval_curve"] = plot_eval_curve(result["curve"], out_dir / PLOTS_DIR / "eval_curve.png",
+                                                  f"Eval accuracy vs step{title_suffix}")
         result["plots"] = {k: os.path.relpath(v, out_dir) for k, v in files.items()}
 
     from eval.report import render_markdown
@@ -367,28 +816,54 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Config keys allowed to differ between runs: "
                                        + ", ".join(IGNORED_CONFIG_KEYS))
-    p.add_argument("paths", nargs="+", help="a sweep folder, or two run folders")
-    p.add_argument("--treatment", default="dppo", help="loss name of the treatment arm (default dppo)")
-    p.add_argument("--baseline", default="grpo", help="loss name of the baseline arm (default grpo)")
-    p.add_argument("--alpha", type=float, default=0.05, help="1 - confidence level (default 0.05)")
+    p.add_argument("paths", nargs="+", help="a sweep folder (A/B or A/A), or two run folders")
+    p.add_argument("--treatment", default=None,
+                   help="loss(es) of the treatment arm(s), comma-separated (default: every loss but the baseline)")
+    p.add_argument("--baseline", default=None, help="loss of the baseline arm (default: decision.baseline)")
+    p.add_argument("--aa", default=None, metavar="SWEEP",
+                   help="an A/A sweep (one loss, >= 2 seeds) of this experiment: say whether the gap exceeds its "
+                        "between-seed spread")
     p.add_argument("--eval-name", default=None,
                    help="eval file eval/<NAME>.jsonl (default: config eval.name)")
     p.add_argument("--allow-config-diff", action="store_true",
                    help="compare even if configs differ outside the loss group (recorded in the report)")
+    rule = p.add_argument_group("decision rule (default: the runs' pre-registered `decision` config; a "
+                                "different value needs --override-decision)")
+    rule.add_argument("--method", default=None, choices=RULE_METHODS)
+    rule.add_argument("--alpha", type=float, default=None, help="two-sided error rate")
+    rule.add_argument("--margin", type=float, default=None, help="gain the lower bound must exceed")
+    rule.add_argument("--endpoint", default=None, choices=("final", "step", "auc"))
+    rule.add_argument("--step", type=int, default=None, help="eval step of --endpoint step")
+    rule.add_argument("--threshold", type=float, default=None,
+                      help="accuracy of the steps-to-threshold endpoint (reported only: no override needed)")
+    rule.add_argument("--override-decision", action="store_true",
+                      help="decide with the rule given here instead of the pre-registered one (the report says so)")
     p.add_argument("--bootstrap", type=int, default=10000, help="bootstrap resamples (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed")
     p.add_argument("--out", default=None,
                    help="output folder (default: the sweep, or the runs' common parent)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-wandb", action="store_true",
+                   help="do not log the comparison to wandb (default: logged when the arms logged to wandb)")
     args = p.parse_args(argv)
     try:
         result = compare(args.paths, treatment=args.treatment, baseline=args.baseline, alpha=args.alpha,
                          eval_name=args.eval_name, allow_config_diff=args.allow_config_diff,
                          n_bootstrap=args.bootstrap, seed=args.seed, out=args.out,
-                         make_plots=not args.no_plots)
+                         make_plots=not args.no_plots, method=args.method, margin=args.margin,
+                         endpoint=args.endpoint, step=args.step, threshold=args.threshold,
+                         override_decision=args.override_decision, aa=args.aa)
     except (CompareError, ValueError, FileNotFoundError) as e:
         print(f"eval.compare: error: {e}", file=sys.stderr)
         return 1
+    if not args.no_wandb:
+        from eval.wandb_log import log_compare
+
+        try:
+            log_compare(result)
+        except Exception as e:  # noqa: BLE001 - compare.json/compare.md are written; say what failed
+            print(f"eval.compare: the comparison was not logged to wandb: {type(e).__name__}: {e}",
+                  file=sys.stderr)
     print(json.dumps(result, indent=2, sort_keys=True))
     return 0
 

@@ -179,6 +179,32 @@ def _plot_accuracy(runs: list[PlotRun], title: str, path: Path) -> None:
         plt.close(fig)
 
 
+def plot_eval_curve(curve: dict[str, Any], path: Path, title: str) -> str:
+    """Accuracy vs eval step of each arm (mean over seeds) with its interval band (t over seeds, or Wilson
+    for one seed), from compare's `curve` table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    try:
+        steps = curve["steps"]
+        palette = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+        for i, (loss, arm) in enumerate(curve["arms"].items()):
+            color = palette[i % len(palette)]
+            ax.plot(steps, arm["accuracy"], marker="o", color=color, label=f"{loss} ({arm['interval']})")
+            ax.fill_between(steps, arm["low"], arm["high"], color=color, alpha=0.2)
+        if curve.get("threshold") is not None:
+            ax.axhline(curve["threshold"], color="grey", linestyle=":", label="threshold")
+        ax.set_xlabel("rollout step")
+        ax.set_ylabel("eval accuracy")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+    return str(path)
+
+
 def _save(fig: Any, path: Path) -> None:
     """savefig via a temp file and os.replace: never a torn PNG."""
     from trainer.utils.io import atomic_replace
@@ -197,3 +223,35 @@ def _color(role: str) -> str:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+# ----------------------------------------------------------------------------- shared style
+# The run report (eval/run_report.py) draws with these, so its figures look like the comparison's:
+# the same size, resolution, grid and legend, saved the same way.
+FIGSIZE = (7, 4)
+
+
+def new_figure(title: str, xlabel: str, ylabel: str, figsize: tuple[float, float] = FIGSIZE) -> tuple[Any, Any]:
+    fig, ax = plt.subplots(figsize=figsize)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    # steps and updates are counts: integer ticks only
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig, ax
+
+
+def finish_figure(fig: Any, path: Path, legend: bool = True) -> str:
+    """Legend (when anything is labelled), tight layout, atomic save, close; returns the path."""
+    try:
+        for ax in fig.axes:
+            if legend and ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize="small")
+        fig.tight_layout()
+        _save(fig, Path(path))
+    finally:
+        plt.close(fig)
+    return str(path)

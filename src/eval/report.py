@@ -1,4 +1,8 @@
-"""compare.md: the human-readable report of a paired comparison (rendered from compare.json's dict)."""
+"""compare.md: the human-readable report of a paired comparison (rendered from compare.json's dict).
+
+Every number is labelled with its estimand: the item-level tests (Hoeffding, McNemar, item bootstrap)
+are about *these fixed checkpoints*; the seed-level ones (t over seeds, two-level bootstrap) about
+*this training procedure*."""
 
 from __future__ import annotations
 
@@ -6,12 +10,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from eval.stats import DECISION_RULE
-
 _VERDICT_TEXT = {
-    "validated": "the treatment is better: the lower bound of the paired CI is above 0",
-    "inconclusive": "the treatment scored higher, but the lower bound of the paired CI is not above 0",
-    "not_supported": "the treatment did not score higher than the baseline",
+    "validated": "the treatment is better: the decision rule's bound is above the margin",
+    "inconclusive": "the treatment scored higher, but the decision rule's bound is not above the margin",
+    "not_supported": "the treatment did not score higher than the baseline, or the interval rules out a gain "
+                     "above the margin",
 }
 _PLOT_TITLES = {
     "reward": "Training reward (env/reward_mean) per rollout step",
@@ -19,74 +22,230 @@ _PLOT_TITLES = {
     "clip_frac": "GRPO clip fraction (loss/grpo_clip_frac) per update",
     "drift_q90": "Drift |p - p_sampler| q90 (drift/abs_p_q90) per update",
     "accuracy": "Eval accuracy per arm with Wilson intervals",
+    "eval_curve": "Eval accuracy vs step per arm (paired items)",
+}
+_METHOD_NAMES = {
+    "paired_hoeffding": "paired Hoeffding",
+    "mcnemar_exact": "exact McNemar (sign test over items)",
+    "paired_bootstrap": "paired bootstrap (items)",
+    "seed_t": "t over seeds",
+    "two_level_bootstrap": "two-level bootstrap (seeds, then items)",
 }
 
 
 def render_markdown(result: dict[str, Any], out_dir: str | Path) -> str:
     """Markdown for `result` (the compare.json dict); plot links are relative to out_dir."""
-    out_dir = Path(out_dir)
-    t, b = result["treatment"], result["baseline"]
-    alpha = result["alpha"]
-    conf = 100.0 * (1.0 - alpha)
-    n = result["n"]
-    lines = [
-        f"# Paired comparison: {t} (treatment) vs {b} (baseline)",
-        "",
-        (f"Eval: `{result['eval_name']}`, {result['n_items']} items x {result['n_seeds']} seed(s) "
-         f"= {n} paired (seed, item) results."),
-        "",
-        f"## Verdict: **{result['verdict']}**",
-        "",
-        (f"{_VERDICT_TEXT[result['verdict']]}: diff = {_pts(result['diff'])} "
-         f"({conf:g}% Hoeffding CI [{_pts(result['ci_low'])}, {_pts(result['ci_high'])}])."),
-        "",
-        "## Decision rule (pre-registered)",
-        "",
-        "> " + DECISION_RULE.format(conf=conf),
-        "",
-        (f"At n = {result['n_items']} items and alpha = {alpha:g} the half-width is "
-         f"{result['half_width']:.4f}, so "
-         f"`validated` needs a gap above {_pts(result['half_width'])}. McNemar's exact test and the "
-         "paired bootstrap are reported alongside; they do not change the verdict."),
-        "",
-        "## Results",
-        "",
-        "| scope | n | acc " + t + " | acc " + b + " | diff | Hoeffding CI | verdict | b | c "
-        "| McNemar p | bootstrap CI |",
-        "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---|",
-    ]
-    rows = [(f"seed {s['seed']}", s) for s in result["per_seed"]]
-    if len(rows) != 1:
-        rows.append(("**combined**", result))
+    lines = _aa_report(result) if result.get("mode") == "aa" else _ab_report(result)
+    lines += _tail(result)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# ----------------------------------------------------------------------------- A/B
+def _ab_report(result: dict[str, Any]) -> list[str]:
+    rule = result["decision"]
+    conf = 100.0 * (1.0 - rule["alpha"])
+    base, treatments = result["baseline"], result["treatments"]
+    rows = result["comparisons"]
+    first = rows[0]
+    lines = [(f"# Paired comparison: {', '.join(treatments)} (treatment{'s' if len(rows) > 1 else ''}) vs "
+              f"{base} (baseline)"), "",
+             (f"Eval: `{result['eval_name']}`, {first['n_items']} items x {result['n_seeds']} seed(s) "
+              f"= {first['n']} paired (seed, item) results per arm; endpoint: {_endpoint(rule)}."), ""]
+    if len(rows) == 1:
+        lines += [f"## Verdict: **{first['verdict']}**", ""]
     else:
-        rows = [(f"seed {result['per_seed'][0]['seed']}", result)]
-    for label, r in rows:
-        boot = ("-" if r.get("bootstrap_low") is None
-                else f"[{_pts(r['bootstrap_low'])}, {_pts(r['bootstrap_high'])}]")
-        lines.append(
-            f"| {label} | {r['n']} | {r['acc_treatment']:.4f} | {r['acc_baseline']:.4f} | {_pts(r['diff'])} "
-            f"| [{_pts(r['ci_low'])}, {_pts(r['ci_high'])}] | {r['verdict']} "
-            f"| {r['b_items']} | {r['c_items']} "
-            f"| {_p(r['mcnemar_p'])} | {boot} |")
-    lines += [
-        "",
-        ("b = items the treatment got right and the baseline wrong; c = the reverse. "
-         f"Bootstrap: {result['bootstrap_resamples']} percentile resamples of items (seed "
-         f"{result['bootstrap_seed']})."),
-    ]
-    if result["n_seeds"] > 1:
-        lines += ["", ("The combined row averages each item over its seeds, because one item's results "
-                       "across seeds are correlated: n counts (seed, item) results and sets the "
-                       f"accuracies, while the Hoeffding CI uses the {result['n_items']} items as the "
-                       "independent unit, b / c count items whose seed-mean difference is positive / "
-                       "negative (McNemar's exact test over items), and the bootstrap resamples whole "
-                       f"items. Discordant (seed, item) pairs: {result['b']} / {result['c']}. The per-seed "
-                       "rows are descriptive; only the combined verdict is pre-registered.")]
-    lines += ["", "## Arms", "", f"| arm | role | seed | n | accuracy | Wilson {conf:g}% CI | run |",
-              "|---|---|---:|---:|---:|---|---|"]
+        lines += ["## Verdicts (Holm-adjusted over the treatments)", "",
+                  "| treatment | diff | rule interval at its Holm level | rule p | Holm p | verdict |",
+                  "|---|---:|---|---:|---:|---|"]
+        for r in rows:
+            lines.append(f"| {r['treatment']} | {_pts(r['methods'][rule['method']]['estimate'])} | "
+                         f"{_ci(r['rule_ci'])} (alpha {r['holm_level']:.4g}) | {_p(r['p_rule'])} | "
+                         f"{_p(r['p_holm'])} | **{r['verdict']}** |")
+        lines.append("")
+    for r in rows:
+        m = r["methods"][rule["method"]]
+        interval = (f"{conf:g}% interval [{_pts(m['ci_low'])}, {_pts(m['ci_high'])}]" if m["ci_low"] is not None
+                    else f"p = {_p(m['p'])}")
+        lines.append(f"- {r['treatment']}: {_VERDICT_TEXT[r['verdict']]}: {_METHOD_NAMES[rule['method']]} "
+                     f"estimate {_pts(m['estimate'])} ({interval}).")
+    lines += ["", _scope_sentence(result), ""]
+    lines += ["## Decision rule (pre-registered)" if not rule["overridden"] else
+              "## Decision rule (OVERRIDDEN on the command line with --override-decision)", "",
+              f"> {rule['text']}. Estimand: {rule['estimand']}.", ""]
+    if rule["overridden"]:
+        lines += ["The pre-registered rule was changed: " + "; ".join(rule["overridden"])
+                  + ". This verdict is not the pre-registered one.", ""]
+    if rule["source"] != "config":
+        lines += [f"Rule source: {rule['source']}.", ""]
+    lines += [("`validated` needs the rule's lower bound above the margin (a test without an interval: p < "
+               "alpha and a positive difference); `not_supported`: the treatment did not score higher, or the "
+               "interval's upper bound is at or below the margin; otherwise `inconclusive`. The other methods "
+               "below are secondary: they do not change the verdict."), ""]
+    if rule["method"] == "paired_hoeffding" and rule["endpoint"] != "auc":
+        lines += [(f"At n = {first['n_items']} items and alpha = {rule['alpha']:g} the Hoeffding half-width is "
+                   f"{first['half_width']:.4f}, so `validated` needs a gap above "
+                   f"{_pts(first['half_width'] + rule['margin'])}."), ""]
+    for r in rows:
+        lines += _methods_section(r, rule, len(rows) > 1)
+        lines += _seeds_section(r, result)
+        if r.get("aa_calibration"):
+            lines += _aa_calibration_section(r, result)
+    if result.get("curve"):
+        lines += _curve_section(result)
+    lines += _arms_section(result, conf)
+    return lines
+
+
+def _scope_sentence(result: dict[str, Any]) -> str:
+    S = result["n_seeds"]
+    if S == 1:
+        return ("**Scope: these fixed checkpoints.** One seed per arm: the verdict concerns the two trained "
+                "checkpoints and cannot separate the loss from training noise (two runs of the same loss at "
+                "different seeds can differ by as much). Run >= 2 seeds per arm, and an A/A sweep "
+                "(`--multirun loss=<baseline> seed=0,1,2`, passed as `--aa`), to learn about the loss.")
+    if result["verdict_scope"] == "across_seeds":
+        return (f"**Scope: this training procedure.** The rule's unit is the seed ({S} seed pairs): the verdict "
+                "is about the loss, with training noise counted.")
+    return (f"**Scope: these fixed checkpoints.** The rule is item-level: it treats the {2 * S} trained "
+            f"checkpoints as fixed, so it does not count training noise; the seed-level numbers below ({S} "
+            "seed pairs) are the ones about the training procedure.")
+
+
+def _methods_section(r: dict[str, Any], rule: dict[str, Any], several: bool) -> list[str]:
+    conf = 100.0 * (1.0 - rule["alpha"])
+    title = f"## All methods: {r['treatment']} vs {r['baseline']}" if several else "## All methods"
+    lines = [title, "", f"| method | estimand | estimate | {conf:g}% interval | p (gain > margin) | verdict | role |",
+             "|---|---|---:|---|---:|---|---|"]
+    for name, m in r["methods"].items():
+        iv = "-" if m["ci_low"] is None else f"[{_pts(m['ci_low'])}, {_pts(m['ci_high'])}]"
+        role = "**decision**" if name == rule["method"] else "secondary"
+        lines.append(f"| {_METHOD_NAMES[name]} | {m['estimand']} | {_pts(m['estimate'])} | {iv} | "
+                     f"{'-' if m['p'] is None else _p(m['p'])} | {m['verdict']} | {role} |")
+    lines += ["", "## Results per seed" if not several else f"### Per seed: {r['treatment']}", "",
+              "| scope | n | acc " + r["treatment"] + " | acc " + r["baseline"] + " | diff | Hoeffding CI | b | c "
+              "| McNemar p | bootstrap CI |", "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    rows = [(f"seed {s['seed']}", s) for s in r["per_seed"]]
+    rows = rows + [("**combined**", r)] if len(rows) != 1 else [(f"seed {r['per_seed'][0]['seed']}", r)]
+    for label, x in rows:
+        boot = ("-" if x.get("bootstrap_low") is None
+                else f"[{_pts(x['bootstrap_low'])}, {_pts(x['bootstrap_high'])}]")
+        lines.append(f"| {label} | {x['n']} | {x['acc_treatment']:.4f} | {x['acc_baseline']:.4f} | {_pts(x['diff'])} "
+                     f"| [{_pts(x['ci_low'])}, {_pts(x['ci_high'])}] | {x['b_items']} | {x['c_items']} "
+                     f"| {_p(x['mcnemar_p'])} | {boot} |")
+    lines += ["", ("b = items the treatment got right and the baseline wrong; c = the reverse. Bootstrap: "
+                   f"{r['bootstrap_resamples']} percentile resamples of items (seed {r['bootstrap_seed']}).")]
+    if r["n_seeds"] > 1:
+        lines += ["", ("The combined row averages each item over its seeds, because one item's results across "
+                       "seeds are correlated: n counts (seed, item) results, while the Hoeffding CI uses the "
+                       f"{r['n_items']} items as the independent unit, b / c count items whose seed-mean "
+                       "difference is positive / negative, and the bootstrap resamples whole items. Discordant "
+                       f"(seed, item) pairs: {r['b']} / {r['c']}.")]
+    return lines + [""]
+
+
+def _seeds_section(r: dict[str, Any], result: dict[str, Any]) -> list[str]:
+    sl = r.get("seed_level")
+    if not sl:
+        return []
+    conf = 100.0 * (1.0 - result["decision"]["alpha"])
+    per = ", ".join(f"seed {s}: {_pts(d)}" for s, d in zip(result["seeds"], sl["per_seed_diff"]))
+    lines = [f"### Seed level ({r['treatment']} - {r['baseline']}): this training procedure", "",
+             f"Per-seed paired differences: {per}.",
+             (f"Mean {_pts(sl['mean'])}, sd over seeds {_size(sl['sd'])}; Student t {conf:g}% interval (df "
+              f"{sl['df']}, t = {sl['t_crit']:.3f}) [{_pts(sl['t_ci_low'])}, {_pts(sl['t_ci_high'])}], p = "
+              f"{_p(sl['t_p'])}.")]
+    if sl.get("two_level_low") is not None:
+        lines.append(f"Two-level bootstrap (seeds, then items within each seed) {conf:g}% interval "
+                     f"[{_pts(sl['two_level_low'])}, {_pts(sl['two_level_high'])}]; with few seeds it is too "
+                     "narrow (a resample of S seeds sees at most S distinct values), so read the t interval.")
+    return lines + [""]
+
+
+def _aa_calibration_section(r: dict[str, Any], result: dict[str, Any]) -> list[str]:
+    c, aa = r["aa_calibration"], result["aa"]
+    yes = "exceeds" if c["exceeds_aa_noise"] else "does NOT exceed"
+    return [f"### A/A calibration ({r['treatment']} vs {r['baseline']})", "",
+            (f"A/A sweep `{aa['sweep']}` ({aa['loss']}, seeds {aa['seeds']}): between-seed sd of the endpoint "
+             f"{_size(c['aa_between_seed_sd'])}; two runs of the same loss differ by sd "
+             f"{_size(c['noise_sd_of_one_gap'])}, the mean of {result['n_seeds']} seed-pair gap(s) by "
+             f"{_size(c['noise_se_of_mean_gap'])}. Observed gap {_pts(c['observed_gap'])}, noise interval "
+             f"(t, df {c['df']}) [{_pts(c['low'])}, {_pts(c['high'])}]: the gap **{yes}** the A/A noise floor. "
+             f"Largest A/A seed-pair gap {_size(c['aa_max_abs_pair_diff'])} "
+             f"({'exceeded' if c['exceeds_every_aa_pair'] else 'not exceeded'})."), ""]
+
+
+def _curve_section(result: dict[str, Any]) -> list[str]:
+    cv = result["curve"]
+    steps = cv["steps"]
+    lines = ["## Eval curve (efficiency endpoints)", "",
+             "| step | " + " | ".join(f"acc {k} [{v['interval']}]" for k, v in cv["arms"].items()) + " |",
+             "|---:|" + "---|" * len(cv["arms"])]
+    for k, s in enumerate(steps):
+        lines.append(f"| {s} | " + " | ".join(f"{v['accuracy'][k]:.4f} [{v['low'][k]:.3f}, {v['high'][k]:.3f}]"
+                                               for v in cv["arms"].values()) + " |")
+    lines += ["", f"Steps to reach accuracy {cv['threshold']:.4f} (first eval at or above it; None = never): "
+              + "; ".join(f"{loss}: " + ", ".join(f"seed {s} {'never' if v is None else f'step {v}'}"
+                                                  for s, v in d.items())
+                          for loss, d in cv["steps_to_threshold"].items()) + "."]
+    for loss, t in cv["treatments"].items():
+        a = t["auc"]
+        seed_iv = (f", t over seeds [{_pts(a['seed_t_low'])}, {_pts(a['seed_t_high'])}]"
+                   if "seed_t_low" in a else "")
+        lines += ["", f"### {loss} vs {result['baseline']} per step (paired on the same items)", "",
+                  "| step | diff | Hoeffding CI (fixed checkpoints) | McNemar p | t over seeds |",
+                  "|---:|---:|---|---:|---|"]
+        for row in t["by_step"]:
+            st = (f"[{_pts(row['seed_t_low'])}, {_pts(row['seed_t_high'])}]" if "seed_t_low" in row else "-")
+            lines.append(f"| {row['step']} | {_pts(row['diff'])} | [{_pts(row['ci_low'])}, {_pts(row['ci_high'])}] "
+                         f"| {_p(row['mcnemar_p'])} | {st} |")
+        lines += ["", (f"Area under the eval curve per item (normalised to [0, 1], trapezoid over steps {steps}): "
+                       f"{a['treatment']:.4f} vs {a['baseline']:.4f}, paired diff {_pts(a['diff'])}, Hoeffding "
+                       f"[{_pts(a['ci_low'])}, {_pts(a['ci_high'])}]{seed_iv}; items higher / lower "
+                       f"{a['items_higher']} / {a['items_lower']} (sign test p = {_p(a['sign_test_p'])}). "
+                       f"Steps-to-threshold gap per seed (treatment - baseline): {t['steps_to_threshold_diff']}.")]
+    return lines + [""]
+
+
+# ----------------------------------------------------------------------------- A/A
+def _aa_report(result: dict[str, Any]) -> list[str]:
+    aa = result["aa"]
+    rule = result["decision"]
+    lines = [f"# A/A comparison: {aa['loss']} at seeds {aa['seeds']} (no treatment)", "",
+             (f"Eval: `{result['eval_name']}`, {result['n_items']} items; endpoint: {_endpoint(rule)}. Every run "
+              "has the same loss and config: any difference between them is training noise (seed). This is the "
+              "noise floor an A/B gap must clear; pass this folder as `--aa` to an A/B comparison."), "",
+             "## Between-seed spread", "",
+             "| seed | endpoint mean |", "|---:|---:|"]
+    lines += [f"| {s} | {a:.4f} |" for s, a in aa["accuracy_by_seed"].items()]
+    lines += ["", (f"Mean {aa['mean']:.4f}, between-seed sd {_size(aa['between_seed_sd'])}, largest seed-pair gap "
+                   f"{_size(aa['max_abs_pair_diff'])}, mean item discordance between two seeds "
+                   f"{aa['mean_discordance']:.3f}."), "",
+              "## What an item-level test says about two seeds of the same loss", "",
+              "| seeds | diff | Hoeffding CI | McNemar p | discordance | item-level 'significant' |",
+              "|---|---:|---|---:|---:|---|"]
+    for p in aa["pairs"]:
+        lines.append(f"| {p['seed_a']} vs {p['seed_b']} | {_pts(p['diff'])} | [{_pts(p['ci_low'])}, "
+                     f"{_pts(p['ci_high'])}] | {_p(p['mcnemar_p'])} | {p['discordance']:.3f} | "
+                     f"{'yes' if p['item_level_significant'] else 'no'} |")
+    lines += ["", (f"{aa['pairs_item_level_significant']} of {len(aa['pairs'])} seed pairs are 'significant' for an "
+                   "item-level test (Hoeffding bound or McNemar p < alpha): those tests are about fixed "
+                   "checkpoints, and two checkpoints of the same loss are different checkpoints."), ""]
+    lines += _arms_section(result, 100.0 * (1.0 - rule["alpha"]))
+    return lines
+
+
+# ----------------------------------------------------------------------------- shared
+def _arms_section(result: dict[str, Any], conf: float) -> list[str]:
+    lines = ["## Arms", "", f"| arm | role | seed | n | accuracy | Wilson {conf:g}% CI | endpoint mean | run |",
+             "|---|---|---:|---:|---:|---|---:|---|"]
     for a in result["arms"]:
         lines.append(f"| {a['arm']} | {a['role']} | {a['seed']} | {a['n']} | {a['accuracy']:.4f} "
-                     f"| [{a['wilson_low']:.4f}, {a['wilson_high']:.4f}] | `{a['run']}` |")
+                     f"| [{a['wilson_low']:.4f}, {a['wilson_high']:.4f}] | {a['endpoint_mean']:.4f} | `{a['run']}` |")
+    return lines
+
+
+def _tail(result: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     if result.get("plots"):
         lines += ["", "## Plots", ""]
         for name, rel in result["plots"].items():
@@ -101,11 +260,27 @@ def render_markdown(result: dict[str, Any], out_dir: str | Path) -> str:
     lines += ["", "## Inputs", "", f"- ignored config keys: {ignored}",
               f"- item set sha256: `{result['item_set_sha256']}`"]
     lines += [f"- {a['arm']}: `{a['eval_file']}`" for a in result["arms"]]
-    return "\n".join(lines).rstrip() + "\n"
+    return lines
 
 
-def _pts(x: float) -> str:
+def _endpoint(rule: dict[str, Any]) -> str:
+    return {"final": "final accuracy", "step": f"accuracy at step {rule['step']}",
+            "auc": "per-item area under the eval curve"}[rule["endpoint"]]
+
+
+def _ci(iv: list[float] | None) -> str:
+    return "-" if not iv else f"[{_pts(iv[0])}, {_pts(iv[1])}]"
+
+
+def _size(x: float | None) -> str:
+    """An unsigned size (sd, se, gap magnitude) in percentage points."""
+    return "-" if x is None else f"{100.0 * x:.2f} pts"
+
+
+def _pts(x: float | None) -> str:
     """A difference as signed percentage points."""
+    if x is None:
+        return "-"
     return f"{100.0 * x:+.2f} pts"
 
 
@@ -113,3 +288,13 @@ def _p(p: float) -> str:
     if p == 0 or (p < 1e-4 and not math.isnan(p)):
         return f"{p:.2e}"
     return f"{p:.4f}"
+
+
+if __name__ == "__main__":
+    # `python -m eval.report <run folder>`: the single-run report (eval/run_report.py); this module's
+    # own job is compare.md, written by `python -m eval.compare`
+    import sys
+
+    from eval.run_report import main
+
+    sys.exit(main())

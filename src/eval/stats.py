@@ -18,6 +18,17 @@ Formulas (textbook, pinned here so the tests can check them independently):
 - Wilson (1927) score interval for a binomial proportion.
 - Paired percentile bootstrap of the mean difference, resampling items (with several seeds an
   item is resampled with all of its seeds, so the correlation of one item across seeds is kept).
+
+Two estimands. The tests above condition on the trained checkpoints: they say whether *these*
+checkpoints differ on the item population. Whether the *training procedure* (the loss) makes a
+difference is a question about seeds: the unit is the seed pair, the per-seed paired difference
+D_s = mean_i(T_si - B_si), and
+- Student t interval over seeds: mean(D) +- t_{S-1, 1-alpha/2} sd(D) / sqrt(S). The t CDF for an
+  integer df is the finite series of Abramowitz & Stegun (1964) 26.7.3 (odd df) / 26.7.4 (even df).
+- Two-level percentile bootstrap: resample S seeds with replacement, then n items with replacement
+  within each drawn seed (Davison & Hinkley 1997, sec. 3.8, the "resample both stages" scheme).
+- Holm (1979) step-down adjustment when several treatments share one baseline.
+Scores may be 0/1 correctness or per-item values in [0, 1] (area under an item's eval curve).
 """
 
 from __future__ import annotations
@@ -87,6 +98,13 @@ def bootstrap_mean_ci(diff_N: np.ndarray, alpha: float = 0.05, n_resamples: int 
                       seed: int = 0, chunk: int = 1000) -> tuple[float, float]:
     """Percentile bootstrap CI of mean(diff_N), resampling the N entries with replacement."""
     _check_alpha(alpha)
+    means_R = bootstrap_means(diff_N, n_resamples, seed, chunk)
+    low, high = np.quantile(means_R, [alpha / 2.0, 1.0 - alpha / 2.0])
+    return float(low), float(high)
+
+
+def bootstrap_means(diff_N: np.ndarray, n_resamples: int = 10000, seed: int = 0, chunk: int = 1000) -> np.ndarray:
+    """The n_resamples resampled means of diff_N (items drawn with replacement)."""
     diff_N = np.asarray(diff_N, dtype=np.float64)
     if diff_N.ndim != 1 or diff_N.size == 0:
         raise ValueError(f"bootstrap_mean_ci: need a non-empty 1-D array, got shape {diff_N.shape}")
@@ -100,12 +118,12 @@ def bootstrap_mean_ci(diff_N: np.ndarray, alpha: float = 0.05, n_resamples: int 
         stop = min(start + chunk, n_resamples)
         idx_CN = rng.integers(0, n, size=(stop - start, n))
         means_R[start:stop] = diff_N[idx_CN].mean(axis=1)
-    low, high = np.quantile(means_R, [alpha / 2.0, 1.0 - alpha / 2.0])
-    return float(low), float(high)
+    return means_R
 
 
 def decide(diff: float, ci_low: float) -> str:
-    """The pre-registered decision rule (see DECISION_RULE)."""
+    """The paired-Hoeffding verdict at margin 0 (DECISION_RULE), the one paired_compare reports; eval.compare
+    decides with the config's `decision` rule instead (interval_verdict / pvalue_verdict)."""
     if ci_low > 0:
         return "validated"
     if diff > 0:
@@ -117,8 +135,8 @@ def paired_compare(correct_T: Any, correct_B: Any, alpha: float = 0.05, n_bootst
                    seed: int = 0) -> dict[str, Any]:
     """All paired statistics of treatment vs baseline correctness.
 
-    `correct_T`, `correct_B`: bool/0-1 arrays of shape [n] or [S, n] (S seeds x n items, paired
-    entry by entry). Returns n (paired (seed, item) results) and n_items, accuracies over all n
+    `correct_T`, `correct_B`: bool/0-1 arrays (or float scores in [0, 1]) of shape [n] or [S, n]
+    (S seeds x n items, paired entry by entry). Returns n (paired (seed, item) results) and n_items, accuracies over all n
     results, diff, the Hoeffding CI over items (clipped to [-1, 1]; `half_width` is unclipped),
     verdict, the discordant (seed, item) counts b/c, McNemar's exact p over items (`b_items`/`c_items`:
     items whose seed-mean difference is positive/negative; equal to b/c for one seed) and the
@@ -131,10 +149,15 @@ def paired_compare(correct_T: Any, correct_B: Any, alpha: float = 0.05, n_bootst
     if t_SN.size == 0:
         raise ValueError("paired_compare: no items to compare")
     n, n_items = int(t_SN.size), int(t_SN.shape[1])
-    k_t, k_b = int(t_SN.sum()), int(b_SN.sum())
-    diff = (k_t - k_b) / n  # exact 0 on all ties; equals the mean over items of d_i
-    # the item is the independent unit (see the module docstring): Hoeffding and McNemar over items
-    diff_N = (t_SN.astype(np.int64) - b_SN.astype(np.int64)).sum(axis=0)  # S * d_i, exact integers
+    if t_SN.dtype == np.bool_ and b_SN.dtype == np.bool_:
+        k_t, k_b = int(t_SN.sum()), int(b_SN.sum())
+        diff = (k_t - k_b) / n  # exact 0 on all ties; equals the mean over items of d_i
+        # the item is the independent unit (see the module docstring): Hoeffding and McNemar over items
+        diff_N = (t_SN.astype(np.int64) - b_SN.astype(np.int64)).sum(axis=0)  # S * d_i, exact integers
+    else:  # scores in [0, 1]
+        k_t, k_b = float(t_SN.sum()), float(b_SN.sum())
+        diff_N = (t_SN - b_SN).sum(axis=0)
+        diff = float(diff_N.sum()) / n
     half = hoeffding_half_width(n_items, alpha)
     ci_low, ci_high = max(-1.0, diff - half), min(1.0, diff + half)
     b_items, c_items = int((diff_N > 0).sum()), int((diff_N < 0).sum())
@@ -151,8 +174,8 @@ def paired_compare(correct_T: Any, correct_B: Any, alpha: float = 0.05, n_bootst
         "method": METHOD,
         "alpha": alpha,
         "verdict": decide(diff, ci_low),
-        "b": int((t_SN & ~b_SN).sum()),
-        "c": int((~t_SN & b_SN).sum()),
+        "b": int((t_SN > b_SN).sum()),
+        "c": int((t_SN < b_SN).sum()),
         "b_items": b_items,
         "c_items": c_items,
         "mcnemar_p": mcnemar_exact_p(b_items, c_items),
@@ -169,18 +192,195 @@ def paired_compare(correct_T: Any, correct_B: Any, alpha: float = 0.05, n_bootst
 
 
 def _as_correct(x: Any, name: str) -> np.ndarray:
+    """bool [S, n] for 0/1 input; float64 [S, n] for scores in [0, 1] given as floats."""
     a = np.asarray(x)
     if a.ndim == 1:
         a = a[None, :]
     if a.ndim != 2:
         raise ValueError(f"{name}: expected shape [n] or [S, n], got {a.shape}")
     if a.dtype != np.bool_:
-        if a.size and not np.isin(a, (0, 1)).all():
-            raise ValueError(f"{name}: correctness values must be 0/1 or bool")
-        a = a.astype(np.bool_)
+        if a.size and np.isin(a, (0, 1)).all():
+            return a.astype(np.bool_)
+        if not np.issubdtype(a.dtype, np.floating) or not (np.isfinite(a).all() and (a >= 0).all()
+                                                            and (a <= 1).all()):
+            raise ValueError(f"{name}: correctness values must be 0/1 or bool (or float scores in [0, 1])")
+        a = a.astype(np.float64)
     return a
 
 
 def _check_alpha(alpha: float) -> None:
     if not (0.0 < alpha < 1.0):
         raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+
+
+# ----------------------------------------------------------------------------- seed level
+def t_cdf(t: float, df: int) -> float:
+    """Student t CDF for an integer df >= 1 (Abramowitz & Stegun 26.7.3 / 26.7.4, exact finite series).
+
+    With theta = atan(|t| / sqrt(df)), A = P(|T| < |t|) is
+      df = 1:      2 theta / pi
+      df odd > 1:  (2/pi) [theta + sin(theta) (cos + (2/3) cos^3 + ... + (2*4..(df-3))/(1*3..(df-2)) cos^(df-2))]
+      df even:     sin(theta) [1 + (1/2) cos^2 + (1*3)/(2*4) cos^4 + ... + (1*3..(df-3))/(2*4..(df-2)) cos^(df-2)]
+    """
+    if isinstance(df, bool) or not isinstance(df, (int, np.integer)) or df < 1:
+        raise ValueError(f"t_cdf: df must be an integer >= 1, got {df!r}")
+    if math.isinf(t):
+        return 1.0 if t > 0 else 0.0
+    theta = math.atan(abs(t) / math.sqrt(df))
+    sin, cos = math.sin(theta), math.cos(theta)
+    if df % 2:
+        term, series = cos, 0.0
+        for k in range(1, df - 1, 2):  # cos * prod (2j)/(2j+1) * cos^2 ...
+            if k > 1:
+                term *= cos * cos * (k - 1) / k
+            series += term
+        a = 2.0 / math.pi * (theta + sin * series)
+    else:
+        term, series = 1.0, 1.0
+        for k in range(2, df - 1, 2):
+            term *= cos * cos * (k - 1) / k
+            series += term
+        a = sin * series
+    a = min(1.0, max(0.0, a))
+    return 0.5 + 0.5 * a if t >= 0 else 0.5 - 0.5 * a
+
+
+def t_quantile(q: float, df: int) -> float:
+    """Inverse of t_cdf by bisection (to ~1e-12 relative)."""
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"t_quantile: q must be in (0, 1), got {q!r}")
+    if q == 0.5:
+        return 0.0
+    if q < 0.5:
+        return -t_quantile(1.0 - q, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < q:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if t_cdf(mid, df) < q:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-13 * max(1.0, hi):
+            break
+    return 0.5 * (lo + hi)
+
+
+def seed_t_interval(diff_S: Any, alpha: float = 0.05, margin: float = 0.0) -> dict[str, Any]:
+    """Student t interval of the mean of per-seed paired differences, and the one-sided p of "> margin".
+
+    p is the two-sided t test of mean = margin when the mean is above it (1 otherwise), so that
+    p < alpha exactly when the interval's lower bound is above the margin."""
+    _check_alpha(alpha)
+    d = np.asarray(diff_S, dtype=np.float64).ravel()
+    S = int(d.size)
+    if S < 2:
+        raise ValueError(f"seed_t_interval: needs >= 2 seeds, got {S}")
+    mean = float(d.mean())
+    sd = float(d.std(ddof=1))
+    se = sd / math.sqrt(S)
+    t_crit = t_quantile(1.0 - alpha / 2.0, S - 1)
+    if se > 0:
+        t_stat = (mean - margin) / se
+        p = min(1.0, 2.0 * (1.0 - t_cdf(t_stat, S - 1))) if mean > margin else 1.0
+    else:  # every seed gave the same difference
+        t_stat = math.inf if mean > margin else (-math.inf if mean < margin else 0.0)
+        p = 0.0 if mean > margin else 1.0
+    return {"n_seeds": S, "mean": mean, "sd": sd, "se": se, "df": S - 1, "t_crit": t_crit,
+            "ci_low": mean - t_crit * se, "ci_high": mean + t_crit * se, "t": t_stat, "p": p,
+            "per_seed": [float(x) for x in d]}
+
+
+def two_level_bootstrap_ci(diff_SN: Any, alpha: float = 0.05, n_resamples: int = 10000, seed: int = 0,
+                           chunk: int = 500) -> tuple[float, float, np.ndarray]:
+    """Percentile CI of the mean paired difference, resampling seeds, then items within each seed.
+
+    `diff_SN`: per-(seed, item) differences. Returns (low, high, resampled means)."""
+    _check_alpha(alpha)
+    d = np.asarray(diff_SN, dtype=np.float64)
+    if d.ndim != 2 or d.shape[0] < 2 or d.shape[1] < 1:
+        raise ValueError(f"two_level_bootstrap_ci: need [S >= 2, n >= 1] differences, got {d.shape}")
+    if n_resamples < 1:
+        raise ValueError(f"two_level_bootstrap_ci: n_resamples must be >= 1, got {n_resamples}")
+    S, n = d.shape
+    rng = np.random.default_rng(seed)
+    means_R = np.empty(n_resamples, dtype=np.float64)
+    for start in range(0, n_resamples, chunk):
+        stop = min(start + chunk, n_resamples)
+        r = stop - start
+        seeds_RS = rng.integers(0, S, size=(r, S))
+        items_RSN = rng.integers(0, n, size=(r, S, n))
+        means_R[start:stop] = d[seeds_RS[:, :, None], items_RSN].mean(axis=(1, 2))
+    low, high = np.quantile(means_R, [alpha / 2.0, 1.0 - alpha / 2.0])
+    return float(low), float(high), means_R
+
+
+# ----------------------------------------------------------------------------- decision rules
+RULE_METHODS = ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap", "seed_t")
+ESTIMANDS = {
+    "paired_hoeffding": "these fixed checkpoints",
+    "mcnemar_exact": "these fixed checkpoints",
+    "paired_bootstrap": "these fixed checkpoints",
+    "seed_t": "this training procedure",
+    "two_level_bootstrap": "this training procedure",
+}
+RULE_TEXT = {
+    "paired_hoeffding": "paired Hoeffding {conf:g}% interval on the per-item difference (each item's "
+                        "difference averaged over its seeds, in [-1, 1]; half-width sqrt(2 ln(2/alpha) / n), "
+                        "n = items)",
+    "mcnemar_exact": "exact McNemar (sign) test over items at two-sided alpha = {alpha:g}",
+    "paired_bootstrap": "paired percentile bootstrap {conf:g}% interval, resampling items (each with all "
+                        "of its seeds)",
+    "seed_t": "Student t {conf:g}% interval over seeds of the per-seed paired difference",
+}
+
+
+def hoeffding_p(diff: float, n_items: int, margin: float = 0.0) -> float:
+    """Smallest alpha at which the Hoeffding interval's lower bound is above `margin` (1 if diff <= margin):
+    2 exp(-n (diff - margin)^2 / 2), the bound of the module docstring solved for alpha."""
+    if diff <= margin:
+        return 1.0
+    return min(1.0, 2.0 * math.exp(-n_items * (diff - margin) ** 2 / 2.0))
+
+
+def bootstrap_p(means_R: np.ndarray, diff: float, margin: float = 0.0) -> float:
+    """Two-sided percentile-bootstrap p of "mean > margin": 2 x the share of resampled means <= margin."""
+    if diff <= margin:
+        return 1.0
+    return min(1.0, 2.0 * float(np.mean(np.asarray(means_R) <= margin)))
+
+
+def interval_verdict(diff: float, low: float, high: float, margin: float = 0.0) -> str:
+    """`validated` if the lower bound is above the margin; `not_supported` if the treatment did not score
+    higher or the interval rules out a gain above the margin; `inconclusive` otherwise. At margin 0
+    this is `decide`."""
+    if low > margin:
+        return "validated"
+    if diff <= 0 or high <= margin:
+        return "not_supported"
+    return "inconclusive"
+
+
+def pvalue_verdict(diff: float, p: float, alpha: float) -> str:
+    """The same three verdicts for a test without an interval (exact McNemar)."""
+    if diff > 0 and p < alpha:
+        return "validated"
+    return "inconclusive" if diff > 0 else "not_supported"
+
+
+def holm_adjust(p_K: Any) -> list[float]:
+    """Holm's step-down adjusted p-values: p_adj(j) = max_{i <= j} min(1, (K - i + 1) p_(i)) in sorted order."""
+    p = np.asarray(p_K, dtype=np.float64).ravel()
+    if p.size == 0:
+        return []
+    if not ((p >= 0) & (p <= 1)).all():
+        raise ValueError(f"holm_adjust: p-values must be in [0, 1], got {p.tolist()}")
+    order = np.argsort(p, kind="stable")
+    K = p.size
+    adj = np.empty(K)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (K - rank) * p[i]))
+        adj[i] = running
+    return [float(x) for x in adj]

@@ -16,8 +16,10 @@ from trainer.utils.io import atomic_write_json, read_json, read_jsonl_lenient, r
 
 CHECKPOINT_FILE = "checkpoint.json"
 # Keys that may change between a run and its resume without changing what is computed (eval.every only
-# adds or drops intermediate evals; everything that shapes training or the final eval stays hashed).
-RESUME_IGNORED_KEYS = ("resume", "checkpoint", "logger", "preflight", "retry", "backend.faults", "eval.every")
+# adds or drops intermediate evals, eval.compare alone reads the decision rule, and the report settings only
+# shape the report; everything that shapes training or the final eval stays hashed).
+RESUME_IGNORED_KEYS = ("resume", "checkpoint", "logger", "preflight", "retry", "backend.faults", "eval.every",
+                       "decision", "report")
 
 
 class ResumeError(RuntimeError):

@@ -37,6 +37,41 @@ from trainer.rollouts import sample_batch
 log = logging.getLogger(__name__)
 
 
+class ProgressLines:
+    """Progress without a terminal (nohup, SLURM, CI): one INFO line per rollout step, which Hydra's
+    logging sends to stdout and the run folder's train.log. The ETA uses the mean wall time of the
+    steps done by this process, including checkpoints and periodic evals."""
+
+    def __init__(self, total: int, start_step: int) -> None:
+        self.total = total
+        self.start_step = start_step
+        self.t0 = time.time()
+
+    def step_done(self, step: int, rows: list[dict[str, Any]]) -> str:
+        per_step = (time.time() - self.t0) / max(1, step - self.start_step)
+        first = rows[0] if rows else {}
+        parts = [f"step {step}/{self.total}", f"reward {_fmt(first.get('env/reward_mean'))}"]
+        for label, key in (("masked", "loss/dppo_masked_frac"), ("clip", "loss/grpo_clip_frac")):
+            vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+            if vals:
+                parts.append(f"{label} {_fmt(float(np.mean(vals)))}")
+        parts.append(f"{_fmt(first.get('time/step'), '.1f')} s/step")
+        parts.append(f"ETA {_duration(per_step * (self.total - step))}")
+        line = " | ".join(parts)
+        log.info("%s", line)
+        return line
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+
+def _duration(s: float) -> str:
+    s = int(round(s))
+    h, m = divmod(s // 60, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s"
+
+
 class TrainingClientLost(RuntimeError):
     """A training-client call failed for good (e.g. a poisoned Tinker client)."""
 
@@ -50,9 +85,14 @@ class LoopState:
 
 
 class RLLoop:
+    # the run's WandbRun when train.py opened one (it logs the evals and finishes it); None: the sink
+    # opens its own if logger=wandb
+    wandb_run: Any = None
+
     def __init__(self, cfg: DictConfig, run_dir: Path, service_client: Any, task: Any, loss_fn: Any,
                  custom_loss: Any, config_dict: dict, sweep_dir: Path | None = None,
-                 progress: bool = True, on_step_end: Callable[[int], None] | None = None) -> None:
+                 progress: bool | str = True, on_step_end: Callable[[int], None] | None = None,
+                 wandb_run: Any = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.sc = service_client
@@ -62,7 +102,9 @@ class RLLoop:
         self.loss_path = "one_pass" if not callable(custom_loss) else "two_pass"
         self.config_dict = config_dict
         self.sweep_dir = sweep_dir
-        self.progress = progress
+        # True / "bar": a tqdm bar (terminals); "lines": one log line per step (no terminal); False: none
+        self.progress = "bar" if progress is True else (progress or None)
+        self.wandb_run = wandb_run
         self.on_step_end = on_step_end
         self.retry = RetryPolicy.from_config(cfg.retry)
         self.train_problems = task.train_problems()
@@ -73,6 +115,7 @@ class RLLoop:
         self.info: dict[str, Any] = {}
         self.recoveries = 0
         self._warned: set[str] = set()
+        self.last_rows: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ clients
     def _new_training_client(self) -> Any:
@@ -129,9 +172,11 @@ class RLLoop:
         s = self.cfg.schedule
         state = self._start()
         sink = MetricsSink(self.run_dir, self.cfg.logger, arm_name(self.cfg), self.config_dict, self.sweep_dir,
-                           resume=state.step > 0)
+                           resume=state.step > 0, wandb_run=self.wandb_run,
+                           updates_per_batch=s.get("updates_per_batch", 1))
         bar = None
-        if self.progress:
+        lines = ProgressLines(s.num_steps, state.step) if self.progress == "lines" else None
+        if self.progress == "bar":
             from tqdm import tqdm
 
             bar = tqdm(total=s.num_steps, initial=state.step, desc=arm_name(self.cfg), unit="step",
@@ -163,6 +208,8 @@ class RLLoop:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{last_reward:.3f}")
+                if lines is not None:
+                    lines.step_done(state.step, self.last_rows)
                 if self.on_step_end is not None:
                     self.on_step_end(state.step)
         finally:
@@ -241,7 +288,9 @@ class RLLoop:
             row["time/train"] = t_train
             row["time/step"] = t_step_s
             sink.log(row)
-        sink.log_rollouts(_rollout_samples(self.task, rollouts, step, cfg.logger.rollouts_per_step))
+        self.last_rows = rows
+        sink.log_rollouts(_rollout_samples(self.task, rollouts, problems, step, cfg.logger.rollouts_per_step),
+                          step, state.optim_steps - 1)
         state.data_cursor += s.groups_per_batch
         state.step += 1
         if s.save_every and state.step % s.save_every == 0 and state.step < s.num_steps:
@@ -364,7 +413,7 @@ def _rollout_metrics(rollouts: list[Rollout], n_groups: int, mixed: int) -> dict
     return out
 
 
-def _rollout_samples(task: Any, rollouts: list[Rollout], step: int, k: int) -> list[dict]:
+def _rollout_samples(task: Any, rollouts: list[Rollout], problems: list[Any], step: int, k: int) -> list[dict]:
     out = []
     # one sample from each of the first k groups: a spread of prompts rather than k copies of one
     seen = set()
@@ -374,7 +423,10 @@ def _rollout_samples(task: Any, rollouts: list[Rollout], step: int, k: int) -> l
         if r.group in seen:
             continue
         seen.add(r.group)
+        completion = task.decode(r.tokens)
+        correct = r.metrics.get("correct")
         out.append({"step": step, "group": r.group, "prompt": task.renderer.tokenizer.decode(r.prompt_tokens),
-                    "completion": task.decode(r.tokens), "reward": r.reward, "advantage": r.advantage,
-                    "stop_reason": r.stop_reason})
+                    "completion": completion, "parsed": task.parse_answer(completion),
+                    "gold": str(problems[r.group].answer), "correct": None if correct is None else correct >= 0.5,
+                    "reward": r.reward, "advantage": r.advantage, "stop_reason": r.stop_reason})
     return out

@@ -181,19 +181,55 @@ def run_training(cfg: DictConfig) -> float | None:
                    {"arm": info["arm"], "loss": info["loss"], "seed": info["seed"], "run_dir": str(run_dir)})
     print(format_batch_arithmetic(batch), flush=True)
 
+    wandb_run = None
+    if cfg.logger.name == "wandb":
+        from trainer.config.schema import arm_name
+        from trainer.wandb_run import WandbRun
+
+        wandb_run = WandbRun(run_dir, cfg.logger, arm_name(cfg), config_dict, sweep_dir, resuming,
+                             cfg.schedule.updates_per_batch)
+    try:
+        out = _train_and_evaluate(cfg, run_dir, sweep_dir, service_client, task, etask, config_dict, t_setup,
+                                  wandb_run)
+    except BaseException:
+        if wandb_run is not None:  # marked failed in wandb, with what it logged so far
+            wandb_run.finish(exit_code=1)
+        raise
+    if wandb_run is not None:
+        wandb_run.finish()
+    return out
+
+
+def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, service_client: Any, task: Any,
+                        etask: Any, config_dict: dict, t_setup: float, wandb_run: Any) -> float | None:
+    from trainer.checkpoint import ResumeError
     from trainer.loop import RLLoop
 
+    questions = ({p.index: p.question for p in etask.test_problems(cfg.eval.n_examples)}
+                 if etask is not None else None)
+
+    def to_wandb() -> None:  # every eval finished so far (and not yet logged) into the wandb run
+        if wandb_run is not None and etask is not None:
+            wandb_run.sync_evals(run_dir / "eval", cfg.eval.name, questions)
+
+    def on_step_end(step: int) -> None:
+        periodic_eval(cfg, loop, etask, run_dir, step)
+        to_wandb()
+
     loss, custom = make_loss(cfg, service_client)
+    # a tqdm bar on a terminal; one log line per step (stdout and train.log) without one
+    bar = sys.stderr.isatty() or bool(os.environ.get("PAIREDRL_PROGRESS"))
     loop = RLLoop(cfg, run_dir, service_client, task, loss, custom, config_dict, sweep_dir,
-                  progress=sys.stderr.isatty() or bool(os.environ.get("PAIREDRL_PROGRESS")))
+                  progress=True if bar else "lines", wandb_run=wandb_run)
     if etask is not None and cfg.eval.every:
-        loop.on_step_end = lambda step: periodic_eval(cfg, loop, etask, run_dir, step)
+        loop.on_step_end = on_step_end
     setup_s = time.time() - t_setup
     start_eval, start_eval_s = None, 0.0
     if etask is not None and cfg.eval.at_start:
         t0 = time.time()
         start_eval = run_start_eval(cfg, service_client, etask, run_dir, loop.retry, loop.cfg_hash)
         start_eval_s = time.time() - t0
+        to_wandb()
     t_train = time.time()
     try:
         result = loop.run()
@@ -210,9 +246,20 @@ def run_training(cfg: DictConfig) -> float | None:
         final_acc = run_final_eval(cfg, loop, etask, run_dir, result)
         if start_eval is not None:
             result["eval_vs_start"] = compare_with_start(start_eval, run_dir / "eval" / f"{cfg.eval.name}.jsonl")
+        to_wandb()
+        if wandb_run is not None and "eval_vs_start" in result:
+            wandb_run.set_paired_result(result["eval_vs_start"])
     from trainer.utils.io import atomic_write_json
 
     atomic_write_json(run_dir / "result.json", result)
+    report = None
+    if cfg.report.enabled:
+        from eval.run_report import write_run_report
+
+        try:
+            report = write_run_report(run_dir)
+        except Exception as e:  # noqa: BLE001 - the run is done and saved; a report failure must not hide that
+            log.warning("run report not written: %s: %s", type(e).__name__, e)
     print(f"\nrun folder: {run_dir}\n  metrics:  {run_dir / 'metrics.jsonl'}\n  rollouts: "
           f"{run_dir / 'rollouts.jsonl'}\n  checkpoint: {result.get('checkpoint')}")
     if final_acc is not None:
@@ -222,6 +269,8 @@ def run_training(cfg: DictConfig) -> float | None:
         print(f"  eval vs initial weights ({c['n']} paired items): {c['acc_baseline']:.4f} -> "
               f"{c['acc_treatment']:.4f}, diff {c['diff']:+.4f}, bootstrap 95% CI [{c['bootstrap_low']:+.4f}, {c['bootstrap_high']:+.4f}], "
               f"McNemar p={c['mcnemar_p']:.3g} (fixed {c['b']}, broke {c['c']})")
+    if report is not None:
+        print(f"  report:   {report}")
     return final_acc
 
 

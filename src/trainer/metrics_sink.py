@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -14,30 +12,25 @@ log = logging.getLogger(__name__)
 
 
 class MetricsSink:
+    """metrics.jsonl / rollouts.jsonl, and the wandb run when logger=wandb.
+
+    `wandb_run` is the run opened by train.py (which also logs the evals to it and finishes it); without
+    one and with logger=wandb the sink opens its own and finishes it on close."""
+
     def __init__(self, run_dir: Path, logger_cfg: Any, run_name: str, config_dict: dict, sweep_dir: Path | None,
-                 resume: bool) -> None:
+                 resume: bool, wandb_run: Any = None, updates_per_batch: int = 1) -> None:
         self.jsonl = JsonlAppender(run_dir / "metrics.jsonl")
         self.rollouts = JsonlAppender(run_dir / "rollouts.jsonl")
-        self.wandb_run = None
-        if logger_cfg.name == "wandb":
-            self.wandb_run = self._init_wandb(run_dir, logger_cfg, run_name, config_dict, sweep_dir, resume)
-            if resume:
-                self._warn_redo("resumed")
+        self.wandb_run = wandb_run
+        self._owns_wandb = False
+        if wandb_run is None and logger_cfg.name == "wandb":
+            from trainer.wandb_run import WandbRun
 
-    @staticmethod
-    def _init_wandb(run_dir: Path, lc: Any, run_name: str, config_dict: dict, sweep_dir: Path | None,
-                    resume: bool) -> Any:
-        import wandb
-
-        mode = lc.mode
-        if mode == "auto":
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-        group = lc.group or (sweep_dir.name if sweep_dir else None)
-        # a stable id per run folder, so a resumed run continues the same wandb run
-        run_id = "pairedrl-" + hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]
-        return wandb.init(project=lc.project, entity=lc.entity, group=group, name=run_name, id=run_id,
-                          dir=str(run_dir), mode=mode, config=config_dict, resume="allow" if resume else None,
-                          reinit=True)
+            self.wandb_run = WandbRun(run_dir, logger_cfg, run_name, config_dict, sweep_dir, resume,
+                                      updates_per_batch)
+            self._owns_wandb = True
+        if resume:
+            self._warn_redo("resumed")
 
     def reopen(self) -> None:
         """After the logs were truncated to the last checkpoint (a recovery): append from there."""
@@ -57,15 +50,16 @@ class MetricsSink:
     def log(self, row: dict[str, Any]) -> None:
         self.jsonl.write(row)
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in row.items() if isinstance(v, (int, float))},
-                               step=int(row.get("global_update", 0)))
+            self.wandb_run.log_update(row)
 
-    def log_rollouts(self, rows: list[dict]) -> None:
+    def log_rollouts(self, rows: list[dict], step: int = 0, global_update: int = 0) -> None:
         for r in rows:
             self.rollouts.write(r)
+        if self.wandb_run is not None:
+            self.wandb_run.log_rollouts(rows, step, global_update)
 
     def close(self) -> None:
         self.jsonl.close()
         self.rollouts.close()
-        if self.wandb_run is not None:
+        if self._owns_wandb:
             self.wandb_run.finish()

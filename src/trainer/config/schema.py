@@ -442,6 +442,65 @@ class PreflightConfig:
         _positive_int("pilot_eval_items", self.pilot_eval_items)
 
 
+DECISION_METHODS = ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap", "seed_t")
+ENDPOINTS = ("final", "step", "auc")
+
+
+@dataclass
+class DecisionConfig:
+    # the pre-registered test: paired_hoeffding | mcnemar_exact | paired_bootstrap | seed_t (over seeds)
+    method: str = "paired_hoeffding"
+    # two-sided error rate of the rule's interval / test (Holm-adjusted over several treatments)
+    alpha: float = 0.05
+    # `validated` needs the interval's lower bound above this gain (accuracy points as a fraction)
+    margin: float = 0.0
+    # what is compared: final (accuracy at the end) | step (accuracy at decision.step) | auc (per-item
+    # area under the eval curve over the eval.every evals)
+    endpoint: str = "final"
+    # the eval step of endpoint=step (a multiple of eval.every, or schedule.num_steps)
+    step: Optional[int] = None
+    # the smallest gain the plan must be able to detect (the design gate fails if it cannot); null = none
+    target_effect: Optional[float] = None
+    # power at which the design step reports minimum detectable effects
+    power: float = 0.8
+    # loss of the baseline arm; every other loss of a sweep is a treatment compared against it
+    baseline: str = "grpo"
+    # accuracy the steps-to-threshold endpoint waits for (null = the baseline's final accuracy)
+    threshold: Optional[float] = None
+    # design assumption: share of items on which the two arms disagree (null = 0.3, stated as assumed)
+    discordance: Optional[float] = None
+    # design assumption: between-seed sd of one arm's accuracy, as an A/A sweep measures it (null = 0)
+    seed_sd: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _in_set("method", self.method, DECISION_METHODS)
+        _require(0 < self.alpha < 1, "alpha", "must be in (0, 1)", self.alpha)
+        _require(0 <= self.margin < 1, "margin", "must be in [0, 1)", self.margin)
+        _in_set("endpoint", self.endpoint, ENDPOINTS)
+        if self.endpoint == "step":
+            _require(self.step is not None, "step", "must be set when endpoint=step", self.step)
+        if self.step is not None:
+            _nonneg_int("step", self.step)
+        if self.target_effect is not None:
+            _require(0 < self.target_effect <= 1, "target_effect", "must be in (0, 1] or null",
+                     self.target_effect)
+        _require(0 < self.power < 1, "power", "must be in (0, 1)", self.power)
+        # the exact test has no shift parameter: a margin needs an interval method
+        _require(self.method != "mcnemar_exact" or self.margin == 0, "margin",
+                 "must be 0 with method=mcnemar_exact (use paired_hoeffding, paired_bootstrap or seed_t "
+                 "for a margin)", self.margin)
+        if self.threshold is not None:
+            _require(0 < self.threshold <= 1, "threshold", "must be in (0, 1] or null", self.threshold)
+        if self.discordance is not None:
+            _require(0 < self.discordance <= 1, "discordance", "must be in (0, 1] or null", self.discordance)
+        if self.seed_sd is not None:
+            _require(0 <= self.seed_sd < 1, "seed_sd", "must be in [0, 1) or null", self.seed_sd)
+@dataclass
+class ReportConfig:
+    # write report.md with PNG plots into the run folder at the end of a run (python -m eval.report)
+    enabled: bool = True
+
+
 def arm_name(cfg: Any) -> str:
     """The arm label: one loss x one seed, unless run_name overrides it."""
     return cfg.run_name or f"{cfg.loss.name}_seed{cfg.seed}"
@@ -477,6 +536,10 @@ class Config:
     retry: RetryConfig = field(default_factory=RetryConfig)
     # preflight gate settings
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    # the pre-registered decision rule of eval.compare (part of the plan hash)
+    decision: DecisionConfig = field(default_factory=DecisionConfig)
+    # the per-run report written at the end
+    report: ReportConfig = field(default_factory=ReportConfig)
     # checkpoint to evaluate (python -m eval.run checkpoint=<path>)
     checkpoint: Optional[str] = None
 
@@ -529,7 +592,7 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         except ConfigError as e:
             raise ConfigError(f"{group}.{e}") from None
     top = {k: v for k, v in cfg.items() if k not in GROUPS and k != "hydra"}
-    for key in ("sampling", "retry", "preflight"):
+    for key in ("sampling", "retry", "preflight", "decision"):
         try:
             objects[key] = OmegaConf.to_object(cfg[key])
         except ConfigError as e:

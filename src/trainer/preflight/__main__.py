@@ -1,6 +1,6 @@
 """`python -m trainer.preflight <gate|all> [+experiment=dppo_vs_grpo] [overrides]`.
 
-Gates: correctness, restoration, activation, feasibility. Each prints a table and writes
+Gates: correctness, design, restoration, activation, feasibility. Each prints a table and writes
 `<preflight.dir>/preflight/<gate>.json`; the exit code is non-zero when a gate fails. `all` runs
 them in order and stops at the first failure."""
 
@@ -10,14 +10,23 @@ import logging
 import sys
 from pathlib import Path
 
-USAGE = "usage: python -m trainer.preflight {correctness|restoration|activation|feasibility|all} [overrides]"
+USAGE = ("usage: python -m trainer.preflight {correctness|design|restoration|activation|feasibility|all} "
+         "[overrides]")
 
 
 def main(argv: list[str]) -> int:
     from trainer.config.compose import compose_config
     from trainer.config.schema import ConfigError, validate
     from trainer.preflight import correctness
-    from trainer.preflight.gates import GATES, activation, feasibility, preflight_dir, restoration, run_pilot
+    from trainer.preflight.gates import (
+        GATES,
+        activation,
+        design,
+        feasibility,
+        preflight_dir,
+        restoration,
+        run_pilot,
+    )
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
     if not argv or argv[0] not in GATES + ("all",):
@@ -25,9 +34,13 @@ def main(argv: list[str]) -> int:
         return 2
     gate, overrides = argv[0], argv[1:]
     try:
+        # `seed=0,1,2` (the sweep's seeds) tells the design gate how many seeds per arm the plan runs
+        from eval.design import DesignError, plan_seeds
+
+        overrides, n_seeds = plan_seeds(overrides)
         cfg = compose_config(overrides)
         validate(cfg)
-    except ConfigError as e:
+    except (ConfigError, DesignError) as e:
         print(f"error: config: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - Hydra composition errors name the key
@@ -42,6 +55,8 @@ def main(argv: list[str]) -> int:
             report = correctness.run(None)
         elif g == "restoration":
             report = restoration(cfg, out, overrides)
+        elif g == "design":
+            report = design(cfg, out, n_seeds)
         else:
             if pilot is None:
                 pilot = run_pilot(cfg, out)

@@ -1,4 +1,4 @@
-"""The experiment's gates: restoration, activation, feasibility (correctness lives in correctness.py).
+"""The experiment's gates: restoration, activation, feasibility, design (correctness lives in correctness.py).
 
 Each gate returns a GateReport (measured value, bound, pass/fail per check) that is written to
 `<preflight dir>/preflight/<gate>.json`. A sweep with `preflight.skip=false` refuses to start unless
@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer.preflight.common import Check, GateReport
 
-GATES = ("correctness", "restoration", "activation", "feasibility")
+# design runs second: it costs seconds and can stop a plan that cannot answer its question before the pilot
+GATES = ("correctness", "design", "restoration", "activation", "feasibility")
 # Keys that do not change what the gates measured. The loss is the swept switch: it is left out of the
 # plan hash, and each gate records the loss config of both arms instead (`arm_losses`), which a sweep
 # job's own loss must equal. preflight.skip/dir only say whether and where to look.
@@ -321,6 +322,35 @@ def feasibility(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None 
     ]
     report.meta = _meta(cfg, pilot_dir=str(run_dir), pilot_steps=len(st),
                         mean_completion_tokens=per_rollout_sampled)
+    return report
+
+
+# ----------------------------------------------------------------------------- design
+def design(cfg: DictConfig, out_dir: Path, n_seeds: int = 1, n_sims: int = 400) -> GateReport:
+    """What the plan can detect (eval.design with the config's decision group and design assumptions).
+    It reports every method's minimum detectable effect; it fails only when decision.target_effect is set
+    and the plan's own decision method cannot detect it at decision.power."""
+    from eval.design import METHODS, plan_from_config
+    from eval.design import design as run_design
+
+    plan = plan_from_config(cfg, n_seeds)
+    res = run_design(plan, n_sims=n_sims, n_bootstrap=200, plot=Path(out_dir) / "preflight" / "design_power.png")
+    report = GateReport("design")
+    for k in METHODS:
+        mde = res["mde"][k]
+        report.checks.append(Check(f"MDE at power {plan.power:g}: {k}", mde, "info", "pass",
+                                   "decision method" if k == plan.method else "secondary"))
+    mde = res["mde"][plan.method]
+    if plan.target_effect is None:
+        report.checks.append(Check("decision method detects the target effect", mde, "no target", "pass",
+                                   "decision.target_effect is null: the design is reported, not enforced"))
+    else:
+        report.checks.append(Check("decision method detects the target effect", mde, f"<= {plan.target_effect}",
+                                   _status(bool(res["detectable"])),
+                                   f"{plan.method} at {plan.n_items} items x {plan.n_seeds} seed(s); items needed "
+                                   f"{res['items_needed'][plan.method]}, seeds needed {res['seeds_needed'][plan.method]}"))
+    summary = {k: v for k, v in res.items() if k != "power_curve"}
+    report.meta = _meta(cfg, design=summary)
     return report
 
 

@@ -1,0 +1,541 @@
+"""`python -m eval.design +experiment=<name> [overrides] [--discordance P] [--seed-sd S] [--from DIR]
+[--target-effect E] [--json]`: what the plan can detect, before the budget is spent.
+
+For the plan's items (eval.n_examples), seeds per arm (the sweep's `seed=` values), decision.alpha and
+decision.power, the minimum detectable effect (MDE) of each method: paired Hoeffding, exact McNemar,
+paired bootstrap and the seed-level t; how many items or seeds a target effect needs; the power
+curves (PNG); and each item-level method's false-positive rate when the loss makes no difference but
+seeds do.
+
+Data model (one sweep of the plan): the arms of seed s differ on the item population by
+delta_s = delta + tau z_s (z_s ~ N(0, 1): training noise; delta: the effect of the loss), and on item i
+by d_si in {-1, 0, 1} with P(d != 0) = P (the discordance) and mean delta_s. An A/A sweep's
+between-seed sd of accuracy, S_aa, measures 2 S_aa^2 = tau^2 + P / n (two seeds of one loss differ by
+training noise plus the finite item sample), so tau^2 = max(0, 2 S_aa^2 - P / n).
+
+Power is simulated (common random numbers across effects, so the power curve is monotone up to the
+bootstrap's own resampling) by running each method's decision on simulated sweeps; the MDE is where
+the curve crosses the target power. Closed forms, reported beside them and used for "items/seeds
+needed" (a search over n or S), are the normal approximations:
+  Hoeffding:  delta = m + h + z_pow sd(diff),   h = sqrt(2 ln(2/alpha) / n)
+  bootstrap:  delta = m + z_{1-alpha/2} sd_items + z_pow sd(diff),   sd_items^2 = (P - delta^2) / (S n)
+  McNemar (Connor 1987, one seed): delta sqrt(n) = z_{1-alpha/2} sqrt(P) + z_pow sqrt(P - delta^2)
+  seed t:     power = E_V[Phi(lambda - t_crit sqrt(V / (S-1)))], V ~ chi2_{S-1}, lambda = (delta - m) sqrt(S) / sd_D
+with sd(diff)^2 = tau^2 / S + (P - delta^2) / (S n) and sd_D^2 = tau^2 + (P - delta^2) / n.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+
+from eval.stats import hoeffding_half_width, t_quantile
+
+METHODS = ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap", "seed_t")
+DEFAULT_DISCORDANCE = 0.3
+_N = NormalDist()
+
+
+class DesignError(ValueError):
+    """Bad design input; the message names the option."""
+
+
+@dataclass
+class Plan:
+    n_items: int
+    n_seeds: int
+    alpha: float = 0.05
+    power: float = 0.8
+    margin: float = 0.0
+    discordance: float = DEFAULT_DISCORDANCE
+    seed_sd: float = 0.0
+    method: str = "paired_hoeffding"
+    target_effect: float | None = None
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.n_items, int) and self.n_items >= 1):
+            raise DesignError(f"n_items must be an integer >= 1, got {self.n_items!r}")
+        if not (isinstance(self.n_seeds, int) and self.n_seeds >= 1):
+            raise DesignError(f"seeds per arm must be an integer >= 1, got {self.n_seeds!r}")
+        if not 0 < self.discordance <= 1:
+            raise DesignError(f"--discordance must be in (0, 1], got {self.discordance!r}")
+        if not 0 <= self.seed_sd < 1:
+            raise DesignError(f"--seed-sd must be in [0, 1), got {self.seed_sd!r}")
+        if not 0 < self.alpha < 1 or not 0 < self.power < 1:
+            raise DesignError(f"alpha and power must be in (0, 1), got {self.alpha!r}, {self.power!r}")
+        if self.target_effect is not None and not 0 < self.target_effect <= 1:
+            raise DesignError(f"--target-effect must be in (0, 1], got {self.target_effect!r}")
+
+    @property
+    def tau(self) -> float:
+        """sd of the arms' population gap across seeds (training noise), from the A/A sd."""
+        return math.sqrt(max(0.0, 2.0 * self.seed_sd ** 2 - self.discordance / self.n_items))
+
+
+# ----------------------------------------------------------------------------- closed forms
+def _sd_diff(plan: Plan, delta: float, n: int | None = None, S: int | None = None) -> float:
+    n, S = n or plan.n_items, S or plan.n_seeds
+    return math.sqrt(plan.tau ** 2 / S + max(plan.discordance - delta ** 2, 0.0) / (S * n))
+
+
+def _solve(f: Any, hi: float) -> float | None:
+    """Smallest delta in (0, hi] with f(delta) >= 0 (f increasing), None if f(hi) < 0."""
+    if f(hi) < 0:
+        return None
+    lo = 0.0
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        if f(mid) >= 0:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def power_closed_form(method: str, plan: Plan, delta: float, n: int | None = None, S: int | None = None) -> float | None:
+    """Normal-approximation power of `method` at effect delta (None where no closed form is used)."""
+    n, S = n or plan.n_items, S or plan.n_seeds
+    a, m, P = plan.alpha, plan.margin, plan.discordance
+    if method == "paired_hoeffding":
+        sd = _sd_diff(plan, delta, n, S)
+        x = delta - m - hoeffding_half_width(n, a)
+        return (1.0 if x > 0 else 0.0) if sd == 0 else _N.cdf(x / sd)
+    if method == "paired_bootstrap":
+        # the interval is as wide as the item noise alone; the estimate also carries the seeds' noise
+        sd = _sd_diff(plan, delta, n, S)
+        sd_items = math.sqrt(max(P - delta ** 2, 0.0) / (S * n))
+        x = delta - m - _N.inv_cdf(1 - a / 2) * sd_items
+        return (1.0 if x > 0 else 0.0) if sd == 0 else _N.cdf(x / sd)
+    if method == "mcnemar_exact":
+        if S != 1 or plan.tau > 0:
+            return None
+        if delta >= P:
+            return 1.0  # every discordant item favours the treatment
+        za = _N.inv_cdf(1 - a / 2)
+        return _N.cdf((delta * math.sqrt(n) - za * math.sqrt(P)) / math.sqrt(P - delta ** 2))
+    if method == "seed_t":
+        if S < 2:
+            return None
+        sd_D = math.sqrt(plan.tau ** 2 + max(P - delta ** 2, 0.0) / n)
+        return seed_t_power(delta - m, sd_D, S, a)
+    raise DesignError(f"unknown method {method!r}; expected one of {list(METHODS)}")
+
+
+def seed_t_power(shift: float, sd_D: float, S: int, alpha: float, grid: int = 2000) -> float:
+    """P(mean - t_crit s / sqrt(S) > 0) for S normal per-seed gaps (mean shift, sd sd_D): the noncentral-t
+    tail, integrated over the chi-square of (S-1) s^2 / sd_D^2 (substituting V = u^2, trapezoid rule)."""
+    nu = S - 1
+    t_crit = t_quantile(1 - alpha / 2, nu)
+    if sd_D == 0:
+        return 1.0 if shift > 0 else 0.0
+    lam = shift * math.sqrt(S) / sd_D
+    u_max = math.sqrt(nu + 12 * math.sqrt(2 * nu) + 60)
+    u = np.linspace(1e-9, u_max, grid)
+    log_pdf = ((nu / 2 - 1) * np.log(u ** 2) - u ** 2 / 2 - (nu / 2) * math.log(2) - math.lgamma(nu / 2)
+               + np.log(2 * u))  # chi2 density at u^2 times dV/du
+    w = np.exp(log_pdf)
+    z = lam - t_crit * u / math.sqrt(nu)
+    phi = _norm_cdf(z)
+    num = np.trapezoid(w * phi, u)
+    return float(num / np.trapezoid(w, u))
+
+
+def _norm_cdf(z: np.ndarray) -> np.ndarray:
+    """Vectorised standard normal CDF via erf (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7)."""
+    x = np.abs(z) / math.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * x)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    erf = 1.0 - poly * np.exp(-x * x)
+    return 0.5 * (1.0 + np.sign(z) * erf)
+
+
+def mde_closed_form(method: str, plan: Plan, n: int | None = None, S: int | None = None) -> float | None:
+    hi = min(plan.discordance, 1.0)
+    if power_closed_form(method, plan, 0.0, n, S) is None:
+        return None
+    return _solve(lambda d: power_closed_form(method, plan, d, n, S) - plan.power, hi)
+
+
+def items_needed(method: str, plan: Plan, target: float, S: int | None = None) -> int | None:
+    """Smallest n whose closed-form MDE is <= target (None if none up to 10^7)."""
+    def ok(n: int) -> bool:
+        mde = mde_closed_form(method, plan, n, S)
+        return mde is not None and mde <= target
+    if power_closed_form(method, plan, 0.0, 10, S) is None:
+        return None
+    lo, hi = 1, 10 ** 7
+    if not ok(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def seeds_needed(method: str, plan: Plan, target: float, max_seeds: int = 1000) -> int | None:
+    """Smallest seeds per arm whose closed-form MDE is <= target (None if none up to max_seeds)."""
+    def ok(S: int) -> bool:
+        mde = mde_closed_form(method, plan, S=S)
+        return mde is not None and mde <= target
+    lo = 2 if method == "seed_t" else 1
+    if method == "mcnemar_exact":
+        return 1 if ok(1) else None
+    if not ok(max_seeds):
+        return None
+    hi = max_seeds
+    while lo < hi:  # the MDE falls with S
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+# ----------------------------------------------------------------------------- simulation
+def _mcnemar_crit(n: int, alpha: float) -> np.ndarray:
+    """crit[m] = the largest k with two-sided exact McNemar p(k, m - k) < alpha (-1 if none): a sweep with m
+    discordant items is significant in the treatment's favour iff c <= crit[m] (and b > c)."""
+    crit = np.full(n + 1, -1, dtype=np.int64)
+    lg = np.array([math.lgamma(k + 1) for k in range(n + 1)])
+    for m in range(1, n + 1):
+        k = np.arange(0, m // 2 + 1)
+        log_pmf = lg[m] - lg[k] - lg[m - k] - m * math.log(2.0)
+        cdf = np.cumsum(np.exp(log_pmf))
+        below = np.flatnonzero(2.0 * cdf < alpha)
+        crit[m] = int(below[-1]) if below.size else -1
+    return crit
+
+
+class Simulator:
+    """Simulated sweeps of the plan with common random numbers across effects."""
+
+    def __init__(self, plan: Plan, n_sims: int = 1000, n_bootstrap: int = 400, seed: int = 0) -> None:
+        self.plan = plan
+        rng = np.random.default_rng(seed)
+        S, n = plan.n_seeds, plan.n_items
+        self.U = rng.random((n_sims, S, n), dtype=np.float32)
+        self.Z = rng.standard_normal((n_sims, S))
+        self.n_sims, self.n_bootstrap, self.seed = n_sims, n_bootstrap, seed
+        self.crit = _mcnemar_crit(n, plan.alpha)
+        self.h = hoeffding_half_width(n, plan.alpha)
+        self.t_crit = t_quantile(1 - plan.alpha / 2, S - 1) if S >= 2 else None
+
+    def decisions(self, delta: float, methods: tuple[str, ...] = METHODS) -> dict[str, np.ndarray]:
+        """Per method, a bool per simulated sweep: did the method validate?"""
+        p = self.plan
+        P, m, S, n = p.discordance, p.margin, p.n_seeds, p.n_items
+        delta_S = np.clip(delta + p.tau * self.Z, -P, P)[:, :, None]
+        d = (self.U < (P + delta_S) / 2).astype(np.int8) - (self.U >= 1 - (P - delta_S) / 2).astype(np.int8)
+        d_N = d.sum(axis=1)  # S x the per-item mean over seeds, exact integers
+        diff = d_N.sum(axis=1) / (S * n)
+        out: dict[str, np.ndarray] = {}
+        if "paired_hoeffding" in methods:
+            out["paired_hoeffding"] = diff - self.h > m
+        if "mcnemar_exact" in methods:
+            b, c = (d_N > 0).sum(axis=1), (d_N < 0).sum(axis=1)
+            out["mcnemar_exact"] = (b > c) & (c <= self.crit[b + c])
+        if "paired_bootstrap" in methods:
+            out["paired_bootstrap"] = self._bootstrap(d_N, diff)
+        if "seed_t" in methods and S >= 2:
+            D = d.sum(axis=2) / n
+            se = D.std(axis=1, ddof=1) / math.sqrt(S)
+            out["seed_t"] = D.mean(axis=1) - self.t_crit * se > m
+        return out
+
+    def _bootstrap(self, d_N: np.ndarray, diff: np.ndarray) -> np.ndarray:
+        """The item bootstrap's percentile lower bound > margin, per sweep: the item values take 2S+1 levels,
+        so a resample of n items is a multinomial draw of the level counts (the same law as drawing items)."""
+        p = self.plan
+        S, n = p.n_seeds, p.n_items
+        levels = np.arange(-S, S + 1)
+        rng = np.random.default_rng(self.seed + 1)
+        out = np.zeros(self.n_sims, dtype=bool)
+        q = p.alpha / 2
+        for i in range(self.n_sims):
+            if diff[i] <= p.margin:
+                continue  # the lower bound is below the mean
+            counts = np.bincount(d_N[i] + S, minlength=2 * S + 1)
+            draws = rng.multinomial(n, counts / n, size=self.n_bootstrap)
+            means = draws @ levels / (S * n)
+            out[i] = np.quantile(means, q) > p.margin
+        return out
+
+    def power_curve(self, deltas: np.ndarray, methods: tuple[str, ...] = METHODS) -> dict[str, list[float]]:
+        curves: dict[str, list[float]] = {k: [] for k in methods}
+        for delta in deltas:
+            for k, v in self.decisions(float(delta), methods).items():
+                curves[k].append(float(v.mean()))
+        return {k: v for k, v in curves.items() if v}
+
+
+def _crossing(deltas: np.ndarray, power: list[float], target: float) -> float | None:
+    """Where the (running-max) power curve first reaches `target`, linearly interpolated."""
+    pw = np.maximum.accumulate(np.asarray(power))
+    idx = np.flatnonzero(pw >= target)
+    if not idx.size:
+        return None
+    j = int(idx[0])
+    if j == 0:
+        return float(deltas[0])
+    x0, x1, y0, y1 = deltas[j - 1], deltas[j], pw[j - 1], pw[j]
+    return float(x0 + (target - y0) * (x1 - x0) / (y1 - y0)) if y1 > y0 else float(x1)
+
+
+def design(plan: Plan, n_sims: int = 1000, n_bootstrap: int = 400, grid: int = 31, seed: int = 0,
+           plot: str | Path | None = None) -> dict[str, Any]:
+    """MDEs (simulated and closed form), power at the target, items/seeds needed, false positives."""
+    methods = tuple(k for k in METHODS if k != "seed_t" or plan.n_seeds >= 2)
+    closed = {k: mde_closed_form(k, plan) for k in METHODS}
+    top = max([v for v in closed.values() if v is not None] + [plan.target_effect or 0.0, 0.02])
+    d_max = min(plan.discordance, 1.6 * top)
+    deltas = np.linspace(0.0, d_max, grid)
+    sim = Simulator(plan, n_sims, n_bootstrap, seed)
+    curves = sim.power_curve(deltas, methods)
+    mde = {k: (_crossing(deltas, curves[k], plan.power) if k in curves else None) for k in METHODS}
+    out: dict[str, Any] = {
+        "n_items": plan.n_items, "n_seeds": plan.n_seeds, "alpha": plan.alpha, "power": plan.power,
+        "margin": plan.margin, "discordance": plan.discordance, "seed_sd": plan.seed_sd, "tau": plan.tau,
+        "assumptions": plan.sources, "decision_method": plan.method, "target_effect": plan.target_effect,
+        "mde": mde, "mde_closed_form": closed, "n_sims": n_sims, "bootstrap_resamples": n_bootstrap,
+        "power_curve": {"effect": [float(x) for x in deltas], **curves},
+        "false_positive_rate": {k: v[0] for k, v in curves.items()},
+    }
+    if plan.n_seeds < 2:
+        out["notes"] = [("seed_t needs >= 2 seeds per arm: no seed-level MDE with one seed (the verdict would "
+                        "concern two fixed checkpoints)")]
+    if plan.target_effect is not None:
+        at = sim.decisions(plan.target_effect, methods)
+        out["power_at_target"] = {k: float(v.mean()) for k, v in at.items()}
+        out["items_needed"] = {k: items_needed(k, plan, plan.target_effect) for k in METHODS}
+        out["seeds_needed"] = {k: seeds_needed(k, plan, plan.target_effect) for k in METHODS}
+        m = mde[plan.method]
+        out["detectable"] = m is not None and m <= plan.target_effect
+    if plot is not None:
+        out["plot"] = str(plot_power(out, Path(plot)))
+    return out
+
+
+def plot_power(result: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from trainer.utils.io import atomic_replace
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pc = result["power_curve"]
+    x = 100 * np.asarray(pc["effect"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    try:
+        for k in METHODS:
+            if k in pc:
+                mde = result["mde"][k]
+                lab = f"{k} (MDE {100 * mde:.1f} pts)" if mde is not None else f"{k} (MDE > {x[-1]:.1f} pts)"
+                ax.plot(x, pc[k], marker=".", label=lab)
+        ax.axhline(result["power"], color="grey", linestyle=":")
+        if result.get("target_effect"):
+            ax.axvline(100 * result["target_effect"], color="black", linestyle="--", label="target effect")
+        ax.set_xlabel("true effect of the loss (accuracy points)")
+        ax.set_ylabel("power (share of sweeps validated)")
+        ax.set_title(f"Power: {result['n_items']} items x {result['n_seeds']} seed(s), alpha {result['alpha']:g}, "
+                     f"discordance {result['discordance']:.2f}, seed sd {result['seed_sd']:.3f}", fontsize="small")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        atomic_replace(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), suffix=".png")
+    finally:
+        plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- the plan's numbers
+def plan_seeds(overrides: list[str]) -> tuple[list[str], int]:
+    """(overrides of the first job, seeds per arm) from the command line and the experiment's sweeper
+    params (`seed=0,1,2` on either)."""
+    from trainer.config.compose import compose_config, sweep_jobs
+
+    try:
+        first = sweep_jobs(overrides)[0] if overrides else []
+        params = compose_config(first, return_hydra_config=True).hydra.sweeper.get("params") or {}
+    except Exception as e:  # noqa: BLE001 - Hydra's parse/compose errors name the override
+        raise DesignError(f"config: {e}") from None
+    given = {a.split("=", 1)[0].lstrip("+~") for a in overrides if "=" in a}
+    full = list(overrides) + [f"{k}={v}" for k, v in params.items() if k not in given]
+    jobs = sweep_jobs(full)
+    seeds = set()
+    for job in jobs:
+        seed = [a.split("=", 1)[1] for a in job if a.lstrip("+~").split("=", 1)[0] == "seed"]
+        seeds.add(seed[-1] if seed else None)
+    return first, max(1, len(seeds))
+
+
+def n_items_of(cfg: Any) -> int:
+    if cfg.eval.n_examples:
+        return int(cfg.eval.n_examples)
+    if cfg.eval.task == "gsm8k":
+        return 1319
+    return int(cfg.env.get("n_test", 200))
+
+
+def pilot_estimates(path: str | Path) -> dict[str, Any]:
+    """Discordance and between-seed sd from a pilot's final eval files: an A/A sweep (one loss: seed-pair
+    discordance, sd of accuracy), an A/B sweep (between-arm discordance; with >= 2 seeds the per-seed gaps'
+    sd / sqrt(2)) or one run (discordance bounded by 2 p (1 - p), the chance agreement of two independent
+    runs at accuracy p; no seed sd)."""
+    from eval.compare import CompareError, check_item_sets, discover_runs, load_records, load_run
+
+    path = Path(path).resolve()
+    try:
+        if (path / "config.yaml").is_file():
+            run = load_run(path, None)
+            load_records(run)
+            p = float(np.mean([r["correct"] for r in run.records]))
+            return {"discordance": max(2 * p * (1 - p), 1.0 / len(run.records)), "seed_sd": None,
+                    "source": f"one run {path} (accuracy {p:.3f}; discordance = 2p(1-p), the independence bound)"}
+        runs = [load_run(p, None, job) for job, p in discover_runs(path)]
+        for r in runs:
+            load_records(r)
+        check_item_sets(runs)
+    except (CompareError, ValueError, FileNotFoundError) as e:
+        raise DesignError(f"--from {path}: {e}") from None
+    order = sorted(r["index"] for r in runs[0].records)
+    c = {(r.loss, r.seed): np.array([{x["index"]: x["correct"] for x in r.records}[i] for i in order]) for r in runs}
+    losses = sorted({r.loss for r in runs})
+    seeds = sorted({r.seed for r in runs})
+    if len(losses) == 1:
+        if len(seeds) < 2:
+            raise DesignError(f"--from {path}: one run of one loss; pass a run folder or a sweep of >= 2 seeds")
+        accs = [c[losses[0], s].mean() for s in seeds]
+        disc = [float(np.mean(c[losses[0], a] != c[losses[0], b])) for i, a in enumerate(seeds) for b in seeds[i + 1:]]
+        return {"discordance": max(float(np.mean(disc)), 1.0 / len(order)), "seed_sd": float(np.std(accs, ddof=1)),
+                "source": f"A/A sweep {path} ({losses[0]}, seeds {seeds})"}
+    base = "grpo" if "grpo" in losses else losses[0]
+    disc, gaps = [], []
+    for t in (x for x in losses if x != base):
+        for s in seeds:
+            if (t, s) in c and (base, s) in c:
+                disc.append(float(np.mean(c[t, s] != c[base, s])))
+                gaps.append(float(c[t, s].mean() - c[base, s].mean()))
+    if not disc:
+        raise DesignError(f"--from {path}: no seed has both a baseline ({base}) and a treatment run")
+    sd = float(np.std(gaps, ddof=1) / math.sqrt(2)) if len(gaps) >= 2 else None
+    return {"discordance": max(float(np.mean(disc)), 1.0 / len(order)), "seed_sd": sd,
+            "source": f"A/B sweep {path} ({losses}, seeds {seeds})"}
+
+
+def plan_from_config(cfg: Any, n_seeds: int, discordance: float | None = None, seed_sd: float | None = None,
+                     target_effect: float | None = None, pilot: str | Path | None = None) -> Plan:
+    """The plan's design inputs: the config's decision group, overridden by the command line or a pilot."""
+    d = cfg.decision
+    sources = {}
+    est = pilot_estimates(pilot) if pilot is not None else {}
+    if discordance is not None:
+        P, sources["discordance"] = discordance, "--discordance"
+    elif est.get("discordance") is not None:
+        P, sources["discordance"] = est["discordance"], est["source"]
+    elif d.get("discordance") is not None:
+        P, sources["discordance"] = float(d.discordance), "decision.discordance"
+    else:
+        P, sources["discordance"] = DEFAULT_DISCORDANCE, f"assumed {DEFAULT_DISCORDANCE} (no --discordance, --from or decision.discordance)"
+    if seed_sd is not None:
+        sd, sources["seed_sd"] = seed_sd, "--seed-sd"
+    elif est.get("seed_sd") is not None:
+        sd, sources["seed_sd"] = est["seed_sd"], est["source"]
+    elif d.get("seed_sd") is not None:
+        sd, sources["seed_sd"] = float(d.seed_sd), "decision.seed_sd"
+    else:
+        sd, sources["seed_sd"] = 0.0, "assumed 0 (no training noise: a lower bound on every MDE; pass --seed-sd or --from an A/A sweep)"
+    target = target_effect if target_effect is not None else d.get("target_effect")
+    return Plan(n_items=n_items_of(cfg), n_seeds=n_seeds, alpha=float(d.alpha), power=float(d.power),
+                margin=float(d.margin), discordance=float(P), seed_sd=float(sd), method=str(d.method),
+                target_effect=None if target is None else float(target), sources=sources)
+
+
+def render(result: dict[str, Any]) -> str:
+    pts = lambda x: "none" if x is None else f"{100 * x:.2f} pts"
+    lines = [(f"design: {result['n_items']} items x {result['n_seeds']} seed(s) per arm, alpha {result['alpha']:g}, "
+             f"power {result['power']:g}, margin {result['margin']:g}"),
+             f"  discordance {result['discordance']:.3f} ({result['assumptions'].get('discordance')})",
+             (f"  seed sd {result['seed_sd']:.4f} ({result['assumptions'].get('seed_sd')}); training-noise sd of a "
+             f"seed pair's gap tau = {result['tau']:.4f}"),
+             "", f"{'method':18s} {'MDE (sim)':>11s} {'MDE (closed)':>13s} {'false pos. at 0':>16s}"]
+    for k in METHODS:
+        mark = " <- decision" if k == result["decision_method"] else ""
+        fp = result["false_positive_rate"].get(k)
+        lines.append(f"{k:18s} {pts(result['mde'][k]):>11s} {pts(result['mde_closed_form'][k]):>13s} "
+                     f"{'-' if fp is None else f'{fp:.3f}':>16s}{mark}")
+    if result.get("target_effect") is not None:
+        lines += ["", (f"target effect {pts(result['target_effect'])}: detectable by the decision method: "
+                  f"{'YES' if result['detectable'] else 'NO'}")]
+        for k in METHODS:
+            pw = result["power_at_target"].get(k)
+            lines.append(f"  {k:18s} power {'-' if pw is None else f'{pw:.3f}'}, items needed "
+                         f"{result['items_needed'][k]}, seeds needed {result['seeds_needed'][k]}")
+    if any(v is None for v in list(result["mde"].values()) + list(result["mde_closed_form"].values())):
+        lines.append(f"(none: no effect up to the discordance, {100 * result['discordance']:.1f} pts, reaches power "
+                     f"{result['power']:g}, or no closed form for this design)")
+    if result["tau"] > 0:
+        lines.append("(training noise tau > 0: the item-level methods' power counts validations that are partly "
+                     "seed noise, as their false-positive rate at 0 shows; only seed_t's MDE is about the loss)")
+    for n in result.get("notes", []):
+        lines.append(f"note: {n}")
+    if result.get("plot"):
+        lines += ["", f"power curve: {result['plot']}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.design", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=dppo_vs_grpo seed=0,1,2")
+    p.add_argument("--discordance", type=float, default=None, help="share of items the arms disagree on, in (0, 1]")
+    p.add_argument("--seed-sd", type=float, default=None, help="between-seed sd of one arm's accuracy (A/A)")
+    p.add_argument("--from", dest="pilot", default=None, help="a pilot run or sweep folder to estimate both from")
+    p.add_argument("--target-effect", type=float, default=None, help="the gain to detect (default decision.target_effect)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default: the sweep's seed= values)")
+    p.add_argument("--sims", type=int, default=1000, help="simulated sweeps per effect (default 1000)")
+    p.add_argument("--bootstrap", type=int, default=400, help="bootstrap resamples per simulated sweep")
+    p.add_argument("--plot", default="design_power.png", help="PNG power curve path ('' = none)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = p.parse_args(argv)
+    try:
+        if args.discordance is not None and not 0 < args.discordance <= 1:
+            raise DesignError(f"--discordance must be in (0, 1], got {args.discordance}")
+        if args.sims < 10 or args.bootstrap < 10:
+            raise DesignError("--sims and --bootstrap must be >= 10")
+        from trainer.config.compose import compose_config
+        from trainer.config.schema import ConfigError, validate
+
+        first, n_seeds = plan_seeds(args.overrides)
+        try:
+            cfg = compose_config(first)
+            validate(cfg)
+        except ConfigError as e:
+            raise DesignError(f"config: {e}") from None
+        plan = plan_from_config(cfg, args.seeds or n_seeds, args.discordance, args.seed_sd, args.target_effect,
+                                args.pilot)
+        result = design(plan, n_sims=args.sims, n_bootstrap=args.bootstrap, plot=args.plot or None)
+    except DesignError as e:
+        print(f"eval.design: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, sort_keys=True) if args.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

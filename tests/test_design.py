@@ -1,0 +1,180 @@
+"""eval.design: simulated power against closed forms and independently computed values; the CLI (--json,
+PNG, bad input, --from a pilot sweep); the design preflight gate."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from statistics import NormalDist
+
+import numpy as np
+import pytest
+from test_compare import EVAL, make_run
+
+from eval.design import (
+    METHODS,
+    DesignError,
+    Plan,
+    Simulator,
+    design,
+    mde_closed_form,
+    pilot_estimates,
+    power_closed_form,
+    seed_t_power,
+)
+from eval.stats import mcnemar_exact_p
+
+ROOT = Path(__file__).resolve().parents[1]
+PHI = NormalDist().cdf
+
+
+def _exact_mcnemar_power(n: int, P: float, delta: float, alpha: float) -> float:
+    """Independent reference: sum over D ~ Bin(n, P) discordant items and b | D ~ Bin(D, (1 + delta/P) / 2)
+    of the exact test's decision (b > c and p(b, c) < alpha)."""
+    q = (1 + delta / P) / 2
+    total = 0.0
+    for D in range(n + 1):
+        pD = math.comb(n, D) * P ** D * (1 - P) ** (n - D)
+        if pD < 1e-14:
+            continue
+        for b in range(D // 2 + 1, D + 1):
+            if mcnemar_exact_p(b, D - b) < alpha:
+                total += pD * math.comb(D, b) * q ** b * (1 - q) ** (D - b)
+    return total
+
+
+def test_item_level_simulated_power_matches_closed_forms():
+    plan = Plan(n_items=200, n_seeds=1, discordance=0.3)
+    sim = Simulator(plan, n_sims=3000, n_bootstrap=300, seed=1)
+    for delta in (0.0, 0.06, 0.1, 0.15, 0.2):
+        got = {k: float(v.mean()) for k, v in sim.decisions(delta).items()}
+        assert got["paired_hoeffding"] == pytest.approx(power_closed_form("paired_hoeffding", plan, delta), abs=0.035)
+        assert got["paired_bootstrap"] == pytest.approx(power_closed_form("paired_bootstrap", plan, delta), abs=0.05)
+        exact = _exact_mcnemar_power(200, 0.3, delta, 0.05)
+        assert got["mcnemar_exact"] == pytest.approx(exact, abs=0.03)
+        # Connor's normal approximation is close to the exact power too
+        assert power_closed_form("mcnemar_exact", plan, delta) == pytest.approx(exact, abs=0.06)
+    # the Hoeffding MDE in closed form: delta = h + z_0.8 sqrt((P - delta^2) / n)
+    h = math.sqrt(2 * math.log(40) / 200)
+    mde = mde_closed_form("paired_hoeffding", plan)
+    assert mde == pytest.approx(h + NormalDist().inv_cdf(0.8) * math.sqrt((0.3 - mde ** 2) / 200), abs=1e-9)
+
+
+def test_seed_t_power_matches_an_independent_simulation():
+    """The quadrature of the noncentral t tail against a plain Monte Carlo of S normal per-seed gaps."""
+    rng = np.random.default_rng(0)
+    S, sd, alpha = 4, 0.05, 0.05
+    t_crit = 3.182446305284263  # t_{0.975, 3}
+    for shift in (0.0, 0.05, 0.1):
+        D = shift + sd * rng.standard_normal((200000, S))
+        mc = float(np.mean(D.mean(axis=1) - t_crit * D.std(axis=1, ddof=1) / math.sqrt(S) > 0))
+        assert seed_t_power(shift, sd, S, alpha) == pytest.approx(mc, abs=0.006)
+    # and the design's simulated sweeps (seed noise tau plus item noise) against it
+    plan = Plan(n_items=300, n_seeds=4, discordance=0.3, seed_sd=0.05)
+    sim = Simulator(plan, n_sims=3000, n_bootstrap=20, seed=2)
+    for delta in (0.0, 0.08, 0.15):
+        got = float(sim.decisions(delta, ("seed_t",))["seed_t"].mean())
+        assert got == pytest.approx(power_closed_form("seed_t", plan, delta), abs=0.035)
+
+
+def test_between_seed_noise_makes_item_level_tests_fire_and_seed_t_does_not():
+    """The A/A case: no effect of the loss, large training noise (A/A sd 6 pts). Item-level tests, which are
+    about the fixed checkpoints, 'detect' the seeds' differences; the t over seeds holds alpha / 2."""
+    plan = Plan(n_items=500, n_seeds=3, discordance=0.3, seed_sd=0.06)
+    fp = {k: float(v.mean()) for k, v in Simulator(plan, n_sims=2000, n_bootstrap=200, seed=3).decisions(0.0).items()}
+    assert fp["mcnemar_exact"] > 0.25 and fp["paired_bootstrap"] > 0.25
+    assert fp["seed_t"] == pytest.approx(0.025, abs=0.012)
+    # tau from the A/A sd: 2 sd^2 = tau^2 + P / n
+    assert plan.tau == pytest.approx(math.sqrt(2 * 0.06 ** 2 - 0.3 / 500))
+
+
+def test_design_mde_simulated_agrees_with_closed_form_and_target_answers():
+    plan = Plan(n_items=400, n_seeds=1, discordance=0.25, target_effect=0.05)
+    res = design(plan, n_sims=800, n_bootstrap=200, grid=31)
+    for k in ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap"):
+        assert res["mde"][k] == pytest.approx(res["mde_closed_form"][k], abs=0.012), k
+    assert res["mde"]["seed_t"] is None and res["notes"]
+    assert res["detectable"] is False  # Hoeffding needs ~ +11 pts at 400 items
+    n_need = res["items_needed"]["paired_hoeffding"]
+    assert mde_closed_form("paired_hoeffding", plan, n=n_need) <= 0.05 < mde_closed_form("paired_hoeffding", plan,
+                                                                                       n=n_need - 1)
+    assert res["power_at_target"]["paired_hoeffding"] < 0.2
+    with pytest.raises(DesignError, match="--discordance must be in"):
+        Plan(n_items=10, n_seeds=1, discordance=1.5)
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run([sys.executable, "-m", "eval.design", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, check=False, timeout=300)
+
+
+def test_cli_json_png_and_bad_input(tmp_path):
+    proc = _cli("eval.n_examples=150", "seed=0,1", "--discordance", "0.2", "--seed-sd", "0.02", "--sims", "300",
+                "--bootstrap", "50", "--json", "--plot", str(tmp_path / "p.png"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert (out["n_items"], out["n_seeds"], out["alpha"], out["power"]) == (150, 2, 0.05, 0.8)
+    assert set(out["mde"]) == set(METHODS) and 0 < out["mde"]["mcnemar_exact"] < 0.2
+    # the Hoeffding half-width at 150 items (22.2 pts) exceeds the discordance (20 pts), the largest gap two
+    # arms that disagree on 20% of the items can show: no effect is detectable
+    assert math.sqrt(2 * math.log(40) / 150) > 0.2 and out["mde"]["paired_hoeffding"] is None
+    assert out["assumptions"]["discordance"] == "--discordance"
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    for bad in ("0", "1.5", "-0.1"):
+        proc = _cli("--discordance", bad, "--json", "--plot", str(tmp_path / "q.png"), cwd=tmp_path)
+        assert proc.returncode == 2 and "--discordance must be in (0, 1]" in proc.stderr and proc.stdout == ""
+    assert not (tmp_path / "q.png").exists()
+    proc = _cli("decision.method=bogus", "--json", cwd=tmp_path)
+    assert proc.returncode == 2 and "decision.method must be one of" in proc.stderr
+
+
+def test_from_an_aa_sweep_estimates_discordance_and_seed_sd(tmp_path):
+    rng = np.random.default_rng(4)
+    sweep = tmp_path / "aa"
+    sweep.mkdir()
+    c = {s: rng.random(200) < p for s, p in ((0, 0.3), (1, 0.4), (2, 0.35))}
+    for s, correct in c.items():
+        make_run(sweep / str(s), "grpo", s, correct)
+    est = pilot_estimates(sweep)
+    assert est["seed_sd"] == pytest.approx(np.std([c[s].mean() for s in c], ddof=1))
+    pairs = [(0, 1), (0, 2), (1, 2)]
+    assert est["discordance"] == pytest.approx(np.mean([np.mean(c[a] != c[b]) for a, b in pairs]))
+    one = pilot_estimates(sweep / "0")
+    p = c[0].mean()
+    assert one["discordance"] == pytest.approx(2 * p * (1 - p)) and one["seed_sd"] is None
+    assert (sweep / "0" / "eval" / f"{EVAL}.jsonl").is_file()
+
+
+def test_design_gate_fails_only_when_the_decision_method_misses_the_target(tmp_path):
+    from trainer.config.compose import compose_config
+    from trainer.preflight.gates import GATES
+    from trainer.preflight.gates import design as design_gate
+
+    assert GATES[:2] == ("correctness", "design")  # before the pilot: a plan that cannot answer stops early
+    base = ["eval.n_examples=300", "decision.discordance=0.3"]
+    rep = design_gate(compose_config(base), tmp_path, n_seeds=1, n_sims=100)
+    assert rep.passed and rep.meta["design"]["mde"]["paired_hoeffding"] > 0.1
+    miss = design_gate(compose_config(base + ["decision.target_effect=0.05"]), tmp_path, n_sims=100)
+    assert not miss.passed and miss.checks[-1].status == "fail"
+    easy = design_gate(compose_config(base + ["decision.target_effect=0.2"]), tmp_path, n_sims=100)
+    assert easy.passed and easy.checks[-1].status == "pass"
+    assert (tmp_path / "preflight" / "design_power.png").is_file()
+
+
+def test_the_decision_rule_is_part_of_the_plan_hash_not_of_the_resume_hash():
+    from omegaconf import OmegaConf
+
+    from trainer.checkpoint import config_hash
+    from trainer.config.compose import compose_config
+    from trainer.preflight.gates import plan_hash
+
+    a, b = compose_config([]), compose_config(["decision.method=seed_t"])
+    assert plan_hash(a) != plan_hash(b)  # gates passed under one rule do not serve a sweep under another
+    assert plan_hash(a) == plan_hash(compose_config(["seed=3"]))
+    ra, rb = (config_hash(OmegaConf.to_container(c, resolve=True)) for c in (a, b))
+    assert ra == rb  # a run resumes whatever rule its verdict will be read with

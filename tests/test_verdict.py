@@ -1,0 +1,370 @@
+"""Seed-level inference, A/A calibration, several treatments (Holm), the pre-registered decision rule and
+the eval-curve endpoints of eval.compare, on constructed run folders (written as the trainer writes them,
+see test_compare.make_run) whose answers are known in closed form."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+from test_compare import EVAL, _records, _sentinel, make_run
+
+from eval.compare import CompareError, compare, main
+from eval.records import write_item_records
+from eval.stats import (
+    holm_adjust,
+    seed_t_interval,
+    t_cdf,
+    t_quantile,
+    two_level_bootstrap_ci,
+)
+
+# Student t 0.975 quantiles (any printed table): df 1, 2, 4, 9, 30
+T975 = {1: 12.706204736174698, 2: 4.302652729749464, 4: 2.7764451051977934, 9: 2.2621571628540993,
+        30: 2.0422724563012373}
+FINAL = 24  # schedule.num_steps of the default config
+
+
+def _with_gap(n: int, base_k: int, gap_k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Treatment and baseline vectors on n items: baseline right on base_k items, the treatment on
+    base_k + gap_k (gap_k may be negative), shuffled."""
+    b = np.zeros(n, bool)
+    b[:base_k] = True
+    t = b.copy()
+    if gap_k >= 0:
+        t[base_k:base_k + gap_k] = True
+    else:
+        t[base_k + gap_k:base_k] = False
+    perm = rng.permutation(n)
+    return t[perm], b[perm]
+
+
+def _sweep(root, arms: dict[tuple[str, int], np.ndarray], overrides=(), curves=None, name="sweep"):
+    """A sweep folder holding one run per (loss, seed); `curves[(loss, seed)]` = {step: correct} adds the
+    start (step 0) and periodic eval files."""
+    sweep = root / name
+    sweep.mkdir()
+    for job, ((loss, seed), correct) in enumerate(sorted(arms.items())):
+        base_loss = loss if loss in ("grpo", "dppo") else "dppo"
+        run = make_run(sweep / str(job), base_loss, seed, correct, overrides=tuple(overrides))
+        if loss != base_loss:  # a third loss: a dppo config renamed (the loss plugin itself is not needed)
+            cfg = yaml.safe_load((run / "config.yaml").read_text())
+            cfg["loss"]["name"] = loss
+            (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+            info = json.loads((run / "run_info.json").read_text())
+            info.update(loss=loss, arm=f"{loss}_seed{seed}")
+            (run / "run_info.json").write_text(json.dumps(info))
+        for step, c in ((curves or {}).get((loss, seed)) or {}).items():
+            stem = f"{EVAL}_start" if step == 0 else f"{EVAL}_step{step}"
+            write_item_records(run / "eval" / f"{stem}.jsonl", _records(c))
+    return sweep
+
+
+# ----------------------------------------------------------------------------- stats
+def test_t_distribution_matches_tables_and_closed_forms():
+    for df, q in T975.items():
+        assert t_quantile(0.975, df) == pytest.approx(q, rel=1e-10)
+        assert t_cdf(q, df) == pytest.approx(0.975, abs=1e-10)
+    # closed forms: df 1 is Cauchy, df 2 has F(t) = 1/2 + t / (2 sqrt(t^2 + 2))
+    for t in (-7.0, -1.3, 0.0, 0.4, 3.3):
+        assert t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-14)
+        assert t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(t * t + 2)), abs=1e-14)
+    # large df approaches the normal
+    assert t_quantile(0.975, 2000) == pytest.approx(1.959963984540054, abs=2e-3)
+    with pytest.raises(ValueError, match="df"):
+        t_cdf(1.0, 0)
+
+
+def test_seed_t_interval_closed_form():
+    d = np.array([0.24, -0.04, 0.22])
+    r = seed_t_interval(d, alpha=0.05)
+    se = d.std(ddof=1) / math.sqrt(3)
+    assert r["mean"] == pytest.approx(d.mean()) and r["df"] == 2
+    assert r["ci_low"] == pytest.approx(d.mean() - T975[2] * se, rel=1e-9)
+    assert r["ci_high"] == pytest.approx(d.mean() + T975[2] * se, rel=1e-9)
+    # p of the t statistic: 2 (1 - F_2(t)), F_2 in closed form
+    t = d.mean() / se
+    assert r["p"] == pytest.approx(2 * (0.5 - t / (2 * math.sqrt(t * t + 2))), rel=1e-9)
+    with pytest.raises(ValueError, match=">= 2 seeds"):
+        seed_t_interval([0.1])
+
+
+def test_two_level_bootstrap_spread_matches_its_closed_form_variance():
+    """Resampling S seeds then n items within each gives a mean with variance
+    (1/S) [ mean_s (D_s - D)^2 + mean_s var_s / n ]  (var_s: the population variance of seed s's items)."""
+    rng = np.random.default_rng(4)
+    S, n = 4, 300
+    # three seeds with the same item values (resampling one shared item draw for all of them would not
+    # average their item noise: sd 0.035 instead of 0.023) and a seed with another mean
+    x = rng.choice([-1.0, 0.0, 1.0], size=n, p=[0.2, 0.5, 0.3])
+    d = np.stack([x, x, x, np.where(rng.random(n) < 0.3, 1.0, 0.0)])
+    lo, hi, means = two_level_bootstrap_ci(d, alpha=0.05, n_resamples=6000, seed=1)
+    D = d.mean(axis=1)
+    var = (np.mean((D - D.mean()) ** 2) + np.mean(d.var(axis=1)) / n) / S
+    assert means.std() == pytest.approx(math.sqrt(var), rel=0.06)
+    assert lo < d.mean() < hi
+    assert two_level_bootstrap_ci(d, n_resamples=500, seed=3)[:2] == two_level_bootstrap_ci(d, n_resamples=500,
+                                                                                            seed=3)[:2]
+
+
+def test_holm_matches_the_step_down_definition():
+    p = [0.03, 0.001, 0.04, 0.2]
+    # sorted 0.001, 0.03, 0.04, 0.2 times 4, 3, 2, 1, running max
+    want = {1: 0.004, 0: 0.09, 2: 0.09, 3: 0.2}
+    assert holm_adjust(p) == pytest.approx([want[i] for i in range(4)])
+    assert holm_adjust([]) == []
+
+
+# ----------------------------------------------------------------------------- seed level in compare
+def test_large_between_seed_variance_item_level_significant_seed_level_not(tmp_path):
+    """The acceptance case: per-seed gaps +24, -4, +22 pts on 1000 items. Pooled over items the gap is
+    +14 pts, far beyond the Hoeffding half-width (8.6 pts): the item-level rule validates. Over seeds the
+    t interval is +14 +- 4.303 x sd / sqrt(3) = [-24.7, +52.7] pts: the seed-level rule does not."""
+    rng = np.random.default_rng(0)
+    n, gaps = 1000, {0: 240, 1: -40, 2: 220}
+    arms = {}
+    for s, g in gaps.items():
+        arms["dppo", s], arms["grpo", s] = _with_gap(n, 400, g, rng)
+    sweep = _sweep(tmp_path, arms)
+    item = compare([sweep], n_bootstrap=400, make_plots=False, out=tmp_path / "item")
+    assert item["verdict"] == "validated" and item["verdict_scope"] == "fixed_checkpoints"
+    assert item["diff"] == pytest.approx(0.14) and item["half_width"] == pytest.approx(
+        math.sqrt(2 * math.log(40) / n))
+    assert item["mcnemar_p"] < 1e-20
+    d = np.array([0.24, -0.04, 0.22])
+    sl = item["seed_level"]
+    assert sl["per_seed_diff"] == pytest.approx(d.tolist())
+    half = T975[2] * d.std(ddof=1) / math.sqrt(3)
+    assert (sl["t_ci_low"], sl["t_ci_high"]) == pytest.approx((d.mean() - half, d.mean() + half))
+    assert item["methods"]["seed_t"]["verdict"] == "inconclusive"
+    assert item["methods"]["seed_t"]["estimand"] == "this training procedure"
+    assert item["methods"]["paired_hoeffding"]["estimand"] == "these fixed checkpoints"
+    md = (tmp_path / "item" / "compare.md").read_text()
+    assert "Scope: these fixed checkpoints" in md and "this training procedure" in md
+
+    # the same runs with the seed-level rule pre-registered
+    for run in sweep.iterdir():
+        if run.is_dir():
+            cfg = yaml.safe_load((run / "config.yaml").read_text())
+            cfg["decision"]["method"] = "seed_t"
+            (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    seedv = compare([sweep], n_bootstrap=400, make_plots=False, out=tmp_path / "seed")
+    assert seedv["verdict"] == "inconclusive" and seedv["verdict_scope"] == "across_seeds"
+    assert seedv["decision"]["method"] == "seed_t" and seedv["decision"]["overridden"] == []
+    assert "Scope: this training procedure" in (tmp_path / "seed" / "compare.md").read_text()
+
+
+def test_one_seed_says_the_verdict_is_about_two_checkpoints(tmp_path):
+    rng = np.random.default_rng(1)
+    t, b = _with_gap(200, 80, 50, rng)
+    sweep = _sweep(tmp_path, {("dppo", 0): t, ("grpo", 0): b})
+    out = compare([sweep], n_bootstrap=0, make_plots=False)
+    assert out["verdict_scope"] == "fixed_checkpoints" and out["seed_level"] is None
+    assert "seed_t" not in out["methods"]
+    md = (sweep / "compare.md").read_text()
+    assert "the verdict concerns the two trained checkpoints and cannot separate the loss from training noise" in md
+    # a seed-level rule cannot decide with one seed: refused, nothing written
+    (sweep / "compare.json").unlink()
+    with pytest.raises(CompareError, match="seed_t .* 1 seed per arm"):
+        compare([sweep], method="seed_t", override_decision=True, make_plots=False)
+    assert not (sweep / "compare.json").exists()
+
+
+# ----------------------------------------------------------------------------- A/A
+def test_aa_sweep_reports_between_seed_spread_and_calibrates_an_ab_gap(tmp_path):
+    rng = np.random.default_rng(2)
+    n = 400
+    acc = {0: 0.30, 1: 0.42, 2: 0.36}  # three seeds of grpo: 12 pts of between-seed range
+    aa_runs = {}
+    for s, a in acc.items():
+        c = np.zeros(n, bool)
+        c[rng.choice(n, int(a * n), replace=False)] = True
+        aa_runs["grpo", s] = c
+    aa = _sweep(tmp_path, aa_runs, name="aa")
+    out = compare([aa], n_bootstrap=0)
+    assert out["mode"] == "aa" and out["verdict"] is None and out["verdict_scope"] == "across_seeds"
+    sd = float(np.std(list(acc.values()), ddof=1))
+    assert out["aa"]["between_seed_sd"] == pytest.approx(sd)
+    assert out["aa"]["max_abs_pair_diff"] == pytest.approx(0.12)
+    assert len(out["aa"]["pairs"]) == 3
+    # 0 vs 1 differ by 12 pts on 400 items: an item-level test calls two seeds of one loss different
+    p01 = next(p for p in out["aa"]["pairs"] if (p["seed_a"], p["seed_b"]) == (0, 1))
+    assert p01["item_level_significant"] and p01["mcnemar_p"] < 0.05
+    assert (aa / "compare.md").read_text().startswith("# A/A comparison: grpo")
+
+    # an A/B sweep of the same experiment: gaps of +5, +8, +2 pts
+    ab_runs = {}
+    for s, g in {0: 20, 1: 32, 2: 8}.items():
+        ab_runs["dppo", s], ab_runs["grpo", s] = _with_gap(n, 140, g, rng)
+    ab = _sweep(tmp_path, ab_runs, name="ab")
+    res = compare([ab], aa=aa, n_bootstrap=0, make_plots=False)
+    cal = res["aa_calibration"]
+    gap = np.mean([0.05, 0.08, 0.02])
+    se = math.sqrt(2) * sd / math.sqrt(3)
+    assert cal["observed_gap"] == pytest.approx(gap)
+    assert cal["noise_se_of_mean_gap"] == pytest.approx(se)
+    assert (cal["low"], cal["high"]) == pytest.approx((gap - T975[2] * se, gap + T975[2] * se))
+    assert abs(gap) < T975[2] * se and cal["exceeds_aa_noise"] is False
+    assert "does NOT exceed" in (ab / "compare.md").read_text()
+    # gaps of +25, +26, +24 pts clear the same noise floor (+-21 pts)
+    big = {}
+    for s, g in {0: 100, 1: 104, 2: 96}.items():
+        big["dppo", s], big["grpo", s] = _with_gap(n, 140, g, rng)
+    res = compare([_sweep(tmp_path, big, name="ab2")], aa=aa, n_bootstrap=0, make_plots=False)
+    assert res["aa_calibration"]["observed_gap"] == pytest.approx(0.25)
+    assert res["aa_calibration"]["exceeds_aa_noise"] is True and 0.25 > T975[2] * se
+
+    # bad input: an A/A sweep passed as A/B, an A/B sweep passed as --aa, an A/A with an A/A
+    old = _sentinel(ab)
+    with pytest.raises(CompareError, match="A/A sweep passed as A/B"):
+        compare([aa], treatment="dppo", make_plots=False, out=ab)
+    with pytest.raises(CompareError, match="not an A/A sweep"):
+        compare([ab], aa=ab, make_plots=False)
+    with pytest.raises(CompareError, match="themselves an A/A"):
+        compare([aa], aa=aa, make_plots=False, out=ab)
+    assert (ab / "compare.json").read_bytes() == old
+
+
+# ----------------------------------------------------------------------------- several treatments
+def test_several_treatments_are_holm_adjusted(tmp_path):
+    """Two treatments at +9.2 and +8.9 pts on 1000 items: Hoeffding p = 2 exp(-n d^2 / 2) = 0.029 and 0.038,
+    each below alpha on its own, but Holm decides the smaller at alpha / 2 = 0.025 and stops there."""
+    rng = np.random.default_rng(3)
+    n = 1000
+    t1, b = _with_gap(n, 300, 92, rng)
+    t2 = b.copy()  # the third arm: right where the baseline is, and on 89 more items
+    t2[np.flatnonzero(~b)[:89]] = True
+    sweep = _sweep(tmp_path, {("grpo", 0): b, ("dppo", 0): t1, ("cispo", 0): t2})
+    out = compare([sweep], n_bootstrap=0, make_plots=False)
+    assert out["treatments"] == ["cispo", "dppo"] and out["baseline"] == "grpo"
+    rows = {r["treatment"]: r for r in out["comparisons"]}
+    p = {k: 2 * math.exp(-n * d ** 2 / 2) for k, d in (("dppo", 0.092), ("cispo", 0.089))}
+    for k, pk in p.items():
+        assert rows[k]["p_rule"] == pytest.approx(pk, rel=1e-9)
+        assert rows[k]["methods"]["paired_hoeffding"]["verdict"] == "validated"  # unadjusted
+    assert rows["dppo"]["p_holm"] == pytest.approx(2 * p["dppo"])
+    assert rows["cispo"]["p_holm"] == pytest.approx(max(2 * p["dppo"], p["cispo"]))
+    assert rows["dppo"]["holm_level"] == pytest.approx(0.025) and rows["cispo"]["holm_level"] == pytest.approx(0.05)
+    assert out["verdicts"] == {"dppo": "inconclusive", "cispo": "inconclusive"}
+    assert "verdict" not in out  # no single verdict with several treatments
+    md = (sweep / "compare.md").read_text()
+    assert "Holm-adjusted" in md and md.count("| **inconclusive** |") == 2
+    # one treatment alone is decided at the full alpha
+    alone = compare([sweep], treatment="dppo", n_bootstrap=0, make_plots=False, out=tmp_path / "one")
+    assert alone["verdict"] == "validated" and any("left out" in x and "cispo_seed0" in x for x in alone["notes"])
+
+
+# ----------------------------------------------------------------------------- decision rule
+def test_decision_rule_is_read_from_config_and_overriding_it_is_explicit(tmp_path, capsys):
+    rng = np.random.default_rng(5)
+    t, b = _with_gap(300, 100, 25, rng)
+    sweep = _sweep(tmp_path, {("dppo", 0): t, ("grpo", 0): b}, overrides=("decision.margin=0.01",))
+    old = _sentinel(sweep)
+    assert main([str(sweep), "--method", "mcnemar_exact", "--margin", "0", "--no-plots", "--bootstrap", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "another decision rule than the pre-registered one" in err and "--override-decision" in err
+    assert "method: 'paired_hoeffding' -> 'mcnemar_exact'" in err
+    assert (sweep / "compare.json").read_bytes() == old
+    # the same value as the config is not an override
+    assert main([str(sweep), "--margin", "0.01", "--no-plots", "--bootstrap", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["decision"]["margin"] == 0.01 and out["decision"]["overridden"] == []
+    assert out["verdict"] == out["methods"]["paired_hoeffding"]["verdict"]
+    assert main([str(sweep), "--method", "mcnemar_exact", "--margin", "0", "--override-decision", "--no-plots",
+                 "--bootstrap", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["decision"]["method"] == "mcnemar_exact" and len(out["decision"]["overridden"]) == 2
+    b_items, c_items = out["b_items"], out["c_items"]
+    assert out["verdict"] == ("validated" if out["mcnemar_p"] < 0.05 and b_items > c_items else "inconclusive")
+    assert "OVERRIDDEN" in (sweep / "compare.md").read_text()
+    # a margin: validated needs the bound above it
+    r = compare([sweep], n_bootstrap=0, make_plots=False)
+    m = r["methods"]["paired_hoeffding"]
+    assert m["ci_low"] == pytest.approx(r["diff"] - r["half_width"])
+    assert r["verdict"] == ("validated" if m["ci_low"] > 0.01 else "inconclusive")
+
+
+def test_unknown_decision_method_in_the_runs_config_is_refused(tmp_path):
+    rng = np.random.default_rng(6)
+    t, b = _with_gap(100, 30, 10, rng)
+    sweep = _sweep(tmp_path, {("dppo", 0): t, ("grpo", 0): b})
+    for run in ("0", "1"):
+        cfg = yaml.safe_load((sweep / run / "config.yaml").read_text())
+        cfg["decision"]["method"] = "wilcoxon"
+        (sweep / run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(CompareError, match="decision.method must be one of"):
+        compare([sweep], make_plots=False)
+    assert not (sweep / "compare.json").exists()
+
+
+# ----------------------------------------------------------------------------- eval-curve endpoints
+def _curve_runs(rng, n=60):
+    """Per (loss, seed): correctness at steps 0, 12 and the final 24; dppo learns items earlier."""
+    start = rng.random(n) < 0.2
+    curves, finals = {}, {}
+    for s in (0, 1):
+        final = start | (rng.random(n) < 0.5)
+        for loss in ("grpo", "dppo"):
+            mid = start | (final & (rng.random(n) < (0.8 if loss == "dppo" else 0.3)))
+            curves[loss, s] = {0: start, 12: mid}
+            finals[loss, s] = final
+    return curves, finals
+
+
+def test_eval_curve_auc_step_endpoint_and_steps_to_threshold(tmp_path):
+    rng = np.random.default_rng(7)
+    curves, finals = _curve_runs(rng)
+    sweep = _sweep(tmp_path, finals, curves=curves)
+    out = compare([sweep], n_bootstrap=0)
+    cv = out["curve"]
+    assert cv["steps"] == [0, 12, FINAL]
+    # per-item AUC by hand: trapezoid over 0 -> 12 -> 24, normalised by 24 = (c0 + 2 c12 + c24) / 4
+    def auc(loss, s):
+        c = curves[loss, s]
+        return (c[0].astype(float) + 2 * c[12] + finals[loss, s]) / 4
+    want = np.mean([auc("dppo", s) - auc("grpo", s) for s in (0, 1)])
+    assert cv["treatments"]["dppo"]["auc"]["diff"] == pytest.approx(want)
+    for loss in ("grpo", "dppo"):
+        acc12 = np.mean([curves[loss, s][12].mean() for s in (0, 1)])
+        assert cv["arms"][loss]["accuracy"][1] == pytest.approx(acc12)
+    # threshold default: the baseline's final accuracy (mean over seeds); grpo reaches it at the end
+    assert cv["threshold"] == pytest.approx(np.mean([finals["grpo", s].mean() for s in (0, 1)]))
+    assert "eval_curve" in out["plots"] and (sweep / out["plots"]["eval_curve"]).read_bytes()[:4] == b"\x89PNG"
+    # the per-item AUC as the pre-registered endpoint, and accuracy at step 12
+    a = compare([sweep], endpoint="auc", override_decision=True, n_bootstrap=0, make_plots=False,
+                out=tmp_path / "auc")
+    assert a["diff"] == pytest.approx(want) and a["decision"]["endpoint"] == "auc"
+    st = compare([sweep], endpoint="step", step=12, override_decision=True, n_bootstrap=0, make_plots=False,
+                 out=tmp_path / "s12")
+    assert st["diff"] == pytest.approx(np.mean([curves["dppo", s][12].mean() - curves["grpo", s][12].mean()
+                                                for s in (0, 1)]))
+    with pytest.raises(CompareError, match="needs an eval at step 7"):
+        compare([sweep], endpoint="step", step=7, override_decision=True, make_plots=False, out=tmp_path / "x")
+
+
+def test_periodic_eval_on_other_items_is_refused(tmp_path):
+    rng = np.random.default_rng(8)
+    curves, finals = _curve_runs(rng)
+    sweep = _sweep(tmp_path, finals, curves=curves)
+    run = sweep / "1"
+    write_item_records(run / "eval" / f"{EVAL}_step12.jsonl", _records(curves["dppo", 1][12][:-3]))
+    old = _sentinel(sweep)
+    with pytest.raises(CompareError, match="periodic evals on different item sets.*step-12"):
+        compare([sweep], make_plots=False)
+    assert (sweep / "compare.json").read_bytes() == old
+
+
+def test_seed_in_one_arm_only_is_refused(tmp_path):
+    rng = np.random.default_rng(9)
+    arms = {}
+    for loss, s in itertools.product(("grpo", "dppo"), (0, 1)):
+        arms[loss, s] = rng.random(50) < 0.5
+    del arms["dppo", 1]
+    sweep = _sweep(tmp_path, arms)
+    with pytest.raises(CompareError, match="seed 1 has no 'dppo' run .*one arm only"):
+        compare([sweep], make_plots=False)
+    assert not (sweep / "compare.json").exists()
