@@ -800,6 +800,11 @@ def _run_notes(runs: list[Run]) -> list[str]:
     dirty = [r.arm for r in runs if (r.info.get("git") or {}).get("dirty")]
     if dirty:
         notes.append(f"run(s) {dirty} were made from a working tree with uncommitted changes")
+    threads = {r.arm: r.info.get("torch_threads") for r in runs}
+    if len(set(threads.values())) > 1:  # e.g. joblib caps each worker at one thread, a plain run uses all cores
+        notes.append("the arms ran with different torch thread counts (their arithmetic differs in the last bits, "
+                     f"so a rerun of one would not reproduce the other's numbers): {threads}; pin "
+                     "backend.num_threads for reproducible arms")
     paths = {r.arm: _loss_path(r.path / "metrics.jsonl") for r in runs}
     if len(set(paths.values())) > 1:
         notes.append("the arms computed their loss on different paths (same gradients, different speed and "

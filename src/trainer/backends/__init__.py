@@ -30,7 +30,7 @@ def build_service_client(cfg: DictConfig, run_dir: Path) -> Any:
                 sampler_dtype=b.sampler_dtype, train_dtype=b.train_dtype, micro_batch_size=b.micro_batch_size,
                 micro_batch_tokens=b.micro_batch_tokens,
                 max_sample_batch=b.max_sample_batch, lora_alpha=cfg.model.lora_alpha, num_threads=b.num_threads,
-                faults=faults)
+                sample_batch_wait_s=b.sample_batch_wait_s, faults=faults)
         except ValueError as e:  # a bad setting or environment variable, before any model is loaded
             raise BackendConfigError(f"backend=local: {e}") from None
     raise BackendConfigError(f"backend.name: unknown backend {b.name!r} (local | tinker)")

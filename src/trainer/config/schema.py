@@ -404,6 +404,9 @@ class LocalBackendConfig:
     micro_batch_tokens: int = 2048
     # sequences decoded together by the sampler
     max_sample_batch: int = 128
+    # seconds of quiet the sampler waits for more requests before decoding a batch (0 = decode at once;
+    # speed only: results do not depend on how requests are batched)
+    sample_batch_wait_s: float = 0.01
     # torch CPU threads (null = torch default)
     num_threads: Optional[int] = None
     # injected faults (testing the trainer's retry and resume paths)
@@ -424,6 +427,7 @@ class LocalBackendConfig:
         _positive_int("micro_batch_size", self.micro_batch_size)
         _positive_int("micro_batch_tokens", self.micro_batch_tokens)
         _positive_int("max_sample_batch", self.max_sample_batch)
+        _require(self.sample_batch_wait_s >= 0, "sample_batch_wait_s", "must be >= 0", self.sample_batch_wait_s)
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
 
