@@ -1,7 +1,7 @@
 """Independent reference implementation of the losses, for the correctness preflight.
 
-Written from the formulas (docs/architecture.md, /work/shared/references/losses-spec.md
-sections 2a, 3a, 3b, 6), not from the plugin code: plain Python floats (float64), one
+Written from the formulas (docs/architecture.md and the sources pinned in each plugin's
+docstring), not from the plugin code: plain Python floats (float64), one
 token at a time, explicit if/else branches, closed-form gradients d(loss)/d(logp).
 Slow by design; meant for fixtures of a few thousand tokens.
 

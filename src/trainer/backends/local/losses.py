@@ -1,7 +1,6 @@
 """Tinker's built-in losses, per datum, summed over tokens (no normalisation), as the service does.
 
-Definitions: tinker-docs `/tinker/losses` and tinker-cookbook 0.5.8 `tutorials/202_loss_functions.py`
-(summarised in /work/shared/references/tinker-api.md §1.6). `lp` = learner logprobs of the target
+Definitions: tinker-docs `/tinker/losses` and tinker-cookbook 0.5.8 `tutorials/202_loss_functions.py`. `lp` = learner logprobs of the target
 tokens, `slp` = `loss_fn_inputs["logprobs"]` (sampler), `A` = `loss_fn_inputs["advantages"]`,
 `r = exp(lp - slp)`:
 - cross_entropy:       sum(-lp * weights)             (weights default to ones here)
