@@ -100,6 +100,7 @@ def test_five_sigkills_then_resume_equal_uninterrupted(tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert run_train([*args, f"hydra.run.dir={ref}"], tmp_path).returncode == 0
     rng = random.Random(0)
+    landed = []  # (checkpointed step, steps logged) at each kill that hit a running process
     for _ in range(5):
         proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run}"],
                                 cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -113,7 +114,13 @@ def test_five_sigkills_then_resume_equal_uninterrupted(tmp_path):
         time.sleep(rng.uniform(0.0, 1.5))
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
+            assert proc.wait() == -signal.SIGKILL
+            ck = run / "checkpoint.json"
+            landed.append((json.loads(ck.read_text())["step"] if ck.exists() else 0,
+                           len({r["step"] for r in _safe_rows(run)}) if (run / "metrics.jsonl").exists() else 0))
         proc.wait()
+    # at least one kill hit the run mid-way: after some steps were logged, before the last checkpoint
+    assert any(n_logged >= 1 and ck_step < 4 for ck_step, n_logged in landed), landed
     p = run_train([*args, f"hydra.run.dir={run}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     _same_run(ref, run)

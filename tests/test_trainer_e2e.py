@@ -143,10 +143,17 @@ def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
         if (run / "metrics.jsonl").exists() and any(r["step"] >= 1 for r in _safe_rows(run)):
             break
         time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before the kill"
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.wait() == -signal.SIGKILL
+    # the kill landed mid-run: some steps logged and checkpointed, not all
+    steps_before = {r["step"] for r in _safe_rows(run)}
+    ck_step = json.loads((run / "checkpoint.json").read_text())["step"]
+    assert 1 in steps_before and 3 not in steps_before, steps_before
+    assert 1 <= ck_step < 4, ck_step
     p = run_train([*args, f"hydra.run.dir={run}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming from" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
     rows_ref, rows = read_metrics(ref), read_metrics(run)
     assert [(r["step"], r["update"]) for r in rows] == [(s, u) for s in range(4) for u in range(2)]
     a, b = _strip_times(rows_ref), _strip_times(rows)
