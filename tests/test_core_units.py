@@ -12,7 +12,6 @@ from trainer.advantages import compute_advantages
 from trainer.datums import Rollout, rollout_to_datum, split_minibatches
 from trainer.lr_schedule import lr_at
 
-
 # --- advantages ---------------------------------------------------------------------------
 
 def test_group_mean_subtracts_the_group_mean():
@@ -88,8 +87,8 @@ def test_unknown_schedule_is_rejected():
 # --- rollout -> Datum ---------------------------------------------------------------------
 
 def _rollout(**kw):
-    base = dict(group=0, prompt_tokens=[11, 12, 13], tokens=[21, 22], logprobs=[-0.5, -1.25],
-                reward=1.0, metrics={}, stop_reason="stop", advantage=0.75)
+    base = {"group": 0, "prompt_tokens": [11, 12, 13], "tokens": [21, 22], "logprobs": [-0.5, -1.25],
+            "reward": 1.0, "metrics": {}, "stop_reason": "stop", "advantage": 0.75}
     base.update(kw)
     return Rollout(**base)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import signal
 import subprocess
@@ -14,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from test_trainer_e2e import TINY, _final_logprobs, _safe_rows, _strip_times, read_metrics, run_train
 
 ROOT = Path(__file__).resolve().parents[1]
