@@ -36,14 +36,14 @@ def workload(rows: int, iters: int = 8) -> float:
     W = S.build_weights(model.config, dict(model.state_dict()), *S.rotary_tables(model, 256), torch.float32)
     L = 128
     cache = [(torch.randn(rows, W.n_kv, L, W.head_dim), torch.randn(rows, W.n_kv, L, W.head_dim)) for _ in W.layers]
-    valid = torch.ones(rows, L, dtype=torch.bool)
     tok = torch.randint(0, 1000, (rows,))
     pos = torch.full((rows,), 60)
+    spans = [(0, rows, 61)]  # every row attends over cache indices [0, 61)
     with torch.no_grad():
-        S.decode_step(W, tok, 60, pos, valid, cache)
+        S.decode_step(W, tok, pos, spans, cache)
         t0 = time.perf_counter()
         for _ in range(iters):
-            S.decode_step(W, tok, 60, pos, valid, cache)
+            S.decode_step(W, tok, pos, spans, cache)
     return (time.perf_counter() - t0) / iters * 1e3
 
 

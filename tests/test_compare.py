@@ -324,3 +324,33 @@ def test_sweep_structure_errors(tmp_path):
     with pytest.raises(CompareError, match="no run has the treatment loss 'ppo'"):
         compare([sweep / "0", sweep / "2"], treatment="ppo", make_plots=False)
     assert not (sweep / "compare.json").exists()
+
+
+def test_arms_on_different_loss_paths_are_refused_unless_allowed(tmp_path):
+    """backend.loss_path=auto may fall back to two passes in one arm only: compare refuses such a pair."""
+    rng = np.random.default_rng(6)
+    t, b = _arms(rng, 0.6, 0.5)
+    dppo, grpo = make_run(tmp_path / "d", "dppo", 0, t), make_run(tmp_path / "g", "grpo", 0, b)
+    for run, path in ((dppo, "two_pass"), (grpo, "one_pass")):
+        rows = (run / "metrics.jsonl").read_text().splitlines()
+        rows[0] = json.dumps({**json.loads(rows[0]), "loss/path": path})
+        (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    with pytest.raises(CompareError, match=r"different paths .*'dppo_seed0': 'two_pass'.*--allow-mixed-loss-paths"):
+        compare([dppo, grpo], make_plots=False, out=tmp_path / "out")
+    out = compare([dppo, grpo], make_plots=False, out=tmp_path / "out", allow_mixed_loss_paths=True)
+    assert any("different paths" in n for n in out["notes"])
+
+
+def test_arms_run_with_different_thread_counts_are_named(tmp_path):
+    """A joblib worker runs on one thread, a plain run on all cores: the arms' last bits then differ, which a
+    reader of the verdict should know (a rerun of one would not reproduce the other's numbers)."""
+    rng = np.random.default_rng(6)
+    t, b = _arms(rng, 0.6, 0.5)
+    dppo = make_run(tmp_path / "d", "dppo", 0, t)
+    grpo = make_run(tmp_path / "g", "grpo", 0, b)
+    out = compare([dppo, grpo], make_plots=False, out=tmp_path / "same")
+    assert not any("thread counts" in n for n in out["notes"])
+    info = json.loads((dppo / "run_info.json").read_text())
+    (dppo / "run_info.json").write_text(json.dumps({**info, "torch_threads": info["torch_threads"] + 1}))
+    out = compare([dppo, grpo], make_plots=False, out=tmp_path / "differ")
+    assert any("different torch thread counts" in n and "backend.num_threads" in n for n in out["notes"])

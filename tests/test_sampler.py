@@ -235,28 +235,31 @@ def _tiny_weights(pack):
     return S.build_weights(model.config, dict(model.state_dict()), cos, sin, torch.float32, pack=pack)
 
 
-def test_packed_prefill_and_packed_decode_weights_match_the_plain_path(monkeypatch):
-    """Prompts prefilled together (one token stream, chunked) give each prompt the hidden states and
-    K/V of prefilling it alone; oneDNN-packed decode projections equal plain F.linear."""
+def test_prefill_cache_blocked_rows_and_packed_decode_weights():
+    """Prompts prefilled in one call give each prompt the hidden states and K/V of prefilling it alone
+    (at cache indices [0, T_i) of its row); a projection over fixed row blocks returns each row exactly
+    what a block holding only that row returns; oneDNN-packed decode projections equal plain F.linear."""
     from trainer.backends.local import sampler as S
 
     W = _tiny_weights(pack=S._MKLDNN)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, W.vocab_size, (n,), generator=g) for n in (5, 17, 1, 9)]
     L = 20
-    caches = []
-    for chunk in (10_000, 8):  # all in one stream / split into several chunks
-        monkeypatch.setattr(S, "_PREFILL_CHUNK_TOKENS", chunk)
-        cache = [(torch.zeros(4, W.n_kv, L, W.head_dim), torch.zeros(4, W.n_kv, L, W.head_dim)) for _ in W.layers]
-        together = S.prefill(W, prompts, cache, range(4), [L - len(p) for p in prompts])
-        caches.append(cache)
-        for i, p in enumerate(prompts):
-            alone = S.prefill(W, [p])[0]
-            assert together[i].shape == (len(p), W.embed.shape[1])
-            assert torch.allclose(together[i], alone, atol=1e-5), (chunk, i)
-    for (k1, v1), (k2, v2) in zip(*caches):
-        assert torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
-    assert float(caches[0][0][0][0, :, : L - 5].abs().max()) == 0.0  # left of prompt 0 stays empty
+    cache = [(torch.zeros(4, W.n_kv, L, W.head_dim), torch.zeros(4, W.n_kv, L, W.head_dim)) for _ in W.layers]
+    together = S.prefill(W, prompts, cache, range(4))
+    for i, p in enumerate(prompts):
+        one = [(torch.zeros(1, W.n_kv, L, W.head_dim), torch.zeros(1, W.n_kv, L, W.head_dim)) for _ in W.layers]
+        alone = S.prefill(W, [p], one, [0])[0]
+        assert together[i].shape == (len(p), W.embed.shape[1]) and torch.equal(together[i], alone)
+        for (k, v), (k1, v1) in zip(cache, one):
+            assert torch.equal(k[i], k1[0]) and torch.equal(v[i], v1[0])
+        assert float(cache[0][0][i, :, len(p):].abs().max()) == 0.0  # right of the prompt stays empty
+    for lin in (W.layers[0].qkv, W.layers[0].down, W.lm_head):
+        x = torch.randn(2 * S.ROW_BLOCK + 5, lin.w.shape[1], generator=g)
+        rows = lin.blocked(x)
+        assert rows.shape == (x.shape[0], lin.out_features)
+        for i in (0, S.ROW_BLOCK + 3, x.shape[0] - 1):
+            assert torch.equal(rows[i], lin.blocked(x[i: i + 1])[0])
     if S._MKLDNN:
         lin = W.layers[0].gate_up
         assert lin.packed is not None

@@ -596,7 +596,7 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
             n_bootstrap: int = 10000, seed: int = 0, out: str | Path | None = None, make_plots: bool = True,
             method: str | None = None, margin: float | None = None, endpoint: str | None = None,
             step: int | None = None, threshold: float | None = None, override_decision: bool = False,
-            aa: str | Path | None = None) -> dict[str, Any]:
+            aa: str | Path | None = None, allow_mixed_loss_paths: bool = False) -> dict[str, Any]:
     """Run all checks, compute the statistics and write compare.json / compare.md / plots.
 
     The decision rule comes from the runs' `decision` config; method/alpha/margin/endpoint/step/threshold/
@@ -652,6 +652,11 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
         shown = "\n  ".join(config_diff[:20]) + ("\n  ..." if len(config_diff) > 20 else "")
         raise CompareError("configs differ outside the `loss` group (a different experiment or setting?); "
                            f"pass --allow-config-diff to compare anyway:\n  {shown}")
+    mixed = _mixed_loss_paths(ordered)
+    if mixed and not (allow_mixed_loss_paths or allow_config_diff):
+        raise CompareError(f"the runs computed their loss on different paths {mixed} (backend.loss_path=auto fell "
+                           "back in some of them): rerun with a pinned backend.loss_path, or pass "
+                           "--allow-mixed-loss-paths (same gradients; diagnostics are rounded differently)")
     for r in ordered:
         load_records(r)
     item_sha = check_item_sets(ordered)
@@ -795,11 +800,22 @@ def _run_notes(runs: list[Run]) -> list[str]:
     dirty = [r.arm for r in runs if (r.info.get("git") or {}).get("dirty")]
     if dirty:
         notes.append(f"run(s) {dirty} were made from a working tree with uncommitted changes")
+    threads = {r.arm: r.info.get("torch_threads") for r in runs}
+    if len(set(threads.values())) > 1:  # e.g. joblib caps each worker at one thread, a plain run uses all cores
+        notes.append("the arms ran with different torch thread counts (their arithmetic differs in the last bits, "
+                     f"so a rerun of one would not reproduce the other's numbers): {threads}; pin "
+                     "backend.num_threads for reproducible arms")
     paths = {r.arm: _loss_path(r.path / "metrics.jsonl") for r in runs}
     if len(set(paths.values())) > 1:
         notes.append("the arms computed their loss on different paths (same gradients, different speed and "
                      f"metric rounding): {paths}")
     return notes
+
+
+def _mixed_loss_paths(runs: list[Run]) -> dict[str, str | None]:
+    """{arm: loss/path} when the runs' recorded loss paths differ, else {}."""
+    paths = {r.arm: _loss_path(r.path / "metrics.jsonl") for r in runs}
+    return paths if len(set(paths.values())) > 1 else {}
 
 
 def _loss_path(metrics: Path) -> str | None:
@@ -827,6 +843,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="eval file eval/<NAME>.jsonl (default: config eval.name)")
     p.add_argument("--allow-config-diff", action="store_true",
                    help="compare even if configs differ outside the loss group (recorded in the report)")
+    p.add_argument("--allow-mixed-loss-paths", action="store_true",
+                   help="compare even if the runs computed their loss on different paths (loss/path)")
     rule = p.add_argument_group("decision rule (default: the runs' pre-registered `decision` config; a "
                                 "different value needs --override-decision)")
     rule.add_argument("--method", default=None, choices=RULE_METHODS)
@@ -852,7 +870,8 @@ def main(argv: list[str] | None = None) -> int:
                          n_bootstrap=args.bootstrap, seed=args.seed, out=args.out,
                          make_plots=not args.no_plots, method=args.method, margin=args.margin,
                          endpoint=args.endpoint, step=args.step, threshold=args.threshold,
-                         override_decision=args.override_decision, aa=args.aa)
+                         override_decision=args.override_decision, aa=args.aa,
+                         allow_mixed_loss_paths=args.allow_mixed_loss_paths)
     except (CompareError, ValueError, FileNotFoundError) as e:
         print(f"eval.compare: error: {e}", file=sys.stderr)
         return 1

@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from trainer.advantages import compute_advantages
-from trainer.backends.errors import is_not_applied, is_retryable
+from trainer.backends.errors import RECOVER, RESEND, USER, BackendRequestError, classify, is_not_applied, is_retryable
 from trainer.config.schema import arm_name
 from trainer.checkpoint import (CheckpointInfo, ResumeError, check_resumable, config_hash, rng_state,
                                 save_checkpoint, truncate_log)
@@ -88,6 +88,11 @@ class RLLoop:
     # the run's WandbRun when train.py opened one (it logs the evals and finishes it); None: the sink
     # opens its own if logger=wandb
     wandb_run: Any = None
+    # one sample request per rollout (sampling.requests; set from the config in __init__)
+    per_sample_requests: bool = False
+    # recoveries in a row without progress, and the (step, optim_steps) they happened at
+    _stuck: int = 0
+    _stuck_at: tuple[int, int] | None = None
 
     def __init__(self, cfg: DictConfig, run_dir: Path, service_client: Any, task: Any, loss_fn: Any,
                  custom_loss: Any, config_dict: dict, sweep_dir: Path | None = None,
@@ -115,6 +120,8 @@ class RLLoop:
         self.info: dict[str, Any] = {}
         self.recoveries = 0
         self._warned: set[str] = set()
+        mode = cfg.sampling.get("requests", "auto")
+        self.per_sample_requests = mode == "per_sample" or (mode == "auto" and cfg.backend.name == "tinker")
         self.last_rows: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ clients
@@ -143,13 +150,24 @@ class RLLoop:
         if ckpt is not None:
             try:
                 self.tc = self._restore_training_client(ckpt.tinker_path)
-            except (FileNotFoundError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - a checkpoint the backend cannot load, or a failed request
+                refused = isinstance(e, tinker.RequestFailedError) and str(getattr(e, "category", "")).lower(
+                ).endswith("user")
+                if classify(e) == RECOVER and not refused and not isinstance(e, FileNotFoundError):
+                    raise _ClientFailure(f"load_state: {type(e).__name__}: {e}") from e
+                if classify(e) is None:
+                    raise
                 raise ResumeError(f"cannot restore {ckpt.tinker_path} named in "
                                   f"{self.run_dir / 'checkpoint.json'}: {e}") from None
             state = LoopState(ckpt.step, ckpt.optim_steps, ckpt.data_cursor, ckpt)
             log.info("resuming from %s at step %d", ckpt.tinker_path, ckpt.step)
         else:
-            self.tc = self._new_training_client()
+            try:
+                self.tc = self._new_training_client()
+            except Exception as e:  # noqa: BLE001
+                if classify(e) != RECOVER:
+                    raise
+                raise _ClientFailure(f"create_training_client: {type(e).__name__}: {e}") from e
             state = LoopState()
         for name in ("metrics.jsonl", "rollouts.jsonl"):
             kept, dropped = truncate_log(self.run_dir / name, state.step)
@@ -159,18 +177,33 @@ class RLLoop:
         return state
 
     def _recover(self, state: LoopState, exc: BaseException) -> LoopState:
-        """Recreate the training client from the last checkpoint and redo the steps after it."""
+        """Recreate the training client from the last checkpoint and redo the steps after it.
+
+        Bounded by `retry.max_attempts` recoveries in a row that make no progress (the same step failing
+        again), so a long run survives many unrelated faults while a persistent one still ends it."""
         self.recoveries += 1
-        if self.recoveries > self.cfg.retry.max_attempts:
-            raise TrainingClientLost(f"giving up after {self.recoveries - 1} recoveries: {exc}") from exc
+        at = (state.step, state.optim_steps)
+        self._stuck = self._stuck + 1 if self._stuck_at == at else 1
+        self._stuck_at = at
+        if self._stuck > self.cfg.retry.max_attempts:
+            raise TrainingClientLost(f"giving up after {self._stuck - 1} recoveries at step {state.step}: "
+                                     f"{type(exc).__name__}: {exc}") from exc
         log.warning("training client failed (%s: %s); recovering from the last checkpoint",
                     type(exc).__name__, exc)
-        return self._start()
+        while True:
+            try:
+                return self._start()
+            except _ClientFailure as again:  # creating the new client failed too: counts as another try
+                self._stuck += 1
+                if self._stuck > self.cfg.retry.max_attempts:
+                    raise TrainingClientLost(f"giving up: no training client after {self._stuck - 1} tries: "
+                                             f"{again}") from again
+                log.warning("recreating the training client failed (%s); trying again", again)
 
     # ------------------------------------------------------------------ main
     def run(self) -> dict[str, Any]:
         s = self.cfg.schedule
-        state = self._start()
+        state = self._start_with_retries()
         sink = MetricsSink(self.run_dir, self.cfg.logger, arm_name(self.cfg), self.config_dict, self.sweep_dir,
                            resume=state.step > 0, wandb_run=self.wandb_run,
                            updates_per_batch=s.get("updates_per_batch", 1))
@@ -220,9 +253,20 @@ class RLLoop:
                 "checkpoint": state.last_checkpoint.tinker_path if state.last_checkpoint else None,
                 "retries": self.retry.total, "recoveries": self.recoveries, **self.info}
 
+    def _start_with_retries(self) -> LoopState:
+        for attempt in range(self.cfg.retry.max_attempts):
+            try:
+                return self._start()
+            except _ClientFailure as exc:
+                if attempt == self.cfg.retry.max_attempts - 1:
+                    raise TrainingClientLost(f"no training client after {attempt + 1} tries: {exc}") from exc
+                log.warning("creating the training client failed (%s); trying again", exc)
+        raise AssertionError("unreachable")
+
     def sampling_client(self) -> Any:
-        return self.retry.call("save_weights_and_get_sampling_client",
-                               lambda: self.tc.save_weights_and_get_sampling_client().result())
+        """A sampler on the current weights (idempotent: a failed attempt is simply made again)."""
+        return self._train_call("save_weights_and_get_sampling_client",
+                                lambda: self.tc.save_weights_and_get_sampling_client().result())
 
     def _do_step(self, state: LoopState, sink: MetricsSink) -> float:
         cfg, s = self.cfg, self.cfg.schedule
@@ -232,11 +276,17 @@ class RLLoop:
         n = len(self.train_problems)
         problems = [self.train_problems[(state.data_cursor + g) % n] for g in range(s.groups_per_batch)]
         t0 = time.time()
-        groups = asyncio.run(sample_batch(
-            self.task, problems, sampling_client, seed=cfg.seed, step=step, group_size=s.group_size,
-            temperature=cfg.sampling.temperature, max_tokens=cfg.sampling.max_tokens, top_p=cfg.sampling.top_p,
-            top_k=cfg.sampling.top_k, max_seq_len=cfg.model.max_seq_len, concurrency=cfg.sampling.concurrency,
-            retry=self.retry))
+        try:
+            groups = asyncio.run(sample_batch(
+                self.task, problems, sampling_client, seed=cfg.seed, step=step, group_size=s.group_size,
+                temperature=cfg.sampling.temperature, max_tokens=cfg.sampling.max_tokens,
+                top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, max_seq_len=cfg.model.max_seq_len,
+                concurrency=cfg.sampling.concurrency, retry=self.retry,
+                per_sample=self.per_sample_requests))
+        except Exception as exc:  # noqa: BLE001 - sampling retried in place already; now a new client
+            if classify(exc) != RECOVER and classify(exc) != RESEND:
+                raise
+            raise _ClientFailure(f"sample: {type(exc).__name__}: {exc}") from exc
         t_sample = time.time() - t0
 
         rollouts: list[Rollout] = []
@@ -249,6 +299,12 @@ class RLLoop:
                 r.advantage = float(a)
                 rollouts.append(r)
         step_metrics = _rollout_metrics(rollouts, len(groups), sum(mixed_G))
+        step_metrics["env/frac_duplicate_in_group"] = dup = frac_duplicate_in_group(groups)
+        if dup > DUPLICATE_WARN and cfg.sampling.temperature >= 1.0:
+            self._warn_once("duplicates", "step %d: %.0f%% of the completions repeat another of their group at "
+                            "temperature %g: identical samples get zero advantage and teach nothing; check "
+                            "that the backend draws a group's samples independently (sampling.requests="
+                            "per_sample seeds each one)", step, 100 * dup, cfg.sampling.temperature)
         step_metrics["time/sample"] = t_sample
         rollouts_train = select_for_training(rollouts, mixed_G, s.drop_constant_groups, s.updates_per_batch)
         step_metrics["env/rollouts_trained"] = len(rollouts_train)
@@ -264,14 +320,17 @@ class RLLoop:
             t_u = time.time()
             if self.loss_path == "one_pass":
                 mb = [with_per_datum_inputs(d) for d in mb]
-            fb = self._train_call("forward_backward", lambda mb=mb: self.tc.forward_backward_custom(
-                mb, self.custom_loss).result())
             lr = lr_at(state.optim_steps, s.num_steps * s.updates_per_batch, cfg.optimizer.lr, s.lr_schedule,
                        s.warmup_steps, s.min_lr_ratio)
             o = cfg.optimizer
             params = tinker.AdamParams(learning_rate=lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
                                        weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm)
-            opt = self._train_call("optim_step", lambda: self.tc.optim_step(params).result())
+            if cfg.backend.get("pipeline_optim_step", False):
+                fb, opt = self._train_call(_PIPELINED, lambda mb=mb: self._fb_then_optim(mb, params))
+            else:
+                fb = self._train_call("forward_backward", lambda mb=mb: self.tc.forward_backward_custom(
+                    mb, self.custom_loss).result())
+                opt = self._train_call("optim_step", lambda: self.tc.optim_step(params).result())
             state.optim_steps += 1
             row = {"step": step, "update": u, "global_update": state.optim_steps - 1, "optim/lr": lr,
                    "loss/path": self.loss_path}
@@ -323,6 +382,15 @@ class RLLoop:
             out.update({k: v for k, v in diag.items() if k not in out})
         return out
 
+    def _fb_then_optim(self, mb: list, params: Any) -> tuple[Any, Any]:
+        """forward_backward and optim_step submitted back to back, then both awaited: requests of one
+        client run in submission order (tinker 0.38 reserves the custom loss's two passes' request ids
+        up front, `training_client.py::forward_backward_custom`), so the step lands in the same server
+        cycle instead of one round trip later, as the cookbook's RL loop does."""
+        fb = self.tc.forward_backward_custom(mb, self.custom_loss)
+        opt = self.tc.optim_step(params)
+        return fb.result(), opt.result()
+
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -332,19 +400,25 @@ class RLLoop:
         # forward_backward / optim_step are not idempotent (gradients accumulate, updates apply): resent
         # in place only after errors that guarantee the server applied nothing; any other failure
         # (timeout, 5xx: maybe applied) redoes the step from the last checkpoint instead
-        retryable = is_not_applied if what in _NOT_IDEMPOTENT else is_retryable
+        # the pipelined pair is never resent in place: the optim_step may have applied whatever gradient
+        # had accumulated when its forward_backward failed
+        retryable = ((lambda exc: False) if what == _PIPELINED else
+                     is_not_applied if what in _NOT_IDEMPOTENT else is_retryable)
         try:
             return self.retry.call(what, fn, retryable)
-        except (ValueError, TypeError):
-            raise
-        except _BACKEND_FAILURES as exc:
-            # the request failed at the backend (or poisoned the client): recover from a checkpoint.
-            # Anything else (a bug here) propagates with its traceback instead of being retried.
-            raise _ClientFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - classified: recover, the user's fault, or a bug
+            kind = classify(exc)
+            if kind in (RESEND, RECOVER):  # failed at the backend, maybe applied: redo from a checkpoint
+                raise _ClientFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
+            if kind == USER and isinstance(exc, tinker.APIStatusError):
+                raise BackendRequestError(f"{what}: the backend refused the request: {exc}") from exc
+            raise  # our own ValueError (bad input, a failing loss) or a bug: with its traceback
 
     def _save(self, state: LoopState, final: bool = False) -> None:
         name = f"step{state.step:06d}" + ("_final" if final else "")
-        path = self._train_call("save_state", lambda: self.tc.save_state(name).result().path)
+        # overwrite=True makes a resend idempotent: a save that landed but whose reply was lost would
+        # otherwise be refused as a duplicate name (409, retried by the SDK for 5 minutes)
+        path = self._train_call("save_state", lambda: self.tc.save_state(name, overwrite=True).result().path)
         history = (state.last_checkpoint.history if state.last_checkpoint else []) + [
             {"step": state.step, "tinker_path": path, "time": time.time()}]
         info = CheckpointInfo(tinker_path=path, step=state.step, optim_steps=state.optim_steps,
@@ -372,10 +446,7 @@ class _ClientFailure(RuntimeError):
 
 
 _NOT_IDEMPOTENT = ("forward_backward", "optim_step")
-
-
-# tinker.TinkerError covers the SDK's API errors; a poisoned client raises RuntimeError
-_BACKEND_FAILURES = (tinker.TinkerError, RuntimeError, ConnectionError, TimeoutError, OSError)
+_PIPELINED = "forward_backward+optim_step"
 
 
 def _is_client_failure(exc: BaseException) -> bool:
@@ -393,6 +464,18 @@ def _fb_metrics(fb: Any) -> dict[str, Any]:
         else:
             out[k] = float(v)
     return out
+
+
+# share of duplicated completions above which a step at temperature >= 1 warns (a healthy policy at T=1
+# repeats itself only on very short answers)
+DUPLICATE_WARN = 0.5
+
+
+def frac_duplicate_in_group(groups: list[list[Rollout]]) -> float:
+    """Share of rollouts whose completion tokens equal an earlier rollout of the same group."""
+    n = sum(len(g) for g in groups)
+    dup = sum(len(g) - len({tuple(r.tokens) for r in g}) for g in groups)
+    return dup / max(1, n)
 
 
 def _rollout_metrics(rollouts: list[Rollout], n_groups: int, mixed: int) -> dict[str, float]:

@@ -93,24 +93,40 @@ def eval_task(cfg: DictConfig, renderer: Any, train_task: Any) -> Any:
 
 
 def make_loss(cfg: DictConfig, service_client: Any) -> tuple[Any, Any]:
-    """(loss plugin, what forward_backward_custom receives): a one-pass server-side handle where the
-    backend supports registering it, else the client-side callable (two passes)."""
+    """(loss plugin, what forward_backward_custom receives), by `backend.loss_path`: `two_pass` the
+    client-side callable; `one_pass` a handle registered with `create_custom_loss` (the per-datum form,
+    which needs `aggregation=sum`), failing the run when that is impossible; `auto` the handle where the
+    loss and backend allow it, else the callable, with a warning when registering failed (the arms of a
+    sweep would otherwise run different paths unnoticed; `eval.compare` refuses such a sweep)."""
     import hydra
 
     from trainer.losses.adapter import make_custom_loss_fn
 
     loss = hydra.utils.instantiate(cfg.loss)
-    one_pass = bool(cfg.backend.get("one_pass_custom_loss", True))
-    if one_pass and cfg.loss.aggregation == "sum" and hasattr(service_client, "create_custom_loss"):
-        try:
-            from trainer.losses.adapter import make_loss_handle
+    want = cfg.backend.get("loss_path", "auto")
+    if want == "two_pass":
+        return loss, make_custom_loss_fn(loss)
+    if cfg.loss.aggregation != "sum" or not hasattr(service_client, "create_custom_loss"):
+        if want == "one_pass":
+            fail(f"backend.loss_path=one_pass needs loss.aggregation=sum (got {cfg.loss.aggregation}) and a "
+                 "backend with create_custom_loss; use backend.loss_path=auto or two_pass")
+        return loss, make_custom_loss_fn(loss)
+    from trainer.losses.adapter import make_loss_handle
 
-            handle = make_loss_handle(loss, service_client)
-            if handle is not None:
-                return loss, handle
-        except Exception as e:  # noqa: BLE001 - fall back to the always-correct two-pass path
-            log.warning("one-pass custom loss unavailable (%s); using the two-pass path", e)
-    return loss, make_custom_loss_fn(loss)
+    try:
+        handle = make_loss_handle(loss, service_client)
+    except Exception as e:  # noqa: BLE001 - reported, and the run fails or falls back by loss_path
+        if want == "one_pass":
+            fail(f"backend.loss_path=one_pass: registering the loss with create_custom_loss failed: "
+                 f"{type(e).__name__}: {e}")
+        log.warning("backend.loss_path=auto: registering the loss failed (%s: %s); this run computes its loss on "
+                    "the two-pass path (same gradients, other cost and metric rounding); pin "
+                    "backend.loss_path so that every arm of a sweep runs the same path", type(e).__name__, e)
+        return loss, make_custom_loss_fn(loss)
+    if cfg.backend.name == "tinker" and getattr(handle, "loss_id", None) is None:
+        log.info("the service runs registered losses client-side (custom_loss_server_side=false): one-pass "
+                 "semantics, two model passes per update")
+    return loss, handle
 
 
 def run_training(cfg: DictConfig) -> float | None:
@@ -122,6 +138,13 @@ def run_training(cfg: DictConfig) -> float | None:
         fail(f"config: {e}")
     run_dir, sweep_dir = hydra_dirs()
     check_output_dir(run_dir, cfg)
+    if cfg.backend.name == "tinker":  # a missing key or an unreachable service fails before any other work
+        from trainer.backends import BackendConfigError, check_tinker
+
+        try:
+            check_tinker(cfg.backend)
+        except BackendConfigError as e:
+            fail(str(e))
     if not cfg.preflight.skip:
         from trainer.preflight.gates import require_passed
 
@@ -231,10 +254,15 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
         start_eval_s = time.time() - t0
         to_wandb()
     t_train = time.time()
+    from trainer.backends.errors import BackendRequestError
+    from trainer.loop import TrainingClientLost
+
     try:
         result = loop.run()
     except ResumeError as e:
         fail(f"resume: {e}")
+    except (TrainingClientLost, BackendRequestError) as e:  # the run folder keeps every finished step
+        fail(f"backend: {e}; the run resumes from its last checkpoint when started again")
     # setup: config, data, model load; the loop's total includes creating/restoring the training client,
     # checkpoints and periodic evals
     result["time/setup"] = setup_s

@@ -24,9 +24,17 @@ def request_seed(seed: int, step: int, group: int, salt: str = "rollout") -> int
     return int.from_bytes(h[:4], "little")
 
 
+def sample_seed(seed: int, step: int, group: int, sample: int) -> int:
+    """The seed of one sample's own request (`sampling.requests=per_sample`): distinct within a group, so
+    its samples differ by construction on any backend (tinker-feedback #79: the service may return
+    identical sequences for one seeded request with num_samples > 1), and fixed, so a rerun or a resumed
+    run samples the same tokens."""
+    return request_seed(seed, step, group, salt=f"rollout-sample{sample}")
+
+
 async def _group_rollout(task: Any, problem: Any, group: int, group_size: int, sampling_client: Any,
                          params: tinker.SamplingParams, max_seq_len: int, sem: asyncio.Semaphore,
-                         retry: RetryPolicy) -> list[Rollout]:
+                         retry: RetryPolicy, sample_seeds: list[int] | None = None) -> list[Rollout]:
     envs = [task.make_env(problem) for _ in range(group_size)]
     obs = await envs[0].initial_observation()
     prompt, stop = obs[0], obs[1]
@@ -41,13 +49,22 @@ async def _group_rollout(task: Any, problem: Any, group: int, group_size: int, s
                     "(model.max_seq_len=%d)", problem.index, len(prompt_tokens), budget, params.max_tokens,
                     max_seq_len)
     params = params.model_copy(update={"stop": stop, "max_tokens": min(params.max_tokens, budget)})
-    async with sem:
-        resp = await retry.acall("sample", lambda: _await(sampling_client.sample(
-            prompt=prompt, num_samples=group_size, sampling_params=params)))
-    if len(resp.sequences) != group_size:
-        raise RuntimeError(f"sampler returned {len(resp.sequences)} sequences, asked for {group_size}")
+
+    async def request(n: int, p: tinker.SamplingParams) -> list:
+        async with sem:
+            resp = await retry.acall("sample", lambda: _await(sampling_client.sample(
+                prompt=prompt, num_samples=n, sampling_params=p)))
+        if len(resp.sequences) != n:
+            raise RuntimeError(f"sampler returned {len(resp.sequences)} sequences, asked for {n}")
+        return list(resp.sequences)
+
+    if sample_seeds is None:
+        seqs = await request(group_size, params)
+    else:
+        parts = await asyncio.gather(*[request(1, params.model_copy(update={"seed": s})) for s in sample_seeds])
+        seqs = [p[0] for p in parts]
     out = []
-    for env, seq in zip(envs, resp.sequences):
+    for env, seq in zip(envs, seqs):
         if not isinstance(env, ProblemEnv):  # ProblemEnv.step keeps no state from it; it re-renders the prompt
             await env.initial_observation()  # other single-use cookbook envs expect this call first
         tokens = list(seq.tokens)
@@ -65,13 +82,16 @@ async def _await(fut: Any) -> Any:
 
 async def sample_batch(task: Any, problems: Sequence[Any], sampling_client: Any, *, seed: int, step: int,
                        group_size: int, temperature: float, max_tokens: int, top_p: float, top_k: int,
-                       max_seq_len: int, concurrency: int, retry: RetryPolicy) -> list[list[Rollout]]:
-    """All groups of one step, submitted concurrently (bounded by `concurrency` requests)."""
+                       max_seq_len: int, concurrency: int, retry: RetryPolicy,
+                       per_sample: bool = False) -> list[list[Rollout]]:
+    """All groups of one step, submitted concurrently (bounded by `concurrency` requests); one request per
+    group, or with `per_sample` one per sample (seeded by `sample_seed`)."""
     sem = asyncio.Semaphore(concurrency)
     coros = []
     for g, problem in enumerate(problems):
         params = tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                        top_k=top_k, seed=request_seed(seed, step, g))
+        seeds = [sample_seed(seed, step, g, i) for i in range(group_size)] if per_sample else None
         coros.append(_group_rollout(task, problem, g, group_size, sampling_client, params, max_seq_len,
-                                    sem, retry))
+                                    sem, retry, seeds))
     return list(await asyncio.gather(*coros))

@@ -69,6 +69,23 @@ def resolved_config_dict(cfg: DictConfig) -> dict:
     return redact(d, current_secrets())
 
 
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def write_run_files(run_dir: Path, cfg: DictConfig, extra: dict[str, Any]) -> dict[str, Any]:
     cfg_d = resolved_config_dict(cfg)
     atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg_d)))
@@ -79,6 +96,9 @@ def write_run_files(run_dir: Path, cfg: DictConfig, extra: dict[str, Any]) -> di
         "loss": cfg_d["loss"]["name"],
         "seed": cfg_d["seed"],
         "experiment": cfg_d.get("experiment"),
+        # the local engine's numbers are reproducible for the same thread count and CPU (README)
+        "torch_threads": _torch_threads(),
+        "cpu": _cpu_model(),
         **extra,
     }
     atomic_write_json(run_dir / "run_info.json", redact(info, current_secrets()))

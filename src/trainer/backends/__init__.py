@@ -30,22 +30,71 @@ def build_service_client(cfg: DictConfig, run_dir: Path) -> Any:
                 sampler_dtype=b.sampler_dtype, train_dtype=b.train_dtype, micro_batch_size=b.micro_batch_size,
                 micro_batch_tokens=b.micro_batch_tokens,
                 max_sample_batch=b.max_sample_batch, lora_alpha=cfg.model.lora_alpha, num_threads=b.num_threads,
-                faults=faults)
+                sample_batch_wait_s=b.sample_batch_wait_s, faults=faults)
         except ValueError as e:  # a bad setting or environment variable, before any model is loaded
             raise BackendConfigError(f"backend=local: {e}") from None
     raise BackendConfigError(f"backend.name: unknown backend {b.name!r} (local | tinker)")
 
 
-def _tinker_client(b: DictConfig) -> Any:
+def check_tinker(b: DictConfig) -> tuple[str, str]:
+    """(base URL, API key) of a Tinker service that answers; BackendConfigError naming the problem otherwise."""
     key = os.environ.get(b.api_key_env)
     if not key:
         raise BackendConfigError(
             f"backend=tinker needs an API key: set the environment variable {b.api_key_env} "
             "(and TINKER_BASE_URL for a non-default deployment), or run with backend=local")
+    from tinker.lib.base_url import resolve_base_url
+
+    base_url = resolve_base_url(b.base_url or os.environ.get("TINKER_BASE_URL") or None)
+    probe_service(base_url, key, float(b.get("connect_timeout_s", 10.0)), b.api_key_env)
+    return base_url, key
+
+
+def _tinker_client(b: DictConfig) -> Any:
     import tinker
 
-    kwargs: dict[str, Any] = {"api_key": key}
-    base_url = b.base_url or os.environ.get("TINKER_BASE_URL")
-    if base_url:
-        kwargs["base_url"] = base_url
-    return tinker.ServiceClient(**kwargs)
+    base_url, key = check_tinker(b)
+    return tinker.ServiceClient(api_key=key, base_url=base_url)
+
+
+def probe_service(base_url: str, key: str, timeout_s: float, key_env: str = "TINKER_API_KEY") -> None:
+    """Fail fast, naming the URL, unless a Tinker service answers `POST /api/v1/client/config`.
+
+    The SDK's first request (`InternalClientHolder._fetch_client_config`, tinker 0.38) retries connection
+    errors for 300 s, and each later client creation does so again, so a wrong `TINKER_BASE_URL` would
+    hang a run for most of an hour before failing. Connection errors and 5xx are retried here within
+    `timeout_s`; a refused key or a non-Tinker answer fails at once."""
+    import time
+
+    import httpx
+    import tinker
+
+    url = base_url.rstrip("/") + "/api/v1/client/config"
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BackendConfigError(f"the Tinker service at {base_url} did not answer within {timeout_s:.0f} s "
+                                     f"({last}); check TINKER_BASE_URL / backend.base_url and the network")
+        try:
+            r = httpx.post(url, json={"sdk_version": tinker.__version__}, headers={"X-API-Key": key},
+                           timeout=httpx.Timeout(min(5.0, left)))
+        except httpx.HTTPError as e:
+            last = f"{type(e).__name__}: {e}"
+        else:
+            if r.status_code in (401, 403):
+                raise BackendConfigError(f"the Tinker service at {base_url} refused the API key in "
+                                         f"${key_env} (HTTP {r.status_code}: {r.text[:200]})")
+            if r.status_code < 300:
+                try:
+                    r.json()
+                    return
+                except ValueError:
+                    raise BackendConfigError(f"{base_url} answered {url} with a non-JSON body: it does not look "
+                                             "like a Tinker service") from None
+            if r.status_code < 500 and r.status_code not in (408, 429):
+                raise BackendConfigError(f"{base_url} answered {url} with HTTP {r.status_code}: it does not look "
+                                         f"like a Tinker service ({r.text[:200]!r})")
+            last = f"HTTP {r.status_code}"
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))

@@ -314,6 +314,9 @@ class FaultsConfig:
         _require(self.latency_s >= 0, "latency_s", "must be >= 0", self.latency_s)
 
 
+LOSS_PATHS = ("auto", "one_pass", "two_pass")
+
+
 @dataclass
 class LocalBackendConfig:
     # backend kind
@@ -330,17 +333,30 @@ class LocalBackendConfig:
     micro_batch_tokens: int = 2048
     # sequences decoded together by the sampler
     max_sample_batch: int = 128
+    # seconds of quiet the sampler waits for more requests before decoding a batch (0 = decode at once;
+    # speed only: results do not depend on how requests are batched)
+    sample_batch_wait_s: float = 0.01
     # torch CPU threads (null = torch default)
     num_threads: Optional[int] = None
     # injected faults (testing the trainer's retry and resume paths)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    # how the loss is computed: auto | one_pass (registered per-datum loss) | two_pass (client-side callable)
+    loss_path: str = "auto"
+    # restoration gate: max |logprob diff| between fresh clients and across save -> restore
+    restore_tolerance: float = 1e-6
+    # send optim_step right behind forward_backward instead of after its result (no resend in place then:
+    # a failure of either redoes the step from the last checkpoint)
+    pipeline_optim_step: bool = True
 
     def __post_init__(self) -> None:
+        _in_set("loss_path", self.loss_path, LOSS_PATHS)
+        _require(self.restore_tolerance > 0, "restore_tolerance", "must be > 0", self.restore_tolerance)
         _in_set("sampler_dtype", self.sampler_dtype, ("auto", "bfloat16", "float32"))
         _in_set("train_dtype", self.train_dtype, ("auto", "bfloat16", "float32"))
         _positive_int("micro_batch_size", self.micro_batch_size)
         _positive_int("micro_batch_tokens", self.micro_batch_tokens)
         _positive_int("max_sample_batch", self.max_sample_batch)
+        _require(self.sample_batch_wait_s >= 0, "sample_batch_wait_s", "must be >= 0", self.sample_batch_wait_s)
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
 
@@ -353,8 +369,22 @@ class TinkerBackendConfig:
     base_url: Optional[str] = None
     # environment variable holding the API key (the key itself is never stored in configs)
     api_key_env: str = "TINKER_API_KEY"
-    # use a server-side registered custom loss (one pass) when the server supports it
-    one_pass_custom_loss: bool = True
+    # how the loss is computed: auto (one pass where the loss allows and the service registers it, else two
+    # passes with a warning) | one_pass (fail if unavailable) | two_pass (client-side callable)
+    loss_path: str = "auto"
+    # seconds to wait for the service to answer before failing (an unreachable or wrong TINKER_BASE_URL)
+    connect_timeout_s: float = 10.0
+    # restoration gate: max |logprob diff| between fresh clients and across save -> restore (bf16 GPUs
+    # serving separate clients agree to ~1e-2, not to the embedded engine's 1e-6)
+    restore_tolerance: float = 0.02
+    # send optim_step right behind forward_backward instead of after its result (one server cycle instead
+    # of a round trip more; no resend in place then: a failure of either redoes the step from a checkpoint)
+    pipeline_optim_step: bool = True
+
+    def __post_init__(self) -> None:
+        _in_set("loss_path", self.loss_path, LOSS_PATHS)
+        _require(0 < self.connect_timeout_s <= 25, "connect_timeout_s", "must be in (0, 25]", self.connect_timeout_s)
+        _require(self.restore_tolerance > 0, "restore_tolerance", "must be > 0", self.restore_tolerance)
 
 
 # ----------------------------------------------------------------------------- logger
@@ -392,8 +422,14 @@ class SamplingConfig:
     top_k: int = -1
     # maximum sample requests in flight at once
     concurrency: int = 256
+    # how a group is requested: per_group (one request, num_samples = group_size) | per_sample (one request
+    # per sample, each with its own derived seed) | auto (per_sample on backend=tinker, where a seeded
+    # request with num_samples > 1 may return identical samples; per_group on the local engine, whose
+    # seeded request draws each sample independently)
+    requests: str = "auto"
 
     def __post_init__(self) -> None:
+        _in_set("requests", self.requests, ("auto", "per_group", "per_sample"))
         _require(self.temperature > 0, "temperature", "must be > 0 for RL rollouts", self.temperature)
         _positive_int("max_tokens", self.max_tokens)
         _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)

@@ -140,8 +140,11 @@ def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = No
                                    _status(diff_keys == ["loss"]), "each arm composed on its own"))
     clients = {name: _new_client(sc, a, a.seed) for name, a in arms.items()}
     lp = {name: _logprobs(tc, data) for name, tc in clients.items()}
+    # the backend's own bound: the embedded engine is deterministic to 1e-6; a bf16 GPU service serving
+    # two clients (or a restored one) on other hardware paths is not (backend.restore_tolerance)
+    tol = float(cfg.backend.get("restore_tolerance", 1e-6))
     d0 = float(np.max(np.abs(lp["grpo"] - lp["dppo"])))
-    report.checks.append(Check("fresh-client logprobs max |diff|", d0, "<= 1e-6", _status(d0 <= 1e-6),
+    report.checks.append(Check("fresh-client logprobs max |diff|", d0, f"<= {tol:g}", _status(d0 <= tol),
                                f"{lp['grpo'].size} tokens of {len(data)} GSM8K-style sequences"))
     # one identical SFT step on both: exposes different LoRA initialisations (B=0 hides them at step 0)
     o = cfg.optimizer
@@ -153,13 +156,13 @@ def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = No
     lp1 = {name: _logprobs(tc, data) for name, tc in clients.items()}
     d1 = float(np.max(np.abs(lp1["grpo"] - lp1["dppo"])))
     moved = float(np.max(np.abs(lp1["grpo"] - lp["grpo"])))
-    report.checks.append(Check("logprobs after one identical step max |diff|", d1, "<= 1e-6",
-                               _status(d1 <= 1e-6), f"the step moved logprobs by up to {moved:.2e}"))
+    report.checks.append(Check("logprobs after one identical step max |diff|", d1, f"<= {tol:g}",
+                               _status(d1 <= tol), f"the step moved logprobs by up to {moved:.2e}"))
     # save -> restore with optimizer -> identical logprobs
     path = clients["grpo"].save_state("preflight_restoration").result().path
     restored = sc.create_training_client_from_state_with_optimizer(path).result()
     d2 = float(np.max(np.abs(_logprobs(restored, data) - lp1["grpo"])))
-    report.checks.append(Check("save_state -> restore logprobs max |diff|", d2, "<= 1e-6", _status(d2 <= 1e-6)))
+    report.checks.append(Check("save_state -> restore logprobs max |diff|", d2, f"<= {tol:g}", _status(d2 <= tol)))
     for name, tc in clients.items():
         info = tc.get_info()
         served = getattr(info, "model_name", None) or getattr(getattr(info, "model_data", None), "model_name", None)

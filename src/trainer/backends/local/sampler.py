@@ -1,5 +1,5 @@
-"""Fast batched sampler for Llama-architecture models: fused weights, batched prefill, static
-KV-cache decode, per-token logprobs gathered as it goes.
+"""Fast batched sampler for Llama-architecture models: fused weights, per-prompt prefill, static
+KV-cache decode, per-token logprobs gathered as it goes; batch-invariant.
 
 Why not `transformers.generate`: with `output_scores` it keeps `B x vocab` floats per step (8-16 GB
 at batch 64 for SmolLM2) and its per-step Python overhead dominates a 135M model on CPU. Here each
@@ -11,8 +11,15 @@ CPU speed (measured on a 2-core AVX2 EPYC, `bench/sampler.py`): decode matmuls h
 plain `F.linear` (MKL sgemm) reaches ~60 GFLOPS; oneDNN with the weights pre-packed for that shape
 (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`, the kernels torch inductor uses on CPU)
 runs the same fp32 product ~1.7x faster (2x on the 49152-wide unembedding), so fp32 decode uses packed
-copies. Prefill packs all distinct prompts of a batch into one token stream so its matmuls have
-thousands of rows (attention still runs per prompt, so no FLOPs go to padding or cross-prompt masks).
+copies.
+
+Batch invariance (a request's tokens and logprobs are bit-identical alone or in any batch, for one
+machine and thread count): the scheduler batches requests by arrival timing, and GEMM libraries pick
+kernels, hence summation orders, by row count, so every product that mixes rows of different requests
+(decode projections, first-token logits) runs over fixed `ROW_BLOCK`-row blocks; each prompt is
+prefilled on its own (its row count is its length); the cache holds each row's tokens from index 0 and
+decode attention runs per run of rows of equal length, with no padding or mask; and each row's token
+and logprob come from its own logits by the same formulas whatever the other rows do.
 
 Numerics follow transformers 5.5 `models/llama/modeling_llama.py` (RMSNorm in fp32 then cast,
 `rotate_half` RoPE with the model's own rotary tables, SDPA with scale head_dim^-0.5, SiLU-gated MLP),
@@ -43,6 +50,11 @@ _PROJ_GU = ("gate_proj", "up_proj")
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 # decode batches up to this many rows use the packed oneDNN weights; above it sgemm is as fast
 _PACKED_MAX_ROWS = 256
+# Rows per GEMM call wherever rows of different requests share one product (decode steps and the first
+# token's logits). On the dev CPU the row count alone changes a row's result: MKL sgemm gives M = 1,
+# 2-3 and >= 4 rows three different results, oneDNN's bf16 unembedding switches kernels above 32 rows.
+# Fixed-shape blocks make each request's numbers independent of the batch it ran in.
+ROW_BLOCK = 32
 
 
 @dataclass
@@ -63,6 +75,20 @@ class _Lin:
     @property
     def out_features(self) -> int:
         return int((self.w if self.w is not None else self.packed).shape[0])
+
+    def blocked(self, x: torch.Tensor) -> torch.Tensor:
+        """`self(x)` computed over fixed blocks of `ROW_BLOCK` rows (the last one zero-padded), so every
+        GEMM has the same shape whatever the row count: a row's output never depends on how many other
+        rows share the batch (oneDNN / MKL pick kernels, and with them the summation order, by row
+        count; see `ROW_BLOCK`)."""
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        n = x2.shape[0]
+        nb = -(-n // ROW_BLOCK)
+        if nb * ROW_BLOCK != n:
+            x2 = torch.cat([x2, x2.new_zeros(nb * ROW_BLOCK - n, k)])
+        y = torch.cat([self(x2[i * ROW_BLOCK: (i + 1) * ROW_BLOCK]) for i in range(nb)]) if nb > 1 else self(x2)
+        return y[:n].view(*lead, y.shape[-1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and (self.w is None or x.numel() // x.shape[-1] <= _PACKED_MAX_ROWS):
@@ -244,91 +270,76 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rot * sin
 
 
-def _mlp(W: SamplerWeights, L: _Layer, x: torch.Tensor) -> torch.Tensor:
+def _mlp(W: SamplerWeights, L: _Layer, x: torch.Tensor, blocked: bool = False) -> torch.Tensor:
+    if blocked:
+        g, u = L.gate_up.blocked(x).split(W.intermediate, dim=-1)
+        return L.down.blocked(W.act(g) * u)
     g, u = L.gate_up(x).split(W.intermediate, dim=-1)
     return L.down(W.act(g) * u)
 
 
-# prompts are prefilled together in chunks of about this many tokens (bounds the activations)
-_PREFILL_CHUNK_TOKENS = 4096
-
-
 def prefill(W: SamplerWeights, prompts: Sequence[torch.Tensor],
-            cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None, rows: Sequence[int] | None = None,
-            offsets: Sequence[int] | None = None) -> list[torch.Tensor]:
-    """Run unpadded prompts (`[T_i]` each) as one packed token stream per chunk; when `cache` is given,
-    write prompt i's K/V into `cache[l][rows[i], :, offsets[i]:offsets[i] + T_i]`. Returns the
-    final-normed hidden states `[T_i, H]` of each prompt."""
-    out: list[torch.Tensor] = []
-    start, n = 0, 0
-    for i, p in enumerate(prompts):
-        n += p.shape[0]
-        if n >= _PREFILL_CHUNK_TOKENS or i == len(prompts) - 1:
-            sl = slice(start, i + 1)
-            out += _prefill_packed(W, prompts[sl], cache, None if rows is None else rows[sl],
-                                   None if offsets is None else offsets[sl])
-            start, n = i + 1, 0
-    return out
+            cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None, rows: Sequence[int] | None = None
+            ) -> list[torch.Tensor]:
+    """Each prompt (`[T_i]`) on its own, so its GEMMs have its own row count and its numbers do not
+    depend on the other prompts of the batch; when `cache` is given, write prompt i's K/V into
+    `cache[l][rows[i], :, :T_i]`. Returns the final-normed hidden states `[T_i, H]` of each prompt."""
+    return [_prefill_one(W, p, cache, None if rows is None else rows[i]) for i, p in enumerate(prompts)]
 
 
-def _prefill_packed(W: SamplerWeights, prompts: Sequence[torch.Tensor],
-                    cache: list[tuple[torch.Tensor, torch.Tensor]] | None, rows: Sequence[int] | None,
-                    offsets: Sequence[int] | None) -> list[torch.Tensor]:
+def _prefill_one(W: SamplerWeights, ids: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                 row: int | None) -> torch.Tensor:
     nh, nkv, hd = W.n_heads, W.n_kv, W.head_dim
-    lens = [int(p.shape[0]) for p in prompts]
-    bounds = [0]
-    for n in lens:
-        bounds.append(bounds[-1] + n)
-    N = bounds[-1]
-    pos = torch.cat([torch.arange(n) for n in lens])
-    cos = W.cos[pos].view(N, 1, hd)
-    sin = W.sin[pos].view(N, 1, hd)
-    x = F.embedding(torch.cat(list(prompts)), W.embed)  # [N, H]
+    N = int(ids.shape[0])
+    cos = W.cos[:N].view(N, 1, hd)
+    sin = W.sin[:N].view(N, 1, hd)
+    x = F.embedding(ids, W.embed)  # [N, H]
     for li, L in enumerate(W.layers):
         q, k, v = L.qkv(rms_norm(x, L.in_norm, W.eps)).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q = rope(q.view(N, nh, hd), cos, sin).transpose(0, 1)  # [nh, N, hd]
         k = rope(k.view(N, nkv, hd), cos, sin).transpose(0, 1)
         v = v.view(N, nkv, hd).transpose(0, 1)
-        parts = []
-        for i in range(len(lens)):
-            a, b = bounds[i], bounds[i + 1]
-            ki, vi = k[:, a:b], v[:, a:b]
-            if cache is not None:
-                cache[li][0][rows[i], :, offsets[i]: offsets[i] + lens[i]] = ki
-                cache[li][1][rows[i], :, offsets[i]: offsets[i] + lens[i]] = vi
-            parts.append(F.scaled_dot_product_attention(q[None, :, a:b], ki[None], vi[None], is_causal=True,
-                                                        enable_gqa=nkv != nh)[0])
-        attn = torch.cat(parts, 1).transpose(0, 1).reshape(N, nh * hd)
-        x = x + L.o(attn)
+        if cache is not None:
+            cache[li][0][row, :, :N] = k
+            cache[li][1][row, :, :N] = v
+        attn = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=nkv != nh)[0]
+        x = x + L.o(attn.transpose(0, 1).reshape(N, nh * hd))
         x = x + _mlp(W, L, rms_norm(x, L.post_norm, W.eps))
-    h = rms_norm(x, W.final_norm, W.eps)
-    return [h[bounds[i]: bounds[i + 1]] for i in range(len(lens))]
+    return rms_norm(x, W.final_norm, W.eps)
 
 
-def decode_step(W: SamplerWeights, tok_B: torch.Tensor, t: int, pos_B: torch.Tensor, valid_BL: torch.Tensor,
+def decode_step(W: SamplerWeights, tok_B: torch.Tensor, pos_B: torch.Tensor, spans: Sequence[tuple[int, int, int]],
                 cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """One token per row at cache index `t` (rope position `pos_B`); returns fp32 logits `[B, V]`."""
+    """One token per row, written at cache index = rope position `pos_B` (each row's prompt starts at cache
+    index 0); `spans`: `(first row, end row, n)` runs of rows that all attend over cache indices `[0, n)`.
+    Returns fp32 logits `[B, V]`.
+
+    Batch invariance: projections run in fixed `ROW_BLOCK`-row blocks, and attention runs per span with
+    no padding or mask, so a row's numbers depend only on its own tokens (a padded, masked attention
+    over the batch's longest row changed the summation order with the batch)."""
     B = tok_B.shape[0]
     nh, nkv, hd = W.n_heads, W.n_kv, W.head_dim
     g = nh // nkv
     cos = W.cos[pos_B].view(B, 1, 1, hd)
     sin = W.sin[pos_B].view(B, 1, 1, hd)
-    mask = valid_BL[:, : t + 1].view(B, 1, 1, t + 1)
+    rows_B = torch.arange(B)
     x = F.embedding(tok_B, W.embed)  # [B, H]
     for li, L in enumerate(W.layers):
-        q, k, v = L.qkv(rms_norm(x, L.in_norm, W.eps)).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = L.qkv.blocked(rms_norm(x, L.in_norm, W.eps)).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q = rope(q.view(B, nh, 1, hd), cos, sin)
         k = rope(k.view(B, nkv, 1, hd), cos, sin)
         kc, vc = cache[li]
-        kc[:, :, t: t + 1] = k
-        vc[:, :, t: t + 1] = v.view(B, nkv, 1, hd)
+        kc[rows_B, :, pos_B] = k[:, :, 0]
+        vc[rows_B, :, pos_B] = v.view(B, nkv, hd)
         # GQA without repeating K/V: q head h uses kv head h // g, so group the g query heads of one
         # kv head as g "positions" of a single-query attention over that head's cache.
-        a = F.scaled_dot_product_attention(q.view(B, nkv, g, hd), kc[:, :, : t + 1], vc[:, :, : t + 1],
-                                           attn_mask=mask)
-        x = x + L.o(a.reshape(B, nh * hd))
-        x = x + _mlp(W, L, rms_norm(x, L.post_norm, W.eps))
-    return W.lm_head(rms_norm(x, W.final_norm, W.eps)).float()
+        qg = q.view(B, nkv, g, hd)
+        a = torch.cat([F.scaled_dot_product_attention(qg[r0:r1], kc[r0:r1, :, :n], vc[r0:r1, :, :n])
+                       for r0, r1, n in spans]) if len(spans) > 1 else \
+            F.scaled_dot_product_attention(qg, kc[:, :, : spans[0][2]], vc[:, :, : spans[0][2]])
+        x = x + L.o.blocked(a.reshape(B, nh * hd))
+        x = x + _mlp(W, L, rms_norm(x, L.post_norm, W.eps), blocked=True)
+    return W.lm_head.blocked(rms_norm(x, W.final_norm, W.eps)).float()
 
 
 def _target_logprobs(W: SamplerWeights, hidden_TH: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
@@ -426,43 +437,42 @@ class _Row:
 
 @torch.no_grad()
 def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None) -> list[SampleResult]:
-    """Sample all `jobs` together: one prefill of the distinct prompts, then a decode loop over all rows."""
+    """Sample all `jobs` together: each prompt prefilled on its own, then one decode loop over all rows.
+
+    Every row's numbers are independent of the other jobs in the batch (see `decode_step`), and its
+    draws come from its job's generator, so a seeded job returns the same tokens and bit-identical
+    logprobs alone or in any batch (same machine and thread count)."""
     if not jobs:
         return []
     T = max(len(j.prompt) for j in jobs)
     L = T + max(j.max_tokens for j in jobs)
     if L > W.max_context:
         raise ValueError(f"longest prompt ({T}) + max_tokens exceeds the model context ({W.max_context})")
-    rows: list[_Row] = []
-    src = []
-    for ji, j in enumerate(jobs):
-        for _ in range(j.num_samples):
-            rows.append(_Row(job=ji))
-            src.append(ji)
+    # rows grouped by prompt length (longest first; a job's rows stay together and in order), so the rows
+    # attending over the same cache length are one contiguous span at every step
+    order = sorted(range(len(jobs)), key=lambda ji: -len(jobs[ji].prompt))
+    rows: list[_Row] = [_Row(job=ji) for ji in order for _ in range(jobs[ji].num_samples)]
     B = len(rows)
-    src_B = torch.tensor(src, dtype=torch.long)
     R = len(jobs)
-    # prompts are left-aligned to T in the cache (prompt i occupies [T - len_i, T)); each is prefilled
-    # on its own, so no compute goes to padding, and its K/V are copied to its job's sample rows
+    # each prompt occupies cache indices [0, len) of its job's slot; its K/V are then copied to its rows
     cache_R = [(torch.zeros(R, W.n_kv, L, W.head_dim, dtype=W.dtype),
                 torch.zeros(R, W.n_kv, L, W.head_dim, dtype=W.dtype)) for _ in W.layers]
     results = [SampleResult() for _ in jobs]
     ids = [torch.tensor(j.prompt, dtype=torch.long) for j in jobs]
-    hidden = prefill(W, ids, cache_R, range(R), [T - len(j.prompt) for j in jobs])
+    hidden = prefill(W, ids, cache_R, range(R))
     for ji, j in enumerate(jobs):
         if j.include_prompt_logprobs:
             results[ji].prompt_logprobs = prompt_logprobs(W, hidden[ji], ids[ji])
-    logits = W.lm_head(torch.stack([h[-1] for h in hidden])).float()[src_B]  # [B, V]
+    src_B = torch.tensor([r.job for r in rows], dtype=torch.long)
+    logits = W.lm_head.blocked(torch.stack([h[-1] for h in hidden])).float()[src_B]  # [B, V]
     cache = [(kc.index_select(0, src_B), vc.index_select(0, src_B)) for kc, vc in cache_R]
     del cache_R
-    pad_B = torch.tensor([T - len(jobs[r.job].prompt) for r in rows], dtype=torch.long)
-    valid_BL = torch.arange(L).unsqueeze(0) >= pad_B.unsqueeze(1)
-    gens = []
-    for j in jobs:
-        if j.seed is not None:
-            gens.append(torch.Generator().manual_seed(int(j.seed)))
-        else:
-            gens.append(torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item())))
+    plen_B = torch.tensor([len(jobs[r.job].prompt) for r in rows], dtype=torch.long)
+    gens: dict[int, torch.Generator] = {}
+    for ji, j in enumerate(jobs):  # greedy jobs draw nothing (not even from the global generator)
+        if not j.greedy:
+            seed = int(j.seed) if j.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+            gens[ji] = torch.Generator().manual_seed(seed)
     temp_B = torch.tensor([1.0 if jobs[r.job].greedy else float(jobs[r.job].temperature) for r in rows])
     job_rows: list[list[int]] = [[] for _ in jobs]
     for b, r in enumerate(rows):
@@ -471,38 +481,36 @@ def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None
     job_done = [False] * len(jobs)
     max_steps = max(j.max_tokens for j in jobs)
     for step in range(max_steps):
-        # ---- choose tokens for every live row (logits: [len(live), V])
+        # ---- choose tokens for every live row (logits: [len(live), V]); each row's token and logprob
+        # come from its own logits by the same formulas whatever the other rows do
         temps = temp_B[live]
         scaled = logits if bool((temps == 1.0).all()) else logits / temps.unsqueeze(1)
+        probs = torch.softmax(scaled, -1)  # the tempered distribution over the full vocabulary
+        tok = torch.argmax(logits, -1)
         pos_of = {int(r): i for i, r in enumerate(live.tolist())}
-        idx_l, u_l = [], []
-        filt = scaled
-        for ji, j in enumerate(jobs):
+        idx_l, u_l = [], []  # rows drawing from the full tempered distribution
+        for ji in order:
+            j = jobs[ji]
             if job_done[ji] or j.greedy:
                 continue
             idx = [pos_of[b] for b in job_rows[ji]]
+            # inverse-CDF draws: one uniform per row per step from the request's own generator (cheaper
+            # than torch.multinomial, and independent of the other requests in the batch)
+            u = torch.rand(len(idx), generator=gens[ji], dtype=torch.float64)
             if j.top_k > 0 or j.top_p < 1.0:
-                if filt is scaled:
-                    filt = scaled.clone()
                 ii = torch.tensor(idx)
-                filt[ii] = _filter_top(scaled[ii], j.top_k, j.top_p)
-            idx_l += idx
-            u_l.append(torch.rand(len(idx), generator=gens[ji], dtype=torch.float64))
-        # inverse-CDF draws: one uniform per row from the request's own generator (cheaper than
-        # torch.multinomial, and independent of the other requests in the batch)
-        if filt is scaled and idx_l == list(range(len(live))):
-            # every row samples from its full tempered distribution, in batch order: one softmax serves
-            # the draw and the logprob (log of an fp32 probability: abs. error ~1e-7)
-            probs = torch.softmax(scaled, -1)
-            tok = inverse_cdf(probs, torch.cat(u_l))
-            lp = probs.gather(1, tok.unsqueeze(1)).squeeze(1).log()
-        else:
-            lse = torch.logsumexp(scaled, -1)
-            tok = torch.argmax(logits, -1)
-            if idx_l:
+                tok[ii] = inverse_cdf(torch.softmax(_filter_top(scaled[ii], j.top_k, j.top_p), -1), u)
+            else:
+                idx_l += idx
+                u_l.append(u)
+        if idx_l:  # one call for all of them (a row's draw depends on its own row only)
+            if idx_l == list(range(len(live))):
+                tok = inverse_cdf(probs, torch.cat(u_l))
+            else:
                 ii = torch.tensor(idx_l)
-                tok[ii] = inverse_cdf(torch.softmax(filt[ii], -1), torch.cat(u_l))
-            lp = scaled.gather(1, tok.unsqueeze(1)).squeeze(1) - lse
+                tok[ii] = inverse_cdf(probs[ii], torch.cat(u_l))
+        # log of an fp32 probability: abs. error ~1e-7
+        lp = probs.gather(1, tok.unsqueeze(1)).squeeze(1).log()
         tok_l, lp_l = tok.tolist(), lp.tolist()
         for i, b in enumerate(live.tolist()):
             r = rows[b]
@@ -529,11 +537,22 @@ def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None
             live = live[k]
             tok = tok[k]
             cache = [(kc.index_select(0, k), vc.index_select(0, k)) for kc, vc in cache]
-        t = T + step
-        logits = decode_step(W, tok, t, (t - pad_B[live]), valid_BL[live], cache)
-    for b, r in enumerate(rows):
+        pos = plen_B[live] + step  # where this step's input token goes
+        logits = decode_step(W, tok, pos, _spans(pos.tolist()), cache)
+    for r in rows:
         results[r.job].sequences.append((r.tokens, r.logprobs, r.reason))
     return results
+
+
+def _spans(pos: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive rows at the same position: `(first, end, position + 1)`."""
+    out: list[tuple[int, int, int]] = []
+    for i, p in enumerate(pos):
+        if out and out[-1][2] == p + 1:
+            out[-1] = (out[-1][0], i + 1, p + 1)
+        else:
+            out.append((i, i + 1, p + 1))
+    return out
 
 
 def _hits_stop_string(tokens: list[int], stops: tuple[str, ...], tokenizer: Any) -> bool:

@@ -74,7 +74,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 class LocalServiceClient:
     def __init__(self, *, state_dir: str | Path, sampler_dtype: str = "bfloat16", train_dtype: str = "float32",
                  micro_batch_size: int = 16, micro_batch_tokens: int = 2048, max_sample_batch: int = 128,
-                 lora_alpha: float | None = None,
+                 sample_batch_wait_s: float = 0.01, lora_alpha: float | None = None,
                  num_threads: int | None = None, model_cache_dir: str | Path | None = None,
                  faults: dict[str, Any] | None = None, **_tinker_kwargs: Any):
         self.state_dir = Path(state_dir).expanduser().resolve()
@@ -98,7 +98,10 @@ class LocalServiceClient:
             torch.set_num_threads(int(num_threads))
         self._faults = Faults(faults)
         self.session_id = f"local-{uuid.uuid4().hex[:12]}"
-        self._scheduler = SampleScheduler(self.sampler_dtype, max_sample_batch, self._faults)
+        if not sample_batch_wait_s >= 0:
+            raise ValueError(f"sample_batch_wait_s must be >= 0, got {sample_batch_wait_s!r}")
+        self._scheduler = SampleScheduler(self.sampler_dtype, max_sample_batch, self._faults,
+                                          batch_wait_s=float(sample_batch_wait_s))
         self._clients: weakref.WeakSet[LocalTrainingClient] = weakref.WeakSet()
 
     # ------------------------------------------------------------------ capabilities

@@ -1,0 +1,1 @@
+"""`python -m trainer.serve`: the embedded engine behind tinker 0.38's HTTP protocol (see app.py)."""

@@ -1,0 +1,98 @@
+"""`python -m trainer.serve [--host 127.0.0.1] [--port 0] [--faults SPEC] ...`
+
+Serves the embedded engine over tinker 0.38's HTTP protocol, so that
+`TINKER_API_KEY=tml-local TINKER_BASE_URL=http://HOST:PORT python train.py backend=tinker ...` runs the
+real SDK end to end offline. The first stdout line is exactly `listening on http://HOST:PORT` (with the
+port the OS picked for `--port 0`). Any API key starting with `tml-` is accepted. SIGINT / SIGTERM stop
+it cleanly. The engine options mirror `backend=local` (`conf/backend/local.yaml`); LoRA alpha is not
+part of the Tinker protocol, so a rehearsal of a model config with another alpha passes `--lora-alpha`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer.serve", description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=0, help="port (0 = any free port, printed on the first line)")
+    p.add_argument("--faults", default="", help="fault injection spec, see trainer/serve/faults.py "
+                   "(e.g. 'rate=0.1 seed=0' or 'at=optim_step#2:410')")
+    p.add_argument("--latency-s", type=float, default=0.0, help="delay added to every API request (seconds)")
+    p.add_argument("--poll-s", type=float, default=20.0, help="long-poll of retrieve_future (seconds, < 45)")
+    p.add_argument("--client-side-loss", action="store_true",
+                   help="tell the SDK to run registered custom losses client-side (two passes), as the "
+                        "service does when its config has custom_loss_server_side=false")
+    p.add_argument("--state-dir", default=os.path.expanduser("~/.cache/pairedrl/serve"),
+                   help="where the engine keeps checkpoints (tinker:// paths name folders under it)")
+    p.add_argument("--sampler-dtype", default="auto", help="auto | bfloat16 | float32")
+    p.add_argument("--train-dtype", default="auto", help="auto | bfloat16 | float32")
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--micro-batch-tokens", type=int, default=2048)
+    p.add_argument("--max-sample-batch", type=int, default=128)
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 32, the engine's)")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    if not 0 < args.poll_s < 45:
+        p.error("--poll-s must be in (0, 45): the SDK reads retrieve_future with a 45 s timeout")
+    return args
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from aiohttp import web
+
+    from trainer.backends.local import LocalServiceClient
+    from trainer.serve.app import TinkerServer
+    from trainer.serve.faults import FaultPlan
+
+    faults = FaultPlan.parse(args.faults)
+    engine = LocalServiceClient(state_dir=Path(args.state_dir), sampler_dtype=args.sampler_dtype,
+                                train_dtype=args.train_dtype, micro_batch_size=args.micro_batch_size,
+                                micro_batch_tokens=args.micro_batch_tokens, max_sample_batch=args.max_sample_batch,
+                                lora_alpha=args.lora_alpha, num_threads=args.num_threads)
+    server = TinkerServer(engine, faults, poll_s=args.poll_s, server_side_loss=not args.client_side_loss,
+                          latency_s=args.latency_s)
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    host, port = site._server.sockets[0].getsockname()[:2]  # the port the OS picked for --port 0
+    print(f"listening on http://{host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    engine.close()
+    if faults.active:
+        print(f"faults injected: {faults.injected}", flush=True)
+    print("stopped", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="[serve %(asctime)s] %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stderr)
+    try:
+        asyncio.run(serve(args))
+    except ValueError as e:  # a bad --faults spec or engine option
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the port is taken, the host cannot be bound
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""`backend=tinker` end to end: the unmodified tinker SDK against `python -m trainer.serve` on loopback.
+
+The server runs the embedded engine, so a run through the wire must equal the same run in-process
+(`backend=local`): same metrics.jsonl rows and the same eval records. Both sides pin fp32 (sampler and
+training), so the only differences left are float rounding from how the wire path batches work (the
+SDK's two-pass custom loss sends its forward and backward as separate requests, so prompts are packed
+differently): values are compared to 1e-4 relative, tokens and eval records exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from test_trainer_e2e import TINY, read_metrics, run_train
+
+# the model config's LoRA alpha is not part of the Tinker protocol: the server is told it
+ENGINE = ["--lora-alpha", "8", "--sampler-dtype", "float32", "--train-dtype", "float32"]
+ARGS = [a for a in TINY if not a.startswith("backend.")]
+LOCAL = [*ARGS, "backend.sampler_dtype=float32", "backend.train_dtype=float32"]
+WIRE = [*ARGS, "backend=tinker"]
+
+
+class Server:
+    """`python -m trainer.serve` in a subprocess; `url` from its first stdout line."""
+
+    def __init__(self, state_dir: Path, *extra: str):
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "trainer.serve", "--state-dir", str(state_dir), *ENGINE,
+                                      *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline().strip()
+        assert line.startswith("listening on http://127.0.0.1:"), (line, self.proc.stderr.read()[-2000:])
+        self.url = line.split()[-1]
+
+    def env(self) -> dict:
+        return {"TINKER_API_KEY": "tml-local", "TINKER_BASE_URL": self.url, "TINKER_TELEMETRY": "0"}
+
+    def stats(self) -> dict:
+        import httpx
+
+        return httpx.get(self.url + "/stats", timeout=10).json()
+
+    def stop(self) -> str:
+        self.proc.send_signal(signal.SIGTERM)
+        out, err = self.proc.communicate(timeout=30)
+        assert self.proc.returncode == 0, err[-2000:]
+        assert out.strip().endswith("stopped"), out
+        return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve_state"))
+    yield s
+    s.stop()
+
+
+def _comparable(rows: list[dict]) -> list[dict]:
+    # engine/ counters differ by construction on the two-pass path: over the wire the SDK keeps the
+    # metrics of the second (backward) request only
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "faults/", "engine/"))} for r in rows]
+
+
+def assert_same_rows(rows_a: list[dict], rows_b: list[dict], rel: float = 1e-4) -> None:
+    assert [(r["step"], r["update"]) for r in rows_a] == [(r["step"], r["update"]) for r in rows_b]
+    for ra, rb in zip(_comparable(rows_a), _comparable(rows_b)):
+        assert set(ra) == set(rb), set(ra) ^ set(rb)
+        for k, v in ra.items():
+            if isinstance(v, float):
+                assert rb[k] == pytest.approx(v, rel=rel, abs=1e-6), (ra["step"], ra["update"], k)
+            else:
+                assert rb[k] == v, (ra["step"], ra["update"], k)
+
+
+def eval_records(run: Path, name: str = "gsm8k_test") -> list[tuple]:
+    rows = [json.loads(x) for x in (run / "eval" / f"{name}.jsonl").read_text().splitlines() if x.strip()]
+    return [(r["index"], r["completion"], r["parsed"], r["correct"]) for r in rows]
+
+
+def rollouts(run: Path) -> list[tuple]:
+    rows = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines() if x.strip()]
+    return [(r["step"], r["group"], r["completion"], r["reward"]) for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["one_pass", "two_pass"])
+def test_wire_run_equals_in_process_run(tmp_path, server, path):
+    # one request per group on both sides (the local engine's default; the wire's is per_sample, pinned by
+    # the resume and fault tests below)
+    extra = [f"backend.loss_path={path}", "sampling.requests=per_group"] + (["eval=none"] if path == "two_pass"
+                                                                          else [])
+    local, wire = tmp_path / "local", tmp_path / "wire"
+    p = run_train([*LOCAL, *extra, f"hydra.run.dir={local}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_train([*WIRE, *extra, f"hydra.run.dir={wire}"], tmp_path, env=server.env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows_l, rows_w = read_metrics(local), read_metrics(wire)
+    assert {r["loss/path"] for r in rows_w} == {path}
+    assert_same_rows(rows_l, rows_w)
+    assert rollouts(local) == rollouts(wire)
+    if path == "one_pass":
+        assert eval_records(local) == eval_records(wire)
+        assert json.loads((wire / "result.json").read_text())["eval"]["greedy_deterministic"] is True
+    ck = json.loads((wire / "checkpoint.json").read_text())
+    assert ck["tinker_path"].startswith("tinker://") and ck["optim_steps"] == 4
+
+
+# the resume and fault tests share one in-process reference: 3 steps, one request per sample (the wire's
+# default), with the final eval
+REF_ARGS = ["schedule.num_steps=3", "retry.backoff_s=0.0", "sampling.requests=per_sample"]
+
+
+@pytest.fixture(scope="module")
+def local_ref(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("local_ref")
+    p = run_train([*LOCAL, *REF_ARGS, f"hydra.run.dir={tmp / 'ref'}"], tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return tmp / "ref"
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_over_the_wire(tmp_path, server, local_ref):
+    args = REF_ARGS
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *WIRE, *args, f"hydra.run.dir={run}"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **server.env()})
+    deadline = time.time() + 240
+    while time.time() < deadline:  # kill once step 1 is logged: after the step-1 checkpoint, mid-run
+        if (run / "metrics.jsonl").exists() and any(r.get("step", 0) >= 1 for r in _safe_rows(run)):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    p = run_train([*WIRE, *args, f"hydra.run.dir={run}"], tmp_path, env=server.env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming the run in" in p.stdout
+    assert_same_rows(read_metrics(local_ref), read_metrics(run))
+    assert eval_records(local_ref) == eval_records(run)
+
+
+def _safe_rows(run: Path) -> list[dict]:
+    out = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("url, needle", [
+    ("http://127.0.0.1:9", "did not answer within"),  # nothing listens on the discard port
+])
+def test_unreachable_service_fails_fast_naming_the_url(tmp_path, url, needle):
+    t0 = time.time()
+    p = run_train([*WIRE, "backend.connect_timeout_s=5", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path,
+                  env={"TINKER_API_KEY": "tml-local", "TINKER_BASE_URL": url, "TINKER_TELEMETRY": "0"})
+    assert time.time() - t0 < 30
+    assert p.returncode == 2
+    assert url in p.stderr and needle in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_wrong_url_or_key_fails_fast_naming_it(tmp_path, server):
+    for url, key, needle in ((server.url + "/not-tinker", "tml-local", "does not look like a Tinker service"),
+                             (server.url, "sk-wrong", "refused the API key in $TINKER_API_KEY")):
+        p = run_train([*WIRE, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path,
+                      env={"TINKER_API_KEY": key, "TINKER_BASE_URL": url, "TINKER_TELEMETRY": "0"})
+        assert p.returncode == 2 and needle in p.stderr and url in p.stderr, p.stderr[-2000:]
+        assert "Traceback" not in p.stderr
+
+
+def test_sdk_errors_are_classified():
+    """What the pinned SDK raises once its own retries are spent, and what the trainer does about it."""
+    import httpx
+    import tinker
+    from tinker.lib.retryable_exception import RetryableException
+
+    from trainer.backends.errors import RECOVER, RESEND, USER, classify, is_retryable
+    from trainer.losses.adapter import LossFunctionError
+
+    req = httpx.Request("POST", "http://tinker.invalid/api/v1/forward_backward")
+
+    def status(code: int) -> Exception:
+        return tinker.APIStatusError("x", response=httpx.Response(code, request=req), body=None)
+
+    def failed(category: str) -> Exception:
+        return tinker.RequestFailedError("Request failed", request_id="r",
+                                         category=tinker.types.RequestErrorCategory(category))
+
+    def sdk_value_error() -> Exception:
+        try:
+            raise ValueError("Error retrieving result: ... with status 404") from status(404)
+        except ValueError as e:
+            return e
+
+    cases = {
+        RESEND: [tinker.RateLimitError("x", response=httpx.Response(429, request=req), body=None)],
+        RECOVER: [failed("server"), failed("user"), RetryableException(message="Promise expired"), sdk_value_error(),
+                  ValueError("Proto deserialization failed: bad bytes"), status(500), status(409), status(410),
+                  tinker.APITimeoutError(request=req), tinker.APIConnectionError(request=req),
+                  RuntimeError("A previous request failed; this TrainingClient is poisoned")],
+        USER: [status(400), status(401), status(404), status(422), ValueError("datum[0] has no target_tokens"),
+               LossFunctionError("loss raised RuntimeError: bug")],
+        None: [KeyError("bug"), AttributeError("bug")],
+    }
+    for want, excs in cases.items():
+        for exc in excs:
+            assert classify(exc) == want, (exc, want)
+    assert not is_retryable(cases[RECOVER][-1])  # a poisoned client: resending on it cannot succeed
+    assert is_retryable(failed("server")) and not is_retryable(status(401))
+
+
+FAULT_KINDS = "500,429,408,410,failed_server,failed_user,drop,poison"
+
+
+@pytest.mark.slow
+def test_ten_percent_faults_on_the_wire_give_the_fault_free_run(tmp_path, local_ref):
+    """A tenth of the calls fail across the kinds the service can produce (`delay` aside: each costs the
+    SDK's 45-60 s timeout), plus chosen ones that force a dropped reply after the work was taken, a lost
+    model and a failed future: every (step, update) row still appears once, with the values of the
+    fault-free in-process run, and the final eval is the same."""
+    args, ref, run = REF_ARGS, local_ref, tmp_path / "faulty"
+    at = "at=optim_step#2:drop,forward_backward#5:poison,save_weights#2:drop,asample#3:drop"
+    srv = Server(tmp_path / "state", "--faults", f"rate=0.1 seed=7 kinds={FAULT_KINDS} {at}")
+    try:
+        p = run_train([*WIRE, *args, f"hydra.run.dir={run}"], tmp_path, env=srv.env(), timeout=600)
+        stats = srv.stats()
+    finally:
+        out = srv.stop()
+    assert p.returncode == 0, p.stderr[-3000:]
+    injected = stats["faults"]
+    assert sum(injected.values()) >= 8 and {"drop", "poison"} <= set(injected), injected
+    assert "faults injected" in out
+    result = json.loads((run / "result.json").read_text())
+    assert result["recoveries"] >= 1  # the lost model was replaced from a checkpoint
+    rows = read_metrics(run)
+    assert [(r["step"], r["update"]) for r in rows] == [(s, u) for s in range(3) for u in range(2)]
+    assert [r["global_update"] for r in rows] == list(range(6))
+    assert_same_rows(read_metrics(ref), rows)
+    assert eval_records(ref) == eval_records(run)
+
+
+def test_group_samples_differ_by_construction_and_rerun_identically(tmp_path):
+    """Per-sample requests carry distinct derived seeds: a group's samples differ even where one seeded
+    request would repeat itself, and a rerun draws the same tokens; duplicates are measured and warned."""
+    import asyncio
+
+    from trainer.backends.local import LocalServiceClient
+    from trainer.config.compose import compose_config
+    from trainer.datums import Rollout
+    from trainer.loop import frac_duplicate_in_group
+    from trainer.main import build_components
+    from trainer.retry import RetryPolicy
+    from trainer.rollouts import sample_batch, sample_seed
+
+    assert len({sample_seed(0, 3, 1, i) for i in range(64)}) == 64
+    assert sample_seed(0, 3, 1, 5) == sample_seed(0, 3, 1, 5) != sample_seed(1, 3, 1, 5)
+    cfg = compose_config(["model=tiny_random", "env=gsm8k", "env.n_examples=4", "env.convo_prefix=none"])
+    _, _, task = build_components(cfg)
+    sc = LocalServiceClient(state_dir=tmp_path / "engine", sampler_dtype="float32", train_dtype="float32")
+    sampler = sc.create_sampling_client(base_model="pairedrl/tiny-random")
+
+    def draw():
+        return asyncio.run(sample_batch(task, task.train_problems()[:2], sampler, seed=0, step=0, group_size=4,
+                                        temperature=1.0, max_tokens=8, top_p=1.0, top_k=-1, max_seq_len=512,
+                                        concurrency=8, retry=RetryPolicy(), per_sample=True))
+
+    a, b = draw(), draw()
+    assert [[r.tokens for r in g] for g in a] == [[r.tokens for r in g] for g in b]
+    assert frac_duplicate_in_group(a) == 0.0
+    same = [[Rollout(group=0, prompt_tokens=[1], tokens=[5, 6], logprobs=[0.0, 0.0], reward=0.0, metrics={},
+                     stop_reason="stop") for _ in range(4)]]
+    assert frac_duplicate_in_group(same) == 0.75
+    sc.close()
+
+
+def test_optim_step_is_sent_before_forward_backward_returns(tmp_path):
+    """backend.pipeline_optim_step: the loop submits optim_step while forward_backward is still running
+    (the client orders them), and the pair's results are those of the unpipelined calls."""
+    import tinker
+
+    from trainer.backends.local import LocalServiceClient
+    from trainer.datums import Rollout, rollout_to_datum
+    from trainer.loop import RLLoop
+    from trainer.losses.adapter import make_custom_loss_fn
+    from trainer.losses.grpo import GRPOLoss
+
+    sc = LocalServiceClient(state_dir=tmp_path / "engine", sampler_dtype="float32", train_dtype="float32")
+    rollouts = [Rollout(group=0, prompt_tokens=[1, 7, 9, 11], tokens=[20 + i, 30, 40, 2], logprobs=[-3.0] * 4,
+                        reward=0.0, metrics={}, stop_reason="stop", advantage=(-1.0) ** i) for i in range(4)]
+    mb = [rollout_to_datum(r) for r in rollouts]
+    params = tinker.AdamParams(learning_rate=0.01)
+    events: list[str] = []
+
+    class Spy:  # the real client; records when each call is submitted and whether forward_backward had finished
+        def __init__(self, tc):
+            self.tc, self.fb = tc, None
+
+        def forward_backward_custom(self, data, fn):
+            self.fb = self.tc.forward_backward_custom(data, fn)
+            events.append("fb submitted")
+            return self.fb
+
+        def optim_step(self, p):
+            events.append("optim submitted" + (" after fb finished" if self.fb.future().done() else ""))
+            return self.tc.optim_step(p)
+
+    outs = []
+    for pipelined in (True, False):
+        loop = RLLoop.__new__(RLLoop)
+        tc = sc.create_lora_training_client("pairedrl/tiny-random", rank=4, seed=0)
+        loop.tc, loop.custom_loss = Spy(tc), make_custom_loss_fn(GRPOLoss())
+        if pipelined:
+            fb, opt = loop._fb_then_optim(mb, params)
+        else:
+            fb = loop.tc.forward_backward_custom(mb, loop.custom_loss).result()
+            opt = loop.tc.optim_step(params).result()
+        outs.append((fb.metrics["loss:sum"], opt.metrics["grad_norm:mean"]))
+    assert events[:2] == ["fb submitted", "optim submitted"]
+    assert events[2:] == ["fb submitted", "optim submitted after fb finished"]
+    assert outs[0] == pytest.approx(outs[1], rel=1e-6)
+    sc.close()
