@@ -44,6 +44,7 @@ def test_save_state_then_restore_with_optimizer_is_exact(sc):
         tc.forward_backward(data, "ppo").result()
         tc.optim_step(ADAM).result()
     saved = tc.save_state("step2").result()
+    saved_lp = logprobs(tc, data)
     assert saved.path.startswith("tinker://local/")
     folder = Path("/" + saved.path[len("tinker://local/"):])
     assert (folder / "meta.json").is_file() and (folder / "optimizer.pt").is_file()
@@ -52,7 +53,7 @@ def test_save_state_then_restore_with_optimizer_is_exact(sc):
 
     restored = sc.create_training_client_from_state_with_optimizer(saved.path).result()
     assert restored.model_id != tc.model_id and restored.optim_steps == 2
-    assert all(torch.equal(a, b) for a, b in zip(logprobs(tc, data), logprobs(restored, data)))
+    assert all(torch.equal(a, b) for a, b in zip(saved_lp, logprobs(restored, data)))
     # the next step (Adam moments + step count restored) gives bit-identical weights
     nxt = batch(tc.get_tokenizer(), 1)
     r1 = (tc.forward_backward(nxt, "ppo").result(), tc.optim_step(ADAM).result())
@@ -65,11 +66,15 @@ def test_save_state_then_restore_with_optimizer_is_exact(sc):
     # weights only: same logprobs, fresh optimizer -> a different next step
     fresh = sc.create_training_client_from_state(saved.path).result()
     assert fresh.optim_steps == 0
+    # the saved weights, not the base model's: the base logprobs differ from the saved ones
+    base_lp = logprobs(sc.create_lora_training_client(TINY, rank=4, seed=3).result(), data)
+    assert not all(torch.equal(a, b) for a, b in zip(saved_lp, base_lp))
     fresh_lp = logprobs(fresh, data)
+    assert len(fresh_lp) == len(data)
+    assert all(torch.equal(a, b) for a, b in zip(saved_lp, fresh_lp))
     fresh.forward_backward(nxt, "ppo").result()
     fresh.optim_step(ADAM).result()
     assert not all(torch.equal(a, b) for a, b in zip(tc._params, fresh._params))
-    assert len(fresh_lp) == len(data)
 
 
 def test_load_state_into_an_existing_client_and_sampler_checkpoints(sc):

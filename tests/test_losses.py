@@ -159,24 +159,41 @@ def test_dppo_binary_tv_hand_computed_branches():
 
 
 def test_dppo_binary_kl_hand_computed_branches():
-    # KL_bin(0.5 || 0.6) = 0.5 ln(0.5/0.6) + 0.5 ln(0.5/0.4) = 0.0204 (< 0.05: keep)
-    # KL_bin(0.5 || 0.7) = KL_bin(0.5 || 0.3) = 0.5 ln(0.5/0.7) + 0.5 ln(0.5/0.3) = 0.0872 (> 0.05)
-    p_s = [0.5, 0.5, 0.5, 0.5, 0.5]
-    p = [0.6, 0.7, 0.3, 0.7, 0.3]
-    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0], dtype=F64)
+    # KL_bin(p_s || p) = p_s ln(p_s/p) + (1-p_s) ln((1-p_s)/(1-p)), the sampler first. The
+    # probabilities are asymmetric so that the swapped direction KL_bin(p || p_s) lands on the
+    # other side of delta = 0.05 for tokens 0-3:
+    #   tok  p_s   p     A    KL(p_s||p)  KL(p||p_s)  decision
+    #   0    0.9   0.97  +1   0.0530      0.0365      drop (KL > delta, p rose)
+    #   1    0.1   0.21  +1   0.0431      0.0528      keep (KL < delta)
+    #   2    0.1   0.03  -1   0.0530      0.0365      drop (KL > delta, p fell)
+    #   3    0.9   0.79  -1   0.0431      0.0528      keep (KL < delta)
+    #   4    0.9   0.75  +1   0.0725      0.0923      keep (A > 0 but p fell)
+    #   5    0.2   0.35  -1   0.0542      0.0609      keep (A < 0 but p rose)
+    p_s = [0.9, 0.1, 0.1, 0.9, 0.9, 0.2]
+    p = [0.97, 0.21, 0.03, 0.79, 0.75, 0.35]
+    a = [1.0, 1.0, -1.0, -1.0, 1.0, -1.0]
+    kl = [ps * math.log(ps / q) + (1 - ps) * math.log((1 - ps) / (1 - q)) for ps, q in zip(p_s, p)]
+    kl_swapped = [q * math.log(q / ps) + (1 - q) * math.log((1 - q) / (1 - ps)) for ps, q in zip(p_s, p)]
+    assert [k > 0.05 for k in kl[:4]] == [True, False, True, False]
+    assert [k > 0.05 for k in kl_swapped[:4]] == [False, True, False, True]
+    keep = [0, 1, 0, 1, 1, 1]
+    adv = torch.tensor(a, dtype=F64)
     logp, slp = tokens(p_s, p)
-    # A>0: 0.6 keep, 0.7 drop (KL > delta and p rose), 0.3 keep (p fell); A<0: 0.7 keep (p rose), 0.3 drop.
-    expected_grad = [-1.2, 0.0, -0.6, 1.4, 0.0]
-    value, metrics = DPPOLoss(mode="binary_kl")(logp, slp, adv, torch.ones(5, dtype=F64))
+    # d/dlogp of -A * (p / p_s) * logp with the ratio detached: -A * p / p_s on kept tokens
+    expected_grad = [-a[i] * p[i] / p_s[i] * keep[i] for i in range(6)]
+    value, metrics = DPPOLoss(mode="binary_kl")(logp, slp, adv, torch.ones(6, dtype=F64))
     value.backward()
     torch.testing.assert_close(logp.grad, torch.tensor(expected_grad, dtype=F64), rtol=1e-10, atol=1e-12)
-    expected_loss = -1.2 * math.log(0.6) - 0.6 * math.log(0.3) + 1.4 * math.log(0.7)
+    expected_loss = sum(-a[i] * p[i] / p_s[i] * keep[i] * math.log(p[i]) for i in range(6))
     assert value.item() == pytest.approx(expected_loss, rel=1e-12)
-    assert metrics["loss/dppo_masked_frac"] == pytest.approx(2 / 5)
-    # delta 0.1 keeps everything (0.0872 < 0.1)
-    logp2, _ = tokens(p_s, p)
-    DPPOLoss(mode="binary_kl", delta=0.1)(logp2, slp, adv, torch.ones(5, dtype=F64))[0].backward()
-    torch.testing.assert_close(logp2.grad, torch.tensor([-1.2, -1.4, -0.6, 1.4, 0.6], dtype=F64))
+    assert metrics["loss/dppo_masked_frac"] == pytest.approx(2 / 6)
+    # delta 0.06 keeps tokens 0 and 2 (0.0530 < 0.06); delta 0.1 keeps everything
+    for delta in (0.06, 0.1):
+        logp2, _ = tokens(p_s, p)
+        DPPOLoss(mode="binary_kl", delta=delta)(logp2, slp, adv, torch.ones(6, dtype=F64))[0].backward()
+        torch.testing.assert_close(
+            logp2.grad, torch.tensor([-a[i] * p[i] / p_s[i] for i in range(6)], dtype=F64), rtol=1e-10, atol=1e-12
+        )
 
 
 def test_dppo_log_ratio_clamped_at_20_before_exp():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -143,10 +144,17 @@ def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
         if (run / "metrics.jsonl").exists() and any(r["step"] >= 1 for r in _safe_rows(run)):
             break
         time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before the kill"
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.wait() == -signal.SIGKILL
+    # the kill landed mid-run: some steps logged and checkpointed, not all
+    steps_before = {r["step"] for r in _safe_rows(run)}
+    ck_step = json.loads((run / "checkpoint.json").read_text())["step"]
+    assert 1 in steps_before and 3 not in steps_before, steps_before
+    assert 1 <= ck_step < 4, ck_step
     p = run_train([*args, f"hydra.run.dir={run}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming from" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
     rows_ref, rows = read_metrics(ref), read_metrics(run)
     assert [(r["step"], r["update"]) for r in rows] == [(s, u) for s in range(4) for u in range(2)]
     a, b = _strip_times(rows_ref), _strip_times(rows)
@@ -171,22 +179,48 @@ def _safe_rows(run: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_multirun_pair_then_compare(tmp_path):
+    """A real sweep, then eval.compare on its folders. The tiny random model answers no GSM8K item,
+    so both arms would score 0 and the verdict could not depend on the pairing; the final eval's
+    per-item `correct` flags are therefore re-seeded (items and question hashes kept from the run):
+    the treatment (dppo) right on items 0-29, the baseline (grpo) on items 0-4, of 40."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from eval.records import read_item_records, write_item_records
+
     sweep = tmp_path / "sweep"
-    p = run_train(["--multirun", "loss=grpo,dppo", "seed=0", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path,
-                  timeout=400)
+    p = run_train(["--multirun", "loss=grpo,dppo", "seed=0", *TINY, "eval.n_examples=40",
+                   f"hydra.sweep.dir={sweep}"], tmp_path, timeout=400)
     assert p.returncode == 0, p.stderr[-3000:]
     arms = json.loads((sweep / "arms.json").read_text())
     assert {a["arm"] for a in arms.values()} == {"grpo_seed0", "dppo_seed0"}
-    c = subprocess.run([sys.executable, "-m", "eval.compare", str(sweep)], capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    assert c.returncode == 0, c.stderr[-3000:]
-    out = json.loads(c.stdout[c.stdout.index("{"):])
-    for key in ("n", "acc_treatment", "acc_baseline", "diff", "ci_low", "ci_high", "method", "verdict",
-                "mcnemar_p"):
-        assert key in out
-    assert out["n"] == 4
+    n_right = {"dppo": 30, "grpo": 5}
+    for a in arms.values():
+        f = Path(a["run_dir"]) / "eval" / "gsm8k_test.jsonl"
+        recs = read_item_records(f)
+        assert sorted(r["index"] for r in recs) == list(range(40))
+        assert not any(r["correct"] for r in recs)  # the tiny model really scores 0
+        write_item_records(f, [{**r, "correct": r["index"] < n_right[a["loss"]]} for r in recs])
+
+    def compare(*extra):
+        c = subprocess.run([sys.executable, "-m", "eval.compare", str(sweep), *extra], capture_output=True,
+                           text=True, check=False, timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        assert c.returncode == 0, c.stderr[-3000:]
+        return json.loads(c.stdout[c.stdout.index("{"):])
+
+    out = compare()
+    assert (out["treatment"], out["baseline"], out["n"]) == ("dppo", "grpo", 40)
+    assert out["acc_treatment"] == pytest.approx(30 / 40) and out["acc_baseline"] == pytest.approx(5 / 40)
+    assert out["diff"] == pytest.approx(25 / 40)
+    assert (out["b"], out["c"]) == (25, 0)  # items right only under the treatment / only under the baseline
+    # paired Hoeffding at alpha 0.05: half-width sqrt(2 ln(40) / 40) = 0.4295 < 0.625
+    assert out["ci_low"] == pytest.approx(25 / 40 - math.sqrt(2 * math.log(2 / 0.05) / 40))
+    assert out["ci_low"] > 0 and out["verdict"] == "validated", out["verdict"]
     assert (sweep / "compare.json").exists() and (sweep / "compare.md").exists()
     assert len(list((sweep / "compare_plots").glob("*.png"))) >= 3
+    # the roles swapped: the same data now says the treatment is worse
+    swapped = compare("--treatment", "grpo", "--baseline", "dppo", "--override-decision",
+                      "--out", str(tmp_path / "swapped"), "--no-plots")
+    assert swapped["diff"] == pytest.approx(-25 / 40) and (swapped["b"], swapped["c"]) == (0, 25)
+    assert swapped["verdict"] == "not_supported", swapped["verdict"]
 
 
 def test_periodic_evals_hold_the_final_eval_items_and_form_a_curve(tmp_path):
