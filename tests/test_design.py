@@ -148,6 +148,13 @@ def test_from_an_aa_sweep_estimates_discordance_and_seed_sd(tmp_path):
     p = c[0].mean()
     assert one["discordance"] == pytest.approx(2 * p * (1 - p)) and one["seed_sd"] is None
     assert (sweep / "0" / "eval" / f"{EVAL}.jsonl").is_file()
+    # the power curve lands beside the sweep it was estimated from, not in the working directory
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = _cli("eval.n_examples=200", "seed=0,1,2", "--from", str(sweep), "--sims", "20", "--bootstrap", "20",
+                cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    assert (sweep / "design_power.png").read_bytes()[:4] == b"\x89PNG" and not list(cwd.iterdir())
 
 
 def test_design_gate_fails_only_when_the_decision_method_misses_the_target(tmp_path):

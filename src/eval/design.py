@@ -510,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default: the sweep's seed= values)")
     p.add_argument("--sims", type=int, default=1000, help="simulated sweeps per effect (default 1000)")
     p.add_argument("--bootstrap", type=int, default=400, help="bootstrap resamples per simulated sweep")
-    p.add_argument("--plot", default="design_power.png", help="PNG power curve path ('' = none)")
+    p.add_argument("--plot", default=None,
+                   help="PNG power curve path ('' = none; default: design_power.png in the --from folder, else in "
+                        "outputs/design/)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     try:
@@ -529,7 +531,11 @@ def main(argv: list[str] | None = None) -> int:
             raise DesignError(f"config: {e}") from None
         plan = plan_from_config(cfg, args.seeds or n_seeds, args.discordance, args.seed_sd, args.target_effect,
                                 args.pilot)
-        result = design(plan, n_sims=args.sims, n_bootstrap=args.bootstrap, plot=args.plot or None)
+        plot = args.plot
+        if plot is None:  # beside what it was estimated from, never loose in the working directory
+            plot = str((Path(args.pilot) if args.pilot else Path("outputs") / "design") / "design_power.png")
+            Path(plot).parent.mkdir(parents=True, exist_ok=True)
+        result = design(plan, n_sims=args.sims, n_bootstrap=args.bootstrap, plot=plot or None)
     except DesignError as e:
         print(f"eval.design: error: {e}", file=sys.stderr)
         return 2
