@@ -83,6 +83,9 @@ class _NoStopTask:
     def decode(self, tokens: list[int]) -> str:
         return self.renderer.tokenizer.decode(tokens)
 
+    def parse_answer(self, text: str) -> str | None:
+        return self.task.parse_answer(text)
+
 
 def ours(steps: int, precision: str, drop_constant_groups: bool = False) -> dict:
     from trainer.backends import build_service_client
