@@ -20,6 +20,9 @@ SHORT = [*TINY, "schedule.num_steps=3", "schedule.save_every=1", "eval=none"]
 
 
 def _same_run(a: Path, b: Path) -> None:
+    # A redone step may batch its sampling requests differently: tokens are then identical and logprobs equal
+    # to float rounding (~1e-6), which grows to ~2e-5 relative in grad norms; a lost or doubled optimizer
+    # step moves these values by orders of magnitude more.
     ra, rb = _strip_times(read_metrics(a)), _strip_times(read_metrics(b))
     assert [(r["step"], r["update"]) for r in rb] == [(r["step"], r["update"]) for r in ra]
     for x, y in zip(ra, rb):
@@ -27,10 +30,10 @@ def _same_run(a: Path, b: Path) -> None:
             if k == "faults/retries":
                 continue
             if isinstance(v, float):
-                assert y[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+                assert y[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
             else:
                 assert y[k] == v, k
-    np.testing.assert_allclose(_final_logprobs(b), _final_logprobs(a), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(_final_logprobs(b), _final_logprobs(a), atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
@@ -109,7 +112,9 @@ def test_five_sigkills_then_resume_equal_uninterrupted(tmp_path):
             if (run / "metrics.jsonl").exists() and len(_safe_rows(run)) > n0:
                 break
             time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 1.5))
+        # the first kill lands as the first step is logged (a quick machine finishes the tiny run within the
+        # random delay, so the other kills may land after the last step, during the end-of-run report)
+        time.sleep(rng.uniform(0.0, 1.5) if landed else 0.0)
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             assert proc.wait() == -signal.SIGKILL

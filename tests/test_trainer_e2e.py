@@ -161,10 +161,10 @@ def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
     for ra, rb in zip(a, b):
         for k in ra:
             if isinstance(ra[k], float):
-                assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-7), k
+                assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), k  # as _same_run
             elif k != "faults/retries":
                 assert rb[k] == ra[k], k
-    np.testing.assert_allclose(_final_logprobs(run), _final_logprobs(ref), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(_final_logprobs(run), _final_logprobs(ref), atol=1e-5, rtol=0)
 
 
 def _safe_rows(run: Path) -> list[dict]:
