@@ -438,28 +438,24 @@ def pilot_estimates(path: str | Path) -> dict[str, Any]:
             "source": f"A/B sweep {path} ({losses}, seeds {seeds})"}
 
 
+def _first_given(*candidates: tuple[Any, str]) -> tuple[float, str]:
+    """(value, where it came from) of the first candidate that is set: command line, pilot, config, default."""
+    return next((float(v), src) for v, src in candidates if v is not None)
+
+
 def plan_from_config(cfg: Any, n_seeds: int, discordance: float | None = None, seed_sd: float | None = None,
                      target_effect: float | None = None, pilot: str | Path | None = None) -> Plan:
     """The plan's design inputs: the config's decision group, overridden by the command line or a pilot."""
     d = cfg.decision
     sources = {}
     est = pilot_estimates(pilot) if pilot is not None else {}
-    if discordance is not None:
-        P, sources["discordance"] = discordance, "--discordance"
-    elif est.get("discordance") is not None:
-        P, sources["discordance"] = est["discordance"], est["source"]
-    elif d.get("discordance") is not None:
-        P, sources["discordance"] = float(d.discordance), "decision.discordance"
-    else:
-        P, sources["discordance"] = DEFAULT_DISCORDANCE, f"assumed {DEFAULT_DISCORDANCE} (no --discordance, --from or decision.discordance)"
-    if seed_sd is not None:
-        sd, sources["seed_sd"] = seed_sd, "--seed-sd"
-    elif est.get("seed_sd") is not None:
-        sd, sources["seed_sd"] = est["seed_sd"], est["source"]
-    elif d.get("seed_sd") is not None:
-        sd, sources["seed_sd"] = float(d.seed_sd), "decision.seed_sd"
-    else:
-        sd, sources["seed_sd"] = 0.0, "assumed 0 (no training noise: a lower bound on every MDE; pass --seed-sd or --from an A/A sweep)"
+    P, sources["discordance"] = _first_given(
+        (discordance, "--discordance"), (est.get("discordance"), est.get("source")),
+        (d.get("discordance"), "decision.discordance"),
+        (DEFAULT_DISCORDANCE, f"assumed {DEFAULT_DISCORDANCE} (no --discordance, --from or decision.discordance)"))
+    sd, sources["seed_sd"] = _first_given(
+        (seed_sd, "--seed-sd"), (est.get("seed_sd"), est.get("source")), (d.get("seed_sd"), "decision.seed_sd"),
+        (0.0, "assumed 0 (no training noise: a lower bound on every MDE; pass --seed-sd or --from an A/A sweep)"))
     target = target_effect if target_effect is not None else d.get("target_effect")
     return Plan(n_items=n_items_of(cfg), n_seeds=n_seeds, alpha=float(d.alpha), power=float(d.power),
                 margin=float(d.margin), discordance=float(P), seed_sd=float(sd), method=str(d.method),
