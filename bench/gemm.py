@@ -31,6 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from trainer.backends.local.common import COMPUTE  # noqa: E402
 from trainer.backends.local.sampler import _MKLDNN  # noqa: E402
+from trainer.backends.local.service import dtype_name  # noqa: E402
 
 # SmolLM2-135M: hidden 576, 9 query / 3 kv heads of 64, MLP 1536, vocab 49152
 SHAPES = {"q|k|v": (960, 576), "o": (576, 576), "gate|up": (3072, 576), "down": (576, 1536)}
@@ -103,7 +104,7 @@ def _packed(rows: int) -> Callable:
 def ceilings(dtype: torch.dtype, rows: int = 1184, decode_rows: int = 32, quiet: bool = True) -> dict:
     """GFLOPS at the step's training and decode shapes in `dtype` (decode: the faster of plain and packed).
     Call on the engine's compute thread."""
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     train, train_path = _sweep(f"train {name}", SHAPES, rows, dtype, _linear, 20, quiet)
     shapes = {**SHAPES, "unembed": (VOCAB, 576)}
     decode = {"linear": _sweep(f"decode {name}", shapes, decode_rows, dtype, _linear, 100, quiet)}

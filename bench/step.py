@@ -89,6 +89,7 @@ class _NoStopTask:
 
 def ours(steps: int, precision: str, drop_constant_groups: bool = False) -> dict:
     from trainer.backends import build_service_client
+    from trainer.backends.local.service import dtype_name
     from trainer.config.compose import compose_config
     from trainer.loop import RLLoop
     from trainer.main import build_components, make_loss
@@ -103,7 +104,7 @@ def ours(steps: int, precision: str, drop_constant_groups: bool = False) -> dict
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         sc = build_service_client(cfg, Path(d))
-        dtypes = (str(sc.sampler_dtype).removeprefix("torch."), str(sc.train_dtype).removeprefix("torch."))
+        dtypes = (dtype_name(sc.sampler_dtype), dtype_name(sc.train_dtype))
         _, _, task = build_components(cfg)
         loss, custom = make_loss(cfg, sc)
         loop = RLLoop(cfg, Path(d), sc, _NoStopTask(task), loss, custom, resolved_config_dict(cfg), progress=False)

@@ -59,9 +59,9 @@ def auto_precision() -> tuple[torch.dtype, str]:
     return torch.float32, "the CPU has no AVX512_BF16/AMX: bf16 matmuls would be slower than fp32"
 
 
-def _dtype(name: str, what: str) -> torch.dtype:
-    if name == "auto":
-        return auto_precision()[0]
+def _dtype(name: str, what: str, auto: tuple[torch.dtype, str] | None) -> torch.dtype:
+    if name == "auto" and auto is not None:
+        return auto[0]
     if name not in _DTYPES:
         raise ValueError(f"{what} must be one of {sorted(_DTYPES) + ['auto']}, got {name!r}")
     return _DTYPES[name]
@@ -78,11 +78,12 @@ class LocalServiceClient:
                  num_threads: int | None = None, model_cache_dir: str | Path | None = None,
                  faults: dict[str, Any] | None = None, **_tinker_kwargs: Any):
         self.state_dir = Path(state_dir).expanduser().resolve()
-        self.sampler_dtype = _dtype(sampler_dtype, "sampler_dtype")
-        self.train_dtype = _dtype(train_dtype, "train_dtype")
+        auto = auto_precision() if "auto" in (sampler_dtype, train_dtype) else None
+        self.sampler_dtype = _dtype(sampler_dtype, "sampler_dtype", auto)
+        self.train_dtype = _dtype(train_dtype, "train_dtype", auto)
         # what ran, recorded in run_info.json and the gates' reports: bf16 noise is ~1e3x fp32's
         self.precision = {"sampler_dtype": dtype_name(self.sampler_dtype), "train_dtype": dtype_name(self.train_dtype),
-                          "auto": auto_precision()[1] if "auto" in (sampler_dtype, train_dtype) else None}
+                          "auto": auto[1] if auto else None}
         for name, v in (("micro_batch_size", micro_batch_size), ("micro_batch_tokens", micro_batch_tokens),
                         ("max_sample_batch", max_sample_batch)):
             if not isinstance(v, int) or v < 1:
