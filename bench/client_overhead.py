@@ -33,6 +33,7 @@ def run(steps: int, n_tokens: int, one_pass: bool) -> dict:
 
     from trainer.config.compose import compose_config
     from trainer.loop import RLLoop
+    from trainer.losses.paths import OnePassLossPath
     from trainer.main import build_components, make_loss
     from trainer.run_info import resolved_config_dict
 
@@ -41,11 +42,11 @@ def run(steps: int, n_tokens: int, one_pass: bool) -> dict:
     _, renderer, task = build_components(cfg)
     answers = [p.answer for p in task.train_problems()[:64]]
     sc = InstantServiceClient(renderer.tokenizer, n_tokens, answers)
-    loss, custom = make_loss(cfg, object())  # object(): no create_custom_loss -> the callable
+    loss_path = make_loss(cfg, object())  # object(): no create_custom_loss -> the two-pass callable
     if one_pass:
-        custom = _Handle()
+        loss_path = OnePassLossPath(loss_path.loss, _Handle())
     with tempfile.TemporaryDirectory() as d:
-        loop = RLLoop(cfg, Path(d), sc, task, loss, custom, resolved_config_dict(cfg), progress=False)
+        loop = RLLoop(cfg, Path(d), sc, task, loss_path, resolved_config_dict(cfg), progress=False)
         t0 = time.perf_counter()
         loop.run()
         total = time.perf_counter() - t0

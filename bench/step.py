@@ -106,8 +106,8 @@ def ours(steps: int, precision: str, drop_constant_groups: bool = False) -> dict
         sc = build_service_client(cfg, Path(d))
         dtypes = (dtype_name(sc.sampler_dtype), dtype_name(sc.train_dtype))
         _, _, task = build_components(cfg)
-        loss, custom = make_loss(cfg, sc)
-        loop = RLLoop(cfg, Path(d), sc, _NoStopTask(task), loss, custom, resolved_config_dict(cfg), progress=False)
+        loop = RLLoop(cfg, Path(d), sc, _NoStopTask(task), make_loss(cfg, sc), resolved_config_dict(cfg),
+                      progress=False)
         setup = time.perf_counter() - t0
         loop.run()
         rows = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines()]

@@ -369,9 +369,9 @@ def test_masked_one_pass_loss_skips_prompt_gradients_with_the_same_result(sc):
     """The project's GRPO loss as a registered handle (mask input: the engine skips the unembedding
     gradient before each datum's first masked-in position) gives the gradients, loss and logprobs
     of the two-pass callable, prompt positions included."""
-    from trainer.losses.adapter import make_custom_loss_fn, make_loss_handle
+    from trainer.losses.adapter import make_custom_loss_fn
     from trainer.losses.grpo import GRPOLoss
-    from trainer.losses.per_datum import with_per_datum_inputs
+    from trainer.losses.per_datum import make_loss_handle, with_per_datum_inputs
 
     tc = trained_client(sc, seed=5)
     data = []

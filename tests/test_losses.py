@@ -449,7 +449,7 @@ def test_custom_loss_fn_through_tinkers_compute_custom_loss():
 
 @pytest.mark.parametrize("loss", [GRPOLoss(), DPPOLoss(), DPPOLoss(mode="binary_kl", is_cap=INF, delta=INF)])
 def test_per_datum_fn_traces_and_sums_to_the_batch_loss(loss):
-    pd = loss.per_datum_fn()
+    pd = make_per_datum_fn(loss)
     handle = trace_loss(pd.fn, pd.input_ranks, session_id="test")
     assert len(encode_graph(handle).nodes) > 10  # encodable for upload
     data, current = make_datums()
@@ -475,7 +475,7 @@ def test_per_datum_fn_requires_sum_aggregation():
     with pytest.raises(ValueError, match="aggregation='sum'.*token_mean"):
         make_per_datum_fn(GRPOLoss(aggregation="token_mean"))
     with pytest.raises(ValueError, match="aggregation='sum'"):
-        DPPOLoss(aggregation="seq_mean_token_sum").per_datum_fn()
+        make_per_datum_fn(DPPOLoss(aggregation="seq_mean_token_sum"))
 
 
 def test_with_per_datum_inputs_adds_sampler_key_and_default_mask():
@@ -493,7 +493,7 @@ def test_make_loss_handle_registers_a_handle_that_tinker_runs_client_side():
     """Through tinker's own ServiceClient.create_custom_loss tracing step (no server needed)."""
     from tinker.lib.public_interfaces.custom_loss import LossHandle
 
-    from trainer.losses.adapter import make_loss_handle
+    from trainer.losses.per_datum import make_loss_handle
 
     class TracingOnlyServiceClient:
         """Does what tinker's create_custom_loss does when the server runs losses client-side."""

@@ -293,8 +293,8 @@ def test_optim_step_is_sent_before_forward_backward_returns(tmp_path):
     from trainer.backends.local import LocalServiceClient
     from trainer.datums import Rollout, rollout_to_datum
     from trainer.loop import RLLoop
-    from trainer.losses.adapter import make_custom_loss_fn
     from trainer.losses.grpo import GRPOLoss
+    from trainer.losses.paths import TwoPassLossPath
 
     sc = LocalServiceClient(state_dir=tmp_path / "engine", sampler_dtype="float32", train_dtype="float32")
     rollouts = [Rollout(group=0, prompt_tokens=[1, 7, 9, 11], tokens=[20 + i, 30, 40, 2], logprobs=[-3.0] * 4,
@@ -320,11 +320,11 @@ def test_optim_step_is_sent_before_forward_backward_returns(tmp_path):
     for pipelined in (True, False):
         loop = RLLoop.__new__(RLLoop)
         tc = sc.create_lora_training_client("pairedrl/tiny-random", rank=4, seed=0)
-        loop.tc, loop.custom_loss = Spy(tc), make_custom_loss_fn(GRPOLoss())
+        loop.tc, call = Spy(tc), TwoPassLossPath(GRPOLoss()).prepare(mb)
         if pipelined:
-            fb, opt = loop._fb_then_optim(mb, params)
+            fb, opt = loop._fb_then_optim(call, params)
         else:
-            fb = loop.tc.forward_backward_custom(mb, loop.custom_loss).result()
+            fb = loop.tc.forward_backward_custom(call.data, call.loss_fn).result()
             opt = loop.tc.optim_step(params).result()
         outs.append((fb.metrics["loss:sum"], opt.metrics["grad_norm:mean"]))
     assert events[:2] == ["fb submitted", "optim submitted"]

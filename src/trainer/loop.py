@@ -2,9 +2,10 @@
 
 Per rollout step: a sampling client from the current weights; every group sampled concurrently;
 rewards from the env; advantages; datums; `updates_per_batch` minibatches, each one
-`forward_backward_custom(minibatch, loss)` then `optim_step`. Checkpoints are taken at step
-boundaries; resume (or recovery from a poisoned client) reloads the last one, drops the log rows of
-the steps after it and redoes them, so no optimizer step is ever skipped or applied twice.
+`forward_backward_custom` on what `loss_path.prepare(minibatch)` gives, then `optim_step`.
+Checkpoints are taken at step boundaries; resume (or recovery from a poisoned client) reloads the last
+one, drops the log rows of the steps after it and redoes them, so no optimizer step is ever skipped or
+applied twice.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any, Callable
 
 import numpy as np
 import tinker
-import torch
 from omegaconf import DictConfig
 
 from trainer.advantages import compute_advantages
@@ -26,8 +26,8 @@ from trainer.backends.errors import RECOVER, RESEND, USER, BackendRequestError, 
 from trainer.config.schema import arm_name
 from trainer.checkpoint import (CheckpointInfo, ResumeError, check_resumable, config_hash, rng_state,
                                 save_checkpoint, truncate_log)
-from trainer.losses.adapter import ANCHOR_KEY, REF_KEY, datum_inputs, optional_input
-from trainer.losses.per_datum import finalize_per_datum_metrics, with_per_datum_inputs
+from trainer.losses.inputs import ANCHOR_KEY, REF_KEY
+from trainer.losses.paths import CustomLossCall, LossPath
 from trainer.datums import Rollout, rollout_to_datum, split_minibatches
 from trainer.lr_schedule import lr_at
 from trainer.metrics_sink import MetricsSink
@@ -94,17 +94,15 @@ class RLLoop:
     _stuck: int = 0
     _stuck_at: tuple[int, int] | None = None
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, service_client: Any, task: Any, loss_fn: Any,
-                 custom_loss: Any, config_dict: dict, sweep_dir: Path | None = None,
+    def __init__(self, cfg: DictConfig, run_dir: Path, service_client: Any, task: Any, loss_path: LossPath,
+                 config_dict: dict, sweep_dir: Path | None = None,
                  progress: bool | str = True, on_step_end: Callable[[int], None] | None = None,
                  wandb_run: Any = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.sc = service_client
         self.task = task
-        self.loss_fn = loss_fn
-        self.custom_loss = custom_loss  # callable (two-pass) or a server-side loss handle (one pass)
-        self.loss_path = "one_pass" if not callable(custom_loss) else "two_pass"
+        self.loss_path = loss_path  # the loss plugin, what forward_backward_custom receives, its metrics
         self.config_dict = config_dict
         self.sweep_dir = sweep_dir
         # True / "bar": a tqdm bar (terminals); "lines": one log line per step (no terminal); False: none
@@ -321,23 +319,22 @@ class RLLoop:
         rows = []
         for u, mb in enumerate(minibatches):
             t_u = time.time()
-            if self.loss_path == "one_pass":
-                mb = [with_per_datum_inputs(d) for d in mb]
+            call = self.loss_path.prepare(mb)
             lr = lr_at(state.optim_steps, s.num_steps * s.updates_per_batch, cfg.optimizer.lr, s.lr_schedule,
                        s.warmup_steps, s.min_lr_ratio)
             o = cfg.optimizer
             params = tinker.AdamParams(learning_rate=lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
                                        weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm)
             if cfg.backend.get("pipeline_optim_step", False):
-                fb, opt = self._train_call(_PIPELINED, lambda mb=mb: self._fb_then_optim(mb, params))
+                fb, opt = self._train_call(_PIPELINED, lambda call=call: self._fb_then_optim(call, params))
             else:
-                fb = self._train_call("forward_backward", lambda mb=mb: self.tc.forward_backward_custom(
-                    mb, self.custom_loss).result())
+                fb = self._train_call("forward_backward", lambda call=call: self.tc.forward_backward_custom(
+                    call.data, call.loss_fn).result())
                 opt = self._train_call("optim_step", lambda: self.tc.optim_step(params).result())
             state.optim_steps += 1
             row = {"step": step, "update": u, "global_update": state.optim_steps - 1, "optim/lr": lr,
-                   "loss/path": self.loss_path}
-            row.update(self._loss_metrics(fb, mb))
+                   "loss/path": self.loss_path.name}
+            row.update(self.loss_path.metrics(fb, call.data))
             for k, v in ((getattr(opt, "metrics", None) or {}).items()):
                 row[f"optim/{k.split(':')[0]}"] = float(v)
             row["time/update"] = time.time() - t_u
@@ -370,7 +367,7 @@ class RLLoop:
         update) where the anchor pass returns per-position entropies (the local engine does)."""
         timings: dict[str, float] = {}
         extra: list[dict[str, Any]] = [{} for _ in datums]
-        if getattr(self.loss_fn, "anchor", "sampler") == "recomputed":
+        if getattr(self.loss_path.loss, "anchor", "sampler") == "recomputed":
             t0 = time.time()
             fwd = [tinker.Datum(model_input=d.model_input, loss_fn_inputs={
                 "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": d.loss_fn_inputs["mask"]})
@@ -385,7 +382,7 @@ class RLLoop:
                 ent = np.concatenate([o["entropy"].to_numpy() for o in out.loss_fn_outputs])
                 mask = np.concatenate([d.loss_fn_inputs["mask"].to_numpy() for d in datums]) > 0
                 timings["entropy/exact"] = float(ent[mask].astype(np.float64).mean())
-        if float(getattr(self.loss_fn, "kl_coef", 0.0)) > 0:
+        if float(getattr(self.loss_path.loss, "kl_coef", 0.0)) > 0:
             t0 = time.time()
             if self._ref_sampler is None:
                 self._ref_sampler = self.retry.call("create_sampling_client", lambda: self.sc.create_sampling_client(
@@ -402,40 +399,12 @@ class RLLoop:
         return [tinker.Datum(model_input=d.model_input, loss_fn_inputs={**d.loss_fn_inputs, **e})
                 for d, e in zip(datums, extra)], timings
 
-    def _loss_metrics(self, fb: Any, mb: list) -> dict[str, Any]:
-        """The shared loss diagnostics of one update, whichever path computed the loss.
-
-        On the one-pass path the server returns per-datum sums only; quantiles and maxima are
-        recomputed here from the current logprobs the forward pass returned."""
-        if self.loss_path == "two_pass":
-            return _fb_metrics(fb)
-        try:
-            out = finalize_per_datum_metrics(fb.metrics)
-        except ValueError as e:  # a server that drops the custom/...:sum keys: the logprobs still serve
-            self._warn_once("sums", "one-pass loss: %s; diagnostics come from the returned logprobs", e)
-            out = {}
-        out["loss/value"] = float(fb.metrics.get("loss:sum", float("nan")))
-        outs = list(fb.loss_fn_outputs or [])
-        logp = [torch.as_tensor(o["logprobs"].to_numpy(), dtype=torch.float32)
-                for o in outs if "logprobs" in o]
-        if len(logp) != len(mb):
-            self._warn_once("logprobs", "one-pass loss: %d of %d datums came back with logprobs; the drift, "
-                            "ratio quantile and max diagnostics are not logged", len(logp), len(mb))
-        else:
-            slp, adv, mask = zip(*[datum_inputs(d, i, len(lp)) for i, (d, lp) in enumerate(zip(mb, logp))])
-            cat = [torch.cat(x) for x in (logp, slp, adv, mask)]
-            anchors = [optional_input(d, ANCHOR_KEY, i, len(lp)) for i, (d, lp) in enumerate(zip(mb, logp))]
-            anchor = torch.cat(anchors) if all(a is not None for a in anchors) else None
-            diag = self.loss_fn.diagnostics(*cat, anchor)
-            out.update({k: v for k, v in diag.items() if k not in out})
-        return out
-
-    def _fb_then_optim(self, mb: list, params: Any) -> tuple[Any, Any]:
+    def _fb_then_optim(self, call: CustomLossCall, params: Any) -> tuple[Any, Any]:
         """forward_backward and optim_step submitted back to back, then both awaited: requests of one
         client run in submission order (tinker 0.38 reserves the custom loss's two passes' request ids
         up front, `training_client.py::forward_backward_custom`), so the step lands in the same server
         cycle instead of one round trip later, as the cookbook's RL loop does."""
-        fb = self.tc.forward_backward_custom(mb, self.custom_loss)
+        fb = self.tc.forward_backward_custom(call.data, call.loss_fn)
         opt = self.tc.optim_step(params)
         return fb.result(), opt.result()
 
@@ -511,19 +480,6 @@ def _first_update_mismatch(first_row: dict[str, Any]) -> dict[str, float]:
     """`mismatch/*` of a step: |p_trainer - p_sampler| quantiles and the k3 KL(sampler || trainer) at its first
     update (minibatch 0, before any optim_step of the step), logged on every row of the step."""
     return {new: first_row[old] for old, new in _MISMATCH_KEYS.items() if old in first_row}
-
-
-def _fb_metrics(fb: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in (getattr(fb, "metrics", None) or {}).items():
-        if k == "loss:sum":
-            out["loss/value"] = float(v)
-        elif ":" in k:
-            name, red = k.rsplit(":", 1)
-            out[name if red in ("sum", "mean", "max", "min") else k] = float(v)
-        else:
-            out[k] = float(v)
-    return out
 
 
 # share of duplicated completions above which a step at temperature >= 1 warns (a healthy policy at T=1

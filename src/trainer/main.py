@@ -10,12 +10,15 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config.schema import ConfigError, validate
 from trainer.run_info import batch_arithmetic, format_batch_arithmetic, resolved_config_dict, write_run_files
+
+if TYPE_CHECKING:
+    from trainer.losses.paths import LossPath
 
 log = logging.getLogger("pairedrl")
 
@@ -92,29 +95,27 @@ def eval_task(cfg: DictConfig, renderer: Any, train_task: Any) -> Any:
     return build_task(OmegaConf.structured(schema()), renderer)
 
 
-def make_loss(cfg: DictConfig, service_client: Any) -> tuple[Any, Any]:
-    """(loss plugin, what forward_backward_custom receives), by `backend.loss_path`: `two_pass` the
-    client-side callable; `one_pass` a handle registered with `create_custom_loss` (the per-datum form,
-    which needs `aggregation=sum`), failing the run when that is impossible; `auto` the handle where the
-    loss and backend allow it, else the callable, with a warning when registering failed (the arms of a
-    sweep would otherwise run different paths unnoticed; `eval.compare` refuses such a sweep)."""
+def make_loss(cfg: DictConfig, service_client: Any) -> LossPath:
+    """The loss plugin on its path, by `backend.loss_path`: `two_pass` the client-side callable; `one_pass` a
+    handle registered with `create_custom_loss` (the per-datum form, which needs `aggregation=sum`), failing
+    the run when that is impossible; `auto` the handle where the loss and backend allow it, else the
+    callable, with a warning when registering failed (the arms of a sweep would otherwise run different
+    paths unnoticed; `eval.compare` refuses such a sweep)."""
     import hydra
 
-    from trainer.losses.adapter import make_custom_loss_fn
+    from trainer.losses.paths import OnePassLossPath, TwoPassLossPath
 
     loss = hydra.utils.instantiate(cfg.loss)
     want = cfg.backend.get("loss_path", "auto")
     if want == "two_pass":
-        return loss, make_custom_loss_fn(loss)
+        return TwoPassLossPath(loss)
     if cfg.loss.aggregation != "sum" or not hasattr(service_client, "create_custom_loss"):
         if want == "one_pass":
             fail(f"backend.loss_path=one_pass needs loss.aggregation=sum (got {cfg.loss.aggregation}) and a "
                  "backend with create_custom_loss; use backend.loss_path=auto or two_pass")
-        return loss, make_custom_loss_fn(loss)
-    from trainer.losses.adapter import make_loss_handle
-
+        return TwoPassLossPath(loss)
     try:
-        handle = make_loss_handle(loss, service_client)
+        path = OnePassLossPath.register(loss, service_client)
     except Exception as e:  # noqa: BLE001 - reported, and the run fails or falls back by loss_path
         if want == "one_pass":
             fail(f"backend.loss_path=one_pass: registering the loss with create_custom_loss failed: "
@@ -122,11 +123,11 @@ def make_loss(cfg: DictConfig, service_client: Any) -> tuple[Any, Any]:
         log.warning("backend.loss_path=auto: registering the loss failed (%s: %s); this run computes its loss on "
                     "the two-pass path (same gradients, other cost and metric rounding); pin "
                     "backend.loss_path so that every arm of a sweep runs the same path", type(e).__name__, e)
-        return loss, make_custom_loss_fn(loss)
-    if cfg.backend.name == "tinker" and getattr(handle, "loss_id", None) is None:
+        return TwoPassLossPath(loss)
+    if cfg.backend.name == "tinker" and getattr(path.handle, "loss_id", None) is None:
         log.info("the service runs registered losses client-side (custom_loss_server_side=false): one-pass "
                  "semantics, two model passes per update")
-    return loss, handle
+    return path
 
 
 def run_training(cfg: DictConfig) -> float | None:
@@ -239,10 +240,10 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
         periodic_eval(cfg, loop, etask, run_dir, step)
         to_wandb()
 
-    loss, custom = make_loss(cfg, service_client)
+    loss_path = make_loss(cfg, service_client)
     # a tqdm bar on a terminal; one log line per step (stdout and train.log) without one
     bar = sys.stderr.isatty() or bool(os.environ.get("PAIREDRL_PROGRESS"))
-    loop = RLLoop(cfg, run_dir, service_client, task, loss, custom, config_dict, sweep_dir,
+    loop = RLLoop(cfg, run_dir, service_client, task, loss_path, config_dict, sweep_dir,
                   progress=True if bar else "lines", wandb_run=wandb_run)
     if etask is not None and cfg.eval.every:
         loop.on_step_end = on_step_end

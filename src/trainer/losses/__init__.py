@@ -1,4 +1,4 @@
-"""Loss plugins: registry, aggregation, GRPO and DPPO, diagnostics, tinker adapters.
+"""Loss plugins: registry, aggregation, GRPO and DPPO, diagnostics, tinker adapters and the two loss paths.
 
 `hydra.utils.instantiate(cfg.loss)` returns a callable
 `loss(logp, sampler_logp, advantages, mask, anchor_logp=None, ref_logp=None) -> (scalar, metrics)`;
@@ -13,6 +13,7 @@ from trainer.losses.dppo import DPPOLoss
 from trainer.losses.grpo import GRPOLoss
 from trainer.losses.gspo import GSPOLoss
 from trainer.losses.importance_sampling import ImportanceSamplingLoss
+from trainer.losses.paths import LossPath, OnePassLossPath, TwoPassLossPath
 from trainer.losses.per_datum import make_per_datum_fn
 from trainer.losses.registry import LOSSES, get_loss_class, register_loss
 
@@ -24,7 +25,10 @@ __all__ = [
     "GRPOLoss",
     "GSPOLoss",
     "ImportanceSamplingLoss",
+    "LossPath",
+    "OnePassLossPath",
     "PolicyLoss",
+    "TwoPassLossPath",
     "aggregate",
     "get_loss_class",
     "make_custom_loss_fn",

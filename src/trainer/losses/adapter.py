@@ -15,60 +15,13 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-SAMPLER_LOGPROBS_KEY = "logprobs"
-ADVANTAGES_KEY = "advantages"
-MASK_KEY = "mask"
-#: Optional per-datum inputs: the recomputed anchor and the initial weights' logprobs.
-ANCHOR_KEY = "anchor_logprobs"
-REF_KEY = "ref_logprobs"
+from trainer.losses.inputs import ANCHOR_KEY, REF_KEY, datum_inputs, optional_input
 
 CustomLossFn = Callable[[list[Any], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
 
-def default_mask(sampler_logp_T: torch.Tensor, advantages_T: torch.Tensor) -> torch.Tensor:
-    """Loss mask when a datum carries none: `advantages != 0 or logprobs != 0`.
-
-    Same rule as spindle's `build_sequence_batches` (prompt tokens carry A = 0 and
-    sampler logprob 0 in tinker-cookbook datums).
-    """
-    return ((advantages_T != 0) | (sampler_logp_T != 0)).to(sampler_logp_T.dtype)
-
-
-def datum_inputs(datum: Any, index: int, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sampler_logp_T, advantages_T, mask_T) of one datum, each checked to have `length`."""
-    inputs = datum.loss_fn_inputs
-    out = []
-    for key in (SAMPLER_LOGPROBS_KEY, ADVANTAGES_KEY):
-        if key not in inputs:
-            raise ValueError(f"datum[{index}] has no loss_fn_inputs[{key!r}]")
-        out.append(inputs[key].to_torch().reshape(-1).to(torch.float32))
-    sampler_T, adv_T = out
-    mask_T = inputs[MASK_KEY].to_torch().reshape(-1).to(torch.float32) if MASK_KEY in inputs else None
-    if mask_T is None:
-        mask_T = default_mask(sampler_T, adv_T)
-    for key, t in ((SAMPLER_LOGPROBS_KEY, sampler_T), (ADVANTAGES_KEY, adv_T), (MASK_KEY, mask_T)):
-        if t.numel() != length:
-            raise ValueError(
-                f"datum[{index}] loss_fn_inputs[{key!r}] has {t.numel()} entries, "
-                f"but its current logprobs have {length}"
-            )
-    return sampler_T, adv_T, mask_T
-
-
 class LossFunctionError(ValueError):
     """The client-side loss code raised: a bug or bad inputs, which no retry or recovery can fix."""
-
-
-def optional_input(datum: Any, key: str, index: int, length: int) -> torch.Tensor | None:
-    """A datum's optional `loss_fn_inputs[key]` as float32 `[T]`, or None when absent."""
-    if key not in datum.loss_fn_inputs:
-        return None
-    t = datum.loss_fn_inputs[key].to_torch().reshape(-1).to(torch.float32)
-    if t.numel() != length:
-        raise ValueError(
-            f"datum[{index}] loss_fn_inputs[{key!r}] has {t.numel()} entries, but its current logprobs have {length}"
-        )
-    return t
 
 
 def make_custom_loss_fn(loss: Callable[..., tuple[torch.Tensor, dict[str, float]]]) -> CustomLossFn:
@@ -127,22 +80,3 @@ def make_custom_loss_fn(loss: Callable[..., tuple[torch.Tensor, dict[str, float]
     custom_loss_fn.__name__ = f"{getattr(loss, 'name', type(loss).__name__)}_custom_loss"
     return custom_loss_fn
 
-
-def make_loss_handle(loss: Any, service_client: Any) -> Any:
-    """Register the loss's one-pass per-datum form with `service_client.create_custom_loss`.
-
-    Returns tinker's `LossHandle` for `forward_backward_custom(data, handle)`, or None when
-    the client has no `create_custom_loss`. Raises ValueError unless `loss.aggregation == "sum"`
-    (tinker sums per-datum losses). The datums passed with the handle must carry the keys
-    the per-datum function reads: map them through
-    `trainer.losses.per_datum.with_per_datum_inputs` (adds `sampler_logprobs`, and `mask`
-    when absent); its metrics come back as `custom/...:sum` counts, which
-    `trainer.losses.per_datum.finalize_per_datum_metrics` turns into the shared keys.
-    """
-    from trainer.losses.per_datum import make_per_datum_fn
-
-    create = getattr(service_client, "create_custom_loss", None)
-    if create is None:
-        return None
-    per_datum = make_per_datum_fn(loss)
-    return create(per_datum.fn, per_datum.input_ranks).result()

@@ -15,17 +15,12 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
-
 import torch
 
 from trainer.losses.aggregate import aggregate, check_aggregation, check_norm_length
 from trainer.losses.diagnostics import compute_diagnostics
 from trainer.losses.inputs import check_loss_inputs, check_optional_input
 from trainer.losses.trust_region import LOG_RATIO_CLAMP, TrustRegionRules
-
-if TYPE_CHECKING:
-    from trainer.losses.per_datum import PerDatumLoss
 
 ANCHORS: tuple[str, ...] = ("sampler", "recomputed")
 
@@ -141,12 +136,6 @@ class PolicyLoss(ABC):
         with torch.no_grad():
             masks = self.rules.masks(logp, sampler_logp, advantages, mask, anchor_logp)
             return compute_diagnostics(logp, sampler_logp, advantages, mask, rule_masks=masks, is_cap=self.is_cap)
-
-    def per_datum_fn(self) -> PerDatumLoss:
-        """The torch.fx-traceable per-datum form for `ServiceClient.create_custom_loss` (sum only)."""
-        from trainer.losses.per_datum import make_per_datum_fn
-
-        return make_per_datum_fn(self)
 
     def _common_repr(self) -> str:
         extra = f", norm_length={self.norm_length}" if self.norm_length is not None else ""

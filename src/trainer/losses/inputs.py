@@ -1,10 +1,68 @@
-"""Validation of the four loss inputs (`logp`, `sampler_logp`, `advantages`, `mask`)."""
+"""The loss inputs: the datum keys that carry them, their extraction from a datum, their checks.
+
+A tinker `Datum` carries a loss's inputs in `loss_fn_inputs`: the sampler logprobs under `logprobs`
+(the tinker-cookbook key), `advantages`, an optional `mask` (else `default_mask`), and the optional
+recomputed anchor and initial-weights logprobs. The two-pass adapter and the one-pass per-datum
+form both read this vocabulary; the loss itself checks the four tensors it is called with
+(`logp`, `sampler_logp`, `advantages`, `mask`).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+SAMPLER_LOGPROBS_KEY = "logprobs"
+ADVANTAGES_KEY = "advantages"
+MASK_KEY = "mask"
+#: Optional per-datum inputs: the recomputed anchor and the initial weights' logprobs.
+ANCHOR_KEY = "anchor_logprobs"
+REF_KEY = "ref_logprobs"
+
 _NAMES = ("logp", "sampler_logp", "advantages", "mask")
+
+
+def default_mask(sampler_logp_T: torch.Tensor, advantages_T: torch.Tensor) -> torch.Tensor:
+    """Loss mask when a datum carries none: `advantages != 0 or logprobs != 0`.
+
+    Same rule as spindle's `build_sequence_batches` (prompt tokens carry A = 0 and
+    sampler logprob 0 in tinker-cookbook datums).
+    """
+    return ((advantages_T != 0) | (sampler_logp_T != 0)).to(sampler_logp_T.dtype)
+
+
+def datum_inputs(datum: Any, index: int, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sampler_logp_T, advantages_T, mask_T) of one datum, each checked to have `length`."""
+    inputs = datum.loss_fn_inputs
+    out = []
+    for key in (SAMPLER_LOGPROBS_KEY, ADVANTAGES_KEY):
+        if key not in inputs:
+            raise ValueError(f"datum[{index}] has no loss_fn_inputs[{key!r}]")
+        out.append(inputs[key].to_torch().reshape(-1).to(torch.float32))
+    sampler_T, adv_T = out
+    mask_T = inputs[MASK_KEY].to_torch().reshape(-1).to(torch.float32) if MASK_KEY in inputs else None
+    if mask_T is None:
+        mask_T = default_mask(sampler_T, adv_T)
+    for key, t in ((SAMPLER_LOGPROBS_KEY, sampler_T), (ADVANTAGES_KEY, adv_T), (MASK_KEY, mask_T)):
+        if t.numel() != length:
+            raise ValueError(
+                f"datum[{index}] loss_fn_inputs[{key!r}] has {t.numel()} entries, "
+                f"but its current logprobs have {length}"
+            )
+    return sampler_T, adv_T, mask_T
+
+
+def optional_input(datum: Any, key: str, index: int, length: int) -> torch.Tensor | None:
+    """A datum's optional `loss_fn_inputs[key]` as float32 `[T]`, or None when absent."""
+    if key not in datum.loss_fn_inputs:
+        return None
+    t = datum.loss_fn_inputs[key].to_torch().reshape(-1).to(torch.float32)
+    if t.numel() != length:
+        raise ValueError(
+            f"datum[{index}] loss_fn_inputs[{key!r}] has {t.numel()} entries, but its current logprobs have {length}"
+        )
+    return t
 
 
 def check_loss_inputs(

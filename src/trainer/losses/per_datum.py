@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from trainer.losses.adapter import ADVANTAGES_KEY, ANCHOR_KEY, MASK_KEY, REF_KEY, SAMPLER_LOGPROBS_KEY, default_mask
 from trainer.losses.base import kl_k3
+from trainer.losses.inputs import ADVANTAGES_KEY, ANCHOR_KEY, MASK_KEY, REF_KEY, SAMPLER_LOGPROBS_KEY, default_mask
 from trainer.losses.trust_region import RULES
 
 PER_DATUM_SAMPLER_KEY = "sampler_logprobs"
@@ -126,6 +126,23 @@ def make_per_datum_fn(loss: Any) -> PerDatumLoss:
 
     per_datum_loss.__name__ = f"{loss.name}_per_datum"
     return PerDatumLoss(fn=per_datum_loss, input_ranks=ranks)
+
+
+def make_loss_handle(loss: Any, service_client: Any) -> Any:
+    """Register the loss's one-pass per-datum form with `service_client.create_custom_loss`.
+
+    Returns tinker's `LossHandle` for `forward_backward_custom(data, handle)`, or None when
+    the client has no `create_custom_loss`. Raises ValueError unless `loss.aggregation == "sum"`
+    (tinker sums per-datum losses). The datums passed with the handle must carry the keys
+    the per-datum function reads: map them through `with_per_datum_inputs` (adds
+    `sampler_logprobs`, and `mask` when absent); its metrics come back as `custom/...:sum`
+    counts, which `finalize_per_datum_metrics` turns into the shared keys.
+    """
+    create = getattr(service_client, "create_custom_loss", None)
+    if create is None:
+        return None
+    per_datum = make_per_datum_fn(loss)
+    return create(per_datum.fn, per_datum.input_ranks).result()
 
 
 def finalize_per_datum_metrics(metrics: Mapping[str, float]) -> dict[str, float]:

@@ -34,7 +34,7 @@ from trainer.losses.dppo import DPPOLoss
 from trainer.losses.grpo import GRPOLoss
 from trainer.losses.gspo import GSPOLoss
 from trainer.losses.importance_sampling import ImportanceSamplingLoss
-from trainer.losses.per_datum import finalize_per_datum_metrics, with_per_datum_inputs
+from trainer.losses.per_datum import finalize_per_datum_metrics, make_per_datum_fn, with_per_datum_inputs
 from trainer.losses.reference import RefResult, ref_dppo, ref_grpo, ref_loss
 from trainer.preflight.common import Check, GateReport
 
@@ -378,7 +378,7 @@ def _per_datum_checks(
     if tracer is None:
         return [Check(f"{name}/trace", "tinker custom_loss not importable", "traces", "unverified")]
     trace_loss, run_loss_handle = tracer
-    pd = loss.per_datum_fn()
+    pd = make_per_datum_fn(loss)
     try:
         handle = trace_loss(pd.fn, pd.input_ranks, "preflight")
     except ValueError as e:

@@ -200,8 +200,7 @@ def run_pilot(cfg: DictConfig, out_dir: Path) -> tuple[Path, dict[str, Any]]:
     t0 = time.time()
     sc = build_service_client(pilot, run_dir)
     _, renderer, task = build_components(pilot)
-    loss, custom = make_loss(pilot, sc)
-    loop = RLLoop(pilot, run_dir, sc, task, loss, custom, resolved_config_dict(pilot), progress=False)
+    loop = RLLoop(pilot, run_dir, sc, task, make_loss(pilot, sc), resolved_config_dict(pilot), progress=False)
     setup_s = time.time() - t0
     t1 = time.time()
     result = loop.run()

@@ -1,0 +1,220 @@
+"""The two loss paths (`trainer.losses.paths`): what each sends to `forward_backward_custom`, the metrics
+each reads back, the factory that picks one, and the RL loop on both paths giving the same updates."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from local_client import local_service_client
+from test_losses import make_datums
+from test_trainer_e2e import TINY
+from tinker import types
+
+from trainer.datums import Rollout, rollout_to_datum
+from trainer.losses import DPPOLoss, GRPOLoss
+from trainer.losses.inputs import default_mask
+from trainer.losses.paths import OnePassLossPath, TwoPassLossPath
+
+TINY_MODEL = "pairedrl/tiny-random"
+# the metric families both paths report; engine/ counters and the loss's own extras differ by construction
+SHARED = ("loss/", "ratio/", "drift/", "entropy/", "mismatch/")
+
+
+@pytest.fixture(scope="module")
+def sc(tmp_path_factory):
+    yield from local_service_client(tmp_path_factory, "loss_paths")
+
+
+# ----------------------------------------------------------------------------- prepare
+def test_two_pass_prepare_sends_the_minibatch_as_it_is_with_the_client_side_callable():
+    data, _ = make_datums()
+    path = TwoPassLossPath(GRPOLoss())
+    call = path.prepare(data)
+    assert path.name == "two_pass"
+    assert call.data == data and all(a is b for a, b in zip(call.data, data))
+    assert callable(call.loss_fn) and call.loss_fn.__name__ == "grpo_custom_loss"
+    assert call.data is not data  # the caller's list is not handed on
+
+
+def test_one_pass_prepare_adds_the_per_datum_keys_and_leaves_the_minibatch_alone():
+    data, _ = make_datums(with_mask=False)
+    anchor = torch.full((len(data[1].loss_fn_inputs["logprobs"].to_torch()),), -1.5)
+    data[1] = types.Datum(model_input=data[1].model_input,
+                          loss_fn_inputs={**data[1].loss_fn_inputs, "anchor_logprobs": anchor})
+    handle = object()
+    path = OnePassLossPath(DPPOLoss(), handle)
+    call = path.prepare(data)
+    assert path.name == "one_pass" and call.loss_fn is handle and len(call.data) == len(data)
+    for i, (before, after) in enumerate(zip(data, call.data)):
+        slp = before.loss_fn_inputs["logprobs"].to_torch()
+        adv = before.loss_fn_inputs["advantages"].to_torch()
+        got = after.loss_fn_inputs
+        # tinker passes the current logprobs as `logprobs`: the sampler's travel under their own key
+        torch.testing.assert_close(got["sampler_logprobs"].to_torch(), slp)
+        torch.testing.assert_close(got["logprobs"].to_torch(), slp)
+        torch.testing.assert_close(got["mask"].to_torch(), default_mask(slp, adv))
+        want_anchor = anchor if i == 1 else slp  # a recomputed anchor is kept; else the sampler's
+        torch.testing.assert_close(got["anchor_logprobs"].to_torch(), want_anchor)
+        assert set(before.loss_fn_inputs) == {"target_tokens", "logprobs", "advantages"} | (
+            {"anchor_logprobs"} if i == 1 else set())
+
+
+# ----------------------------------------------------------------------------- metrics
+def test_two_pass_metrics_are_the_result_metrics_without_their_reduction_suffix():
+    result = SimpleNamespace(metrics={"loss:sum": 2.5, "loss/n_tokens:sum": 7.0, "ratio/max:max": 1.25,
+                                      "drift/kl_sampler_current:mean": 0.125, "ratio/min:min": 0.5,
+                                      "engine/x:p50": 3.0, "plain": 4})
+    out = TwoPassLossPath(GRPOLoss()).metrics(result, [])
+    assert out == {"loss/value": 2.5, "loss/n_tokens": 7.0, "ratio/max": 1.25, "drift/kl_sampler_current": 0.125,
+                   "ratio/min": 0.5, "engine/x:p50": 3.0, "plain": 4.0}
+    assert all(type(v) is float for v in out.values())
+
+
+def test_one_pass_metrics_survive_a_server_that_drops_sums_or_logprobs(caplog):
+    """The one-pass diagnostics come from the server's custom/...:sum keys and the returned logprobs; a
+    server that omits either must not crash the step after its optim_step was applied."""
+    import tinker
+
+    from trainer.losses.per_datum import _COUNT_KEYS
+
+    r = Rollout(group=0, prompt_tokens=[1, 2], tokens=[3, 4, 5], logprobs=[-0.5, -1.0, -0.2], reward=1.0,
+                metrics={}, stop_reason="stop", advantage=0.5)
+    path = OnePassLossPath(GRPOLoss(), handle=object())
+    data = path.prepare([rollout_to_datum(r)]).data
+    current = tinker.TensorData.from_torch(torch.tensor([0.0, -0.4, -1.1, -0.25]))
+
+    no_sums = SimpleNamespace(metrics={"loss:sum": 1.5}, loss_fn_outputs=[{"logprobs": current}])
+    out = path.metrics(no_sums, data)
+    assert out["loss/value"] == 1.5 and out["loss/n_tokens"] == 3.0 and "drift/abs_p_q90" in out
+    sums = {k: 1.0 for k in _COUNT_KEYS.values()} | {"custom/loss/n_tokens:sum": 3.0}
+    no_logprobs = SimpleNamespace(metrics={"loss:sum": 1.5, **sums}, loss_fn_outputs=[{}])
+    out = path.metrics(no_logprobs, data)
+    assert out["loss/n_tokens"] == 3.0 and out["loss/grpo_clip_frac"] == pytest.approx(1 / 3)
+    assert "drift/abs_p_q90" not in out
+    assert "came back with logprobs" in caplog.text and "missing metric keys" in caplog.text
+
+
+def _drifted_minibatch(sc) -> list:
+    """Datums whose sampler logprobs are the tiny model's own moved by +-0.5 nats, and on every third token
+    a likely token (p = 0.74) where the random model has p ~ 0.002, so ratios leave GRPO's trust region and
+    probabilities DPPO's on some tokens but not all."""
+    tc = sc.create_lora_training_client(TINY_MODEL, rank=4, seed=0).result()
+    g = torch.Generator().manual_seed(1)
+    rollouts = []
+    for i in range(4):
+        prompt = [1, 5 + i, 9, 13]
+        tokens = [20 + 3 * i + k for k in range(5 + i)]
+        rollouts.append(Rollout(group=i // 2, prompt_tokens=prompt, tokens=tokens, logprobs=[0.0] * len(tokens),
+                                reward=0.0, metrics={}, stop_reason="stop", advantage=(-1.0) ** i * (0.5 + i)))
+    data = [rollout_to_datum(r) for r in rollouts]
+    cur = tc.forward(_forward_data(data), "cross_entropy").result().loss_fn_outputs
+    for r, o in zip(rollouts, cur):
+        lp = o["logprobs"].to_torch()[len(r.prompt_tokens) - 1:]
+        slp = (lp + 0.5 * torch.randn(len(lp), generator=g)).clamp(max=-1e-3)
+        slp[::3] = -0.3
+        r.logprobs = slp.tolist()
+    return [rollout_to_datum(r) for r in rollouts]
+
+
+def _forward_data(data: list) -> list:
+    return [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": d.loss_fn_inputs["mask"]}) for d in data]
+
+
+@pytest.mark.parametrize("loss", [GRPOLoss(), DPPOLoss()], ids=["grpo", "dppo"])
+def test_both_paths_give_the_same_metrics_and_update_on_one_minibatch(sc, loss):
+    """One minibatch, the same initial weights: the one-pass path's metrics (rebuilt from per-datum sums
+    and the returned logprobs) equal the two-pass path's (the loss's own), and the weights after the
+    optimizer step give the same logprobs."""
+    mb = _drifted_minibatch(sc)
+    metrics, after = {}, {}
+    for path in (TwoPassLossPath(loss), OnePassLossPath.register(loss, sc)):
+        tc = sc.create_lora_training_client(TINY_MODEL, rank=4, seed=0).result()
+        call = path.prepare(mb)
+        fb = tc.forward_backward_custom(call.data, call.loss_fn).result()
+        metrics[path.name] = path.metrics(fb, call.data)
+        tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+        out = tc.forward(_forward_data(mb), "cross_entropy").result().loss_fn_outputs
+        after[path.name] = torch.cat([o["logprobs"].to_torch() for o in out])
+    one, two = metrics["one_pass"], metrics["two_pass"]
+    assert set(one) <= set(two), set(one) - set(two)
+    assert len(one) > 20
+    for k, v in one.items():
+        assert two[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    # the minibatch exercises the numbers: drift, clipping and masking on some tokens but not all
+    assert 0 < one["drift/kl_sampler_current"] and one["ratio/mean"] != pytest.approx(1.0, abs=1e-3)
+    assert 0 < one[f"loss/{loss.name}_{'clip' if loss.name == 'grpo' else 'masked'}_frac"] < 1
+    torch.testing.assert_close(after["one_pass"], after["two_pass"], rtol=1e-5, atol=1e-5)
+    before = torch.cat([o["logprobs"].to_torch() for o in sc.create_lora_training_client(
+        TINY_MODEL, rank=4, seed=0).result().forward(_forward_data(mb), "cross_entropy").result().loss_fn_outputs])
+    assert (after["one_pass"] - before).abs().max() > 1e-3  # the update moved the weights
+
+
+# ----------------------------------------------------------------------------- the factory
+def test_make_loss_picks_the_path_from_the_config_and_the_backend(sc, capsys):
+    from trainer.config.compose import compose_config
+    from trainer.main import make_loss
+
+    def path(*overrides, client=sc):
+        return make_loss(compose_config([*TINY, *overrides]), client)
+
+    auto = path()
+    assert isinstance(auto, OnePassLossPath) and auto.loss.name == "grpo" and auto.handle is not None
+    assert isinstance(path("backend.loss_path=two_pass"), TwoPassLossPath)
+    assert isinstance(path("loss=dppo", "backend.loss_path=one_pass"), OnePassLossPath)
+    # one pass needs sum aggregation and create_custom_loss; auto falls back to two passes
+    dr = path("loss.aggregation=seq_mean_token_sum_norm")
+    assert isinstance(dr, TwoPassLossPath) and dr.loss.aggregation == "seq_mean_token_sum_norm"
+    assert isinstance(path(client=object()), TwoPassLossPath)
+    with pytest.raises(SystemExit):
+        path("loss.aggregation=token_mean", "backend.loss_path=one_pass")
+    assert "backend.loss_path=one_pass needs loss.aggregation=sum" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the loop on both paths
+def _run_loop(tmp_path, name: str, overrides: list[str]) -> list[dict]:
+    from trainer.backends import build_service_client
+    from trainer.config.compose import compose_config
+    from trainer.loop import RLLoop
+    from trainer.main import build_components, make_loss
+    from trainer.run_info import resolved_config_dict
+
+    cfg = compose_config([*TINY, "eval=none", *overrides])
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    client = build_service_client(cfg, run_dir)
+    try:
+        _, _, task = build_components(cfg)
+        loop = RLLoop(cfg, run_dir, client, task, make_loss(cfg, client), resolved_config_dict(cfg), progress=False)
+        result = loop.run()
+    finally:
+        client.close()
+    assert result["optim_steps"] == 4
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_loop_on_the_two_pass_path_matches_the_one_pass_path(tmp_path):
+    """The RL loop run twice from the same seed, once per path, with every optional loss input (DPPO with
+    the recomputed anchor and the KL penalty): every update logs the same loss, ratio, drift and entropy
+    numbers (the second update of a step and the second step depend on the weights the earlier updates
+    produced, so equal rows mean equal updates), and the same rollouts."""
+    extra = ["loss=dppo", "loss.anchor=recomputed", "loss.kl_coef=0.05"]
+    rows = {p: _run_loop(tmp_path, p, [f"backend.loss_path={p}", *extra]) for p in ("one_pass", "two_pass")}
+    one, two = rows["one_pass"], rows["two_pass"]
+    assert [(r["step"], r["update"]) for r in one] == [(r["step"], r["update"]) for r in two] == [
+        (0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {r["loss/path"] for r in one} == {"one_pass"} and {r["loss/path"] for r in two} == {"two_pass"}
+    for ro, rt in zip(one, two):
+        shared = {k for k in ro if k.startswith(SHARED) and k != "loss/path"}
+        assert len(shared) > 20 and shared <= set(rt), shared - set(rt)
+        for k in shared:
+            assert rt[k] == pytest.approx(ro[k], rel=1e-4, abs=1e-6), (ro["step"], ro["update"], k)
+        for k in ("env/reward_mean", "tokens/sampled", "tokens/trained"):
+            assert rt[k] == ro[k], k
+    # the weights moved: the second update sees drift from the first
+    assert all(r["drift/abs_p_max"] > 1e-4 for r in one if r["update"] == 1)
+    assert all("loss/kl_ref" in r and "entropy/exact" in r for r in one + two)
+    assert one[-1]["loss/kl_ref"] > 1e-4
