@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+
 import torch
 
 from trainer.losses.aggregate import aggregate, check_aggregation, check_norm_length
