@@ -23,7 +23,14 @@ from typing import Any
 import torch
 
 from trainer.losses.base import kl_k3
-from trainer.losses.inputs import ADVANTAGES_KEY, ANCHOR_KEY, MASK_KEY, REF_KEY, SAMPLER_LOGPROBS_KEY, default_mask
+from trainer.losses.inputs import (
+    ADVANTAGES_KEY,
+    ANCHOR_KEY,
+    MASK_KEY,
+    REF_KEY,
+    SAMPLER_LOGPROBS_KEY,
+    default_mask,
+)
 from trainer.losses.trust_region import RULES
 
 PER_DATUM_SAMPLER_KEY = "sampler_logprobs"
