@@ -27,8 +27,8 @@ from tinker_cookbook import renderers
 from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticEnv, _extract_final_int
 
 from envs.types import Problem, Task, conversation_prefix
+from trainer.config.enums import CONVO_PREFIXES
 
-CONVO_PREFIXES = ("standard", "none")
 _QUESTION_RE = re.compile(r"What is (\d+) \+ (\d+)\?")
 # share of a digit class's distinct pairs the test split may take (the rest stays for train)
 _MAX_TEST_SHARE = 0.5

@@ -22,8 +22,8 @@ from tinker_cookbook.recipes.math_rl.math_grading import extract_boxed, grade_an
 
 from envs import gsm8k_data
 from envs.types import Problem, Task, conversation_prefix
+from trainer.config.enums import CONVO_PREFIXES
 
-CONVO_PREFIXES = ("standard", "none")
 log = logging.getLogger("pairedrl")
 
 _GRADERS = {"sympy": grade_answer, "math_verify": grade_answer_math_verify}

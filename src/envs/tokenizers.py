@@ -23,8 +23,8 @@ from typing import Any
 from tinker_cookbook.tokenizer_utils import register_tokenizer
 
 from envs._cfg import cfg_get
+from trainer.config.enums import TOKENIZER_KINDS
 
-TOKENIZER_KINDS = ("tml_qwen3_5", "local", "hf")
 
 _lock = threading.Lock()
 _cache: dict[tuple[str, str], Any] = {}

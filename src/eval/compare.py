@@ -53,6 +53,7 @@ from eval.stats import (
     t_quantile,
     two_level_bootstrap_ci,
 )
+from trainer.config.enums import ENDPOINTS
 from trainer.utils.io import atomic_write_json, atomic_write_text
 
 # Config keys (dotted prefixes) that may differ between the runs of one paired experiment:
@@ -850,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
     rule.add_argument("--method", default=None, choices=RULE_METHODS)
     rule.add_argument("--alpha", type=float, default=None, help="two-sided error rate")
     rule.add_argument("--margin", type=float, default=None, help="gain the lower bound must exceed")
-    rule.add_argument("--endpoint", default=None, choices=("final", "step", "auc"))
+    rule.add_argument("--endpoint", default=None, choices=ENDPOINTS)
     rule.add_argument("--step", type=int, default=None, help="eval step of --endpoint step")
     rule.add_argument("--threshold", type=float, default=None,
                       help="accuracy of the steps-to-threshold endpoint (reported only: no override needed)")

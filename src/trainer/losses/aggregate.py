@@ -24,15 +24,9 @@ from __future__ import annotations
 
 import torch
 
-AGGREGATIONS: tuple[str, ...] = (
-    "sum",
-    "token_mean",
-    "seq_mean_token_sum",
-    "seq_mean_token_mean",
-    "seq_mean_token_sum_norm",
-)
-#: Aggregations that need the constant normaliser `norm_length`.
-NEEDS_NORM_LENGTH: tuple[str, ...] = ("seq_mean_token_sum_norm",)
+from trainer.config.enums import AGGREGATIONS, NEEDS_NORM_LENGTH
+
+__all__ = ["AGGREGATIONS", "NEEDS_NORM_LENGTH", "aggregate", "check_aggregation", "check_norm_length"]
 
 
 def check_aggregation(mode: str, owner: str = "aggregation") -> str:
