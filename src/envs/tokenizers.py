@@ -25,7 +25,6 @@ from tinker_cookbook.tokenizer_utils import register_tokenizer
 from envs._cfg import cfg_get
 from trainer.config.enums import TOKENIZER_KINDS
 
-
 _lock = threading.Lock()
 _cache: dict[tuple[str, str], Any] = {}
 

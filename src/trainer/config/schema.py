@@ -35,7 +35,7 @@ from trainer.config.enums import (
     WANDB_MODES,
 )
 from trainer.config.enums import CONVO_PREFIXES as _CONVO_PREFIXES
-from trainer.config.losses import (
+from trainer.config.losses import (  # noqa: F401 - the loss configs are re-exported beside the other groups'
     LOSS_SCHEMAS,
     CISPOLossConfig,
     DPPOLossConfig,
@@ -44,11 +44,6 @@ from trainer.config.losses import (
     ImportanceSamplingLossConfig,
     LossCommonConfig,
 )
-
-__all__ = [
-    "ConfigError", "CISPOLossConfig", "DPPOLossConfig", "GRPOLossConfig", "GSPOLossConfig",
-    "ImportanceSamplingLossConfig", "LossCommonConfig", "DECISION_METHODS", "ENDPOINTS", "LOSS_PATHS",
-]
 
 
 # ----------------------------------------------------------------------------- model
@@ -513,8 +508,13 @@ class Config:
     checkpoint: Optional[str] = None
 
     def __post_init__(self) -> None:
-        _in_set("advantage", self.advantage, ADVANTAGES)
-        _nonneg_int("seed", self.seed)
+        _check_top_level(self.advantage, self.seed)
+
+
+def _check_top_level(advantage: str, seed: int) -> None:
+    """The top-level scalars' checks (validate() runs them without building a whole Config)."""
+    _in_set("advantage", advantage, ADVANTAGES)
+    _nonneg_int("seed", seed)
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
@@ -548,7 +548,8 @@ def register_configs() -> None:
 def validate(cfg: DictConfig) -> dict[str, Any]:
     """Run every group's range checks; raise ConfigError naming `<group>.<key>`.
 
-    Returns the groups as dataclass objects (useful for typed access)."""
+    Returns {group: its dataclass object} for the eight groups and sampling, retry, preflight and
+    decision: the validated, typed view of `cfg` (e.g. `trainer.losses.build_loss(groups["loss"])`)."""
     objects: dict[str, Any] = {}
     for group in GROUPS:
         node = cfg.get(group)
@@ -558,21 +559,10 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
             objects[group] = OmegaConf.to_object(node)
         except ConfigError as e:
             raise ConfigError(f"{group}.{e}") from None
-    top = {k: v for k, v in cfg.items() if k not in GROUPS and k != "hydra"}
     for key in ("sampling", "retry", "preflight", "decision"):
         try:
             objects[key] = OmegaConf.to_object(cfg[key])
         except ConfigError as e:
             raise ConfigError(f"{key}.{e}") from None
-    try:
-        Config.__post_init__(_TopView(top))  # type: ignore[arg-type]
-    except ConfigError as e:
-        raise ConfigError(str(e)) from None
+    _check_top_level(cfg.advantage, cfg.seed)
     return objects
-
-
-class _TopView:
-    """Attribute view over the top-level scalars, to reuse Config.__post_init__."""
-
-    def __init__(self, d: dict[str, Any]) -> None:
-        self.__dict__.update(d)

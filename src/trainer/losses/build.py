@@ -22,7 +22,8 @@ def loss_class(target: str) -> type[PolicyLoss]:
     except Exception as e:  # noqa: BLE001 - Hydra raises ImportError or ValueError; both mean a bad target
         raise ValueError(f"loss._target_ {target!r} is not an importable class ({e})") from None
     if not (isinstance(cls, type) and issubclass(cls, PolicyLoss)):
-        raise ValueError(f"loss._target_ {target!r} is not a loss plugin (a trainer.losses.base.PolicyLoss)")
+        raise ValueError(  # noqa: TRY004 - a bad config value, like an unimportable target
+            f"loss._target_ {target!r} is not a loss plugin (a trainer.losses.base.PolicyLoss)")
     return cls
 
 
@@ -35,6 +36,7 @@ def build_loss(config: LossCommonConfig | DictConfig) -> PolicyLoss:
         raise TypeError(f"build_loss: expected a loss config dataclass or DictConfig, got {type(config).__name__}")
     cls = loss_class(config._target_)  # type: ignore[attr-defined]
     if not isinstance(config, cls.config_class):
-        raise ValueError(f"loss._target_ {config._target_!r} takes a {cls.config_class.__name__}, "  # type: ignore[attr-defined]
-                         f"not a {type(config).__name__}")
+        target = config._target_  # type: ignore[attr-defined]
+        raise ValueError(  # noqa: TRY004 - a bad config value: the target does not match the group's schema
+            f"loss._target_ {target!r} takes a {cls.config_class.__name__}, not a {type(config).__name__}")
     return cls(config)
