@@ -94,6 +94,7 @@ class DPPOLossConfig(LossCommonConfig):
     # threshold for tokens with A > 0; null = delta
     delta_high: Optional[float] = None
     # truncation cap c of the importance weight min(r, c); 1e4 = the authors' "fair comparison"
+    # (verl-project/verl examples/dppo_trainer, PR #5397 @ 182383bbb, run_qwen30b_dppo.sh: clip_ratio_c)
     is_cap: float = 1.0e4
     # epsilon of the counterfactual GRPO clip fraction logged in this arm (GRPO's default)
     cf_grpo_eps: float = GRPOLossConfig.clip_eps

@@ -21,11 +21,9 @@ class DPPOLoss(PolicyLoss):
     The value is a REINFORCE surrogate (not the IS objective -r*A); its gradient equals
     that of -r*A on kept tokens with r truncated at c.
 
-    Settings, defaults (the authors': verl-project/verl examples/dppo_trainer, PR #5397 @ 182383bbb,
-    run_qwen30b_dppo.sh: delta 0.15 TV / 0.05 KL, clip_ratio_c 10000) and bounds: `DPPOLossConfig`.
-    delta None -> 0.15 (binary_tv) / 0.05 (binary_kl); delta_low / delta_high default to
-    delta. binary_tv needs deltas in (0, 1]; binary_kl deltas > 0; inf disables the rule.
-    `is_cap` (c) >= 1; `cf_grpo_eps` sets the counterfactual PPO clip in `loss/grpo_clip_frac`.
+    Settings, defaults (the authors', pinned in trainer/config/enums.py) and bounds: `DPPOLossConfig`.
+    delta None -> the mode's default; delta_low / delta_high default to delta; inf disables the
+    rule. `cf_grpo_eps` sets the counterfactual PPO clip in `loss/grpo_clip_frac`.
     With `anchor="recomputed"` the mask is taken against the anchor and the IS weight stays on
     the sampler: Stable-RL's `dppo_binary_tv_recompute` / `dppo_binary_kl_recompute`.
     """
