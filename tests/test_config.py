@@ -263,11 +263,15 @@ def test_runtime_enumerations_are_the_config_ones():
 def test_every_arm_reports_the_same_rules_at_default_settings():
     """The counterfactual rules an arm logs default to the other losses' own defaults, so at default
     settings the GRPO, DPPO, IS, CISPO and GSPO arms report the same four rules."""
-    from trainer.losses import CISPOLoss, DPPOLoss, GRPOLoss, GSPOLoss, ImportanceSamplingLoss
+    import dataclasses
+
+    from trainer.losses import CISPOLoss, DPPOLoss, GRPOLoss, GSPOLoss, ImportanceSamplingLoss, reference
     from trainer.losses.trust_region import TrustRegionRules
 
     rules = {cls.__name__: cls().rules for cls in (GRPOLoss, DPPOLoss, ImportanceSamplingLoss, CISPOLoss, GSPOLoss)}
     assert all(r == TrustRegionRules() for r in rules.values()), rules
+    # the float64 reference keeps its own copy on purpose (it shares no code with what it checks): same values
+    assert reference.DEFAULT_RULES == dataclasses.asdict(TrustRegionRules())
 
 
 def _ignored_keys_table() -> list[tuple[list[str], dict[str, str]]]:
