@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_trainer_e2e import TINY, read_metrics, run_train
+from runs import TINY, read_metrics, run_train
 from wandb_records import offline_runs
 
 ROOT = Path(__file__).resolve().parents[1]
