@@ -64,7 +64,7 @@ _TRAIN_MODULE = None
 def train_in_process(capfd, monkeypatch):
     """`train_in_process(args, cwd)`: `python train.py *args` run inside this process (the same Hydra entry
     point, argv and cwd), returning (exit code, stdout + stderr). The bad-input corpus runs this way because
-    each subprocess spent ~7 s importing torch/transformers/tinker before failing; `tests/test_config.py`
+    each subprocess spent seconds importing torch/transformers/tinker before failing; `tests/test_config.py`
     and the read-only folder case still go through a real subprocess."""
     import importlib.util
 

@@ -3,6 +3,8 @@ that may have been applied is never resent in place; a server that drops metrics
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from runs import TINY, assert_same_run, read_metrics, run_train
 
@@ -136,3 +138,53 @@ def test_one_pass_metrics_survive_a_server_that_drops_sums_or_logprobs(caplog):
     assert out["loss/n_tokens"] == 3.0 and out["loss/grpo_clip_frac"] == pytest.approx(1 / 3)
     assert "drift/abs_p_q90" not in out
     assert "came back with logprobs" in caplog.text and "missing metric keys" in caplog.text
+
+
+class _Failed:
+    """A future whose result is an error, as the SDK's futures raise it."""
+
+    def __init__(self, exc: Exception):
+        self.exc = exc
+
+    def result(self, timeout: float | None = None):
+        raise self.exc
+
+
+@pytest.mark.parametrize("method,pipelined", [
+    pytest.param("forward_backward_custom", False, id="forward_backward", marks=pytest.mark.slow),
+    pytest.param("optim_step", True, id="optim_step_pipelined")])
+def test_an_error_after_the_call_was_applied_is_recovered_from_the_checkpoint(
+        tmp_path, monkeypatch, train_in_process, method, pipelined):
+    """A timeout that reaches the client after the backend applied forward_backward (the gradient is in the
+    buffers) or optim_step (the weights moved): the loop must not resend the call, but recreate the training
+    client from the last checkpoint and redo the step. The run then equals the fault-free run; a resend in
+    place would accumulate a second gradient or apply a second update. The fault hits the step's second
+    update, so the first one (already applied on that client) must be rolled back too."""
+    from trainer.backends.local.training import LocalTrainingClient
+
+    args = [*TINY, "eval=none", "retry.backoff_s=0.0", f"backend.pipeline_optim_step={str(pipelined).lower()}"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    code, out = train_in_process([*args, f"hydra.run.dir={ref}"], tmp_path)
+    assert code == 0, out[-3000:]
+
+    real = getattr(LocalTrainingClient, method)
+    calls = []
+
+    def applied_then_timeout(self, *a, **k):
+        fut = real(self, *a, **k)
+        calls.append(method)
+        if len(calls) == 4:  # step 1, update 1 (smoke: 2 steps x 2 updates, a checkpoint after step 0)
+            fut.result()  # the engine applied it; only the reply is lost
+            return _Failed(_timeout())
+        return fut
+
+    monkeypatch.setattr(LocalTrainingClient, method, applied_then_timeout)
+    code, out = train_in_process([*args, f"hydra.run.dir={run}"], tmp_path)
+    assert code == 0, out[-3000:]
+    assert len(calls) == 6, calls  # 4 updates, the 2 of step 1 redone once
+    assert "recovering from the last checkpoint" in out, out[-3000:]
+    assert json.loads((run / "result.json").read_text())["recoveries"] == 1
+    rows = read_metrics(run)
+    assert [(r["step"], r["update"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r["global_update"] for r in rows] == [0, 1, 2, 3]
+    assert_same_run(ref, run)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runs import ROOT, TINY, read_metrics, run_train
+import yaml
+from runs import ROOT, TINY, read_metrics, run_train, strip_times
 
 
 def test_smoke_run_end_to_end(tmp_path):
@@ -147,3 +149,29 @@ def test_periodic_evals_hold_the_final_eval_items_and_form_a_curve(tmp_path):
     assert all(sorted(c) == sorted(r["index"] for r in final) for c in curve.values())
     auc = auc_scores(curve, [0, 1, 2], sorted(curve[2]))
     assert auc.shape == (4,) and ((auc >= 0) & (auc <= 1)).all()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None,
+                    reason="hydra-joblib-launcher not installed (pip install -e '.[dev]')")
+def test_joblib_launcher_runs_the_arms_in_parallel_workers_with_the_same_results(tmp_path):
+    """`--multirun hydra/launcher=joblib`: both arms run in two worker processes at once, both are recorded
+    in arms.json (written under a lock by concurrent jobs), and an arm equals the same command run on its own
+    (thread count pinned: joblib caps each worker's threads)."""
+    args = [*TINY, "eval=none", "backend.num_threads=1"]
+    sweep, alone = tmp_path / "sweep", tmp_path / "alone"
+    p = run_train(["--multirun", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "loss=grpo,dppo", "seed=0",
+                   *args, f"hydra.sweep.dir={sweep}"], tmp_path, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Joblib.Parallel(n_jobs=2" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
+    arms = json.loads((sweep / "arms.json").read_text())
+    assert sorted(a["arm"] for a in arms.values()) == ["dppo_seed0", "grpo_seed0"]
+    runs = {a["arm"]: Path(a["run_dir"]) for a in arms.values()}
+    for arm, run in runs.items():
+        rows = read_metrics(run)
+        assert [(r["step"], r["update"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)], arm
+        assert json.loads((run / "run_info.json").read_text())["arm"] == arm
+        assert yaml.safe_load((run / "config.yaml").read_text())["loss"]["name"] == arm.split("_")[0]
+    p = run_train(["loss=grpo", "seed=0", *args, f"hydra.run.dir={alone}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert strip_times(read_metrics(runs["grpo_seed0"])) == strip_times(read_metrics(alone))
