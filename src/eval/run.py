@@ -7,7 +7,6 @@ else to the Hydra output folder."""
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -77,4 +76,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() is not None else 1)
+    # Hydra's decorated main returns None whatever the task returned; a failure exits through SystemExit
+    main()
