@@ -328,7 +328,7 @@ def check_anchor_kl_rows(rows: list[dict], path: str) -> None:
 
 def test_training_with_recomputed_anchor_and_kl_penalty_one_pass(tmp_path):
     """train.py on the tiny model, DPPO on the one-pass (registered per-datum loss) path."""
-    from test_trainer_e2e import TINY, read_metrics, run_train
+    from runs import TINY, read_metrics, run_train
 
     run_dir = tmp_path / "run"
     p = run_train([*TINY, "loss=dppo", "eval=none", "loss.anchor=recomputed", "loss.kl_coef=0.05",
@@ -344,7 +344,7 @@ def test_three_loss_sweep_gives_every_arm_the_same_metric_keys(tmp_path):
     items, so compare can pair any treatment with the baseline point by point."""
     import json
 
-    from test_trainer_e2e import TINY, read_metrics, run_train
+    from runs import TINY, read_metrics, run_train
 
     sweep = tmp_path / "sweep"
     p = run_train(["--multirun", "loss=grpo,dppo,cispo", "seed=0", *TINY, "loss.aggregation=seq_mean_token_sum_norm",

@@ -31,7 +31,7 @@ _cache: dict[tuple[str, str], Any] = {}
 
 @functools.lru_cache(maxsize=1)
 def _load_qwen35() -> Any:
-    # takes ~5 s (the vocab is unpacked from the extension module): once per process
+    # slow (the vocab is unpacked from the extension module): once per process
     from tml_renderers.tokenizers import Qwen35Tokenizer
 
     return Qwen35Tokenizer()

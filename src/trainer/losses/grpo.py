@@ -18,7 +18,8 @@ class GRPOLoss(PolicyLoss):
     """Token loss `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)`, r = exp(logp - sampler_logp).
 
     Pinned to Tinker's built-in `ppo` loss (docs /tinker/losses/ppo; clip thresholds 0.8 /
-    1.2 by default, token sum), which spindle's `_loss` "ppo" branch reproduces.
+    1.2 by default, token sum), which the `_loss` "ppo" branch of spindle (an open-source
+    server of Tinker's training API, pinned in losses/aggregate.py) reproduces.
     Settings, defaults and bounds: `GRPOLossConfig`.
     `clip_eps_low` / `clip_eps_high` default to `clip_eps`; `cf_dppo_delta` sets the
     counterfactual DPPO binary-TV rule reported as `loss/dppo_masked_frac`. With

@@ -114,7 +114,8 @@ def grpo_token_loss(
     where it does, as Stable-RL's `ppo_recompute` mask (anchor for the rule, sampler for the
     weight). Without an anchor r_a = r and w = 1: Tinker's `ppo`.
 
-    Tinker built-in `ppo` (docs /tinker/losses/ppo; spindle `_loss` branch "ppo"): no dual clip.
+    Tinker built-in `ppo` (docs /tinker/losses/ppo; the `_loss` branch "ppo" of spindle, the open-source
+    Tinker-API server pinned in aggregate.py): no dual clip.
     Gradient -A*r on unclipped tokens, 0 where the clip binds. One guard Tinker does not document:
     the log-ratio is clamped to [-20, 20] before exp, as verl / Stable-RL do (Stable-RL @ c6af1d1,
     core_algos.py::compute_policy_loss_vanilla). Identical for |log r| <= 20; beyond it an fp32 exp
