@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from local_client import local_service_client
+from runs import TINY
 from test_losses import make_datums
-from test_trainer_e2e import TINY
 from tinker import types
 
 from trainer.datums import Rollout, rollout_to_datum

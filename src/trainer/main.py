@@ -101,11 +101,10 @@ def make_loss(cfg: DictConfig, service_client: Any) -> LossPath:
     the run when that is impossible; `auto` the handle where the loss and backend allow it, else the
     callable, with a warning when registering failed (the arms of a sweep would otherwise run different
     paths unnoticed; `eval.compare` refuses such a sweep)."""
-    import hydra
-
+    from trainer.losses import build_loss
     from trainer.losses.paths import OnePassLossPath, TwoPassLossPath
 
-    loss = hydra.utils.instantiate(cfg.loss)
+    loss = build_loss(cfg.loss)
     want = cfg.backend.get("loss_path", "auto")
     if want == "two_pass":
         return TwoPassLossPath(loss)
