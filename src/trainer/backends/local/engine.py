@@ -156,8 +156,8 @@ class SharedBase:
 
     def sampler_weights(self, snap: LoraSnapshot, dtype: torch.dtype) -> SamplerWeights:
         """Sampler weights of a snapshot: the base, fused and packed once per dtype, plus the snapshot's
-        LoRA (merged into re-packed copies of the projections for packed fp32, ~0.3 s and one model's
-        worth of memory per snapshot; unmerged factors otherwise). The LRU cache keeps the last
+        LoRA (merged into re-packed copies of the projections for packed fp32, one model's worth of
+        memory per snapshot; unmerged factors otherwise). The LRU cache keeps the last
         `sampler_cache_size` snapshots, so every generate of one snapshot reuses its weights."""
         key = (snap.id, str(dtype))
         with self.lock:
