@@ -208,6 +208,11 @@ class LocalServiceClient:
     def faults_injected(self) -> dict[str, int]:
         return dict(self._faults.injected)
 
+    @property
+    def sample_batches_run(self) -> int:
+        """How many batches the sampling scheduler has run (requests batched together count once)."""
+        return self._scheduler.batches_run
+
     def close(self, status: str = "success", detail: str | None = None) -> AwaitableConcurrentFuture:
         self._scheduler.close()
         for tc in list(self._clients):
