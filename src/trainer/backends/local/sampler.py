@@ -178,7 +178,7 @@ def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor,
     on a oneDNN build) adds decode-packed copies of every projection. `stacked`: `fuse_base(config, base)`
     when already built (shared instead of concatenated again)."""
     check_architecture(config)
-    pack = (_MKLDNN and dtype == torch.float32) if pack is None else pack
+    pack = (_MKLDNN and dtype in (torch.float32, torch.bfloat16)) if pack is None else pack
     stacked = fuse_base(config, base) if stacked is None else stacked
 
     def w(name: str) -> torch.Tensor:
@@ -224,7 +224,7 @@ def _with_factors(lin: _Lin, names: Sequence[str], outs: Sequence[int],
         B[row: row + o, r0: r0 + r] = scale * lora[n][1]
         r0 += r
     if lin.packed is not None:  # merge into the base and re-pack (see `_Lin`)
-        merged = torch.addmm(lin.w, B.to(lin.w.dtype), A.to(lin.w.dtype))
+        merged = torch.addmm(lin.w.float(), B, A.float()).to(lin.w.dtype)
         return _Lin(None, torch.ops.mkldnn._reorder_linear_weight(merged, 32))
     return _Lin(lin.w, None, A.to(dtype).contiguous(), B.to(dtype))
 
@@ -486,7 +486,10 @@ def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None
         temps = temp_B[live]
         scaled = logits if bool((temps == 1.0).all()) else logits / temps.unsqueeze(1)
         probs = torch.softmax(scaled, -1)  # the tempered distribution over the full vocabulary
-        tok = torch.argmax(logits, -1)
+        # greedy rows take the argmax; a full-vocabulary argmax per step is skipped when no row needs it
+        # (rows of finished jobs keep a placeholder token: nothing reads their outputs)
+        tok = (torch.argmax(logits, -1) if any(jobs[ji].greedy and not job_done[ji] for ji in order)
+               else torch.zeros(logits.shape[0], dtype=torch.long))
         pos_of = {int(r): i for i, r in enumerate(live.tolist())}
         idx_l, u_l = [], []  # rows drawing from the full tempered distribution
         for ji in order:

@@ -18,7 +18,6 @@ Differences from the service (documented, deliberate):
 
 from __future__ import annotations
 
-import contextlib
 import random
 import weakref
 from dataclasses import dataclass
@@ -175,11 +174,9 @@ class LocalTrainingClient(SelfFuture):
             prm.requires_grad_(True)
         lora = {m: (A, B) for m, A, B in self._modules}
         pk = TF.pack([p.ids for p in preps], [p.share for p in preps])
-        ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if self._service.train_dtype == torch.bfloat16
-               else contextlib.nullcontext())
-        with ctx:
-            hidden = TF.forward(b.config, b.base_state, b.cos, b.sin, lora, self.scale, pk,
-                                b.stacked_weights())
+        dtype = self._service.train_dtype
+        base, fused = b.compute_weights(dtype)
+        hidden = TF.forward(b.config, base, b.cos, b.sin, lora, self.scale, pk, fused, dtype)
         W, head_lora = TF.unembed_weight(b.base_state), lora.get("lm_head")
 
         def logits(h: torch.Tensor) -> torch.Tensor:  # the unembedding in fp32 for accurate logprobs
@@ -204,7 +201,8 @@ class LocalTrainingClient(SelfFuture):
         idx_g = torch.cat([rows[c:] for c, rows in zip(cuts, pk.rows)])
         tgt_g = torch.cat([p.targets[c:] for c, p in zip(cuts, preps)])
         packed = b.packed_unembed() if head_lora is None else None
-        lp_g = TF.target_logprobs(hidden.index_select(0, idx_g), W, head_lora, self.scale, tgt_g, packed)
+        lp_g = TF.target_logprobs(hidden.index_select(0, idx_g), W, head_lora, self.scale, tgt_g, packed,
+                                  fused.get("unembed"))
         idx_n = torch.cat([rows[:c] for c, rows in zip(cuts, pk.rows)])
         tgt_n = torch.cat([p.targets[:c] for c, p in zip(cuts, preps)])
         with torch.no_grad():  # shared prompt rows with the same target: one unembedding each
