@@ -23,8 +23,9 @@ model's own forward.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +86,23 @@ def pack(seqs: Sequence[Sequence[int]], share: Sequence[int]) -> Packing:
 
 
 Lora = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@contextlib.contextmanager
+def matmul_inputs(dtype: torch.dtype) -> Iterator[None]:
+    """fp32 matmuls inside run on `dtype` inputs (oneDNN: bf16 inputs, fp32 accumulation, fp32 output).
+    The bf16 unembedding uses it: its logits keep fp32 output precision (rounding `[rows, vocab]` logits
+    to bf16 would cost ~0.1 at |logit| ~ 20) while the product runs at bf16 speed."""
+    if dtype == torch.float32:
+        yield
+        return
+    m = torch.backends.mkldnn.matmul
+    before = m.fp32_precision
+    m.fp32_precision = {torch.bfloat16: "bf16"}[dtype]
+    try:
+        yield
+    finally:
+        m.fp32_precision = before
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,

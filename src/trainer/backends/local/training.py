@@ -179,42 +179,48 @@ class LocalTrainingClient(SelfFuture):
         hidden = TF.forward(b.config, base, b.cos, b.sin, lora, self.scale, pk, fused, dtype)
         W, head_lora = TF.unembed_weight(b.base_state), lora.get("lm_head")
 
-        def logits(h: torch.Tensor) -> torch.Tensor:  # the unembedding in fp32 for accurate logprobs
-            return TF.linear(h.float(), W, head_lora, self.scale)
+        def unembed() -> list[torch.Tensor]:
+            def logits(h: torch.Tensor) -> torch.Tensor:  # the unembedding in fp32 for accurate logprobs
+                return TF.linear(h.float(), W, head_lora, self.scale)
 
-        if any(p.targets.dim() != 1 for p in preps):
-            out = []
-            for p, rows in zip(preps, pk.rows):
-                lg = logits(hidden.index_select(0, rows))
-                t = p.targets if p.targets.dim() == 2 else p.targets.unsqueeze(-1)
-                lp = lg.gather(-1, t) - torch.logsumexp(lg, -1, keepdim=True)
-                out.append(lp if p.targets.dim() == 2 else lp.squeeze(-1))
+            if any(p.targets.dim() != 1 for p in preps):
+                out = []
+                for p, rows in zip(preps, pk.rows):
+                    lg = logits(hidden.index_select(0, rows))
+                    t = p.targets if p.targets.dim() == 2 else p.targets.unsqueeze(-1)
+                    lp = lg.gather(-1, t) - torch.logsumexp(lg, -1, keepdim=True)
+                    out.append(lp if p.targets.dim() == 2 else lp.squeeze(-1))
+                return out
+            if entropy is not None:
+                idx = torch.cat(list(pk.rows))
+                lp, ent = TF.target_logprobs_and_entropy(hidden.index_select(0, idx), W, head_lora, self.scale,
+                                                         torch.cat([p.targets for p in preps]))
+                sizes = [len(p.ids) for p in preps]
+                entropy.extend(ent.split(sizes))
+                return list(lp.split(sizes))
+            cuts = [min(max(0, int(s)), len(p.ids)) for s, p in zip(grad_from or [0] * len(preps), preps)]
+            idx_g = torch.cat([rows[c:] for c, rows in zip(cuts, pk.rows)])
+            tgt_g = torch.cat([p.targets[c:] for c, p in zip(cuts, preps)])
+            packed = b.packed_unembed() if head_lora is None and dtype == torch.float32 else None
+            lp_g = TF.target_logprobs(hidden.index_select(0, idx_g), W, head_lora, self.scale, tgt_g, packed,
+                                      fused.get("unembed"))
+            idx_n = torch.cat([rows[:c] for c, rows in zip(cuts, pk.rows)])
+            tgt_n = torch.cat([p.targets[:c] for c, p in zip(cuts, preps)])
+            with torch.no_grad():  # shared prompt rows with the same target: one unembedding each
+                key, inv = torch.unique(idx_n * b.vocab_size + tgt_n, return_inverse=True)
+                lp_n = TF.target_logprobs(hidden.detach().index_select(0, key // b.vocab_size), W, head_lora,
+                                          self.scale, key % b.vocab_size, packed)[inv]
+            out, og, on = [], 0, 0
+            for c, p in zip(cuts, preps):
+                g = len(p.ids) - c
+                out.append(torch.cat([lp_n[on: on + c], lp_g[og: og + g]]))
+                og, on = og + g, on + c
             return out
-        if entropy is not None:
-            idx = torch.cat(list(pk.rows))
-            lp, ent = TF.target_logprobs_and_entropy(hidden.index_select(0, idx), W, head_lora, self.scale,
-                                                     torch.cat([p.targets for p in preps]))
-            sizes = [len(p.ids) for p in preps]
-            entropy += list(ent.split(sizes))
-            return list(lp.split(sizes))
-        cuts = [min(max(0, int(s)), len(p.ids)) for s, p in zip(grad_from or [0] * len(preps), preps)]
-        idx_g = torch.cat([rows[c:] for c, rows in zip(cuts, pk.rows)])
-        tgt_g = torch.cat([p.targets[c:] for c, p in zip(cuts, preps)])
-        packed = b.packed_unembed() if head_lora is None else None
-        lp_g = TF.target_logprobs(hidden.index_select(0, idx_g), W, head_lora, self.scale, tgt_g, packed,
-                                  fused.get("unembed"))
-        idx_n = torch.cat([rows[:c] for c, rows in zip(cuts, pk.rows)])
-        tgt_n = torch.cat([p.targets[:c] for c, p in zip(cuts, preps)])
-        with torch.no_grad():  # shared prompt rows with the same target: one unembedding each
-            key, inv = torch.unique(idx_n * b.vocab_size + tgt_n, return_inverse=True)
-            lp_n = TF.target_logprobs(hidden.detach().index_select(0, key // b.vocab_size), W, head_lora,
-                                      self.scale, key % b.vocab_size, packed)[inv]
-        out, og, on = [], 0, 0
-        for c, p in zip(cuts, preps):
-            g = len(p.ids) - c
-            out.append(torch.cat([lp_n[on: on + c], lp_g[og: og + g]]))
-            og, on = og + g, on + c
-        return out
+
+        # bf16 training: the unembedding runs on bf16 inputs with fp32 accumulation and fp32 logits, as every
+        # path below must (a recomputed anchor and the training logprobs come from the same numbers)
+        with TF.matmul_inputs(dtype):
+            return unembed()
 
     @staticmethod
     def _outputs(lps: list[torch.Tensor], entropy: list[torch.Tensor] | None = None
