@@ -73,6 +73,7 @@ class SharedBase:
         self._sampler_cache: OrderedDict[tuple[str, str], SamplerWeights] = OrderedDict()
         self.sampler_cache_size = 2
         self._sampler_base: dict[torch.dtype, SamplerWeights] = {}
+        self._compute_weights: dict[torch.dtype, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self._stacked: dict[str, torch.Tensor] | None = None
         self._packed_unembed: torch.Tensor | None = None
         self._packed_unembed_built = False
@@ -144,6 +145,25 @@ class SharedBase:
                 self._stacked = fuse_base(self.config, self.base_state)
             return self._stacked
 
+    def compute_weights(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """`(base, fused)` for `train_forward.forward` in `dtype`: the projection weights (o, down and the
+        stacked q|k|v, gate|up) converted once per dtype; norms and the embedding stay fp32. Below dtype
+        fp32, `fused["unembed"]` is the unembedding in `dtype` for `train_forward.target_logprobs`."""
+        if dtype == torch.float32:
+            return self.base_state, self.stacked_weights()
+        stacked = self.stacked_weights()
+        with self.lock:
+            got = self._compute_weights.get(dtype)
+            if got is None:
+                base = dict(self.base_state)
+                for k, v in self.base_state.items():
+                    if k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+                        base[k] = v.to(dtype)
+                fused = {k: v.to(dtype) for k, v in stacked.items()}
+                fused["unembed"] = unembed_weight(self.base_state).to(dtype)  # the logprob gradient's product
+                got = self._compute_weights[dtype] = (base, fused)
+            return got
+
     def causal_lm(self) -> Any:
         """The HF LlamaForCausalLM inside the peft wrapper (its Linear layers carry the adapters)."""
         return self.peft.base_model.model
@@ -156,7 +176,7 @@ class SharedBase:
 
     def sampler_weights(self, snap: LoraSnapshot, dtype: torch.dtype) -> SamplerWeights:
         """Sampler weights of a snapshot: the base, fused and packed once per dtype, plus the snapshot's
-        LoRA (merged into re-packed copies of the projections for packed fp32, one model's worth of
+        LoRA (merged into re-packed copies of the projections where oneDNN packs, one model's worth of
         memory per snapshot; unmerged factors otherwise). The LRU cache keeps the last
         `sampler_cache_size` snapshots, so every generate of one snapshot reuses its weights."""
         key = (snap.id, str(dtype))

@@ -176,7 +176,10 @@ def sample(batch: _Batch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     temps = batch.temp_B[live]
     scaled = logits if bool((temps == 1.0).all()) else logits / temps.unsqueeze(1)
     probs = torch.softmax(scaled, -1)  # the tempered distribution over the full vocabulary
-    tok = torch.argmax(logits, -1)
+    # greedy rows take the argmax; a full-vocabulary argmax per step is skipped when no live job is greedy
+    # (rows of finished jobs keep a placeholder token: nothing reads their outputs)
+    tok = (torch.argmax(logits, -1) if any(jobs[ji].greedy and not batch.job_done[ji] for ji in batch.order)
+           else torch.zeros(logits.shape[0], dtype=torch.long))
     pos_of = {int(r): i for i, r in enumerate(live.tolist())}
     idx_l, u_l = [], []  # rows drawing from the full tempered distribution
     for ji in batch.order:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 # Projection names of one decoder layer, as in the HF state dict and peft's `target_modules`.
 QKV_PROJ = ("q_proj", "k_proj", "v_proj")
@@ -102,9 +103,9 @@ def rotary_tables(model: Any, max_context: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    """HF's LlamaRMSNorm: normalised in fp32, cast back, then scaled in the input dtype (torch's one-op
+    `F.rms_norm` gives the same bits as the spelled-out mean/rsqrt/mul in fewer passes)."""
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

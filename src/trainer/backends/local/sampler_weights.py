@@ -1,10 +1,11 @@
 """The sampler's weights: the base fused into stacked projections in the sampler dtype, packed for
-oneDNN in fp32, and one snapshot's LoRA merged into re-packed copies (packed fp32) or kept as unmerged
-factors (bf16).
+oneDNN (fp32 and bf16), and one snapshot's LoRA merged into re-packed copies (or kept as unmerged factors
+where oneDNN is missing).
 
-Why pack: decode products have only as many rows as the batch, a shape where plain `F.linear` (MKL
-sgemm) is slow; oneDNN with the weight pre-packed for that row count runs the same fp32 product
-faster, the widest gain being on the vocabulary-wide unembedding (`bench/gemm.py` measures both).
+Why pack: decode products have only as many rows as the batch, a shape where plain `F.linear` is slow;
+oneDNN with the weight pre-packed for that row count runs the same product faster: in fp32 (MKL sgemm
+unpacked) with the widest gain on the vocabulary-wide unembedding, and in bf16 on AMX, where unpacked
+bf16 weights are reordered into AMX tiles on every call (`bench/gemm.py` measures plain and packed).
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ _PACK_ROWS = 32
 
 @dataclass
 class Projection:
-    """A bias-free projection: the plain weight `[out, in]`, for fp32 on oneDNN builds a copy pre-packed
-    for small-row (decode) products, and an optional unmerged LoRA (`y += (x A^T) B^T`, scale in B).
+    """A bias-free projection: the plain weight `[out, in]`, on oneDNN builds a copy pre-packed for
+    small-row (decode) products, and an optional unmerged LoRA (`y += (x A^T) B^T`, scale in B).
 
     With packed weights a snapshot's LoRA is merged (`W + s B A`) and re-packed once (`w` is then None:
     the packed copy serves every row count): one merge per snapshot costs less than the unmerged
-    rank-r products over a generate. Without packing (bf16) the LoRA stays unmerged and its term is
+    rank-r products over a generate. Without packing the LoRA stays unmerged and its term is
     accumulated by the GEMM."""
 
     w: torch.Tensor | None
@@ -91,7 +92,7 @@ class LayerWeights:
 @dataclass
 class SamplerWeights:
     """One immutable weight set (the base, plus one snapshot's LoRA: merged into re-packed projections
-    for packed fp32, unmerged factors otherwise) in the sampler dtype."""
+    when packed, unmerged factors otherwise) in the sampler dtype."""
 
     embed: torch.Tensor
     lm_head: Projection
@@ -116,11 +117,11 @@ class SamplerWeights:
 def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                   dtype: torch.dtype, pack: bool | None = None,
                   stacked: dict[str, torch.Tensor] | None = None) -> SamplerWeights:
-    """Fuse base weights (fp32, HF names) into `dtype` (no LoRA; see `with_lora`); `pack` (default: fp32
-    on a oneDNN build) adds decode-packed copies of every projection. `stacked`: `fuse_base(config, base)`
+    """Fuse base weights (fp32, HF names) into `dtype` (no LoRA; see `with_lora`); `pack` (default: on a
+    oneDNN build) adds decode-packed copies of every projection. `stacked`: `fuse_base(config, base)`
     when already built (shared instead of concatenated again)."""
     check_architecture(config)
-    pack = (ONEDNN_PACKING and dtype == torch.float32) if pack is None else pack
+    pack = ONEDNN_PACKING if pack is None else pack
     stacked = fuse_base(config, base) if stacked is None else stacked
 
     def w(name: str) -> torch.Tensor:
@@ -163,7 +164,8 @@ def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
         B[row: row + o, r0: r0 + r] = scale * lora[n][1]
         r0 += r
     if lin.packed is not None:  # merge into the base and re-pack (see `Projection`)
-        merged = torch.addmm(lin.w, B.to(lin.w.dtype), A.to(lin.w.dtype))
+        # summed in fp32, rounded once (a bf16 addmm would round the product and the sum separately)
+        merged = torch.addmm(lin.w.float(), B, A.float()).to(lin.w.dtype)
         return Projection(None, onednn_pack(merged, _PACK_ROWS))
     return Projection(lin.w, None, A.to(dtype).contiguous(), B.to(dtype))
 

@@ -23,8 +23,9 @@ model's own forward.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,23 @@ def pack(seqs: Sequence[Sequence[int]], share: Sequence[int]) -> Packing:
 Lora = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
+@contextlib.contextmanager
+def matmul_inputs(dtype: torch.dtype) -> Iterator[None]:
+    """fp32 matmuls inside run on `dtype` inputs (oneDNN: bf16 inputs, fp32 accumulation, fp32 output).
+    The bf16 unembedding uses it: its logits keep fp32 output precision (rounding `[rows, vocab]` logits
+    to bf16 would cost ~0.1 at |logit| ~ 20) while the product runs at bf16 speed."""
+    if dtype == torch.float32:
+        yield
+        return
+    m = torch.backends.mkldnn.matmul
+    before = m.fp32_precision
+    m.fp32_precision = {torch.bfloat16: "bf16"}[dtype]
+    try:
+        yield
+    finally:
+        m.fp32_precision = before
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
            scale: float) -> torch.Tensor:
     """`x W^T + scale (x A^T) B^T`, the LoRA term accumulated by the GEMM itself. With a frozen `W`, one
@@ -97,6 +115,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, lora: tuple[torch.Tensor, torch.Ten
         return F.linear(x, w)
     A, B = lora
     fast = not torch.is_autocast_enabled("cpu") and not w.requires_grad
+    if fast and x.dtype == w.dtype and A.dtype != w.dtype:  # bf16 compute, fp32 LoRA parameters
+        A, B = A.to(w.dtype), B.to(w.dtype)
     if fast and x.dtype == w.dtype == A.dtype == B.dtype:
         return LoraLinear.apply(x.reshape(-1, x.shape[-1]), w, A, B, scale).view(*x.shape[:-1], w.shape[0])
     y = F.linear(x, w)
@@ -168,10 +188,17 @@ def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: P
 
 
 def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, lora: Lora,
-            scale: float, pk: Packing, fused: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+            scale: float, pk: Packing, fused: dict[str, torch.Tensor] | None = None,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Final-normed hidden states `[N, H]` of the packed rows. `base`: the frozen weights under HF names;
     `lora`: HF module name -> (A [r, in], B [out, r]) parameters (their gradients accumulate); `fused`:
-    `fuse_base(config, base)` (built here when not given)."""
+    `fuse_base(config, base)` (built here when not given).
+
+    `dtype`: the precision of the projections (`base`'s projection weights and `fused` must be in it). In
+    bf16 this is what `torch.autocast` would do to the fp32 model (bf16 GEMMs, fp32 residual stream,
+    norms and RoPE in fp32), without casting a weight per call and with LoRA kept on `LoraLinear`'s
+    backward; attention runs in fp32, whose CPU flash backward is several times faster than bf16's at
+    these short sequences (and more exact)."""
     d = dims(config)
     nh, nkv, hd, inter = d.n_heads, d.n_kv, d.head_dim, d.intermediate
     fused = fused if fused is not None else fuse_base(config, base)
@@ -185,12 +212,13 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
     x = F.embedding(pk.ids_N, base[weight(EMBED)])
     for i in range(d.n_layers):
         n = layer_names(i)
-        h = rms_norm(x, base[weight(n.input_norm)], d.eps)
+        h = rms_norm(x, base[weight(n.input_norm)], d.eps).to(dtype)
         q, k, v = lin(h, fused[n.stacked_qkv], d.qkv_outs, n.qkv).split(list(d.qkv_outs), -1)
-        q = rope(q.view(N, nh, hd), cos_N, sin_N)
+        q = rope(q.view(N, nh, hd), cos_N, sin_N)  # fp32 tables: fp32 q and k
         k = rope(k.view(N, nkv, hd), cos_N, sin_N)
-        x = x + lin(_attend(q, k, v.view(N, nkv, hd), pk), base[weight(n.o)], (d.hidden,), [n.o])
-        h = rms_norm(x, base[weight(n.post_norm)], d.eps)
+        a = _attend(q, k, v.view(N, nkv, hd).to(q.dtype), pk).to(dtype)
+        x = x + lin(a, base[weight(n.o)], (d.hidden,), [n.o])
+        h = rms_norm(x, base[weight(n.post_norm)], d.eps).to(dtype)
         g, u = lin(h, fused[n.stacked_gate_up], (inter, inter), n.gate_up).split(inter, -1)
         x = x + lin(d.act(g) * u, base[weight(n.down)], (d.hidden,), [n.down])
     return rms_norm(x, base[weight(FINAL_NORM)], d.eps)
@@ -209,7 +237,7 @@ class _TargetLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h_NH: torch.Tensor, W_VH: torch.Tensor, y_N: torch.Tensor,
-                packed: torch.Tensor | None) -> torch.Tensor:
+                packed: torch.Tensor | None, Wg_VH: torch.Tensor) -> torch.Tensor:
         need = ctx.needs_input_grad[0]
         N = h_NH.shape[0]
         out_N = h_NH.new_empty(N)
@@ -222,17 +250,17 @@ class _TargetLogprob(torch.autograd.Function):
             z = logits.sub_(top).exp_().sum(-1, keepdim=True)  # logits now hold exp(logits - top)
             out_N[a:b] = target - (top + z.log()).squeeze(1)
             if need:
-                probs = logits.div_(z)
-                dh_NH[a:b] = torch.addmm(W_VH.index_select(0, y_N[a:b]), probs, W_VH, alpha=-1)
+                probs = logits.div_(z).to(Wg_VH.dtype)
+                dh_NH[a:b] = torch.addmm(Wg_VH.index_select(0, y_N[a:b]), probs, Wg_VH, alpha=-1)
         if need:
             ctx.save_for_backward(dh_NH)
         return out_N
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, g_N: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx: Any, g_N: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         (dh_NH,) = ctx.saved_tensors
-        return g_N.unsqueeze(1) * dh_NH, None, None, None
+        return g_N.unsqueeze(1) * dh_NH, None, None, None, None
 
 
 def pack_unembed(W_VH: torch.Tensor) -> torch.Tensor | None:
@@ -265,11 +293,14 @@ def target_logprobs_and_entropy(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tu
 
 
 def target_logprobs(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
-                    scale: float, y_N: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, y_N: torch.Tensor, packed: torch.Tensor | None = None,
+                    grad_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Logprob of target `y_N[n]` under row n's next-token distribution, in fp32 (`packed`: the
-    `pack_unembed(W_VH)` copy). With a LoRA on the unembedding its factors need gradients, so the plain
-    logits + cross-entropy path runs instead."""
+    `pack_unembed(W_VH)` copy). `grad_weight`: `W_VH` in the precision of the backward (bf16 training:
+    the `[rows, vocab] x [vocab, H]` gradient product then runs as fast as the layers' GEMMs, while the
+    logits, whose rounding would show in the logprobs, stay fp32). With a LoRA on the unembedding its
+    factors need gradients, so the plain logits + cross-entropy path runs instead."""
     h_NH = h_NH.float()
     if lora is None and not W_VH.requires_grad:
-        return _TargetLogprob.apply(h_NH, W_VH, y_N, packed)
+        return _TargetLogprob.apply(h_NH, W_VH, y_N, packed, W_VH if grad_weight is None else grad_weight)
     return -F.cross_entropy(linear(h_NH, W_VH, lora, scale), y_N, reduction="none")

@@ -9,7 +9,6 @@ expects `base.lock` held (the runners take it themselves).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -160,12 +159,19 @@ class LoraCompute:
             prm.requires_grad_(True)
         lora = {m: (A, B) for m, A, B in self.modules}
         pk = train_forward.pack([p.ids for p in preps], [p.share for p in preps])
-        ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if self.train_dtype == torch.bfloat16
-               else contextlib.nullcontext())
-        with ctx:
-            hidden = train_forward.forward(b.config, b.base_state, b.cos, b.sin, lora, self.scale, pk,
-                                           b.stacked_weights())
-        W, head_lora = unembed_weight(b.base_state), lora.get("lm_head")
+        base, fused = b.compute_weights(self.train_dtype)
+        hidden = train_forward.forward(b.config, base, b.cos, b.sin, lora, self.scale, pk, fused, self.train_dtype)
+        # bf16 training: the unembedding runs on bf16 inputs with fp32 accumulation and fp32 logits, on every
+        # path below alike (a recomputed anchor and the training logprobs must come from the same numbers)
+        with train_forward.matmul_inputs(self.train_dtype):
+            return self._unembed(hidden, pk, preps, lora.get("lm_head"), fused.get("unembed"), grad_from, entropy)
+
+    def _unembed(self, hidden: torch.Tensor, pk: train_forward.Packing, preps: list[PreparedDatum],
+                 head_lora: tuple[torch.Tensor, torch.Tensor] | None, grad_weight: torch.Tensor | None,
+                 grad_from: list[int] | None, entropy: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Each datum's target logprobs from the final hidden states (see `logprobs`)."""
+        b = self.base
+        W = unembed_weight(b.base_state)
 
         def logits(h: torch.Tensor) -> torch.Tensor:  # the unembedding in fp32 for accurate logprobs
             return train_forward.linear(h.float(), W, head_lora, self.scale)
@@ -188,8 +194,9 @@ class LoraCompute:
         cuts = [min(max(0, int(s)), len(p.ids)) for s, p in zip(grad_from or [0] * len(preps), preps)]
         idx_g = torch.cat([rows[c:] for c, rows in zip(cuts, pk.rows)])
         tgt_g = torch.cat([p.targets[c:] for c, p in zip(cuts, preps)])
-        packed = b.packed_unembed() if head_lora is None else None
-        lp_g = train_forward.target_logprobs(hidden.index_select(0, idx_g), W, head_lora, self.scale, tgt_g, packed)
+        packed = b.packed_unembed() if head_lora is None and self.train_dtype == torch.float32 else None
+        lp_g = train_forward.target_logprobs(hidden.index_select(0, idx_g), W, head_lora, self.scale, tgt_g, packed,
+                                             grad_weight)
         idx_n = torch.cat([rows[:c] for c, rows in zip(cuts, pk.rows)])
         tgt_n = torch.cat([p.targets[:c] for c, p in zip(cuts, preps)])
         with torch.no_grad():  # shared prompt rows with the same target: one unembedding each
