@@ -7,8 +7,8 @@ placement, interleaved `--repeats` times (the model is loaded on the thread that
 - main:          on the process's main thread (the only OpenMP pool);
 - only-thread:   on a worker thread, the main thread never having run a parallel region;
 - second-pool:   on a worker thread after the main thread ran one parallel region (two pools).
-On the 2-core dev machine: main 210 ms, only-thread 191 ms, second-pool 261 ms (medians of 3); the
-machine's own speed drifts by ~20% over minutes, hence fresh processes and interleaving.
+A machine's own speed can drift over minutes, hence fresh processes and interleaving. The measured
+medians are in the README's Performance table; bench/README.md says how to read them.
 """
 
 from __future__ import annotations

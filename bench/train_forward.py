@@ -1,6 +1,6 @@
 """One training update's forward + backward on SmolLM2-135M: the engine's own forward
-(`trainer/backends/local/train_forward.py`) next to the peft-wrapped HF model it replaced, same
-LoRA parameters, same micro-batch, in one run.
+(`trainer/backends/local/train_forward.py`) next to the peft-wrapped HF model (the reference the
+engine's forward is tested against), same LoRA parameters, same micro-batch, in one run.
 
 Micro-batch: 4 prompts x 4 samples (18 prompt + 64 completion tokens, mask 0 on the prompt), LoRA
 rank 8 on attention + MLP, loss = sum of masked completion logprobs times a random advantage, i.e.
@@ -66,8 +66,8 @@ def main() -> None:
         sum((lp * w).sum() for lp, w in zip(lps, adv)).backward()
 
     def peft() -> None:
-        # the replaced path: the peft model over the right-padded batch, then (as it did) the
-        # unembedding with a graph only from each datum's first loss position
+        # the reference path: the peft model over the right-padded batch, then the unembedding with a
+        # graph only from each datum's first loss position
         b.activate(tc.model_id)
         T = max(len(p.ids) for p in preps)
         ids = torch.zeros(len(preps), T, dtype=torch.long)

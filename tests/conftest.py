@@ -1,4 +1,5 @@
-"""Shared fixtures: the src/ layout on sys.path, offline env, repo paths, the precision the suite runs in.
+"""Shared fixtures: the src/ layout on sys.path, offline env, the precision the suite runs in, and
+`train_in_process` (train.py's Hydra entry point run inside the test process).
 
 `--precision float32|bfloat16` (or PAIREDRL_AUTO_PRECISION in the environment) sets what the engine's
 `auto` precision means for the whole run, subprocesses included, so the bf16 path can be checked on an
@@ -54,3 +55,42 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "bf16" in item.keywords:
             item.add_marker(skip)
+
+
+_TRAIN_MODULE = None
+
+
+@pytest.fixture
+def train_in_process(capfd, monkeypatch):
+    """`train_in_process(args, cwd)`: `python train.py *args` run inside this process (the same Hydra entry
+    point, argv and cwd), returning (exit code, stdout + stderr). The bad-input corpus runs this way because
+    each subprocess spent seconds importing torch/transformers/tinker before failing; `tests/test_config.py`
+    and the read-only folder case still go through a real subprocess."""
+    import importlib.util
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    global _TRAIN_MODULE
+    if _TRAIN_MODULE is None:
+        spec = importlib.util.spec_from_file_location("pairedrl_train_entry", ROOT / "train.py")
+        _TRAIN_MODULE = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_TRAIN_MODULE)
+        # Hydra finds `conf/` next to the script only for a task function of module "__main__"
+        _TRAIN_MODULE.main.__wrapped__.__module__ = "__main__"
+
+    def run(args: list[str], cwd: Path) -> tuple[int, str]:
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", ["train.py", *args])
+        capfd.readouterr()
+        GlobalHydra.instance().clear()
+        try:
+            _TRAIN_MODULE.main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        finally:
+            GlobalHydra.instance().clear()
+        out = capfd.readouterr()
+        return code, out.out + out.err
+
+    return run

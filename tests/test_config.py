@@ -166,3 +166,178 @@ def test_resume_hash_ignores_only_keys_that_do_not_change_the_computation():
     for other in (["eval.n_examples=50"], ["optimizer.lr=0.001"], ["schedule.num_steps=7"], ["loss=dppo"],
                   ["sampling.max_tokens=9"]):
         assert h(*other) != base, other
+
+
+# ----------------------------------------------------------------------------- one source of truth
+LOSS_OPTIONS = ("grpo", "dppo", "importance_sampling", "cispo", "gspo")
+
+
+@pytest.mark.parametrize("option", LOSS_OPTIONS)
+def test_composed_loss_group_equals_the_typed_config_defaults(option):
+    """conf/loss/<option>.yaml + its schema compose to the dataclass defaults: the only values that differ
+    are the interpolated ones (norm_length = the completion budget, DPPO's delta = the mode's default)."""
+    import dataclasses
+
+    from trainer.config.enums import DPPO_DEFAULT_DELTA
+    from trainer.config.losses import LOSS_SCHEMAS
+    from trainer.losses import build_loss
+
+    config_class = LOSS_SCHEMAS[f"{option}_schema"]
+    cfg = compose_config([f"loss={option}"])
+    composed = _resolved([f"loss={option}"])["loss"]
+    defaults = {f.name: f.default for f in dataclasses.fields(config_class)}
+    assert list(composed) == list(defaults)  # same keys, in the dataclass's order
+    interpolated = {"norm_length": float(cfg.sampling.max_tokens)}
+    if option == "dppo":
+        interpolated["delta"] = DPPO_DEFAULT_DELTA[defaults["mode"]]
+    for key, value in composed.items():
+        assert value == interpolated.get(key, defaults[key]), (option, key, value)
+    # the plugin built from the composed group is the plugin at its defaults
+    loss = build_loss(cfg.loss)
+    assert loss.config == config_class(**interpolated)
+    assert repr(loss) == repr(type(loss)())
+
+
+@pytest.mark.parametrize("option,fields,message", [
+    ("grpo", {"cf_dppo_delta": 1.5}, "loss.cf_dppo_delta must be in (0, 1], got 1.5"),
+    ("grpo", {"clip_eps_high": 0.0}, "loss.clip_eps_high must be > 0 (inf disables the clip), got 0.0"),
+    ("dppo", {"is_cap": 0.5}, "loss.is_cap must be >= 1, got 0.5"),
+    ("dppo", {"mode": "binary_kl", "delta_low": -1.0}, "loss.delta_low must be > 0 for binary_kl, got -1.0"),
+    ("dppo", {"mode": "topk"}, "loss.mode must be one of ['binary_tv', 'binary_kl'], got 'topk'"),
+    ("cispo", {"clip_low_threshold": 2.0}, "loss.clip_low_threshold must be in [0, 1], got 2.0"),
+    ("gspo", {"seq_clip_eps_low": -1e-4}, "loss.seq_clip_eps_low must be > 0"),
+    ("importance_sampling", {"aggregation": "mean"}, "loss.aggregation must be one of ['sum', "),
+])
+def test_bad_loss_bound_fails_with_one_message_naming_the_key(option, fields, message):
+    """A bound is stated once: the same check rejects a command-line override (prefixed with the group)
+    and the same value given to the plugin in Python (prefixed with the plugin)."""
+    from trainer.losses import build_loss
+
+    with pytest.raises(ConfigError) as ei:
+        validate(compose_config([f"loss={option}"] + [f"loss.{k}={v}" for k, v in fields.items()]))
+    assert message in str(ei.value)
+    cls = type(build_loss(compose_config([f"loss={option}"]).loss))
+    with pytest.raises(ConfigError) as ei:
+        cls(**fields)
+    assert str(ei.value).startswith(f"{cls.__name__}: ") and message.removeprefix("loss.") in str(ei.value)
+
+
+def test_cli_bad_loss_bound_exits_2_naming_the_key(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "loss=dppo", "loss.delta=2",
+                        f"hydra.run.dir={tmp_path}/run"], check=False, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "error: config: loss.delta must be in (0, 1] for binary_tv, got 2.0" in p.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_runtime_enumerations_are_the_config_ones():
+    """Each choice list is defined once (trainer.config.enums) and the runtime uses that object."""
+    import importlib
+
+    import envs.arithmetic
+    import envs.gsm8k
+    import envs.tokenizers
+    import eval.compare
+    import eval.design
+    import eval.stats
+    import trainer.losses.trust_region
+    import trainer.preflight.correctness
+    from trainer.config import enums, schema
+
+    aggregate = importlib.import_module("trainer.losses.aggregate")  # the package re-exports a function of that name
+    assert aggregate.AGGREGATIONS is enums.AGGREGATIONS
+    assert aggregate.NEEDS_NORM_LENGTH is enums.NEEDS_NORM_LENGTH
+    assert trainer.preflight.correctness.AGGREGATIONS is enums.AGGREGATIONS
+    assert trainer.losses.trust_region.DPPO_MODES is enums.DPPO_MODES
+    assert envs.tokenizers.TOKENIZER_KINDS is enums.TOKENIZER_KINDS
+    assert envs.gsm8k.CONVO_PREFIXES is enums.CONVO_PREFIXES is envs.arithmetic.CONVO_PREFIXES
+    assert eval.stats.RULE_METHODS is enums.DECISION_METHODS is eval.design.METHODS
+    assert schema.DECISION_METHODS is enums.DECISION_METHODS and schema.LOSS_PATHS is enums.LOSS_PATHS
+    assert eval.compare.ENDPOINTS is enums.ENDPOINTS
+    # and the schema's messages list the same options the runtime accepts
+    with pytest.raises(ConfigError, match=r"model\.tokenizer must be one of " + repr(list(enums.TOKENIZER_KINDS))
+                       .replace("[", r"\[").replace("]", r"\]")):
+        validate(compose_config(["model.tokenizer=sentencepiece"]))
+
+
+def test_every_arm_reports_the_same_rules_at_default_settings():
+    """The counterfactual rules an arm logs default to the other losses' own defaults, so at default
+    settings the GRPO, DPPO, IS, CISPO and GSPO arms report the same four rules."""
+    import dataclasses
+
+    from trainer.losses import CISPOLoss, DPPOLoss, GRPOLoss, GSPOLoss, ImportanceSamplingLoss, reference
+    from trainer.losses.trust_region import TrustRegionRules
+
+    rules = {cls.__name__: cls().rules for cls in (GRPOLoss, DPPOLoss, ImportanceSamplingLoss, CISPOLoss, GSPOLoss)}
+    assert all(r == TrustRegionRules() for r in rules.values()), rules
+    # the float64 reference keeps its own copy on purpose (it shares no code with what it checks): same values
+    assert reference.DEFAULT_RULES == dataclasses.asdict(TrustRegionRules())
+
+
+def _ignored_keys_table() -> list[tuple[list[str], dict[str, str]]]:
+    """(keys, {list: ignored|hashed|dropped}) per row of the table in trainer.config.ignored_keys."""
+    from trainer.config import ignored_keys
+
+    rows: list[tuple[list[str], dict[str, str]]] = []
+    for line in (ignored_keys.__doc__ or "").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if len(cells) != 5 or cells[0] in ("key", "") or set(cells[0]) <= {"-"}:
+            continue
+        keys = [k.strip() for k in cells[0].split(",") if k.strip()]
+        if not cells[1]:  # a continuation line of the row above
+            rows[-1][0].extend(keys)
+            continue
+        rows.append((keys, dict(zip(("resume", "plan", "compare"), cells[1:4]))))
+    return rows
+
+
+def test_ignored_key_lists_do_what_their_table_says():
+    """trainer.config.ignored_keys documents, per key, whether a resume, the preflight plan and eval.compare
+    ignore it; each claim is checked against the real hash / comparison, and each listed key has a row."""
+    import copy
+
+    import eval.compare
+    import trainer.checkpoint
+    from trainer.config import ignored_keys
+    from trainer.preflight import gates
+
+    assert trainer.checkpoint.RESUME_IGNORED_KEYS is ignored_keys.RESUME_IGNORED_KEYS
+    assert gates._PLAN_IGNORED is ignored_keys.PLAN_IGNORED_KEYS
+    assert eval.compare.IGNORED_CONFIG_KEYS is ignored_keys.IGNORED_CONFIG_KEYS
+    base = _resolved([])
+
+    def changed(key: str) -> dict:
+        d = copy.deepcopy(base)
+        node = d
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = "<changed>"
+        return d
+
+    def behaviour(key: str) -> dict[str, str]:
+        d = changed(key)
+        out = {
+            "resume": trainer.checkpoint.config_hash(base) == trainer.checkpoint.config_hash(d),
+            "plan": gates.plan_hash(OmegaConf.create(base)) == gates.plan_hash(OmegaConf.create(d)),
+            "compare": eval.compare.config_differences(base, d) == [],
+        }
+        return {k: "ignored" if v else "hashed" for k, v in out.items()}
+
+    rows = _ignored_keys_table()
+    assert len(rows) >= 10
+    documented: set[str] = set()
+    for keys, claims in rows:
+        for key in keys:
+            probe = key.replace(".*", ".pilot_steps")
+            documented.add(key.removesuffix(".*"))
+            got = behaviour(probe)
+            for which, claim in claims.items():
+                if claim == "dropped":  # Hydra's section: removed before hashing (run_info / plan_hash)
+                    continue
+                assert got[which] == claim, (key, which, claim)
+    for listed in (ignored_keys.RESUME_IGNORED_KEYS + ignored_keys.PLAN_IGNORED_KEYS
+                   + ignored_keys.IGNORED_CONFIG_KEYS):
+        assert listed in documented, f"{listed} is in an ignored-key list but not in the table"
+    # a key in no list is hashed by all three (the checks above are not vacuous)
+    assert behaviour("optimizer.lr") == {"resume": "hashed", "plan": "hashed", "compare": "hashed"}

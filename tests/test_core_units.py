@@ -135,3 +135,22 @@ def test_split_minibatches_rejects_bad_counts():
     for n in (0, 4):
         with pytest.raises(ValueError, match=f"cannot split 3 datums into {n} minibatches"):
             split_minibatches([1, 2, 3], n)
+
+
+# --- selecting the rollouts a step trains on -------------------------------------------------
+
+def test_drop_constant_groups_keeps_mixed_rollouts_first_when_topping_up():
+    from trainer.datums import Rollout
+    from trainer.loop import select_for_training
+
+    def ro(group: int, i: int) -> Rollout:
+        return Rollout(group=group, prompt_tokens=[1], tokens=[2, 3], logprobs=[-1.0, -1.0], reward=float(i),
+                       metrics={}, stop_reason="stop")
+
+    rollouts = [ro(g, i) for g in range(3) for i in range(2)]  # group_size 2; only group 2 is mixed
+    mixed_G = [False, False, True]
+    assert select_for_training(rollouts, mixed_G, False, 4) == rollouts
+    assert select_for_training(rollouts, mixed_G, True, 2) == rollouts[4:]
+    # 4 updates need 4 rollouts: both mixed ones, then the first constant ones (not the constant ones only)
+    assert select_for_training(rollouts, mixed_G, True, 4) == rollouts[4:] + rollouts[:2]
+    assert select_for_training(rollouts, [False] * 3, True, 2) == rollouts[:2]

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_trainer_e2e import TINY, read_metrics, run_train
+from runs import TINY, read_metrics, run_train
 from wandb_records import offline_runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +51,10 @@ def test_wandb_run_has_eval_curve_tables_summary_and_config(wandb_run):
     train = {h["_step"]: h for h in wb.history if "loss/value" in h}
     assert sorted(train) == [r["global_update"] for r in rows]
     assert [train[r["global_update"]]["step"] for r in rows] == [r["step"] for r in rows]
+    # ... with the values of metrics.jsonl (every number of every row)
+    for r in rows:
+        numbers = {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        assert len(numbers) > 20 and {k: train[r["global_update"]].get(k) for k in numbers} == numbers
     axes = {m.glob_name: m.step_metric for m in wb.metrics if m.glob_name}
     assert axes["eval/*"] == "step" and axes["env/*"] == "step"
     # the final eval's items as a table, paired with the initial-weights eval

@@ -18,7 +18,7 @@ from trainer.losses import (
     GRPOLoss,
     GSPOLoss,
     ImportanceSamplingLoss,
-    get_loss_class,
+    build_loss,
 )
 from trainer.losses.adapter import make_custom_loss_fn
 from trainer.losses.diagnostics import DIAGNOSTIC_KEYS
@@ -267,7 +267,7 @@ def test_constructors_check_their_settings():
         CISPOLoss(clip_high_threshold=0.5)
     with pytest.raises(ValueError, match="seq_clip_eps_low"):
         GSPOLoss(seq_clip_eps_low=0.0)
-    with pytest.raises(ValueError, match="norm_length must be a number > 0"):
+    with pytest.raises(ValueError, match="norm_length must be > 0 for aggregation seq_mean_token_sum_norm"):
         GRPOLoss(aggregation="seq_mean_token_sum_norm")
     with pytest.raises(ValueError, match="anchor must be one of"):
         DPPOLoss(anchor="trainer")
@@ -276,7 +276,7 @@ def test_constructors_check_their_settings():
     assert CISPOLoss().clip_low == 0.0 and CISPOLoss().clip_high == 4.0
     assert (GSPOLoss().eps_low, GSPOLoss().eps_high) == (3e-4, 4e-4)
     for name, cls in (("importance_sampling", ImportanceSamplingLoss), ("cispo", CISPOLoss), ("gspo", GSPOLoss)):
-        assert get_loss_class(name) is cls
+        assert type(build_loss(cls.config_class())) is cls and cls().name == name
 
 
 @pytest.mark.parametrize("name", ["importance_sampling", "cispo", "gspo"])
@@ -328,7 +328,7 @@ def check_anchor_kl_rows(rows: list[dict], path: str) -> None:
 
 def test_training_with_recomputed_anchor_and_kl_penalty_one_pass(tmp_path):
     """train.py on the tiny model, DPPO on the one-pass (registered per-datum loss) path."""
-    from test_trainer_e2e import TINY, read_metrics, run_train
+    from runs import TINY, read_metrics, run_train
 
     run_dir = tmp_path / "run"
     p = run_train([*TINY, "loss=dppo", "eval=none", "loss.anchor=recomputed", "loss.kl_coef=0.05",
@@ -344,7 +344,7 @@ def test_three_loss_sweep_gives_every_arm_the_same_metric_keys(tmp_path):
     items, so compare can pair any treatment with the baseline point by point."""
     import json
 
-    from test_trainer_e2e import TINY, read_metrics, run_train
+    from runs import TINY, read_metrics, run_train
 
     sweep = tmp_path / "sweep"
     p = run_train(["--multirun", "loss=grpo,dppo,cispo", "seed=0", *TINY, "loss.aggregation=seq_mean_token_sum_norm",

@@ -17,7 +17,8 @@ from tinker.lib.public_interfaces.custom_loss import (
 )
 from tinker.lib.public_interfaces.training_client import TrainingClient
 
-from trainer.losses import LOSSES, DPPOLoss, GRPOLoss, aggregate, get_loss_class, register_loss
+from trainer.config.losses import DPPOLossConfig, GRPOLossConfig
+from trainer.losses import DPPOLoss, GRPOLoss, aggregate, build_loss
 from trainer.losses.adapter import make_custom_loss_fn
 from trainer.losses.diagnostics import DIAGNOSTIC_KEYS
 from trainer.losses.per_datum import finalize_per_datum_metrics, make_per_datum_fn, with_per_datum_inputs
@@ -42,15 +43,24 @@ def random_batch(seed: int = 0, B: int = 4, T: int = 12, drift: float = 0.4):
     return logp, sampler, adv, mask
 
 
-# ----------------------------------------------------------------------------- registry / config
-def test_registry_maps_names_to_classes_and_rejects_unknown_or_duplicate():
-    assert get_loss_class("grpo") is GRPOLoss
-    assert get_loss_class("dppo") is DPPOLoss
-    assert set(LOSSES) >= {"grpo", "dppo"}
-    with pytest.raises(ValueError, match="unknown loss 'ppo2'.*dppo.*grpo"):
-        get_loss_class("ppo2")
-    with pytest.raises(ValueError, match="already registered"):
-        register_loss("grpo")(type("Other", (), {}))
+# ----------------------------------------------------------------------------- selector / config
+def test_build_loss_selects_by_target_and_builds_from_the_typed_config():
+    grpo = build_loss(GRPOLossConfig(clip_eps_high=0.28))
+    assert type(grpo) is GRPOLoss and (grpo.eps_low, grpo.eps_high) == (0.2, 0.28)
+    dppo = build_loss(DPPOLossConfig(mode="binary_kl"))
+    assert type(dppo) is DPPOLoss and dppo.delta == 0.05 and dppo.config.mode == "binary_kl"
+    # the target names the class, the config's own type must be the one that class takes
+    with pytest.raises(ValueError, match="takes a DPPOLossConfig, not a GRPOLossConfig"):
+        build_loss(GRPOLossConfig(_target_="trainer.losses.dppo.DPPOLoss"))
+    with pytest.raises(ValueError, match=r"loss\._target_ 'trainer\.losses\.base\.kl_k3' is not"):
+        build_loss(GRPOLossConfig(_target_="trainer.losses.base.kl_k3"))
+    with pytest.raises(ValueError, match=r"loss\._target_ 'trainer\.losses\.nope\.Loss' is not an importable"):
+        build_loss(GRPOLossConfig(_target_="trainer.losses.nope.Loss"))
+    # a config passed whole and the same fields as keywords build the same loss
+    assert repr(GRPOLoss(GRPOLossConfig(clip_eps=0.3))) == repr(GRPOLoss(clip_eps=0.3))
+    assert GRPOLoss(GRPOLossConfig(clip_eps=0.3), clip_eps_low=0.1).eps_low == 0.1
+    with pytest.raises(TypeError, match="expected a GRPOLossConfig"):
+        GRPOLoss(DPPOLossConfig())
 
 
 def test_hydra_instantiate_returns_configured_callable():

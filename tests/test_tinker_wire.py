@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from test_trainer_e2e import TINY, read_metrics, run_train
+from runs import TINY, read_metrics, run_train, safe_rows
 
 # the model config's LoRA alpha is not part of the Tinker protocol: the server is told it
 ENGINE = ["--lora-alpha", "8", "--sampler-dtype", "float32", "--train-dtype", "float32"]
@@ -136,7 +135,7 @@ def test_sigkill_and_resume_over_the_wire(tmp_path, server, local_ref):
                             env={**os.environ, **server.env()})
     deadline = time.time() + 240
     while time.time() < deadline:  # kill once step 1 is logged: after the step-1 checkpoint, mid-run
-        if (run / "metrics.jsonl").exists() and any(r.get("step", 0) >= 1 for r in _safe_rows(run)):
+        if (run / "metrics.jsonl").exists() and any(r.get("step", 0) >= 1 for r in safe_rows(run)):
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
@@ -146,16 +145,6 @@ def test_sigkill_and_resume_over_the_wire(tmp_path, server, local_ref):
     assert "resuming the run in" in p.stdout
     assert_same_rows(read_metrics(local_ref), read_metrics(run))
     assert eval_records(local_ref) == eval_records(run)
-
-
-def _safe_rows(run: Path) -> list[dict]:
-    out = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
 
 
 @pytest.mark.parametrize("url, needle", [

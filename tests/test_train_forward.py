@@ -1,5 +1,5 @@
 """The local engine's own training forward (packed rows, shared prompts, fused LoRA, blocked
-unembedding) against the peft-wrapped HF model it replaced."""
+unembedding) against the peft-wrapped HF model, the independent reference."""
 
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,27 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-# A tiny model gives reward -0.1 (no \boxed{}) to every GSM8K rollout; advantage=none turns that
-# into a non-zero learning signal, so the weights move and the second update sees drift.
-TINY = [
-    "model=tiny_random", "schedule=smoke", "env=gsm8k", "env.n_examples=16", "env.convo_prefix=none",
-    "advantage=none", "sampling.max_tokens=12", "eval=gsm8k_test", "eval.n_examples=4", "eval.max_tokens=8",
-    "backend.sampler_dtype=float32", "backend.train_dtype=float32", "optimizer.lr=0.01",
-    "sampling.concurrency=1",
-]
-
-
-def run_train(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    e = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=e)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+import yaml
+from runs import ROOT, TINY, read_metrics, run_train, strip_times
 
 
 def test_smoke_run_end_to_end(tmp_path):
@@ -107,83 +88,12 @@ def test_auto_precision_override_is_checked_and_recorded(tmp_path):
                                  "auto": f"PAIREDRL_AUTO_PRECISION={forced}"}
 
 
-def _final_logprobs(run_dir: Path) -> np.ndarray:
-    """Logprobs of the run's final checkpoint on a fixed batch (equal weights <=> equal logprobs)."""
-    sys.path.insert(0, str(ROOT / "src"))
-    import tinker
-
-    from trainer.backends.local import LocalServiceClient
-
-    ck = json.loads((run_dir / "checkpoint.json").read_text())
-    sc = LocalServiceClient(state_dir=run_dir / "engine_check", sampler_dtype="float32", train_dtype="float32")
-    tc = sc.create_training_client_from_state_with_optimizer(ck["tinker_path"]).result()
-    toks = list(range(5, 45))
-    d = tinker.Datum(model_input=tinker.ModelInput.from_ints(toks[:-1]),
-                     loss_fn_inputs={"target_tokens": np.asarray(toks[1:], dtype=np.int64),
-                                     "weights": np.ones(len(toks) - 1, dtype=np.float32)})
-    out = tc.forward([d], "cross_entropy").result()
-    return np.asarray(out.loss_fn_outputs[0]["logprobs"].to_numpy())
-
-
-def _strip_times(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
-
-
-@pytest.mark.slow
-def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
-    args = [*TINY, "schedule.num_steps=4", "schedule.save_every=1", "eval=none"]
-    ref = tmp_path / "ref"
-    p = run_train([*args, f"hydra.run.dir={ref}"], tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-
-    run = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run}"],
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while time.time() < deadline:  # kill once step 1 is logged, i.e. mid-run after a checkpoint
-        if (run / "metrics.jsonl").exists() and any(r["step"] >= 1 for r in _safe_rows(run)):
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before the kill"
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
-    # the kill landed mid-run: some steps logged and checkpointed, not all
-    steps_before = {r["step"] for r in _safe_rows(run)}
-    ck_step = json.loads((run / "checkpoint.json").read_text())["step"]
-    assert 1 in steps_before and 3 not in steps_before, steps_before
-    assert 1 <= ck_step < 4, ck_step
-    p = run_train([*args, f"hydra.run.dir={run}"], tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "resuming from" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
-    rows_ref, rows = read_metrics(ref), read_metrics(run)
-    assert [(r["step"], r["update"]) for r in rows] == [(s, u) for s in range(4) for u in range(2)]
-    a, b = _strip_times(rows_ref), _strip_times(rows)
-    for ra, rb in zip(a, b):
-        for k in ra:
-            if isinstance(ra[k], float):
-                assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), k  # as _same_run
-            elif k != "faults/retries":
-                assert rb[k] == ra[k], k
-    np.testing.assert_allclose(_final_logprobs(run), _final_logprobs(ref), atol=1e-5, rtol=0)
-
-
-def _safe_rows(run: Path) -> list[dict]:
-    out = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
 @pytest.mark.slow
 def test_multirun_pair_then_compare(tmp_path):
     """A real sweep, then eval.compare on its folders. The tiny random model answers no GSM8K item,
     so both arms would score 0 and the verdict could not depend on the pairing; the final eval's
     per-item `correct` flags are therefore re-seeded (items and question hashes kept from the run):
     the treatment (dppo) right on items 0-29, the baseline (grpo) on items 0-4, of 40."""
-    sys.path.insert(0, str(ROOT / "src"))
     from eval.records import read_item_records, write_item_records
 
     sweep = tmp_path / "sweep"
@@ -239,3 +149,29 @@ def test_periodic_evals_hold_the_final_eval_items_and_form_a_curve(tmp_path):
     assert all(sorted(c) == sorted(r["index"] for r in final) for c in curve.values())
     auc = auc_scores(curve, [0, 1, 2], sorted(curve[2]))
     assert auc.shape == (4,) and ((auc >= 0) & (auc <= 1)).all()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None,
+                    reason="hydra-joblib-launcher not installed (pip install -e '.[dev]')")
+def test_joblib_launcher_runs_the_arms_in_parallel_workers_with_the_same_results(tmp_path):
+    """`--multirun hydra/launcher=joblib`: both arms run in two worker processes at once, both are recorded
+    in arms.json (written under a lock by concurrent jobs), and an arm equals the same command run on its own
+    (thread count pinned: joblib caps each worker's threads)."""
+    args = [*TINY, "eval=none", "backend.num_threads=1"]
+    sweep, alone = tmp_path / "sweep", tmp_path / "alone"
+    p = run_train(["--multirun", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "loss=grpo,dppo", "seed=0",
+                   *args, f"hydra.sweep.dir={sweep}"], tmp_path, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Joblib.Parallel(n_jobs=2" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
+    arms = json.loads((sweep / "arms.json").read_text())
+    assert sorted(a["arm"] for a in arms.values()) == ["dppo_seed0", "grpo_seed0"]
+    runs = {a["arm"]: Path(a["run_dir"]) for a in arms.values()}
+    for arm, run in runs.items():
+        rows = read_metrics(run)
+        assert [(r["step"], r["update"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)], arm
+        assert json.loads((run / "run_info.json").read_text())["arm"] == arm
+        assert yaml.safe_load((run / "config.yaml").read_text())["loss"]["name"] == arm.split("_")[0]
+    p = run_train(["loss=grpo", "seed=0", *args, f"hydra.run.dir={alone}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert strip_times(read_metrics(runs["grpo_seed0"])) == strip_times(read_metrics(alone))

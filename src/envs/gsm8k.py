@@ -22,8 +22,8 @@ from tinker_cookbook.recipes.math_rl.math_grading import extract_boxed, grade_an
 
 from envs import gsm8k_data
 from envs.types import Problem, Task, conversation_prefix
+from trainer.config.enums import CONVO_PREFIXES
 
-CONVO_PREFIXES = ("standard", "none")
 log = logging.getLogger("pairedrl")
 
 _GRADERS = {"sympy": grade_answer, "math_verify": grade_answer_math_verify}
@@ -34,7 +34,7 @@ _grade_lock = threading.Lock()
 def graded(given: str, gold: str, grader: str = "sympy", timeout: float = 1.0) -> bool:
     """The cookbook's `safe_grade` on one long-lived worker thread: same grader function, same
     "False after ceil(timeout) seconds" rule. `safe_grade` opens a new ThreadPoolExecutor per call
-    (~2 ms of thread start-up, 256 times per flagship step); a grade that times out here abandons
+    (a thread start-up per call, 256 calls per flagship step); a grade that times out here abandons
     the worker (its thread finishes on its own) and later calls get a fresh one."""
     global _grade_pool
     with _grade_lock:

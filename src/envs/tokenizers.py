@@ -23,8 +23,7 @@ from typing import Any
 from tinker_cookbook.tokenizer_utils import register_tokenizer
 
 from envs._cfg import cfg_get
-
-TOKENIZER_KINDS = ("tml_qwen3_5", "local", "hf")
+from trainer.config.enums import TOKENIZER_KINDS
 
 _lock = threading.Lock()
 _cache: dict[tuple[str, str], Any] = {}
@@ -32,7 +31,7 @@ _cache: dict[tuple[str, str], Any] = {}
 
 @functools.lru_cache(maxsize=1)
 def _load_qwen35() -> Any:
-    # takes ~5 s (the vocab is unpacked from the extension module): once per process
+    # slow (the vocab is unpacked from the extension module): once per process
     from tml_renderers.tokenizers import Qwen35Tokenizer
 
     return Qwen35Tokenizer()

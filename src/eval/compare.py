@@ -53,22 +53,10 @@ from eval.stats import (
     t_quantile,
     two_level_bootstrap_ci,
 )
+from trainer.config.enums import ENDPOINTS
+from trainer.config.ignored_keys import IGNORED_CONFIG_KEYS  # which keys may differ between arms, and why
 from trainer.utils.io import atomic_write_json, atomic_write_text
 
-# Config keys (dotted prefixes) that may differ between the runs of one paired experiment:
-IGNORED_CONFIG_KEYS: tuple[str, ...] = (
-    "loss",               # the arm switch itself; each arm's loss group is checked across its seeds, and
-                          # the keys both losses have (aggregation) across the arms
-    "seed",               # pairs are matched by seed; different seeds are the replication
-    "run_name",           # the arm label (derived from loss and seed)
-    "resume",             # resuming continues the same computation
-    "checkpoint",         # eval.run's input path
-    "backend.state_dir",  # per-run output path of the engine's checkpoints
-    "preflight.dir",      # where the preflight results were read from
-    "logger",             # where metrics go (wandb project/group/run names, mode); no effect on training
-    "report",             # whether the per-run report is written; no effect on training
-    "hydra",              # Hydra's runtime section (output dirs, job names), if present
-)
 PLOTS_DIR = "compare_plots"
 
 
@@ -850,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     rule.add_argument("--method", default=None, choices=RULE_METHODS)
     rule.add_argument("--alpha", type=float, default=None, help="two-sided error rate")
     rule.add_argument("--margin", type=float, default=None, help="gain the lower bound must exceed")
-    rule.add_argument("--endpoint", default=None, choices=("final", "step", "auc"))
+    rule.add_argument("--endpoint", default=None, choices=ENDPOINTS)
     rule.add_argument("--step", type=int, default=None, help="eval step of --endpoint step")
     rule.add_argument("--threshold", type=float, default=None,
                       help="accuracy of the steps-to-threshold endpoint (reported only: no override needed)")

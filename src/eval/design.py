@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 
 from eval.stats import hoeffding_half_width, t_quantile
+from trainer.config.enums import DECISION_METHODS
 
-METHODS = ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap", "seed_t")
+METHODS = DECISION_METHODS  # decision.method: the config states the list once
 DEFAULT_DISCORDANCE = 0.3
 _N = NormalDist()
 

@@ -7,7 +7,6 @@ else to the Hydra output folder."""
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -33,8 +32,12 @@ def _resolve_checkpoint(cfg: DictConfig) -> tuple[str, Path | None, DictConfig]:
         if info is None:
             raise SystemExit(f"error: {p} has no checkpoint.json (not a run folder with a saved checkpoint)")
         run_cfg = OmegaConf.load(p / "config.yaml")
-        # the run's model/env/backend, the command line's eval settings
-        merged = OmegaConf.merge(cfg, {k: run_cfg[k] for k in ("model", "env", "backend", "seed") if k in run_cfg})
+        # the run's model/env/backend, the command line's eval settings; each group is replaced, not merged:
+        # the run's option (env=gsm8k) may have other keys than the default's typed node (env=arithmetic)
+        merged = cfg.copy()
+        for k in ("model", "env", "backend", "seed"):
+            if k in run_cfg:
+                OmegaConf.update(merged, k, run_cfg[k], merge=False)
         return info.tinker_path, p, merged
     if not str(ck).startswith("tinker://"):
         raise SystemExit(f"error: checkpoint={ck!r} is neither a run folder nor a tinker:// path")
@@ -75,4 +78,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() is not None else 1)
+    # Hydra's decorated main returns None whatever the task returned; a failure exits through SystemExit
+    main()

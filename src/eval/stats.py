@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from trainer.config.enums import DECISION_METHODS
+
 VERDICTS = ("validated", "inconclusive", "not_supported")
 METHOD = "paired_hoeffding"
 
@@ -317,7 +319,7 @@ def two_level_bootstrap_ci(diff_SN: Any, alpha: float = 0.05, n_resamples: int =
 
 
 # ----------------------------------------------------------------------------- decision rules
-RULE_METHODS = ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap", "seed_t")
+RULE_METHODS = DECISION_METHODS  # decision.method: the config states the list once
 ESTIMANDS = {
     "paired_hoeffding": "these fixed checkpoints",
     "mcnemar_exact": "these fixed checkpoints",

@@ -12,14 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer.config.ignored_keys import RESUME_IGNORED_KEYS  # which keys a resume may change, and why
 from trainer.utils.io import atomic_write_json, read_json, read_jsonl_lenient, rewrite_jsonl
 
 CHECKPOINT_FILE = "checkpoint.json"
-# Keys that may change between a run and its resume without changing what is computed (eval.every only
-# adds or drops intermediate evals, eval.compare alone reads the decision rule, and the report settings only
-# shape the report; everything that shapes training or the final eval stays hashed).
-RESUME_IGNORED_KEYS = ("resume", "checkpoint", "logger", "preflight", "retry", "backend.faults", "eval.every",
-                       "decision", "report")
 
 
 class ResumeError(RuntimeError):

@@ -453,7 +453,9 @@ class RLLoop:
                 raise _ClientFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
             if kind == USER and isinstance(exc, tinker.APIStatusError):
                 raise BackendRequestError(f"{what}: the backend refused the request: {exc}") from exc
-            raise  # our own ValueError (bad input, a failing loss) or a bug: with its traceback
+            # our own ValueError (bad input, a failing loss) or an error no backend raises: ends the run
+            # with its traceback. A RuntimeError (also torch's, inside the local engine) was RECOVER above
+            raise
 
     def _save(self, state: LoopState, final: bool = False) -> None:
         name = f"step{state.step:06d}" + ("_final" if final else "")

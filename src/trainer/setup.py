@@ -8,13 +8,13 @@ import logging
 import sys
 from typing import Any, NoReturn
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from envs import build_task
 from envs.renderers import get_renderer
 from envs.tokenizers import get_tokenizer
 from trainer.config.schema import GROUP_SCHEMAS
+from trainer.losses import build_loss
 from trainer.losses.adapter import make_custom_loss_fn, make_loss_handle
 
 log = logging.getLogger("pairedrl")
@@ -51,7 +51,7 @@ def make_loss(cfg: DictConfig, service_client: Any) -> tuple[Any, Any]:
     which needs `aggregation=sum`), failing the run when that is impossible; `auto` the handle where the
     loss and backend allow it, else the callable, with a warning when registering failed (the arms of a
     sweep would otherwise run different paths unnoticed; `eval.compare` refuses such a sweep)."""
-    loss = hydra.utils.instantiate(cfg.loss)
+    loss = build_loss(cfg.loss)
     want = cfg.backend.get("loss_path", "auto")
     if want == "two_pass":
         return loss, make_custom_loss_fn(loss)

@@ -13,6 +13,13 @@ Three answers (`classify`), read off tinker 0.38's error paths:
 - `USER`: the request or the setup is wrong (HTTP 400/401/403/404/422 at submission, a ValueError of
   our own code such as a bad datum or a failing loss function); no retry can fix it.
 Anything else (`None`) is a bug in this code and propagates with its traceback.
+
+`RuntimeError` and `OSError` are RECOVER as a class, because the SDK's poisoned-client error is a
+RuntimeError and a lost connection can surface as an OSError. A torch error inside the local engine
+(a RuntimeError) is therefore not told apart from a lost client: the trainer redoes the step from
+the last checkpoint, at most `retry.max_attempts` times at one step, then ends the run with
+`TrainingClientLost` chained to the original error and its traceback. A deterministic engine bug
+costs those redone attempts before it surfaces.
 """
 
 from __future__ import annotations

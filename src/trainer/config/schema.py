@@ -9,36 +9,41 @@ dataclasses follows verl's config layout (verl/workers/config/actor.py).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-
-class ConfigError(ValueError):
-    """A config value is out of range or inconsistent; the message names the key."""
-
-
-def _require(cond: bool, key: str, msg: str, value: Any) -> None:
-    if not cond:
-        raise ConfigError(f"{key} {msg}, got {value!r}")
-
-
-def _positive_int(key: str, value: int) -> None:
-    _require(isinstance(value, int) and value >= 1, key, "must be an integer >= 1", value)
-
-
-def _nonneg_int(key: str, value: int) -> None:
-    _require(isinstance(value, int) and value >= 0, key, "must be an integer >= 0", value)
-
-
-def _in_set(key: str, value: Any, allowed: tuple) -> None:
-    _require(value in allowed, key, f"must be one of {list(allowed)}", value)
-
-
-AGGREGATIONS = ("sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+from trainer.config.checks import ConfigError
+from trainer.config.checks import in_set as _in_set
+from trainer.config.checks import nonneg_int as _nonneg_int
+from trainer.config.checks import positive_int as _positive_int
+from trainer.config.checks import require as _require
+from trainer.config.enums import (
+    ADVANTAGES,
+    DECISION_METHODS,
+    DPPO_DEFAULT_DELTA,
+    ENDPOINTS,
+    ENGINE_DTYPES,
+    EVAL_TASKS,
+    LOGGERS,
+    LOSS_PATHS,
+    LR_SCHEDULES,
+    SAMPLING_REQUESTS,
+    TOKENIZER_KINDS,
+    WANDB_MODES,
+)
+from trainer.config.enums import CONVO_PREFIXES as _CONVO_PREFIXES
+from trainer.config.losses import (  # noqa: F401 - the loss configs are re-exported beside the other groups'
+    LOSS_SCHEMAS,
+    CISPOLossConfig,
+    DPPOLossConfig,
+    GRPOLossConfig,
+    GSPOLossConfig,
+    ImportanceSamplingLossConfig,
+    LossCommonConfig,
+)
 
 
 # ----------------------------------------------------------------------------- model
@@ -68,147 +73,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _positive_int("lora_rank", self.lora_rank)
         _require(self.lora_alpha > 0, "lora_alpha", "must be > 0", self.lora_alpha)
-        _in_set("tokenizer", self.tokenizer, ("local", "tml_qwen3_5", "hf"))
+        _in_set("tokenizer", self.tokenizer, TOKENIZER_KINDS)
         _require(self.max_seq_len >= 16, "max_seq_len", "must be >= 16", self.max_seq_len)
         _require(self.train_mlp or self.train_attn or self.train_unembed, "train_mlp",
                  "(or train_attn / train_unembed) must be true: no LoRA target", False)
-
-
-# ----------------------------------------------------------------------------- loss
-@dataclass
-class LossCommonConfig:
-    """Settings every loss plugin takes (each loss's dataclass adds its own after these)."""
-
-    # token-loss aggregation: sum (Tinker) | token_mean | seq_mean_token_sum | seq_mean_token_mean |
-    # seq_mean_token_sum_norm (Dr. GRPO: per-sequence sums / (#sequences * norm_length))
-    aggregation: str = "sum"
-    # the constant H of seq_mean_token_sum_norm (the completion budget); ignored by the others
-    norm_length: Optional[float] = None
-    # trust-region anchor: sampler (the rollout logprobs) | recomputed (trainer logprobs from one extra
-    # forward pass before the first update of each step; Stable-RL's *_recompute modes)
-    anchor: str = "sampler"
-    # coefficient of the k3 KL penalty to the initial weights (0 = off, no extra pass)
-    kl_coef: float = 0.0
-
-    def _check_common(self) -> None:
-        _in_set("aggregation", self.aggregation, AGGREGATIONS)
-        if self.aggregation == "seq_mean_token_sum_norm":
-            _require(self.norm_length is not None and self.norm_length > 0, "norm_length",
-                     "must be > 0 for aggregation seq_mean_token_sum_norm", self.norm_length)
-        _in_set("anchor", self.anchor, ("sampler", "recomputed"))
-        _require(0 <= self.kl_coef < math.inf, "kl_coef", "must be a finite number >= 0 (0 = off)", self.kl_coef)
-
-
-@dataclass
-class GRPOLossConfig(LossCommonConfig):
-    # hydra.utils.instantiate target of this loss plugin
-    _target_: str = "trainer.losses.grpo.GRPOLoss"
-    # registry name of the loss (also the arm's loss label)
-    name: str = "grpo"
-    # symmetric PPO ratio clip epsilon: r is clipped to [1-eps, 1+eps]
-    clip_eps: float = 0.2
-    # lower clip epsilon; null = clip_eps
-    clip_eps_low: Optional[float] = None
-    # upper clip epsilon; null = clip_eps
-    clip_eps_high: Optional[float] = None
-    # binary-TV delta of the counterfactual DPPO mask logged in this arm (probability units)
-    cf_dppo_delta: float = 0.15
-
-    def __post_init__(self) -> None:
-        _require(self.name == "grpo", "name", "must be 'grpo' for this schema", self.name)
-        for key in ("clip_eps", "clip_eps_low", "clip_eps_high"):
-            v = getattr(self, key)
-            if v is not None:
-                _require(v > 0, key, "must be > 0 (inf disables the clip)", v)
-        self._check_common()
-        _require(0 < self.cf_dppo_delta <= 1, "cf_dppo_delta", "must be in (0, 1]", self.cf_dppo_delta)
-
-
-@dataclass
-class DPPOLossConfig(LossCommonConfig):
-    # hydra.utils.instantiate target of this loss plugin
-    _target_: str = "trainer.losses.dppo.DPPOLoss"
-    # registry name of the loss (also the arm's loss label)
-    name: str = "dppo"
-    # divergence used by the trust-region mask: binary_tv | binary_kl
-    mode: str = "binary_tv"
-    # trust-region threshold for both directions; null = 0.15 (binary_tv) or 0.05 (binary_kl)
-    delta: Optional[float] = None
-    # threshold for tokens with A <= 0; null = delta
-    delta_low: Optional[float] = None
-    # threshold for tokens with A > 0; null = delta
-    delta_high: Optional[float] = None
-    # truncation cap c of the importance weight min(r, c); 1e4 = the authors' "fair comparison"
-    is_cap: float = 1.0e4
-    # epsilon of the counterfactual GRPO clip fraction logged in this arm
-    cf_grpo_eps: float = 0.2
-
-    def __post_init__(self) -> None:
-        _require(self.name == "dppo", "name", "must be 'dppo' for this schema", self.name)
-        _in_set("mode", self.mode, ("binary_tv", "binary_kl"))
-        for key in ("delta", "delta_low", "delta_high"):
-            v = getattr(self, key)
-            if v is None:
-                continue
-            if self.mode == "binary_tv":
-                # a TV distance between two-point distributions is at most 1
-                _require((0 < v <= 1) or math.isinf(v), key, "must be in (0, 1] for binary_tv", v)
-            else:
-                _require(v > 0, key, "must be > 0 for binary_kl", v)
-        _require(self.is_cap >= 1, "is_cap", "must be >= 1", self.is_cap)
-        self._check_common()
-        _require(self.cf_grpo_eps > 0, "cf_grpo_eps", "must be > 0", self.cf_grpo_eps)
-
-
-@dataclass
-class ImportanceSamplingLossConfig(LossCommonConfig):
-    # hydra.utils.instantiate target of this loss plugin
-    _target_: str = "trainer.losses.importance_sampling.ImportanceSamplingLoss"
-    # registry name of the loss (also the arm's loss label)
-    name: str = "importance_sampling"
-
-    def __post_init__(self) -> None:
-        _require(self.name == "importance_sampling", "name", "must be 'importance_sampling' for this schema",
-                 self.name)
-        self._check_common()
-
-
-@dataclass
-class CISPOLossConfig(LossCommonConfig):
-    # hydra.utils.instantiate target of this loss plugin
-    _target_: str = "trainer.losses.cispo.CISPOLoss"
-    # registry name of the loss (also the arm's loss label)
-    name: str = "cispo"
-    # lower bound of the truncated IS weight clip(r, low, high) (Tinker's key and default)
-    clip_low_threshold: float = 0.0
-    # upper bound of the truncated IS weight (Tinker's key and default)
-    clip_high_threshold: float = 4.0
-
-    def __post_init__(self) -> None:
-        _require(self.name == "cispo", "name", "must be 'cispo' for this schema", self.name)
-        _require(0 <= self.clip_low_threshold <= 1, "clip_low_threshold", "must be in [0, 1]",
-                 self.clip_low_threshold)
-        _require(self.clip_high_threshold >= 1, "clip_high_threshold", "must be >= 1 (inf allowed)",
-                 self.clip_high_threshold)
-        self._check_common()
-
-
-@dataclass
-class GSPOLossConfig(LossCommonConfig):
-    # hydra.utils.instantiate target of this loss plugin
-    _target_: str = "trainer.losses.gspo.GSPOLoss"
-    # registry name of the loss (also the arm's loss label)
-    name: str = "gspo"
-    # lower clip epsilon of the sequence ratio (GSPO paper section 5.1: 3e-4)
-    seq_clip_eps_low: float = 3.0e-4
-    # upper clip epsilon of the sequence ratio (GSPO paper section 5.1: 4e-4)
-    seq_clip_eps_high: float = 4.0e-4
-
-    def __post_init__(self) -> None:
-        _require(self.name == "gspo", "name", "must be 'gspo' for this schema", self.name)
-        for key in ("seq_clip_eps_low", "seq_clip_eps_high"):
-            _require(getattr(self, key) > 0, key, "must be > 0 (inf disables the clip)", getattr(self, key))
-        self._check_common()
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -268,7 +136,7 @@ class ScheduleConfig:
             _positive_int(key, getattr(self, key))
         _nonneg_int("save_every", self.save_every)
         _nonneg_int("warmup_steps", self.warmup_steps)
-        _in_set("lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
+        _in_set("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
         _require(self.updates_per_batch <= self.groups_per_batch * self.group_size, "updates_per_batch",
                  f"must be <= rollouts per step ({self.groups_per_batch * self.group_size})",
@@ -298,7 +166,7 @@ class GSM8KEnvConfig:
     def __post_init__(self) -> None:
         if self.n_examples is not None:
             _positive_int("n_examples", self.n_examples)
-        _in_set("convo_prefix", self.convo_prefix, ("standard", "none"))
+        _in_set("convo_prefix", self.convo_prefix, _CONVO_PREFIXES)
         _require(self.format_coef >= 0, "format_coef", "must be >= 0", self.format_coef)
         _positive_int("max_tokens", self.max_tokens)
 
@@ -332,7 +200,7 @@ class ArithmeticEnvConfig:
         _require(1 <= self.max_digits <= 6, "max_digits", "must be in [1, 6]", self.max_digits)
         _require(1 <= self.min_digits <= self.max_digits, "min_digits", "must be in [1, max_digits]",
                  self.min_digits)
-        _in_set("convo_prefix", self.convo_prefix, ("standard", "none"))
+        _in_set("convo_prefix", self.convo_prefix, _CONVO_PREFIXES)
         _require(self.format_coef >= 0, "format_coef", "must be >= 0", self.format_coef)
         _positive_int("max_tokens", self.max_tokens)
 
@@ -362,7 +230,7 @@ class EvalConfig:
         _positive_int("max_tokens", self.max_tokens)
         _positive_int("concurrency", self.concurrency)
         if self.task is not None:
-            _in_set("task", self.task, ("gsm8k", "arithmetic"))
+            _in_set("task", self.task, EVAL_TASKS)
 
 
 # ----------------------------------------------------------------------------- backend
@@ -383,9 +251,6 @@ class FaultsConfig:
             v = getattr(self, key)
             _require(0 <= v < 1, key, "must be in [0, 1)", v)
         _require(self.latency_s >= 0, "latency_s", "must be >= 0", self.latency_s)
-
-
-LOSS_PATHS = ("auto", "one_pass", "two_pass")
 
 
 @dataclass
@@ -422,8 +287,8 @@ class LocalBackendConfig:
     def __post_init__(self) -> None:
         _in_set("loss_path", self.loss_path, LOSS_PATHS)
         _require(self.restore_tolerance > 0, "restore_tolerance", "must be > 0", self.restore_tolerance)
-        _in_set("sampler_dtype", self.sampler_dtype, ("auto", "bfloat16", "float32"))
-        _in_set("train_dtype", self.train_dtype, ("auto", "bfloat16", "float32"))
+        _in_set("sampler_dtype", self.sampler_dtype, ENGINE_DTYPES)
+        _in_set("train_dtype", self.train_dtype, ENGINE_DTYPES)
         _positive_int("micro_batch_size", self.micro_batch_size)
         _positive_int("micro_batch_tokens", self.micro_batch_tokens)
         _positive_int("max_sample_batch", self.max_sample_batch)
@@ -475,8 +340,8 @@ class LoggerConfig:
     rollouts_per_step: int = 4
 
     def __post_init__(self) -> None:
-        _in_set("name", self.name, ("jsonl", "wandb"))
-        _in_set("mode", self.mode, ("online", "offline", "auto"))
+        _in_set("name", self.name, LOGGERS)
+        _in_set("mode", self.mode, WANDB_MODES)
         _nonneg_int("rollouts_per_step", self.rollouts_per_step)
 
 
@@ -500,7 +365,7 @@ class SamplingConfig:
     requests: str = "auto"
 
     def __post_init__(self) -> None:
-        _in_set("requests", self.requests, ("auto", "per_group", "per_sample"))
+        _in_set("requests", self.requests, SAMPLING_REQUESTS)
         _require(self.temperature > 0, "temperature", "must be > 0 for RL rollouts", self.temperature)
         _positive_int("max_tokens", self.max_tokens)
         _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
@@ -543,10 +408,6 @@ class PreflightConfig:
         _require(self.budget_minutes > 0, "budget_minutes", "must be > 0", self.budget_minutes)
         _positive_int("pilot_steps", self.pilot_steps)
         _positive_int("pilot_eval_items", self.pilot_eval_items)
-
-
-DECISION_METHODS = ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap", "seed_t")
-ENDPOINTS = ("final", "step", "auc")
 
 
 @dataclass
@@ -647,15 +508,18 @@ class Config:
     checkpoint: Optional[str] = None
 
     def __post_init__(self) -> None:
-        _in_set("advantage", self.advantage, ("group_mean", "group_zscore", "none"))
-        _nonneg_int("seed", self.seed)
+        _check_top_level(self.advantage, self.seed)
+
+
+def _check_top_level(advantage: str, seed: int) -> None:
+    """The top-level scalars' checks (validate() runs them without building a whole Config)."""
+    _in_set("advantage", advantage, ADVANTAGES)
+    _nonneg_int("seed", seed)
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"model_schema": ModelConfig},
-    "loss": {"grpo_schema": GRPOLossConfig, "dppo_schema": DPPOLossConfig,
-             "importance_sampling_schema": ImportanceSamplingLossConfig, "cispo_schema": CISPOLossConfig,
-             "gspo_schema": GSPOLossConfig},
+    "loss": dict(LOSS_SCHEMAS),
     "optimizer": {"adamw_schema": AdamWConfig},
     "schedule": {"schedule_schema": ScheduleConfig},
     "env": {"gsm8k_schema": GSM8KEnvConfig, "arithmetic_schema": ArithmeticEnvConfig},
@@ -666,9 +530,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
 
 
 def _dppo_default_delta(mode: str) -> float | None:
-    from trainer.losses.dppo import DEFAULT_DELTA
-
-    return DEFAULT_DELTA.get(mode)  # an unknown mode is reported by DPPOLossConfig's own check
+    return DPPO_DEFAULT_DELTA.get(mode)  # an unknown mode is reported by DPPOLossConfig's own check
 
 
 def register_configs() -> None:
@@ -686,7 +548,8 @@ def register_configs() -> None:
 def validate(cfg: DictConfig) -> dict[str, Any]:
     """Run every group's range checks; raise ConfigError naming `<group>.<key>`.
 
-    Returns the groups as dataclass objects (useful for typed access)."""
+    Returns {group: its dataclass object} for the eight groups and sampling, retry, preflight and
+    decision: the validated, typed view of `cfg` (e.g. `trainer.losses.build_loss(groups["loss"])`)."""
     objects: dict[str, Any] = {}
     for group in GROUPS:
         node = cfg.get(group)
@@ -696,21 +559,10 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
             objects[group] = OmegaConf.to_object(node)
         except ConfigError as e:
             raise ConfigError(f"{group}.{e}") from None
-    top = {k: v for k, v in cfg.items() if k not in GROUPS and k != "hydra"}
     for key in ("sampling", "retry", "preflight", "decision"):
         try:
             objects[key] = OmegaConf.to_object(cfg[key])
         except ConfigError as e:
             raise ConfigError(f"{key}.{e}") from None
-    try:
-        Config.__post_init__(_TopView(top))  # type: ignore[arg-type]
-    except ConfigError as e:
-        raise ConfigError(str(e)) from None
+    _check_top_level(cfg.advantage, cfg.seed)
     return objects
-
-
-class _TopView:
-    """Attribute view over the top-level scalars, to reuse Config.__post_init__."""
-
-    def __init__(self, d: dict[str, Any]) -> None:
-        self.__dict__.update(d)

@@ -1,6 +1,7 @@
-"""Loss plugins: registry, aggregation, GRPO and DPPO, diagnostics, tinker adapters.
+"""Loss plugins: aggregation, GRPO, DPPO and the Tinker built-ins' forms, diagnostics, tinker adapters.
 
-`hydra.utils.instantiate(cfg.loss)` returns a callable
+`build_loss(cfg.loss)` (or `hydra.utils.instantiate(cfg.loss)`: the same `_target_` selects the class)
+returns a callable
 `loss(logp, sampler_logp, advantages, mask, anchor_logp=None, ref_logp=None) -> (scalar, metrics)`;
 see docs/architecture.md.
 """
@@ -8,17 +9,16 @@ see docs/architecture.md.
 from trainer.losses.adapter import make_custom_loss_fn
 from trainer.losses.aggregate import AGGREGATIONS, aggregate
 from trainer.losses.base import PolicyLoss
+from trainer.losses.build import build_loss, loss_class
 from trainer.losses.cispo import CISPOLoss
 from trainer.losses.dppo import DPPOLoss
 from trainer.losses.grpo import GRPOLoss
 from trainer.losses.gspo import GSPOLoss
 from trainer.losses.importance_sampling import ImportanceSamplingLoss
 from trainer.losses.per_datum import make_per_datum_fn
-from trainer.losses.registry import LOSSES, get_loss_class, register_loss
 
 __all__ = [
     "AGGREGATIONS",
-    "LOSSES",
     "CISPOLoss",
     "DPPOLoss",
     "GRPOLoss",
@@ -26,8 +26,8 @@ __all__ = [
     "ImportanceSamplingLoss",
     "PolicyLoss",
     "aggregate",
-    "get_loss_class",
+    "build_loss",
+    "loss_class",
     "make_custom_loss_fn",
     "make_per_datum_fn",
-    "register_loss",
 ]

@@ -28,8 +28,9 @@ CustomLossFn = Callable[[list[Any], list[torch.Tensor]], tuple[torch.Tensor, dic
 def default_mask(sampler_logp_T: torch.Tensor, advantages_T: torch.Tensor) -> torch.Tensor:
     """Loss mask when a datum carries none: `advantages != 0 or logprobs != 0`.
 
-    Same rule as spindle's `build_sequence_batches` (prompt tokens carry A = 0 and
-    sampler logprob 0 in tinker-cookbook datums).
+    Same rule as spindle's `build_sequence_batches` (spindle: an open-source server of
+    Tinker's training API, pinned in losses/aggregate.py); prompt tokens carry A = 0 and
+    sampler logprob 0 in tinker-cookbook datums.
     """
     return ((advantages_T != 0) | (sampler_logp_T != 0)).to(sampler_logp_T.dtype)
 

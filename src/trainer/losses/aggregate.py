@@ -2,7 +2,11 @@
 
 Modes (pinned to sail-sg/Stable-RL @ c6af1d119c0fe30d16dd9a837d35fdf695acd226,
 verl/trainer/ppo/core_algos.py::agg_loss, and to Tinker's token sum):
-- `sum`: sum over loss tokens of all sequences (Tinker / spindle convention; the default).
+- `sum`: sum over loss tokens of all sequences (the default; Tinker's documented `-(...).sum()`, and
+  what spindle computes: its `_loss` returns the masked sum and Megatron never divides it by the token
+  count. spindle = modal-projects/spindle @ 88b2e5f3cd0addb93b4579725ed97d6e988856e0, an open-source
+  server of Tinker's training API on Megatron, src/spindle/backends/megatron_runtime/common/
+  forward_backward.py).
 - `token_mean`: sum / number of loss tokens (Stable-RL `token-mean` with dp_size 1).
 - `seq_mean_token_sum`: per-sequence token sum, averaged over sequences that have at
   least one loss token (Stable-RL `seq-mean-token-sum`).
@@ -24,15 +28,9 @@ from __future__ import annotations
 
 import torch
 
-AGGREGATIONS: tuple[str, ...] = (
-    "sum",
-    "token_mean",
-    "seq_mean_token_sum",
-    "seq_mean_token_mean",
-    "seq_mean_token_sum_norm",
-)
-#: Aggregations that need the constant normaliser `norm_length`.
-NEEDS_NORM_LENGTH: tuple[str, ...] = ("seq_mean_token_sum_norm",)
+from trainer.config.enums import AGGREGATIONS, NEEDS_NORM_LENGTH
+
+__all__ = ["AGGREGATIONS", "NEEDS_NORM_LENGTH", "aggregate", "check_aggregation", "check_norm_length"]
 
 
 def check_aggregation(mode: str, owner: str = "aggregation") -> str:

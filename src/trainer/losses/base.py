@@ -1,8 +1,9 @@
 """Common machinery of the loss plugins: input checks, aggregation, anchors, KL, diagnostics.
 
-A plugin supplies `token_loss` (per-token loss, differentiable in `logp`) and `rules` (a
-`TrustRegionRules` holding its own rule's settings and the other losses' as counterfactuals);
-`__call__` is the public contract
+A plugin names its typed config (`config_class`, in the torch-free trainer/config/losses.py, which
+holds every default and bound) and supplies `token_loss` (per-token loss, differentiable in `logp`)
+and `rules` (a `TrustRegionRules` holding its own rule's settings and the other losses' as
+counterfactuals); `__call__` is the public contract
 
     loss(logp, sampler_logp, advantages, mask, anchor_logp=None, ref_logp=None) -> (scalar, metrics)
 
@@ -13,36 +14,20 @@ moves the trust region of GRPO, DPPO and GSPO; `ref_logp` (logprobs of the initi
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from trainer.losses.aggregate import aggregate, check_aggregation, check_norm_length
+from trainer.config.enums import NEEDS_NORM_LENGTH
+from trainer.config.losses import DPPOLossConfig, LossCommonConfig, make_loss_config
+from trainer.losses.aggregate import aggregate
 from trainer.losses.diagnostics import compute_diagnostics
 from trainer.losses.inputs import check_loss_inputs, check_optional_input
 from trainer.losses.trust_region import LOG_RATIO_CLAMP, TrustRegionRules
 
 if TYPE_CHECKING:
     from trainer.losses.per_datum import PerDatumLoss
-
-ANCHORS: tuple[str, ...] = ("sampler", "recomputed")
-
-
-def positive_param(owner: str, name: str, value: float, *, upper: float | None = None) -> float:
-    """`value` as a float if it is > 0 (and <= upper when given; inf always allowed).
-
-    inf is accepted so that identities such as "eps = inf is plain importance sampling"
-    can be expressed; zero, negatives, NaN and non-numbers raise ValueError naming `name`.
-    """
-    allowed = f"(0, {upper}] or inf" if upper is not None else "> 0 (inf allowed)"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{owner}: {name} must be a number {allowed}, got {value!r}")  # noqa: TRY004
-    value = float(value)
-    if math.isnan(value) or value <= 0 or (upper is not None and value > upper and not math.isinf(value)):
-        raise ValueError(f"{owner}: {name} must be {allowed}, got {value!r}")
-    return value
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -60,30 +45,24 @@ class PolicyLoss(ABC):
     """Base class of the loss plugins."""
 
     #: The IS cap c used by `ratio/cap_hits` (and by DPPO's weight truncation).
-    is_cap: float = 1e4
+    is_cap: float = DPPOLossConfig.is_cap
     #: The four rules (own + counterfactuals) this arm reports; set by each plugin.
     rules: TrustRegionRules
 
-    def __init__(
-        self,
-        name: str,
-        aggregation: str,
-        norm_length: float | None = None,
-        anchor: str = "sampler",
-        kl_coef: float = 0.0,
-    ) -> None:
-        owner = type(self).__name__
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{owner}: name must be a non-empty string, got {name!r}")
-        self.name = name
-        self.aggregation = check_aggregation(aggregation, f"{owner}: aggregation")
-        self.norm_length = check_norm_length(self.aggregation, norm_length, f"{owner}: norm_length")
-        if anchor not in ANCHORS:
-            raise ValueError(f"{owner}: anchor must be one of {list(ANCHORS)}, got {anchor!r}")
-        self.anchor = anchor
-        if isinstance(kl_coef, bool) or not isinstance(kl_coef, (int, float)) or not 0 <= kl_coef < math.inf:
-            raise ValueError(f"{owner}: kl_coef must be a finite number >= 0 (0 = off), got {kl_coef!r}")
-        self.kl_coef = float(kl_coef)
+    #: The typed config of this plugin: its fields are the constructor's keywords.
+    config_class: ClassVar[type[LossCommonConfig]]
+
+    def __init__(self, config: LossCommonConfig | None = None, /, **fields: Any) -> None:
+        """Build from `config` (an instance of `config_class`; None = its defaults) with `fields`
+        replaced: `GRPOLoss(clip_eps=0.3)` is `GRPOLoss(GRPOLossConfig(clip_eps=0.3))`. The
+        config's own checks reject a bad value with a ConfigError (a ValueError) naming the key."""
+        self.config = make_loss_config(self.config_class, config, fields, owner=type(self).__name__)
+        c = self.config
+        self.name = c.name  # type: ignore[attr-defined]
+        self.aggregation = c.aggregation
+        self.norm_length = float(c.norm_length) if c.aggregation in NEEDS_NORM_LENGTH else None  # type: ignore[arg-type]
+        self.anchor = c.anchor
+        self.kl_coef = float(c.kl_coef)
 
     @abstractmethod
     def token_loss(

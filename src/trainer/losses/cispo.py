@@ -3,20 +3,15 @@ built-in `cispo`."""
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import torch
 
+from trainer.config.losses import CISPOLossConfig
 from trainer.losses.base import PolicyLoss
-from trainer.losses.registry import register_loss
 from trainer.losses.trust_region import TrustRegionRules, cispo_token_loss
 
-# Tinker docs /tinker/losses/cispo and tinker-cookbook tutorials/202_loss_functions.py: 0.0 / 4.0.
-DEFAULT_CLIP_LOW = 0.0
-DEFAULT_CLIP_HIGH = 4.0
 
-
-@register_loss("cispo")
 class CISPOLoss(PolicyLoss):
     """Token loss `-sg(clip(r, clip_low_threshold, clip_high_threshold)) * A * logp`.
 
@@ -28,27 +23,12 @@ class CISPOLoss(PolicyLoss):
     anchored trust region; `anchor` only moves the other losses' counterfactual rules.
     """
 
-    def __init__(
-        self,
-        name: str = "cispo",
-        clip_low_threshold: float = DEFAULT_CLIP_LOW,
-        clip_high_threshold: float = DEFAULT_CLIP_HIGH,
-        aggregation: str = "sum",
-        norm_length: float | None = None,
-        anchor: str = "sampler",
-        kl_coef: float = 0.0,
-    ) -> None:
-        super().__init__(name, aggregation, norm_length, anchor, kl_coef)
-        owner = "CISPOLoss"
-        for key, value in (("clip_low_threshold", clip_low_threshold), ("clip_high_threshold", clip_high_threshold)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-                raise ValueError(f"{owner}: {key} must be a number, got {value!r}")
-        if not 0.0 <= clip_low_threshold <= 1.0:
-            raise ValueError(f"{owner}: clip_low_threshold must be in [0, 1], got {clip_low_threshold!r}")
-        if not clip_high_threshold >= 1.0:
-            raise ValueError(f"{owner}: clip_high_threshold must be >= 1 (inf allowed), got {clip_high_threshold!r}")
-        self.clip_low = float(clip_low_threshold)
-        self.clip_high = float(clip_high_threshold)
+    config_class = CISPOLossConfig
+
+    def __init__(self, config: CISPOLossConfig | None = None, /, **fields: Any) -> None:
+        super().__init__(config, **fields)
+        self.clip_low = float(self.config.clip_low_threshold)
+        self.clip_high = float(self.config.clip_high_threshold)
         self.rules = TrustRegionRules(cispo_low=self.clip_low, cispo_high=self.clip_high)
 
     def token_loss(

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from trainer.losses.base import PolicyLoss, positive_param
-from trainer.losses.registry import register_loss
-from trainer.losses.trust_region import DPPO_MODES, TrustRegionRules, dppo_drop_mask, dppo_token_loss
-
-# Authors' defaults: verl-project/verl examples/dppo_trainer (PR #5397 @ 182383bbb),
-# run_qwen30b_dppo.sh: delta 0.15 for TV, 0.05 for KL, clip_ratio_c 10000.
-DEFAULT_DELTA = {"binary_tv": 0.15, "binary_kl": 0.05}
+from trainer.config.losses import DPPOLossConfig
+from trainer.losses.base import PolicyLoss
+from trainer.losses.trust_region import TrustRegionRules, dppo_drop_mask, dppo_token_loss
 
 
-@register_loss("dppo")
 class DPPOLoss(PolicyLoss):
     """Token loss `-A * sg(min(r, c)) * keep * logp`, r = exp(min(logp - sampler_logp, 20)).
 
@@ -24,45 +21,24 @@ class DPPOLoss(PolicyLoss):
     The value is a REINFORCE surrogate (not the IS objective -r*A); its gradient equals
     that of -r*A on kept tokens with r truncated at c.
 
-    delta None -> 0.15 (binary_tv) / 0.05 (binary_kl); delta_low / delta_high default to
-    delta. binary_tv needs deltas in (0, 1]; binary_kl deltas > 0; inf disables the rule.
-    `is_cap` (c) >= 1; `cf_grpo_eps` sets the counterfactual PPO clip in `loss/grpo_clip_frac`.
+    Settings, defaults (the authors', pinned in trainer/config/enums.py) and bounds: `DPPOLossConfig`.
+    delta None -> the mode's default; delta_low / delta_high default to delta; inf disables the
+    rule. `cf_grpo_eps` sets the counterfactual PPO clip in `loss/grpo_clip_frac`.
     With `anchor="recomputed"` the mask is taken against the anchor and the IS weight stays on
     the sampler: Stable-RL's `dppo_binary_tv_recompute` / `dppo_binary_kl_recompute`.
     """
 
-    def __init__(
-        self,
-        name: str = "dppo",
-        mode: str = "binary_tv",
-        delta: float | None = None,
-        delta_low: float | None = None,
-        delta_high: float | None = None,
-        is_cap: float = 1e4,
-        aggregation: str = "sum",
-        cf_grpo_eps: float = 0.2,
-        norm_length: float | None = None,
-        anchor: str = "sampler",
-        kl_coef: float = 0.0,
-    ) -> None:
-        super().__init__(name, aggregation, norm_length, anchor, kl_coef)
-        owner = "DPPOLoss"
-        if mode not in DPPO_MODES:
-            raise ValueError(f"{owner}: mode must be one of {list(DPPO_MODES)}, got {mode!r}")
-        self.mode = mode
-        upper = 1.0 if mode == "binary_tv" else None
-        delta = DEFAULT_DELTA[mode] if delta is None else delta
-        self.delta = positive_param(owner, "delta", delta, upper=upper)
-        self.delta_low = positive_param(
-            owner, "delta_low", self.delta if delta_low is None else delta_low, upper=upper
-        )
-        self.delta_high = positive_param(
-            owner, "delta_high", self.delta if delta_high is None else delta_high, upper=upper
-        )
-        if isinstance(is_cap, bool) or not isinstance(is_cap, (int, float)) or not float(is_cap) >= 1.0:
-            raise ValueError(f"{owner}: is_cap must be >= 1 (inf allowed), got {is_cap!r}")
-        self.is_cap = float(is_cap)
-        self.cf_grpo_eps = positive_param(owner, "cf_grpo_eps", cf_grpo_eps)
+    config_class = DPPOLossConfig
+
+    def __init__(self, config: DPPOLossConfig | None = None, /, **fields: Any) -> None:
+        super().__init__(config, **fields)
+        c = self.config
+        self.mode = c.mode
+        self.delta = float(c.delta_or_default())
+        self.delta_low = float(self.delta if c.delta_low is None else c.delta_low)
+        self.delta_high = float(self.delta if c.delta_high is None else c.delta_high)
+        self.is_cap = float(c.is_cap)
+        self.cf_grpo_eps = float(c.cf_grpo_eps)
         self.rules = TrustRegionRules(
             dppo_mode=self.mode,
             dppo_delta_low=self.delta_low,

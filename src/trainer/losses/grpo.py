@@ -2,49 +2,39 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from trainer.losses.base import PolicyLoss, positive_param
-from trainer.losses.registry import register_loss
+from trainer.config.losses import DPPOLossConfig, GRPOLossConfig
+from trainer.losses.base import PolicyLoss
 from trainer.losses.trust_region import TrustRegionRules, grpo_token_loss
 
 # GRPO has no IS cap; `ratio/cap_hits` uses DPPO's default c so both arms count the same thing.
-GRPO_DIAGNOSTIC_CAP = 1e4
+GRPO_DIAGNOSTIC_CAP = DPPOLossConfig.is_cap
 
 
-@register_loss("grpo")
 class GRPOLoss(PolicyLoss):
     """Token loss `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)`, r = exp(logp - sampler_logp).
 
     Pinned to Tinker's built-in `ppo` loss (docs /tinker/losses/ppo; clip thresholds 0.8 /
-    1.2 by default, token sum), which spindle's `_loss` "ppo" branch reproduces.
+    1.2 by default, token sum), which the `_loss` "ppo" branch of spindle (an open-source
+    server of Tinker's training API, pinned in losses/aggregate.py) reproduces.
+    Settings, defaults and bounds: `GRPOLossConfig`.
     `clip_eps_low` / `clip_eps_high` default to `clip_eps`; `cf_dppo_delta` sets the
     counterfactual DPPO binary-TV rule reported as `loss/dppo_masked_frac`. With
     `anchor="recomputed"` the clip is on the ratio to the anchor (see `grpo_token_loss`).
     """
 
-    def __init__(
-        self,
-        name: str = "grpo",
-        clip_eps: float = 0.2,
-        clip_eps_low: float | None = None,
-        clip_eps_high: float | None = None,
-        aggregation: str = "sum",
-        cf_dppo_delta: float = 0.15,
-        norm_length: float | None = None,
-        anchor: str = "sampler",
-        kl_coef: float = 0.0,
-    ) -> None:
-        super().__init__(name, aggregation, norm_length, anchor, kl_coef)
-        owner = "GRPOLoss"
-        self.clip_eps = positive_param(owner, "clip_eps", clip_eps)
-        self.eps_low = positive_param(
-            owner, "clip_eps_low", self.clip_eps if clip_eps_low is None else clip_eps_low
-        )
-        self.eps_high = positive_param(
-            owner, "clip_eps_high", self.clip_eps if clip_eps_high is None else clip_eps_high
-        )
-        self.cf_dppo_delta = positive_param(owner, "cf_dppo_delta", cf_dppo_delta, upper=1.0)
+    config_class = GRPOLossConfig
+
+    def __init__(self, config: GRPOLossConfig | None = None, /, **fields: Any) -> None:
+        super().__init__(config, **fields)
+        c = self.config
+        self.clip_eps = float(c.clip_eps)
+        self.eps_low = float(c.clip_eps if c.clip_eps_low is None else c.clip_eps_low)
+        self.eps_high = float(c.clip_eps if c.clip_eps_high is None else c.clip_eps_high)
+        self.cf_dppo_delta = float(c.cf_dppo_delta)
         self.is_cap = GRPO_DIAGNOSTIC_CAP
         self.rules = TrustRegionRules(
             dppo_delta_low=self.cf_dppo_delta,

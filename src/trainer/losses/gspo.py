@@ -3,18 +3,15 @@ GSPO-token form."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from trainer.losses.base import PolicyLoss, positive_param
-from trainer.losses.registry import register_loss
+from trainer.config.losses import GSPOLossConfig
+from trainer.losses.base import PolicyLoss
 from trainer.losses.trust_region import TrustRegionRules, gspo_token_loss
 
-# GSPO paper (Zheng et al. 2025, arXiv 2507.18071) section 5.1: clipping ranges 3e-4 and 4e-4.
-DEFAULT_EPS_LOW = 3e-4
-DEFAULT_EPS_HIGH = 4e-4
 
-
-@register_loss("gspo")
 class GSPOLoss(PolicyLoss):
     """Token loss `-min(s_t*A, clip(s_t, 1-eps_low, 1+eps_high)*A)`, s_t = sg(s) * p/sg(p),
     s = exp(mean over the sequence's loss tokens of log(p/mu)).
@@ -32,20 +29,12 @@ class GSPOLoss(PolicyLoss):
     `eval.compare` requires keys that two arms' loss configs share to be equal.
     """
 
-    def __init__(
-        self,
-        name: str = "gspo",
-        seq_clip_eps_low: float = DEFAULT_EPS_LOW,
-        seq_clip_eps_high: float = DEFAULT_EPS_HIGH,
-        aggregation: str = "sum",
-        norm_length: float | None = None,
-        anchor: str = "sampler",
-        kl_coef: float = 0.0,
-    ) -> None:
-        super().__init__(name, aggregation, norm_length, anchor, kl_coef)
-        owner = "GSPOLoss"
-        self.eps_low = positive_param(owner, "seq_clip_eps_low", seq_clip_eps_low)
-        self.eps_high = positive_param(owner, "seq_clip_eps_high", seq_clip_eps_high)
+    config_class = GSPOLossConfig
+
+    def __init__(self, config: GSPOLossConfig | None = None, /, **fields: Any) -> None:
+        super().__init__(config, **fields)
+        self.eps_low = float(self.config.seq_clip_eps_low)
+        self.eps_high = float(self.config.seq_clip_eps_high)
         self.rules = TrustRegionRules(gspo_eps_low=self.eps_low, gspo_eps_high=self.eps_high)
 
     def token_loss(

@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from trainer.config.losses import ImportanceSamplingLossConfig
 from trainer.losses.base import PolicyLoss
-from trainer.losses.registry import register_loss
 from trainer.losses.trust_region import TrustRegionRules, importance_sampling_token_loss
 
 
-@register_loss("importance_sampling")
 class ImportanceSamplingLoss(PolicyLoss):
     """Token loss `-r*A`, r = exp(logp - sampler_logp): no trust region, no truncation.
 
@@ -20,15 +21,10 @@ class ImportanceSamplingLoss(PolicyLoss):
     counterfactual at that loss's defaults. The anchor only moves those counterfactuals.
     """
 
-    def __init__(
-        self,
-        name: str = "importance_sampling",
-        aggregation: str = "sum",
-        norm_length: float | None = None,
-        anchor: str = "sampler",
-        kl_coef: float = 0.0,
-    ) -> None:
-        super().__init__(name, aggregation, norm_length, anchor, kl_coef)
+    config_class = ImportanceSamplingLossConfig
+
+    def __init__(self, config: ImportanceSamplingLossConfig | None = None, /, **fields: Any) -> None:
+        super().__init__(config, **fields)
         self.rules = TrustRegionRules()
 
     def token_loss(

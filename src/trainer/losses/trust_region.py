@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-DPPO_MODES: tuple[str, ...] = ("binary_tv", "binary_kl")
+from trainer.config.enums import DPPO_DEFAULT_DELTA, DPPO_MODES
+from trainer.config.losses import CISPOLossConfig, DPPOLossConfig, GRPOLossConfig, GSPOLossConfig
 
 # Stable-RL @ c6af1d1, core_algos.py::compute_policy_loss_with_mask clamps the log-ratio
 # at +20 before exp when it builds the IS weight (compute_policy_loss_vanilla: to [-20, 20]).
@@ -113,7 +114,8 @@ def grpo_token_loss(
     where it does, as Stable-RL's `ppo_recompute` mask (anchor for the rule, sampler for the
     weight). Without an anchor r_a = r and w = 1: Tinker's `ppo`.
 
-    Tinker built-in `ppo` (docs /tinker/losses/ppo; spindle `_loss` branch "ppo"): no dual clip.
+    Tinker built-in `ppo` (docs /tinker/losses/ppo; the `_loss` branch "ppo" of spindle, the open-source
+    Tinker-API server pinned in aggregate.py): no dual clip.
     Gradient -A*r on unclipped tokens, 0 where the clip binds. One guard Tinker does not document:
     the log-ratio is clamped to [-20, 20] before exp, as verl / Stable-RL do (Stable-RL @ c6af1d1,
     core_algos.py::compute_policy_loss_vanilla). Identical for |log r| <= 20; beyond it an fp32 exp
@@ -244,19 +246,20 @@ class TrustRegionRules:
     """The four token rules every arm evaluates: its own with its own settings, the others as
     counterfactuals (what that loss would have dropped, clipped or truncated on this batch).
 
-    Defaults are each loss's own defaults: DPPO binary TV 0.15 (authors' scripts), GRPO 0.2,
-    CISPO 0.0 / 4.0 (Tinker), GSPO 3e-4 / 4e-4 (arXiv 2507.18071 section 5.1).
+    Defaults are each loss's own defaults, read from its config (trainer/config/losses.py): DPPO
+    binary TV 0.15 (authors' scripts), GRPO 0.2, CISPO 0.0 / 4.0 (Tinker), GSPO 3e-4 / 4e-4
+    (arXiv 2507.18071 section 5.1).
     """
 
-    dppo_mode: str = "binary_tv"
-    dppo_delta_low: float = 0.15
-    dppo_delta_high: float = 0.15
-    grpo_eps_low: float = 0.2
-    grpo_eps_high: float = 0.2
-    cispo_low: float = 0.0
-    cispo_high: float = 4.0
-    gspo_eps_low: float = 3e-4
-    gspo_eps_high: float = 4e-4
+    dppo_mode: str = DPPOLossConfig.mode
+    dppo_delta_low: float = DPPO_DEFAULT_DELTA[DPPOLossConfig.mode]
+    dppo_delta_high: float = DPPO_DEFAULT_DELTA[DPPOLossConfig.mode]
+    grpo_eps_low: float = GRPOLossConfig.clip_eps
+    grpo_eps_high: float = GRPOLossConfig.clip_eps
+    cispo_low: float = CISPOLossConfig.clip_low_threshold
+    cispo_high: float = CISPOLossConfig.clip_high_threshold
+    gspo_eps_low: float = GSPOLossConfig.seq_clip_eps_low
+    gspo_eps_high: float = GSPOLossConfig.seq_clip_eps_high
 
     def masks(
         self,

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from trainer.config.enums import AGGREGATIONS
 from trainer.losses.adapter import make_custom_loss_fn
 from trainer.losses.diagnostics import DIAGNOSTIC_KEYS
 from trainer.losses.cispo import CISPOLoss
@@ -44,7 +45,6 @@ GRAD_ATOL, GRAD_RTOL = 1e-5, 1e-3
 MIN_COSINE = 0.9999
 METRIC_RTOL_F64 = 1e-6
 METRIC_RTOL_F32 = 1e-4
-AGGREGATIONS = ("sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 # the constant H of seq_mean_token_sum_norm on the fixture (its longest response is 64 tokens)
 NORM_LENGTH = 64.0
 

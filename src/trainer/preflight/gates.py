@@ -17,18 +17,15 @@ import tinker
 from omegaconf import DictConfig, OmegaConf
 
 from eval.greedy import greedy_eval_budgets, run_greedy_eval
+from trainer.config.ignored_keys import PLAN_IGNORED_KEYS
 from trainer.preflight.common import Check, GateReport
 from trainer.setup import build_components, eval_task, make_loss
 from trainer.tinker_params import adam_params, create_lora_training_client, served_model
 
 # design runs second: it costs seconds and can stop a plan that cannot answer its question before the pilot
 GATES = ("correctness", "design", "restoration", "activation", "feasibility")
-# Keys that do not change what the gates measured. The loss is the swept switch: it is left out of the
-# plan hash, and each gate records the loss config of both arms instead (`arm_losses`), which a sweep
-# job's own loss must equal. preflight.skip/dir only say whether and where to look.
-# A replicate seed changes only the LoRA init and the sampling draws, so one preflight serves a seed sweep.
-_PLAN_IGNORED = ("loss", "seed", "logger", "retry", "resume", "checkpoint", "run_name", "preflight.skip",
-                 "preflight.dir")
+# Keys that do not change what the gates measured (beside resume's and compare's lists, with the reasons)
+_PLAN_IGNORED = PLAN_IGNORED_KEYS
 ARMS = ("grpo", "dppo")
 
 

@@ -1,0 +1,190 @@
+"""Backend faults: injected failures are retried or recovered without losing or doubling a step; an error
+that may have been applied is never resent in place; a server that drops metrics does not crash a step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from runs import TINY, assert_same_run, read_metrics, run_train
+
+SHORT = [*TINY, "schedule.num_steps=3", "schedule.save_every=1", "eval=none"]
+
+
+@pytest.mark.slow
+def test_injected_faults_give_the_fault_free_result(tmp_path):
+    ref, faulty = tmp_path / "ref", tmp_path / "faulty"
+    assert run_train([*SHORT, f"hydra.run.dir={ref}"], tmp_path).returncode == 0
+    faults = [f"backend.faults.{k}=0.1" for k in ("p_sample", "p_forward_backward", "p_optim_step", "p_save_state")]
+    p = run_train([*SHORT, *faults, "backend.faults.seed=3", "retry.backoff_s=0.0",
+                   f"hydra.run.dir={faulty}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = read_metrics(faulty)
+    assert rows[-1]["faults/retries"] > 0, "no fault was injected: the test would prove nothing"
+    assert_same_run(ref, faulty)
+
+
+def _timeout() -> Exception:
+    import httpx
+    import tinker
+
+    return tinker.APITimeoutError(request=httpx.Request("POST", "http://tinker.invalid/forward_backward"))
+
+
+@pytest.mark.parametrize("what", ["forward_backward", "optim_step"])
+def test_weight_changing_calls_are_not_resent_after_an_ambiguous_error(what):
+    """A timeout may arrive after the server applied the call: resending forward_backward / optim_step
+    could accumulate a gradient or apply an update twice, so the loop hands it to checkpoint recovery
+    (one attempt); an error that guarantees nothing was applied is retried in place, and idempotent
+    calls (save_state) are retried after a timeout too."""
+    from trainer.backends.errors import TransientBackendError
+    from trainer.loop import RLLoop, _ClientFailure
+    from trainer.retry import RetryPolicy
+
+    loop = RLLoop.__new__(RLLoop)
+    loop.retry = RetryPolicy(max_attempts=3, backoff_s=0.0)
+
+    def failing_once(exc: Exception):
+        calls = []
+
+        def fn():
+            calls.append(1)
+            if len(calls) == 1:
+                raise exc
+            return "ok"
+        return fn, calls
+
+    fn, calls = failing_once(_timeout())
+    with pytest.raises(_ClientFailure, match=f"{what}: APITimeoutError"):
+        loop._train_call(what, fn)
+    assert len(calls) == 1
+    fn, calls = failing_once(TransientBackendError("refused before doing any work"))
+    assert loop._train_call(what, fn) == "ok" and len(calls) == 2
+    fn, calls = failing_once(_timeout())
+    assert loop._train_call("save_state", fn) == "ok" and len(calls) == 2
+    from trainer.losses.adapter import LossFunctionError
+
+    fn, calls = failing_once(LossFunctionError("loss grpo_custom_loss raised RuntimeError: bug"))
+    with pytest.raises(LossFunctionError):  # a bug in the loss: no retry, no checkpoint recovery
+        loop._train_call(what, fn)
+    assert len(calls) == 1
+
+
+def test_a_failed_final_save_is_recovered_like_a_step(tmp_path):
+    """The final save_state failing for good (a _ClientFailure) recovers from the last checkpoint and redoes
+    the steps after it, then saves again, instead of ending the run without a final checkpoint."""
+    from omegaconf import OmegaConf
+
+    from trainer.checkpoint import CheckpointInfo
+    from trainer.loop import LoopState, RLLoop, _ClientFailure
+    from trainer.retry import RetryPolicy
+
+    cfg = OmegaConf.create({"schedule": {"num_steps": 3, "save_every": 0}, "retry": {"max_attempts": 3},
+                            "logger": {"name": "jsonl", "rollouts_per_step": 0}, "loss": {"name": "grpo"},
+                            "seed": 0, "run_name": None})
+    loop = RLLoop.__new__(RLLoop)
+    loop.cfg, loop.run_dir, loop.progress, loop.config_dict, loop.sweep_dir = cfg, tmp_path, False, {}, None
+    loop.retry, loop.recoveries, loop.info, loop.on_step_end = RetryPolicy(), 0, {}, None
+    calls = {"start": 0, "steps": 0, "final_saves": 0}
+
+    def start():
+        calls["start"] += 1
+        return LoopState()
+
+    def do_step(state, sink):
+        calls["steps"] += 1
+        state.step += 1
+        return 0.0
+
+    def save(state, final=False):
+        assert final and state.step == 3
+        calls["final_saves"] += 1
+        if calls["final_saves"] == 1:
+            raise _ClientFailure("save_state: APITimeoutError: timed out")
+        state.last_checkpoint = CheckpointInfo("tinker://local/x", state.step, 6, 9, "h")
+
+    loop._start, loop._do_step, loop._save = start, do_step, save
+    out = loop.run()
+    assert out["steps"] == 3 and out["checkpoint"] == "tinker://local/x" and out["recoveries"] == 1
+    assert calls == {"start": 2, "steps": 6, "final_saves": 2}
+
+
+def test_one_pass_metrics_survive_a_server_that_drops_sums_or_logprobs(caplog):
+    """The one-pass diagnostics come from the server's custom/...:sum keys and the returned logprobs; a
+    server that omits either must not crash the step after its optim_step was applied."""
+    from types import SimpleNamespace
+
+    import tinker
+    import torch
+
+    from trainer.datums import Rollout, rollout_to_datum
+    from trainer.loop import RLLoop
+    from trainer.losses import GRPOLoss
+    from trainer.losses.per_datum import _COUNT_KEYS, with_per_datum_inputs
+
+    r = Rollout(group=0, prompt_tokens=[1, 2], tokens=[3, 4, 5], logprobs=[-0.5, -1.0, -0.2], reward=1.0,
+                metrics={}, stop_reason="stop", advantage=0.5)
+    mb = [with_per_datum_inputs(rollout_to_datum(r))]
+    current = tinker.TensorData.from_torch(torch.tensor([0.0, -0.4, -1.1, -0.25]))
+    loop = RLLoop.__new__(RLLoop)
+    loop.loss_path, loop.loss_fn, loop._warned = "one_pass", GRPOLoss(), set()
+
+    no_sums = SimpleNamespace(metrics={"loss:sum": 1.5}, loss_fn_outputs=[{"logprobs": current}])
+    out = loop._loss_metrics(no_sums, mb)
+    assert out["loss/value"] == 1.5 and out["loss/n_tokens"] == 3.0 and "drift/abs_p_q90" in out
+    sums = {k: 1.0 for k in _COUNT_KEYS.values()} | {"custom/loss/n_tokens:sum": 3.0}
+    no_logprobs = SimpleNamespace(metrics={"loss:sum": 1.5, **sums}, loss_fn_outputs=[{}])
+    out = loop._loss_metrics(no_logprobs, mb)
+    assert out["loss/n_tokens"] == 3.0 and out["loss/grpo_clip_frac"] == pytest.approx(1 / 3)
+    assert "drift/abs_p_q90" not in out
+    assert "came back with logprobs" in caplog.text and "missing metric keys" in caplog.text
+
+
+class _Failed:
+    """A future whose result is an error, as the SDK's futures raise it."""
+
+    def __init__(self, exc: Exception):
+        self.exc = exc
+
+    def result(self, timeout: float | None = None):
+        raise self.exc
+
+
+@pytest.mark.parametrize("method,pipelined", [
+    pytest.param("forward_backward_custom", False, id="forward_backward", marks=pytest.mark.slow),
+    pytest.param("optim_step", True, id="optim_step_pipelined")])
+def test_an_error_after_the_call_was_applied_is_recovered_from_the_checkpoint(
+        tmp_path, monkeypatch, train_in_process, method, pipelined):
+    """A timeout that reaches the client after the backend applied forward_backward (the gradient is in the
+    buffers) or optim_step (the weights moved): the loop must not resend the call, but recreate the training
+    client from the last checkpoint and redo the step. The run then equals the fault-free run; a resend in
+    place would accumulate a second gradient or apply a second update. The fault hits the step's second
+    update, so the first one (already applied on that client) must be rolled back too."""
+    from trainer.backends.local.training import LocalTrainingClient
+
+    args = [*TINY, "eval=none", "retry.backoff_s=0.0", f"backend.pipeline_optim_step={str(pipelined).lower()}"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    code, out = train_in_process([*args, f"hydra.run.dir={ref}"], tmp_path)
+    assert code == 0, out[-3000:]
+
+    real = getattr(LocalTrainingClient, method)
+    calls = []
+
+    def applied_then_timeout(self, *a, **k):
+        fut = real(self, *a, **k)
+        calls.append(method)
+        if len(calls) == 4:  # step 1, update 1 (smoke: 2 steps x 2 updates, a checkpoint after step 0)
+            fut.result()  # the engine applied it; only the reply is lost
+            return _Failed(_timeout())
+        return fut
+
+    monkeypatch.setattr(LocalTrainingClient, method, applied_then_timeout)
+    code, out = train_in_process([*args, f"hydra.run.dir={run}"], tmp_path)
+    assert code == 0, out[-3000:]
+    assert len(calls) == 6, calls  # 4 updates, the 2 of step 1 redone once
+    assert "recovering from the last checkpoint" in out, out[-3000:]
+    assert json.loads((run / "result.json").read_text())["recoveries"] == 1
+    rows = read_metrics(run)
+    assert [(r["step"], r["update"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r["global_update"] for r in rows] == [0, 1, 2, 3]
+    assert_same_run(ref, run)
