@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from trainer.backends.local.common import COMPUTE  # noqa: E402
-from trainer.backends.local.sampler import _MKLDNN  # noqa: E402
+from trainer.backends.local.model import ONEDNN_PACKING, onednn_linear, onednn_pack  # noqa: E402
 from trainer.backends.local.service import dtype_name  # noqa: E402
 
 # SmolLM2-135M: hidden 576, 9 query / 3 kv heads of 64, MLP 1536, vocab 49152
@@ -52,7 +52,7 @@ def _time(fn: Callable[[], object], reps: int) -> float:
 
 def kernel_path(fn: Callable[[], object]) -> str:
     """The oneDNN implementation one call of `fn` ran, or MKL/ATen when oneDNN was not called."""
-    if not _MKLDNN:
+    if not ONEDNN_PACKING:
         return "MKL/ATen"
     sys.stdout.flush()
     saved = os.dup(1)
@@ -96,8 +96,8 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
 
 def _packed(rows: int) -> Callable:
     def make(x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
-        p = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-        return lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+        p = onednn_pack(w, rows)
+        return lambda: onednn_linear(x, p)
     return make
 
 
@@ -108,7 +108,7 @@ def ceilings(dtype: torch.dtype, rows: int = 1184, decode_rows: int = 32, quiet:
     train, train_path = _sweep(f"train {name}", SHAPES, rows, dtype, _linear, 20, quiet)
     shapes = {**SHAPES, "unembed": (VOCAB, 576)}
     decode = {"linear": _sweep(f"decode {name}", shapes, decode_rows, dtype, _linear, 100, quiet)}
-    if _MKLDNN:
+    if ONEDNN_PACKING:
         decode["packed"] = _sweep(f"packed {name}", shapes, decode_rows, dtype, _packed(decode_rows), 100, quiet)
     best = max(decode, key=lambda k: decode[k][0])
     return {"dtype": name, "train_gflops": train, "train_kernel": train_path,

@@ -44,7 +44,7 @@ def prompts(tok, n: int) -> list[list[int]]:
                                     return_dict=False) for q in rows]
 
 
-def bench_local(ps: list[list[int]], new: int, dtype: str) -> tuple[float, int]:
+def bench_local(ps: list[list[int]], new: int, dtype: str) -> tuple[float, int, str]:
     sc = LocalServiceClient(state_dir=tempfile.mkdtemp(), sampler_dtype=dtype, max_sample_batch=len(ps))
     scl = sc.create_sampling_client(base_model=SMOLLM2)
     params = types.SamplingParams(max_tokens=new, temperature=1.0, seed=0, stop=[])
@@ -59,10 +59,11 @@ def bench_local(ps: list[list[int]], new: int, dtype: str) -> tuple[float, int]:
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     n_tok = sum(len(r.sequences[0].tokens) for r in res)
     assert all(len(r.sequences[0].logprobs) == new for r in res)
+    ran = sc.precision["sampler_dtype"]  # what `auto` resolved to
     sc.close()
     print(f"local sampler: {cpu:.1f} CPU s of this process for {dt:.1f} wall s (with --threads 1 the CPU "
           f"seconds measure the work even when other processes share the cores)")
-    return dt, n_tok
+    return dt, n_tok, ran
 
 
 def bench_hf(ps: list[list[int]], new: int, dtype: str, tok) -> tuple[float, int]:
@@ -104,10 +105,8 @@ def main() -> None:
           f"{min(map(len, ps))}-{max(map(len, ps))}  torch threads {torch.get_num_threads()}")
     print(f"loadavg before: {open('/proc/loadavg').read().split()[:3]}")
     rows = []
-    dt, n = bench_local(ps, a.new_tokens, a.local_dtype)
-    from trainer.backends.local.service import _dtype
-
-    rows.append((f"local sampler ({str(_dtype(a.local_dtype, 'dtype')).split('.')[-1]}, static KV cache)", dt, n))
+    dt, n, ran = bench_local(ps, a.new_tokens, a.local_dtype)
+    rows.append((f"local sampler ({ran}, static KV cache)", dt, n))
     from trainer.backends.local.common import COMPUTE
 
     for d in [x for x in a.hf_dtypes.split(",") if x]:

@@ -28,22 +28,24 @@ def workload(rows: int, iters: int = 8) -> float:
     sys.path.insert(0, str(ROOT / "src"))
     import torch
 
-    from trainer.backends.local import sampler as S
+    from trainer.backends.local.model import rotary_tables
+    from trainer.backends.local.sampler_forward import decode_step
+    from trainer.backends.local.sampler_weights import build_weights
     from trainer.backends.local.models import SMOLLM2, resolve_base_model
 
     factory, _ = resolve_base_model(SMOLLM2)
     model = factory(torch.float32)
-    W = S.build_weights(model.config, dict(model.state_dict()), *S.rotary_tables(model, 256), torch.float32)
+    W = build_weights(model.config, dict(model.state_dict()), *rotary_tables(model, 256), torch.float32)
     L = 128
     cache = [(torch.randn(rows, W.n_kv, L, W.head_dim), torch.randn(rows, W.n_kv, L, W.head_dim)) for _ in W.layers]
     tok = torch.randint(0, 1000, (rows,))
     pos = torch.full((rows,), 60)
     spans = [(0, rows, 61)]  # every row attends over cache indices [0, 61)
     with torch.no_grad():
-        S.decode_step(W, tok, pos, spans, cache)
+        decode_step(W, tok, pos, spans, cache)
         t0 = time.perf_counter()
         for _ in range(iters):
-            S.decode_step(W, tok, pos, spans, cache)
+            decode_step(W, tok, pos, spans, cache)
     return (time.perf_counter() - t0) / iters * 1e3
 
 

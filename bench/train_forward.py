@@ -57,12 +57,12 @@ def main() -> None:
     sc = LocalServiceClient(state_dir=tempfile.mkdtemp(), sampler_dtype="float32", train_dtype="float32")
     tc = sc.create_lora_training_client(SMOLLM2, rank=8, seed=0, train_unembed=False).result()
     batch, adv = data()
-    preps = tc._prepare(batch)
+    preps = tc.compute.prepare(batch)
     grad_from = [p.mask_from for p in preps]
-    b = tc._base
+    b = tc.compute.base
 
     def ours() -> None:
-        lps = tc._logprobs(preps, grad_from)
+        lps = tc.compute.logprobs(preps, grad_from)
         sum((lp * w).sum() for lp, w in zip(lps, adv)).backward()
 
     def peft() -> None:
@@ -92,7 +92,7 @@ def main() -> None:
                 with b.lock:
                     fn()
                 out.append(time.perf_counter() - t0)
-                for p in tc._params:
+                for p in tc.compute.params:
                     p.grad = None
             return out[1:]  # the first one warms up
         return COMPUTE.run(run)

@@ -25,12 +25,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 def pytest_addoption(parser):
     parser.addoption("--precision", choices=("auto", "float32", "bfloat16"),
                      default=os.environ.get("PAIREDRL_AUTO_PRECISION") or "auto",
-                     help="what the local engine's `auto` precision resolves to in this run (default: by CPU)")
+                     help="what the local engine's `auto` precision resolves to in this run (default: measured on this CPU)")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "bf16: about the bf16 path; skipped where the CPU has no fast bf16 "
-                                       "matmuls unless --precision bfloat16")
+    config.addinivalue_line("markers", "bf16: about the bf16 path; skipped where bf16 matmuls are not faster "
+                                       "than fp32 (measured) unless --precision bfloat16")
     forced = config.getoption("--precision")
     if forced == "auto":
         os.environ.pop("PAIREDRL_AUTO_PRECISION", None)
@@ -39,19 +39,20 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    from trainer.backends.local.service import auto_precision, dtype_name
+    from trainer.backends.local.precision import auto_precision
+    from trainer.backends.local.service import dtype_name
 
     dtype, why = auto_precision()
     return f"pairedrl: backend precision `auto` = {dtype_name(dtype)} ({why})"
 
 
 def pytest_collection_modifyitems(config, items):
-    from trainer.backends.local.service import cpu_has_fast_bf16
+    from trainer.backends.local.precision import measured_precision
 
-    if cpu_has_fast_bf16() or config.getoption("--precision") == "bfloat16":
+    if config.getoption("--precision") == "bfloat16" or measured_precision()[0] == "bfloat16":
         return
-    skip = pytest.mark.skip(reason="bf16 path: this CPU has no AVX512_BF16/AMX, so bf16 matmuls are slower than "
-                                   "fp32 and `auto` never picks bf16 here; --precision bfloat16 runs it anyway")
+    skip = pytest.mark.skip(reason="bf16 path: bf16 matmuls are not faster than fp32 on this CPU (measured), so "
+                                   "`auto` never picks bf16 here; --precision bfloat16 runs it anyway")
     for item in items:
         if "bf16" in item.keywords:
             item.add_marker(skip)

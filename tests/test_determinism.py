@@ -83,9 +83,9 @@ def test_seeded_and_greedy_requests_are_batch_invariant(smol):
     sc, scl, prompts = smol
     alone = scl.sample(prompts[0], 4, SEEDED).result()
     alone_greedy = scl.sample(prompts[1], 1, GREEDY).result()
-    before = sc._scheduler.batches_run
+    before = sc.sample_batches_run
     crowd_seeded, crowd_greedy = _crowd(scl, prompts)
-    assert sc._scheduler.batches_run - before == 1  # all eight requests really ran as one batch
+    assert sc.sample_batches_run - before == 1  # all eight requests really ran as one batch
     _same(alone, crowd_seeded)
     _same(alone_greedy, crowd_greedy)
     assert len({tuple(s.tokens) for s in alone.sequences}) > 1  # the four rows of the request differ

@@ -60,7 +60,7 @@ def test_save_state_then_restore_with_optimizer_is_exact(sc):
     r2 = (restored.forward_backward(nxt, "ppo").result(), restored.optim_step(ADAM).result())
     assert r1[0].metrics["loss:sum"] == r2[0].metrics["loss:sum"]
     assert r1[1].metrics["grad_norm:mean"] == r2[1].metrics["grad_norm:mean"]
-    assert all(torch.equal(a, b) for a, b in zip(tc._params, restored._params))
+    assert all(torch.equal(a, b) for a, b in zip(tc.compute.params, restored.compute.params))
     assert all(torch.equal(a, b) for a, b in zip(logprobs(tc, data), logprobs(restored, data)))
 
     # weights only: same logprobs, fresh optimizer -> a different next step
@@ -74,7 +74,7 @@ def test_save_state_then_restore_with_optimizer_is_exact(sc):
     assert all(torch.equal(a, b) for a, b in zip(saved_lp, fresh_lp))
     fresh.forward_backward(nxt, "ppo").result()
     fresh.optim_step(ADAM).result()
-    assert not all(torch.equal(a, b) for a, b in zip(tc._params, fresh._params))
+    assert not all(torch.equal(a, b) for a, b in zip(tc.compute.params, fresh.compute.params))
 
 
 def test_load_state_into_an_existing_client_and_sampler_checkpoints(sc):

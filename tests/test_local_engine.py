@@ -77,9 +77,9 @@ def test_custom_loss_gradient_equals_direct_autograd(sc):
     out = tc.forward_backward_custom(data, nonlinear).result()
     g_custom = grads(tc)
     zero(tc)
-    with tc._base.lock:  # the same loss straight through the model's logprobs (same micro-batches)
-        preps = tc._prepare(data)
-        lps = [lp for mb in tc._micro_batches(preps) for lp in tc._logprobs([preps[i] for i in mb])]
+    with tc.compute.base.lock:  # the same loss straight through the model's logprobs (same micro-batches)
+        preps = tc.compute.prepare(data)
+        lps = [lp for mb in tc.compute.micro_batches(preps) for lp in tc.compute.logprobs([preps[i] for i in mb])]
         direct, _ = nonlinear(data, lps)
         direct.backward()
     g_direct = grads(tc)
@@ -201,7 +201,7 @@ def test_gradients_accumulate_until_optim_step_then_reset(sc):
     norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in whole])))
     r = tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     assert r.metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-5)
-    assert all(p.grad is None for p in tc._params)
+    assert all(p.grad is None for p in tc.compute.params)
 
 
 def test_requests_run_in_submission_order(sc):
@@ -226,7 +226,7 @@ def test_same_seed_gives_identical_adapters_and_logprobs(sc):
         tc.forward_backward(data, "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=0.01)).result()
         outs.append([o["logprobs"].to_torch() for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs])
-        adapters.append([p.detach().clone() for p in tc._params])
+        adapters.append([p.detach().clone() for p in tc.compute.params])
     assert all(torch.equal(x, y) for x, y in zip(adapters[0], adapters[1]))
     assert all(torch.equal(x, y) for x, y in zip(outs[0], outs[1]))
     assert not all(torch.equal(x, y) for x, y in zip(adapters[0], adapters[2]))
@@ -235,10 +235,10 @@ def test_same_seed_gives_identical_adapters_and_logprobs(sc):
 
 def test_lora_targets_and_info(sc):
     full = sc.create_lora_training_client(TINY, rank=4, seed=0)
-    mods = [m for m, _, _ in full._modules]
+    mods = [m for m, _, _ in full.compute.modules]
     assert "lm_head" in mods and any(m.endswith("mlp.down_proj") for m in mods)
     attn_only = sc.create_lora_training_client(TINY, rank=2, seed=0, train_mlp=False, train_unembed=False)
-    assert {m.rsplit(".", 1)[-1] for m, _, _ in attn_only._modules} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert {m.rsplit(".", 1)[-1] for m, _, _ in attn_only.compute.modules} == {"q_proj", "k_proj", "v_proj", "o_proj"}
     info = attn_only.get_info()
     assert info.lora_rank == 2 and info.model_data.model_name == TINY and info.optimizer_config.type == "adamw"
     with pytest.raises(ValueError, match="at least one"):
@@ -271,7 +271,7 @@ def test_bad_requests_fail_clearly_and_leave_the_client_usable(sc):
     with pytest.raises(ValueError, match="AdamW only"):
         tc.optim_step(types.DimuonParams(learning_rate=0.1)).result()
     # nothing above changed state or poisoned the client
-    assert all(p.grad is None for p in tc._params) and tc.optim_steps == 0
+    assert all(p.grad is None for p in tc.compute.params) and tc.optim_steps == 0
     out = tc.forward_backward(good, "ppo").result()
     assert out.metrics["loss:sum"] != 0.0
     assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm:mean"] > 0
@@ -295,13 +295,13 @@ def test_injected_faults_fail_before_any_work(tmp_path):
     ok = failed = 0
     for _ in range(8):
         tc.forward_backward(data, "cross_entropy").result()
-        before = [p.detach().clone() for p in tc._params]
+        before = [p.detach().clone() for p in tc.compute.params]
         try:
             tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
             ok += 1
         except TransientBackendError:
             failed += 1
-            assert all(torch.equal(a, p) for a, p in zip(before, tc._params))  # no state change
+            assert all(torch.equal(a, p) for a, p in zip(before, tc.compute.params))  # no state change
             tc.optim_step(types.AdamParams(learning_rate=1e-2))  # retry (may fail again: ignore)
     assert ok > 0 and failed > 0 and c.faults_injected["optim_step"] >= failed
     with pytest.raises(ValueError, match="faults"):
@@ -401,14 +401,14 @@ def test_masked_one_pass_loss_skips_prompt_gradients_with_the_same_result(sc):
 
 
 def test_micro_batches_respect_the_row_and_token_budgets(tmp_path):
-    from trainer.backends.local.training import _Prepared
+    from trainer.backends.local.training_compute import PreparedDatum
 
     c = LocalServiceClient(state_dir=tmp_path, sampler_dtype="float32", train_dtype="float32",
                            micro_batch_size=3, micro_batch_tokens=20)
     tc = c.create_lora_training_client(TINY, rank=2, seed=0).result()
     lens = [4, 4, 4, 4, 6, 30, 2, 2, 9]
-    preps = [_Prepared(list(range(n)), torch.zeros(n, dtype=torch.long), {}) for n in lens]
-    mbs = tc._micro_batches(preps)
+    preps = [PreparedDatum(list(range(n)), torch.zeros(n, dtype=torch.long), {}) for n in lens]
+    mbs = tc.compute.micro_batches(preps)
     assert [list(r) for r in mbs] == [[0, 1, 2], [3, 4], [5], [6, 7], [8]]
     assert all(len(r) <= 3 and (len(r) == 1 or len(r) * max(lens[i] for i in r) <= 20) for r in mbs)
     c.close()
@@ -421,7 +421,7 @@ def test_optim_step_is_adamw_with_decoupled_decay_and_global_norm_clipping(sc):
 
     tc = sc.create_lora_training_client(TINY, rank=4, seed=1).result()
     data = make_data(tc.get_tokenizer(), seed=5)
-    ref = [p.detach().clone().double() for p in tc._params]
+    ref = [p.detach().clone().double() for p in tc.compute.params]
     m = [torch.zeros_like(p) for p in ref]
     v = [torch.zeros_like(p) for p in ref]
     plan = [types.AdamParams(learning_rate=0.02, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
@@ -444,9 +444,9 @@ def test_optim_step_is_adamw_with_decoupled_decay_and_global_norm_clipping(sc):
         out = tc.optim_step(ap).result()
         assert out.metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-5)
         scale = max(float(p.abs().max()) for p in ref)
-        for p, r in zip(tc._params, ref):
+        for p, r in zip(tc.compute.params, ref):
             assert float((p.detach().double() - r).abs().max()) <= 1e-5 * scale
-        assert all(p.grad is None or not p.grad.any() for p in tc._params)  # the step consumed the gradients
+        assert all(p.grad is None or not p.grad.any() for p in tc.compute.params)  # the step consumed the gradients
 
 
 def test_micro_batch_settings_do_not_change_gradients(sc, tmp_path):

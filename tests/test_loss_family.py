@@ -376,7 +376,7 @@ def test_local_forward_returns_the_exact_entropy(tmp_path_factory):
     sc = next(gen)
     try:
         tc = sc.create_lora_training_client("pairedrl/tiny-random", rank=4, seed=0).result()
-        V = tc._base.vocab_size
+        V = tc.compute.base.vocab_size
         ids = [[5, 9, 2, 7, 11, 3], [4, 4, 8]]
         data = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
                             loss_fn_inputs={"target_tokens": s[1:]}) for s in ids]

@@ -226,53 +226,56 @@ def test_bf16_sampler_matches_hf_bf16_and_stays_close_to_fp32(tmp_path, sc):
 
 
 def _tiny_weights(pack):
-    from trainer.backends.local import sampler as S
+    from trainer.backends.local.model import rotary_tables
     from trainer.backends.local.models import resolve_base_model
+    from trainer.backends.local.sampler_weights import build_weights
 
     factory, _ = resolve_base_model(TINY)
     model = factory(torch.float32)
-    cos, sin = S.rotary_tables(model, 256)
-    return S.build_weights(model.config, dict(model.state_dict()), cos, sin, torch.float32, pack=pack)
+    cos, sin = rotary_tables(model, 256)
+    return build_weights(model.config, dict(model.state_dict()), cos, sin, torch.float32, pack=pack)
 
 
 def test_prefill_cache_blocked_rows_and_packed_decode_weights():
     """Prompts prefilled in one call give each prompt the hidden states and K/V of prefilling it alone
     (at cache indices [0, T_i) of its row); a projection over fixed row blocks returns each row exactly
     what a block holding only that row returns; oneDNN-packed decode projections equal plain F.linear."""
-    from trainer.backends.local import sampler as S
+    from trainer.backends.local.model import ONEDNN_PACKING
+    from trainer.backends.local.sampler_forward import prefill
+    from trainer.backends.local.sampler_weights import PACKED_MAX_ROWS, ROW_BLOCK, with_factors
 
-    W = _tiny_weights(pack=S._MKLDNN)
+    W = _tiny_weights(pack=ONEDNN_PACKING)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, W.vocab_size, (n,), generator=g) for n in (5, 17, 1, 9)]
     L = 20
     cache = [(torch.zeros(4, W.n_kv, L, W.head_dim), torch.zeros(4, W.n_kv, L, W.head_dim)) for _ in W.layers]
-    together = S.prefill(W, prompts, cache, range(4))
+    together = prefill(W, prompts, cache, range(4))
     for i, p in enumerate(prompts):
         one = [(torch.zeros(1, W.n_kv, L, W.head_dim), torch.zeros(1, W.n_kv, L, W.head_dim)) for _ in W.layers]
-        alone = S.prefill(W, [p], one, [0])[0]
+        alone = prefill(W, [p], one, [0])[0]
         assert together[i].shape == (len(p), W.embed.shape[1]) and torch.equal(together[i], alone)
         for (k, v), (k1, v1) in zip(cache, one):
             assert torch.equal(k[i], k1[0]) and torch.equal(v[i], v1[0])
         assert float(cache[0][0][i, :, len(p):].abs().max()) == 0.0  # right of the prompt stays empty
     for lin in (W.layers[0].qkv, W.layers[0].down, W.lm_head):
-        x = torch.randn(2 * S.ROW_BLOCK + 5, lin.w.shape[1], generator=g)
+        x = torch.randn(2 * ROW_BLOCK + 5, lin.w.shape[1], generator=g)
         rows = lin.blocked(x)
         assert rows.shape == (x.shape[0], lin.out_features)
-        for i in (0, S.ROW_BLOCK + 3, x.shape[0] - 1):
+        for i in (0, ROW_BLOCK + 3, x.shape[0] - 1):
             assert torch.equal(rows[i], lin.blocked(x[i: i + 1])[0])
-    if S._MKLDNN:
+    if ONEDNN_PACKING:
         lin = W.layers[0].gate_up
         assert lin.packed is not None
         x = torch.randn(7, lin.w.shape[1], generator=g)
         assert torch.allclose(lin(x), torch.nn.functional.linear(x, lin.w), atol=1e-5)
-        big = torch.randn(S._PACKED_MAX_ROWS + 1, lin.w.shape[1], generator=g)
+        big = torch.randn(PACKED_MAX_ROWS + 1, lin.w.shape[1], generator=g)
         assert torch.equal(lin(big), torch.nn.functional.linear(big, lin.w))  # large M: plain sgemm
         # a snapshot's LoRA on packed weights is merged and re-packed: both row regimes equal the
         # unmerged x W^T + s (x A^T) B^T of each stacked projection
         half = lin.w.shape[0] // 2
         lora = {n: (torch.randn(3, lin.w.shape[1], generator=g), torch.randn(half, 3, generator=g))
                 for n in ("gate", "up")}
-        merged = S._with_factors(lin, ["gate", "up"], [half, half], lora, 0.7, torch.float32)
+        merged = with_factors(lin, ["gate", "up"], [half, half], lora, 0.7, torch.float32)
         assert merged.w is None and merged.lora_a is None and merged.out_features == lin.w.shape[0]
         for rows in (x, big):
             ref = torch.cat([torch.nn.functional.linear(rows, w) + 0.7 * (rows @ lora[n][0].T) @ lora[n][1].T
@@ -281,7 +284,7 @@ def test_prefill_cache_blocked_rows_and_packed_decode_weights():
 
 
 def test_inverse_cdf_matches_the_full_cumsum_and_skips_zero_mass_tokens():
-    from trainer.backends.local.sampler import inverse_cdf
+    from trainer.backends.local.generate import inverse_cdf
 
     g = torch.Generator().manual_seed(1)
     probs = torch.softmax(torch.randn(64, 1000, generator=g) * 3, -1)  # 1000 = 3 blocks + a partial one

@@ -11,7 +11,7 @@ from lora_grads import grads, zero
 from tinker import types
 
 from trainer.backends.local import LocalServiceClient
-from trainer.backends.local import train_forward as TF
+from trainer.backends.local import train_forward
 
 TINY = "pairedrl/tiny-random"
 
@@ -25,7 +25,7 @@ def test_pack_shares_only_identical_prompts_of_neighbours():
     p, q = [5, 6, 7], [5, 6, 9]
     seqs = [p + [1, 2], p + [3], p + [4, 4, 4], q + [1], [8, 8], p + [2]]
     share = [3, 3, 3, 3, 0, 3]
-    pk = TF.pack(seqs, share)
+    pk = train_forward.pack(seqs, share)
     # the first three share p (3 rows once instead of 3 times); q differs, [8, 8] shares nothing and the
     # last datum is not a neighbour of the first group
     assert pk.shared_rows == 6
@@ -39,15 +39,15 @@ def test_pack_shares_only_identical_prompts_of_neighbours():
     assert pk.out_idx.shape[0] == pk.ids_N.shape[0]
     assert torch.equal(pk.idx_BT.view(-1)[pk.out_idx], torch.arange(pk.ids_N.shape[0]))
     # a different share boundary or a lone datum shares nothing
-    assert TF.pack([p + [1], p + [2]], [3, 2]).shared_rows == 0
-    assert TF.pack([p + [1]], [3]).shared_rows == 0
+    assert train_forward.pack([p + [1], p + [2]], [3, 2]).shared_rows == 0
+    assert train_forward.pack([p + [1]], [3]).shared_rows == 0
 
 
 def _trained(sc, seed, train_unembed=True):
     tc = sc.create_lora_training_client(TINY, rank=4, seed=seed, train_unembed=train_unembed).result()
     with torch.no_grad():  # non-zero B so every factor gets a gradient
         g = torch.Generator().manual_seed(seed)
-        for p in tc._params:
+        for p in tc.compute.params:
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     return tc
 
@@ -72,7 +72,7 @@ def _grouped_data(tok, n_groups=3, group=3, seed=0):
 
 def _peft_logprobs(tc, data):
     """Target logprobs straight from the peft model (one datum at a time, no packing)."""
-    b = tc._base
+    b = tc.compute.base
     b.activate(tc.model_id)
     lm = b.causal_lm()
     out = []
@@ -88,12 +88,12 @@ def _peft_logprobs(tc, data):
 def test_logprobs_and_lora_gradients_match_the_peft_model(sc, monkeypatch, unembed_rows, train_unembed):
     # without an unembedding LoRA the blocked logprob kernel runs (4 rows: many blocks); with one, the
     # plain cross-entropy path
-    monkeypatch.setattr(TF, "_UNEMBED_ROWS", unembed_rows)
+    monkeypatch.setattr(train_forward, "UNEMBED_ROWS", unembed_rows)
     tc = _trained(sc, seed=3, train_unembed=train_unembed)
-    assert any(m == "lm_head" for m, _, _ in tc._modules) == train_unembed
+    assert any(m == "lm_head" for m, _, _ in tc.compute.modules) == train_unembed
     data, weights = _grouped_data(tc.get_tokenizer())
-    assert TF.pack([d.model_input.to_ints() for d in data],
-                   [tc._prepare([d])[0].share for d in data]).shared_rows > 0
+    assert train_forward.pack([d.model_input.to_ints() for d in data],
+                   [tc.compute.prepare([d])[0].share for d in data]).shared_rows > 0
 
     def loss_fn(data, lps):
         return sum((lp * w).sum() for lp, w in zip(lps, weights)), {}
@@ -102,7 +102,7 @@ def test_logprobs_and_lora_gradients_match_the_peft_model(sc, monkeypatch, unemb
     out = tc.forward_backward_custom(data, loss_fn).result()
     g_engine = grads(tc)
     zero(tc)
-    with tc._base.lock:
+    with tc.compute.base.lock:
         ref = _peft_logprobs(tc, data)
         loss_fn(data, ref)[0].backward()
     g_ref = grads(tc)
@@ -126,7 +126,7 @@ def test_stacked_lora_linear_equals_separate_projections(with_lora):
              for o, on in zip((3, 2), with_lora)]
     params = [x] + [t for lr in loras if lr is not None for t in lr]
     dy = torch.randn(7, 5, dtype=torch.float64, generator=g)
-    y = TF.stacked_linear(x, torch.cat(ws), (3, 2), loras, 1.5)
+    y = train_forward.stacked_linear(x, torch.cat(ws), (3, 2), loras, 1.5)
     got = torch.autograd.grad((y * dy).sum(), params)
     ref_y = torch.cat([x @ w.T + (0 if lr is None else 1.5 * (x @ lr[0].T) @ lr[1].T) for w, lr in zip(ws, loras)], -1)
     ref = torch.autograd.grad((ref_y * dy).sum(), params)
@@ -135,32 +135,33 @@ def test_stacked_lora_linear_equals_separate_projections(with_lora):
         assert torch.allclose(a, b, atol=1e-12)
     if all(with_lora):  # and the analytic backward passes gradcheck on its own
         A, B = loras[0]
-        assert torch.autograd.gradcheck(lambda x, A, B: TF._LoraLinear.apply(x, ws[0], A, B, 1.5), (x, A, B))
+        assert torch.autograd.gradcheck(lambda x, A, B: train_forward.LoraLinear.apply(x, ws[0], A, B, 1.5), (x, A, B))
 
 
 def test_blocked_unembedding_equals_cross_entropy(monkeypatch):
-    monkeypatch.setattr(TF, "_UNEMBED_ROWS", 7)
+    monkeypatch.setattr(train_forward, "UNEMBED_ROWS", 7)
     g = torch.Generator().manual_seed(0)
     W = torch.randn(300, 16, generator=g)
     y = torch.randint(0, 300, (30,), generator=g)
     h1 = torch.randn(30, 16, generator=g, requires_grad=True)
     h2 = h1.detach().clone().requires_grad_(True)
     up = torch.randn(30, generator=g)
-    a = TF.target_logprobs(h1, W, None, 1.0, y)
+    a = train_forward.target_logprobs(h1, W, None, 1.0, y)
     b = -F.cross_entropy(h2 @ W.t(), y, reduction="none")
     (a * up).sum().backward()
     (b * up).sum().backward()
     assert torch.allclose(a, b, atol=1e-5)
     assert torch.allclose(h1.grad, h2.grad, atol=1e-5)
-    packed = TF.pack_unembed(W)
+    packed = train_forward.pack_unembed(W)
     if packed is not None:  # the oneDNN-packed product gives the same values
-        assert torch.allclose(TF.target_logprobs(h1.detach(), W, None, 1.0, y, packed), b.detach(), atol=1e-5)
+        assert torch.allclose(train_forward.target_logprobs(h1.detach(), W, None, 1.0, y, packed), b.detach(), atol=1e-5)
 
 
 @pytest.mark.bf16
-def test_bf16_autocast_training_runs_and_stays_close_to_fp32(tmp_path):
-    """train_dtype=bfloat16 (the `auto` choice on CPUs with bf16 matmuls): the in-place LoRA term
-    must take the autocast dtype; logprobs stay within bf16 rounding of the fp32 ones."""
+def test_bf16_training_stays_close_to_fp32(tmp_path):
+    """train_dtype=bfloat16 (the `auto` choice on CPUs with fast bf16 matmuls: bf16 weight copies, LoRA
+    factors cast per forward, fp32 attention, the unembedding's gradient product in bf16): logprobs stay
+    within bf16 rounding of the fp32 ones and so do the LoRA gradients."""
     out = {}
     for dtype in ("float32", "bfloat16"):
         c = LocalServiceClient(state_dir=tmp_path / dtype, sampler_dtype="float32", train_dtype=dtype)
@@ -174,7 +175,7 @@ def test_bf16_autocast_training_runs_and_stays_close_to_fp32(tmp_path):
     assert float((lp32 - lp16).abs().max()) < 0.1
     assert all(bool(torch.isfinite(g).all()) for g in g16)
     # the bf16 gradient is the fp32 one up to rounding: same direction, same size, for every LoRA factor
-    # (a dropped cast, a wrong scale or a factor left out of autocast moves these far outside)
+    # (a dropped cast, a wrong scale or a wrong bf16 weight copy moves these far outside)
     flat32, flat16 = torch.cat([g.flatten() for g in g32]), torch.cat([g.flatten() for g in g16])
     assert float((flat16 - flat32).norm() / flat32.norm()) < 0.05
     for a, b in zip(g16, g32):

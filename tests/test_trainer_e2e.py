@@ -77,9 +77,9 @@ def test_auto_precision_override_is_checked_and_recorded(tmp_path):
     assert p.returncode != 0
     assert "PAIREDRL_AUTO_PRECISION='fp8'" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
-    from trainer.backends.local.service import cpu_has_fast_bf16
+    from trainer.backends.local.precision import measured_precision
 
-    forced = "float32" if cpu_has_fast_bf16() else "bfloat16"  # the precision this CPU would not pick
+    forced = "float32" if measured_precision()[0] == "bfloat16" else "bfloat16"  # what this CPU would not pick
     run_dir = tmp_path / forced
     p = run_train([*args, f"hydra.run.dir={run_dir}"], tmp_path, env={"PAIREDRL_AUTO_PRECISION": forced})
     assert p.returncode == 0, p.stderr[-3000:]

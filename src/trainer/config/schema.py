@@ -259,9 +259,9 @@ class LocalBackendConfig:
     name: str = "local"
     # where the engine persists checkpoints (null = <run dir>/engine)
     state_dir: Optional[str] = None
-    # sampler weight precision: auto (bf16 only where the CPU has AVX512_BF16/AMX) | bfloat16 | float32
+    # sampler weight precision: auto (bf16 where it measures faster than fp32 on this CPU, cached per machine) | bfloat16 | float32
     sampler_dtype: str = "auto"
-    # training precision: auto | float32 | bfloat16 (autocast)
+    # training precision: auto | float32 | bfloat16 (bf16 projections, fp32 residual stream and attention)
     train_dtype: str = "auto"
     # sequences per forward/backward micro-batch at most
     micro_batch_size: int = 16

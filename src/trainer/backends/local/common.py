@@ -62,8 +62,8 @@ class ComputeThread:
     """The one thread on which all of the engine's torch work runs (sampling, forward/backward, optim).
 
     torch's OpenMP pool belongs to the thread that opens a parallel region: once a second thread has
-    its own pool, kernels run 1.2-2x slower (2-core dev machine, `bench/threads.py`: a SmolLM2 decode step
-    at 64 rows took 191-250 ms on the only pool's thread, 261-400 ms beside a second pool). So model
+    its own pool, the two pools compete for the cores and the same kernels run slower (`bench/threads.py`
+    times a decode step on the only pool's thread and beside a second pool). So model
     loading, sampling and training all run on this one thread, and the engine never opens a parallel
     region on the caller's thread; a call made from the compute thread itself runs inline, so nested
     calls cannot deadlock."""

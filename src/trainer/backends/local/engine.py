@@ -22,19 +22,18 @@ from typing import Any
 
 import torch
 
-from trainer.backends.local import sampler as S
 from trainer.backends.local.common import COMPUTE
+from trainer.backends.local.model import (ATTN_PROJ, MLP_PROJ, UNEMBED, check_architecture, fuse_base, rotary_tables,
+                                          unembed_weight)
 from trainer.backends.local.models import resolve_base_model, spec_for
-
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
-UNEMBED = ("lm_head",)
+from trainer.backends.local.sampler_weights import SamplerWeights, build_weights, with_lora
+from trainer.backends.local.train_forward import pack_unembed
 _PEFT_PREFIX = "base_model.model."
 
 
 def target_modules(train_attn: bool, train_mlp: bool, train_unembed: bool) -> list[str]:
-    t = (list(ATTN) if train_attn else []) + (list(MLP) if train_mlp else []) + (
-        list(UNEMBED) if train_unembed else [])
+    t = (list(ATTN_PROJ) if train_attn else []) + (list(MLP_PROJ) if train_mlp else []) + (
+        [UNEMBED] if train_unembed else [])
     if not t:
         raise ValueError("LoRA needs at least one of train_attn, train_mlp, train_unembed")
     return t
@@ -60,20 +59,21 @@ class SharedBase:
         model = factory(torch.float32)
         model.requires_grad_(False)
         self.config = model.config
-        S.check_architecture(self.config)
+        check_architecture(self.config)
         self.max_context = min(spec.max_context_length, int(self.config.max_position_embeddings))
         self.vocab_size = int(self.config.vocab_size)
         # fp32 base tensors under HF names; they share storage with the model (and later with the
         # peft base layers), so the sampler never holds a second fp32 copy
         self.base_state = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
-        self.cos, self.sin = S.rotary_tables(model, self.max_context)
+        self.cos, self.sin = rotary_tables(model, self.max_context)
         self.hf_model = model
         self.peft: Any = None
         self.lock = threading.RLock()
         self._to_delete: list[str] = []
-        self._sampler_cache: OrderedDict[tuple[str, str], S.SamplerWeights] = OrderedDict()
+        self._sampler_cache: OrderedDict[tuple[str, str], SamplerWeights] = OrderedDict()
         self.sampler_cache_size = 2
-        self._sampler_base: dict[torch.dtype, S.SamplerWeights] = {}
+        self._sampler_base: dict[torch.dtype, SamplerWeights] = {}
+        self._compute_weights: dict[torch.dtype, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self._stacked: dict[str, torch.Tensor] | None = None
         self._packed_unembed: torch.Tensor | None = None
         self._packed_unembed_built = False
@@ -133,19 +133,36 @@ class SharedBase:
         """The unembedding pre-packed for the training forward's logprobs (built on first use)."""
         with self.lock:
             if not self._packed_unembed_built:  # None is a valid result (no oneDNN)
-                from trainer.backends.local.train_forward import pack_unembed, unembed_weight
-
                 self._packed_unembed = pack_unembed(unembed_weight(self.base_state))
                 self._packed_unembed_built = True
             return self._packed_unembed
 
     def stacked_weights(self) -> dict[str, torch.Tensor]:
-        """fp32 q|k|v and gate|up weights of every layer (`sampler.fuse_base`), built once and
+        """fp32 q|k|v and gate|up weights of every layer (`model.fuse_base`), built once and
         shared by the training forward and the fp32 sampler."""
         with self.lock:
             if self._stacked is None:
-                self._stacked = S.fuse_base(self.config, self.base_state)
+                self._stacked = fuse_base(self.config, self.base_state)
             return self._stacked
+
+    def compute_weights(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """`(base, fused)` for `train_forward.forward` in `dtype`: the projection weights (o, down and the
+        stacked q|k|v, gate|up) converted once per dtype; norms and the embedding stay fp32. Below dtype
+        fp32, `fused["unembed"]` is the unembedding in `dtype` for `train_forward.target_logprobs`."""
+        if dtype == torch.float32:
+            return self.base_state, self.stacked_weights()
+        stacked = self.stacked_weights()
+        with self.lock:
+            got = self._compute_weights.get(dtype)
+            if got is None:
+                base = dict(self.base_state)
+                for k, v in self.base_state.items():
+                    if k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+                        base[k] = v.to(dtype)
+                fused = {k: v.to(dtype) for k, v in stacked.items()}
+                fused["unembed"] = unembed_weight(self.base_state).to(dtype)  # the logprob gradient's product
+                got = self._compute_weights[dtype] = (base, fused)
+            return got
 
     def causal_lm(self) -> Any:
         """The HF LlamaForCausalLM inside the peft wrapper (its Linear layers carry the adapters)."""
@@ -157,10 +174,10 @@ class SharedBase:
             tensors = {m: (A.detach().clone(), B.detach().clone()) for m, A, B in self.adapter_params(name)}
         return LoraSnapshot(id=uuid.uuid4().hex, tensors=tensors, scale=scale)
 
-    def sampler_weights(self, snap: LoraSnapshot, dtype: torch.dtype) -> S.SamplerWeights:
+    def sampler_weights(self, snap: LoraSnapshot, dtype: torch.dtype) -> SamplerWeights:
         """Sampler weights of a snapshot: the base, fused and packed once per dtype, plus the snapshot's
-        LoRA (merged into re-packed copies of the projections for packed fp32, ~0.3 s and one model's
-        worth of memory per snapshot; unmerged factors otherwise). The LRU cache keeps the last
+        LoRA (merged into re-packed copies of the projections where oneDNN packs, one model's worth of
+        memory per snapshot; unmerged factors otherwise). The LRU cache keeps the last
         `sampler_cache_size` snapshots, so every generate of one snapshot reuses its weights."""
         key = (snap.id, str(dtype))
         with self.lock:
@@ -170,10 +187,10 @@ class SharedBase:
                 return w
             base = self._sampler_base.get(dtype)
             if base is None:
-                base = self._sampler_base[dtype] = S.build_weights(
+                base = self._sampler_base[dtype] = build_weights(
                     self.config, self.base_state, self.cos, self.sin, dtype,
                     stacked=self.stacked_weights() if dtype == torch.float32 else None)
-            w = S.with_lora(base, snap.tensors, snap.scale)
+            w = with_lora(base, snap.tensors, snap.scale)
             self._sampler_cache[key] = w
             while len(self._sampler_cache) > self.sampler_cache_size:
                 self._sampler_cache.popitem(last=False)

@@ -21,9 +21,10 @@ import torch
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from trainer.backends.local import sampler as S
 from trainer.backends.local.common import COMPUTE, Faults, SelfFuture, failed_future
 from trainer.backends.local.engine import LoraSnapshot, SharedBase
+from trainer.backends.local.generate import SampleJob, SampleResult, generate
+from trainer.backends.local.sampler_forward import score
 
 
 @dataclass
@@ -77,8 +78,8 @@ class SampleScheduler:
                 return []
         # Let a burst of concurrent submissions land first: wait while requests keep arriving (a quiet
         # gap of batch_wait_s ends it), up to max_wait_s or a full batch. A client renders each prompt
-        # before submitting it, so a burst of 200 eval requests takes ~0.2 s to arrive; a fixed 3 ms
-        # wait started a batch of 4 rows that then ran the full decode length on its own.
+        # before submitting it, so a burst of eval requests takes a while to arrive; a short fixed wait
+        # would start a batch of a few rows that then runs the full decode length on its own.
         deadline = time.monotonic() + self.max_wait_s
         seen = -1
         while self.batch_wait_s > 0:
@@ -133,11 +134,11 @@ class SampleScheduler:
         with base.lock:
             W = base.sampler_weights(live[0].snap, self.dtype)
             if live[0].kind == "sample":
-                return S.generate(W, [r.job for r in live], base.tokenizer)
-            return S.score(W, [r.job for r in live])
+                return generate(W, [r.job for r in live], base.tokenizer)
+            return score(W, [r.job for r in live])
 
 
-def _to_response(res: S.SampleResult) -> types.SampleResponse:
+def _to_response(res: SampleResult) -> types.SampleResponse:
     seqs = [types.SampledSequence(stop_reason=reason, sequence_id=f"local-{uuid.uuid4().hex}",
                                   tokens_np=np.asarray(toks, dtype=np.int32),
                                   logprobs_np=np.asarray(lps, dtype=np.float32))
@@ -209,7 +210,7 @@ class LocalSamplingClient(SelfFuture):
                              f"{self._base.max_context} tokens")
         return ids
 
-    def _job(self, prompt: Any, num_samples: int, p: Any, include_prompt_logprobs: bool) -> S.SampleJob:
+    def _job(self, prompt: Any, num_samples: int, p: Any, include_prompt_logprobs: bool) -> SampleJob:
         ids = self._prompt_ids(prompt)
         if not isinstance(p, types.SamplingParams):
             raise ValueError(f"sampling_params must be a tinker.SamplingParams, got {type(p).__name__}")
@@ -229,7 +230,7 @@ class LocalSamplingClient(SelfFuture):
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model context "
                              f"of {self._base.max_context} tokens")
         stop_ids, stop_strs = _stop_sets(p.stop, self._base.tokenizer.eos_token_id)
-        return S.SampleJob(prompt=ids, num_samples=num_samples, max_tokens=max_tokens,
+        return SampleJob(prompt=ids, num_samples=num_samples, max_tokens=max_tokens,
                            temperature=float(p.temperature), top_k=int(p.top_k), top_p=float(p.top_p),
                            seed=p.seed, stop_ids=stop_ids, stop_strs=stop_strs,
                            include_prompt_logprobs=bool(include_prompt_logprobs))

@@ -7,7 +7,6 @@ seems to be the tinker default"); pass `lora_alpha` (e.g. the model config's val
 
 from __future__ import annotations
 
-import os
 import uuid
 import weakref
 from concurrent.futures import Future
@@ -23,40 +22,12 @@ from trainer.backends.local import ckpt
 from trainer.backends.local.common import Faults, done_future, failed_future, parse_path
 from trainer.backends.local.engine import BASE_SNAPSHOT, LoraSnapshot, shared_base, target_modules
 from trainer.backends.local.models import SUPPORTED_MODELS
+from trainer.backends.local.precision import auto_precision
+from trainer.backends.local.precision import DTYPES as _DTYPES
 from trainer.backends.local.sampling import LocalSamplingClient, SampleScheduler
 from trainer.backends.local.training import LocalTrainingClient
 
 DEFAULT_LORA_ALPHA = 32.0
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-AUTO_PRECISION_ENV = "PAIREDRL_AUTO_PRECISION"
-
-
-def cpu_has_fast_bf16() -> bool:
-    """bf16 matmuls are fast only with AVX512_BF16 / AMX; on AVX2-only CPUs torch falls back to a
-    kernel several times slower than fp32 (bench/gemm.py measures both)."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def auto_precision() -> tuple[torch.dtype, str]:
-    """What `sampler_dtype=auto` / `train_dtype=auto` mean on this machine, and why.
-
-    `PAIREDRL_AUTO_PRECISION=float32|bfloat16` overrides the CPU check, so a whole test suite (its
-    subprocesses included) can be run in the other precision on any CPU; settings that name a
-    precision keep it."""
-    forced = os.environ.get(AUTO_PRECISION_ENV, "").strip()
-    if forced and forced != "auto":
-        if forced not in _DTYPES:
-            raise ValueError(f"{AUTO_PRECISION_ENV}={forced!r}: expected one of auto, {', '.join(sorted(_DTYPES))}")
-        return _DTYPES[forced], f"{AUTO_PRECISION_ENV}={forced}"
-    if cpu_has_fast_bf16():
-        return torch.bfloat16, "the CPU has AVX512_BF16/AMX bf16 matmuls"
-    return torch.float32, "the CPU has no AVX512_BF16/AMX: bf16 matmuls would be slower than fp32"
 
 
 def _dtype(name: str, what: str, auto: tuple[torch.dtype, str] | None) -> torch.dtype:
@@ -207,6 +178,11 @@ class LocalServiceClient:
     @property
     def faults_injected(self) -> dict[str, int]:
         return dict(self._faults.injected)
+
+    @property
+    def sample_batches_run(self) -> int:
+        """How many batches the sampling scheduler has run (requests batched together count once)."""
+        return self._scheduler.batches_run
 
     def close(self, status: str = "success", detail: str | None = None) -> AwaitableConcurrentFuture:
         self._scheduler.close()

@@ -1,36 +1,38 @@
-"""The training forward of the local engine: the Llama block over packed token rows, LoRA folded
-into each projection's GEMM, and a prompt shared by several datums computed once.
+"""The training forward of the local engine: the Llama block (`model.py`) over packed token rows, LoRA
+folded into each projection's GEMM, and a prompt shared by several datums computed once.
 
-Why not call the peft-wrapped HF model (what this replaced; `bench/train_forward.py` times both):
+Why not call the peft-wrapped HF model (`bench/train_forward.py` times both):
 - peft adds LoRA as `base(x) + lora_B(lora_A(x)) * scaling`, i.e. a multiply and an add over every
   `[rows, out]` projection output, and their backward; here `torch.addmm(x W^T, x A^T, B^T, alpha=s)`
-  puts both inside the GEMM (those elementwise passes were ~15% of a SmolLM2 update).
+  puts both inside the GEMM.
 - rows are packed without padding, so no GEMM row goes to padding.
 - a GRPO group's G samples start with the same prompt: its rows are computed once, every sample's
   completion attends to them, and autograd sums the samples' gradients into them (exact, not an
   approximation: the prompt's activations do not depend on what follows it).
 - q|k|v and gate|up run as one GEMM each over stacked weights (shared with the fp32 sampler), and
-  LoRA projections use a hand-written backward (`_LoraLinear`) that forms the factor gradients as
-  `du^T x` / `u^T dy` instead of autograd's `x^T du` / `dy^T u` (same numbers, ~5x faster in MKL
-  at these skinny shapes): one update's forward + backward went from 5.30 to 4.67 s.
+  LoRA projections use a hand-written backward (`LoraLinear`) that forms the factor gradients as
+  `du^T x` / `u^T dy` instead of autograd's `x^T du` / `dy^T u` (same numbers, in the GEMM shapes
+  MKL runs fast at these skinny sizes).
 
 Numerics are those of transformers 5.5 `models/llama/modeling_llama.py` (the same helpers as the
-sampler: fp32 RMSNorm then cast, `rotate_half` RoPE from the model's rotary tables, SDPA with scale
-head_dim^-0.5, SiLU-gated MLP) and of peft 0.21 `tuners/lora/layer.py::Linear.forward`
+sampler, from `model.py`: fp32 RMSNorm then cast, `rotate_half` RoPE from the model's rotary tables,
+SDPA with scale head_dim^-0.5, SiLU-gated MLP) and of peft 0.21 `tuners/lora/layer.py::Linear.forward`
 (`y = W x + (alpha / r) B A x`, no dropout); tests check logprobs and LoRA gradients against the peft
 model's own forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from trainer.backends.local.sampler import _MKLDNN, _PROJ_GU, _PROJ_QKV, fuse_base, rms_norm, rope
+from trainer.backends.local.model import (EMBED, FINAL_NORM, ONEDNN_PACKING, dims, fuse_base, layer_names,
+                                          onednn_linear, onednn_pack, rms_norm, rope, weight)
 
 
 @dataclass
@@ -87,17 +89,36 @@ def pack(seqs: Sequence[Sequence[int]], share: Sequence[int]) -> Packing:
 Lora = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
+@contextlib.contextmanager
+def matmul_inputs(dtype: torch.dtype) -> Iterator[None]:
+    """fp32 matmuls inside run on `dtype` inputs (oneDNN: bf16 inputs, fp32 accumulation, fp32 output).
+    The bf16 unembedding uses it: its logits keep fp32 output precision (rounding `[rows, vocab]` logits
+    to bf16 would cost ~0.1 at |logit| ~ 20) while the product runs at bf16 speed."""
+    if dtype == torch.float32:
+        yield
+        return
+    m = torch.backends.mkldnn.matmul
+    before = m.fp32_precision
+    m.fp32_precision = {torch.bfloat16: "bf16"}[dtype]
+    try:
+        yield
+    finally:
+        m.fp32_precision = before
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
            scale: float) -> torch.Tensor:
     """`x W^T + scale (x A^T) B^T`, the LoRA term accumulated by the GEMM itself. With a frozen `W`, one
-    dtype and no autocast this is `_LoraLinear` (its backward in fast GEMM shapes); otherwise plain
+    dtype and no autocast this is `LoraLinear` (its backward in fast GEMM shapes); otherwise plain
     autograd through the ops below."""
     if lora is None:
         return F.linear(x, w)
     A, B = lora
     fast = not torch.is_autocast_enabled("cpu") and not w.requires_grad
+    if fast and x.dtype == w.dtype and A.dtype != w.dtype:  # bf16 compute, fp32 LoRA parameters
+        A, B = A.to(w.dtype), B.to(w.dtype)
     if fast and x.dtype == w.dtype == A.dtype == B.dtype:
-        return _LoraLinear.apply(x.reshape(-1, x.shape[-1]), w, A, B, scale).view(*x.shape[:-1], w.shape[0])
+        return LoraLinear.apply(x.reshape(-1, x.shape[-1]), w, A, B, scale).view(*x.shape[:-1], w.shape[0])
     y = F.linear(x, w)
     u, Bt = F.linear(x, A), B.t()
     if u.dtype != y.dtype or Bt.dtype != y.dtype:  # under bf16 autocast the in-place op is not cast for us
@@ -107,12 +128,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, lora: tuple[torch.Tensor, torch.Ten
     return y.addmm_(u, Bt, alpha=scale)
 
 
-class _LoraLinear(torch.autograd.Function):
+class LoraLinear(torch.autograd.Function):
     """`x W^T + s (x A^T) B^T` (W frozen) with a hand-written backward whose products have the shapes
     MKL runs fast. Autograd's own backward of `F.linear(x, W).addmm_(x A^T, B^T)` forms the LoRA
     gradients as `x^T du` and `dy^T u` ([in, N] x [N, r] and [out, N] x [N, r]: long reductions into a
-    skinny output), which profiling timed at 2-10 ms per projection on SmolLM2 rows (~1200), up to 40% of the
-    base GEMM; `du^T x` and `u^T dy` compute the same numbers in ~0.2-1.3 ms.
+    skinny output), which MKL runs several times slower than `du^T x` and `u^T dy`, the same numbers.
     `A` [R, in] and `B` [out, R] may stack several projections' factors (B block-diagonal)."""
 
     @staticmethod
@@ -168,17 +188,19 @@ def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: P
 
 
 def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, lora: Lora,
-            scale: float, pk: Packing, fused: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+            scale: float, pk: Packing, fused: dict[str, torch.Tensor] | None = None,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Final-normed hidden states `[N, H]` of the packed rows. `base`: the frozen weights under HF names;
     `lora`: HF module name -> (A [r, in], B [out, r]) parameters (their gradients accumulate); `fused`:
-    `fuse_base(config, base)` (built here when not given)."""
-    nh, nkv = config.num_attention_heads, config.num_key_value_heads
-    hd = getattr(config, "head_dim", None) or config.hidden_size // nh
-    inter = config.intermediate_size
-    eps = float(config.rms_norm_eps)
-    from transformers.activations import ACT2FN
+    `fuse_base(config, base)` (built here when not given).
 
-    act = ACT2FN[config.hidden_act]
+    `dtype`: the precision of the projections (`base`'s projection weights and `fused` must be in it). In
+    bf16 this is what `torch.autocast` would do to the fp32 model (bf16 GEMMs, fp32 residual stream,
+    norms and RoPE in fp32), without casting a weight per call and with LoRA kept on `LoraLinear`'s
+    backward; attention runs in fp32, whose CPU flash backward is several times faster than bf16's at
+    these short sequences (and more exact)."""
+    d = dims(config)
+    nh, nkv, hd, inter = d.n_heads, d.n_kv, d.head_dim, d.intermediate
     fused = fused if fused is not None else fuse_base(config, base)
     N = pk.ids_N.shape[0]
     cos_N = cos[pk.pos_N].unsqueeze(1)  # [N, 1, hd]
@@ -187,33 +209,25 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
     def lin(x: torch.Tensor, w: torch.Tensor, outs: Sequence[int], names: Sequence[str]) -> torch.Tensor:
         return stacked_linear(x, w, outs, [lora.get(n) for n in names], scale)
 
-    x = F.embedding(pk.ids_N, base["model.embed_tokens.weight"])
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}"
-        h = rms_norm(x, base[f"{p}.input_layernorm.weight"], eps)
-        q, k, v = lin(h, fused[f"{p}.self_attn.qkv"], (nh * hd, nkv * hd, nkv * hd),
-                      [f"{p}.self_attn.{n}" for n in _PROJ_QKV]).split([nh * hd, nkv * hd, nkv * hd], -1)
-        q = rope(q.view(N, nh, hd), cos_N, sin_N)
+    x = F.embedding(pk.ids_N, base[weight(EMBED)])
+    for i in range(d.n_layers):
+        n = layer_names(i)
+        h = rms_norm(x, base[weight(n.input_norm)], d.eps).to(dtype)
+        q, k, v = lin(h, fused[n.stacked_qkv], d.qkv_outs, n.qkv).split(list(d.qkv_outs), -1)
+        q = rope(q.view(N, nh, hd), cos_N, sin_N)  # fp32 tables: fp32 q and k
         k = rope(k.view(N, nkv, hd), cos_N, sin_N)
-        o = f"{p}.self_attn.o_proj"
-        x = x + lin(_attend(q, k, v.view(N, nkv, hd), pk), base[o + ".weight"], (config.hidden_size,), [o])
-        h = rms_norm(x, base[f"{p}.post_attention_layernorm.weight"], eps)
-        gu = lin(h, fused[f"{p}.mlp.gate_up"], (inter, inter), [f"{p}.mlp.{n}" for n in _PROJ_GU])
-        g, u = gu.split(inter, -1)
-        d = f"{p}.mlp.down_proj"
-        x = x + lin(act(g) * u, base[d + ".weight"], (config.hidden_size,), [d])
-    return rms_norm(x, base["model.norm.weight"], eps)
-
-
-def unembed_weight(base: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The output projection (the embedding matrix when they are tied)."""
-    return base.get("lm_head.weight", base["model.embed_tokens.weight"])
+        a = _attend(q, k, v.view(N, nkv, hd).to(q.dtype), pk).to(dtype)
+        x = x + lin(a, base[weight(n.o)], (d.hidden,), [n.o])
+        h = rms_norm(x, base[weight(n.post_norm)], d.eps).to(dtype)
+        g, u = lin(h, fused[n.stacked_gate_up], (inter, inter), n.gate_up).split(inter, -1)
+        x = x + lin(d.act(g) * u, base[weight(n.down)], (d.hidden,), [n.down])
+    return rms_norm(x, base[weight(FINAL_NORM)], d.eps)
 
 
 # rows per unembedding block: its [rows, vocab] fp32 logits (25 MB at SmolLM2's 49152) stay below
-# glibc's 32 MB mmap threshold, so blocks reuse heap memory; a whole [1024, 49152] logits tensor is
-# mapped afresh each time and its copies and zero-fills cost ~0.9 s per update (profiled)
-_UNEMBED_ROWS = 128
+# glibc's 32 MB mmap threshold, so blocks reuse heap memory; a whole [rows, vocab] logits tensor would
+# be mapped afresh for every update, and its copies and zero-fills are a visible share of one
+UNEMBED_ROWS = 128
 
 
 class _TargetLogprob(torch.autograd.Function):
@@ -223,40 +237,39 @@ class _TargetLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h_NH: torch.Tensor, W_VH: torch.Tensor, y_N: torch.Tensor,
-                packed: torch.Tensor | None) -> torch.Tensor:
+                packed: torch.Tensor | None, Wg_VH: torch.Tensor) -> torch.Tensor:
         need = ctx.needs_input_grad[0]
         N = h_NH.shape[0]
         out_N = h_NH.new_empty(N)
         dh_NH = torch.empty_like(h_NH) if need else None
-        for a in range(0, N, _UNEMBED_ROWS):
-            b = min(N, a + _UNEMBED_ROWS)
-            logits = (F.linear(h_NH[a:b], W_VH) if packed is None
-                      else torch.ops.mkldnn._linear_pointwise(h_NH[a:b], packed, None, "none", [], ""))
+        for a in range(0, N, UNEMBED_ROWS):
+            b = min(N, a + UNEMBED_ROWS)
+            logits = F.linear(h_NH[a:b], W_VH) if packed is None else onednn_linear(h_NH[a:b], packed)
             target = logits.gather(1, y_N[a:b, None]).squeeze(1)
             top = logits.amax(-1, keepdim=True)
             z = logits.sub_(top).exp_().sum(-1, keepdim=True)  # logits now hold exp(logits - top)
             out_N[a:b] = target - (top + z.log()).squeeze(1)
             if need:
-                probs = logits.div_(z)
-                dh_NH[a:b] = torch.addmm(W_VH.index_select(0, y_N[a:b]), probs, W_VH, alpha=-1)
+                probs = logits.div_(z).to(Wg_VH.dtype)
+                dh_NH[a:b] = torch.addmm(Wg_VH.index_select(0, y_N[a:b]), probs, Wg_VH, alpha=-1)
         if need:
             ctx.save_for_backward(dh_NH)
         return out_N
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, g_N: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx: Any, g_N: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         (dh_NH,) = ctx.saved_tensors
-        return g_N.unsqueeze(1) * dh_NH, None, None, None
+        return g_N.unsqueeze(1) * dh_NH, None, None, None, None
 
 
 def pack_unembed(W_VH: torch.Tensor) -> torch.Tensor | None:
-    """The fp32 unembedding pre-packed for oneDNN at `_UNEMBED_ROWS` rows (None without oneDNN): its
-    [128, 576] x [576, 49152] product runs ~1.7x faster than MKL sgemm on the 2-core AVX2 dev box
-    (MKL is slow on that wide, shallow shape; the layer GEMMs gain nothing from packing)."""
-    if not _MKLDNN or W_VH.dtype != torch.float32:
+    """The fp32 unembedding pre-packed for oneDNN at `UNEMBED_ROWS` rows (None without oneDNN): MKL
+    sgemm is slow on that wide, shallow product, oneDNN's packed kernel is not (the layer GEMMs gain
+    nothing from packing; `bench/gemm.py`)."""
+    if not ONEDNN_PACKING or W_VH.dtype != torch.float32:
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(W_VH, _UNEMBED_ROWS)
+    return onednn_pack(W_VH, UNEMBED_ROWS)
 
 
 @torch.no_grad()
@@ -268,8 +281,8 @@ def target_logprobs_and_entropy(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tu
     h_NH = h_NH.float()
     N = h_NH.shape[0]
     lp_N, ent_N = h_NH.new_empty(N), h_NH.new_empty(N)
-    for a in range(0, N, _UNEMBED_ROWS):
-        b = min(N, a + _UNEMBED_ROWS)
+    for a in range(0, N, UNEMBED_ROWS):
+        b = min(N, a + UNEMBED_ROWS)
         shifted = linear(h_NH[a:b], W_VH, lora, scale)
         shifted = shifted - shifted.amax(-1, keepdim=True)
         e = shifted.exp()
@@ -280,11 +293,14 @@ def target_logprobs_and_entropy(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tu
 
 
 def target_logprobs(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
-                    scale: float, y_N: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, y_N: torch.Tensor, packed: torch.Tensor | None = None,
+                    grad_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Logprob of target `y_N[n]` under row n's next-token distribution, in fp32 (`packed`: the
-    `pack_unembed(W_VH)` copy). With a LoRA on the unembedding its factors need gradients, so the plain
-    logits + cross-entropy path runs instead."""
+    `pack_unembed(W_VH)` copy). `grad_weight`: `W_VH` in the precision of the backward (bf16 training:
+    the `[rows, vocab] x [vocab, H]` gradient product then runs as fast as the layers' GEMMs, while the
+    logits, whose rounding would show in the logprobs, stay fp32). With a LoRA on the unembedding its
+    factors need gradients, so the plain logits + cross-entropy path runs instead."""
     h_NH = h_NH.float()
     if lora is None and not W_VH.requires_grad:
-        return _TargetLogprob.apply(h_NH, W_VH, y_N, packed)
+        return _TargetLogprob.apply(h_NH, W_VH, y_N, packed, W_VH if grad_weight is None else grad_weight)
     return -F.cross_entropy(linear(h_NH, W_VH, lora, scale), y_N, reduction="none")

@@ -1,0 +1,290 @@
+"""The sampling loop of the local engine: sample `SampleJob`s together, as small named steps
+(`prefill`, `sample`, `record`, `compact`, `decode_one_token`), returning each sampled token's logprob.
+
+Why not `transformers.generate`: with `output_scores` it keeps `B x vocab` floats per step (8-16 GB
+at batch 64 for SmolLM2) and its per-step Python overhead dominates a 135M model on CPU. Here each
+layer is a handful of fused matmuls (q|k|v and gate|up stacked), decode attends over a static cache
+slice, and only the sampled token's logprob is kept (`bench/sampler.py` times both).
+
+Batch invariance (a request's tokens and logprobs are bit-identical alone or in any batch, for one
+machine and thread count): the scheduler batches requests by arrival timing, so besides the forward's
+own invariance (`sampler_forward`) each row's token and logprob come from its own logits by the same
+formulas whatever the other rows do, and its draws come from its own request's generator.
+
+Sampling conventions (Tinker leaves them undocumented):
+- logprob of a sampled token = log softmax(logits / T) over the FULL vocabulary (before top-k/top-p
+  truncation), i.e. the tempered distribution; greedy (T = 0 or top_k = 1) reports the T = 1 logprob.
+- a stop token id ends the sequence and is included once; a stop string ends it at the token whose
+  decoding completes the string (that token included); stop_reason "stop", else "length".
+- seeded requests draw from their own `torch.Generator` (one uniform per row per step, inverse-CDF),
+  so the draws do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from trainer.backends.local import sampler_forward
+from trainer.backends.local.sampler_forward import KVCache, prompt_logprobs
+from trainer.backends.local.sampler_weights import SamplerWeights
+
+
+@dataclass
+class SampleJob:
+    """One `sample` request: `num_samples` continuations of one prompt."""
+
+    prompt: list[int]
+    num_samples: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_ids: frozenset[int] = frozenset()
+    stop_strs: tuple[str, ...] = ()
+    include_prompt_logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class SampleResult:
+    sequences: list[tuple[list[int], list[float], str]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+
+
+def _filter_top(logits_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits outside the top-k / nucleus (top-p) set with -inf."""
+    if top_k > 0 and top_k < logits_NV.shape[-1]:
+        kth = torch.topk(logits_NV, top_k, dim=-1).values[:, -1:]
+        logits_NV = logits_NV.masked_fill(logits_NV < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_l, idx = torch.sort(logits_NV, dim=-1, descending=True)
+        probs = torch.softmax(sorted_l, -1)
+        drop = (probs.cumsum(-1) - probs) >= top_p  # keep the smallest prefix reaching top_p
+        drop[:, 0] = False
+        logits_NV = logits_NV.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
+    return logits_NV
+
+
+_CDF_BLOCK = 256
+
+
+def inverse_cdf(probs_NV: torch.Tensor, u_N: torch.Tensor) -> torch.Tensor:
+    """Token ids `[N]` with `F(id - 1) <= u * total < F(id)` for the CDF `F` of each row.
+
+    Two levels (block sums, then one block's cumsum) instead of a full-vocabulary fp64 cumsum, which
+    costs a large share of a decode step at vocabulary 49152; never returns a zero-probability token.
+    Blocks are summed in fp32 (relative error ~1e-7 per block, far below any sampling noise; converting
+    the whole [rows, vocab] to fp64 first is slower) and accumulated across blocks in fp64."""
+    N, V = probs_NV.shape
+    nb = -(-V // _CDF_BLOCK)
+    P = (probs_NV if nb * _CDF_BLOCK == V else F.pad(probs_NV, (0, nb * _CDF_BLOCK - V))).view(N, nb, _CDF_BLOCK)
+    cdf_b = P.sum(-1).double().cumsum(-1)  # [N, nb]
+    target = u_N.double() * cdf_b[:, -1]
+    blk = torch.searchsorted(cdf_b, target.unsqueeze(1), right=True).squeeze(1)
+    blk = torch.minimum(blk, (cdf_b < cdf_b[:, -1:]).sum(-1))  # last block holding mass
+    before = torch.where(blk > 0, cdf_b.gather(1, (blk - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    inner = P[torch.arange(N), blk].double().cumsum(-1)  # [N, block]
+    j = torch.searchsorted(inner, (target - before).unsqueeze(1), right=True).squeeze(1)
+    j = torch.minimum(j, (inner < inner[:, -1:]).sum(-1))  # last token of the block holding mass
+    return blk * _CDF_BLOCK + j
+
+
+@dataclass
+class _Row:
+    job: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+    reason: str = "length"
+
+
+@dataclass
+class _Batch:
+    """The rows of one `generate` call and what the steps share about them."""
+
+    jobs: Sequence[SampleJob]
+    order: list[int]  # job indices, longest prompt first
+    rows: list[_Row]  # each job's rows together and in order, jobs in `order`
+    job_rows: list[list[int]]  # job -> its row indices
+    cache_len: int  # longest prompt + the largest max_tokens
+    temp_B: torch.Tensor  # per row: its job's temperature (1 for greedy jobs)
+    plen_B: torch.Tensor  # per row: its prompt length
+    gens: dict[int, torch.Generator] = field(default_factory=dict)  # per sampling (non-greedy) job
+    job_done: list[bool] = field(default_factory=list)
+    live: torch.Tensor | None = None  # batch index -> row index (shrinks when finished rows are compacted)
+
+
+def _plan(W: SamplerWeights, jobs: Sequence[SampleJob]) -> _Batch:
+    T = max(len(j.prompt) for j in jobs)
+    L = T + max(j.max_tokens for j in jobs)
+    if L > W.max_context:
+        raise ValueError(f"longest prompt ({T}) + max_tokens exceeds the model context ({W.max_context})")
+    # rows grouped by prompt length (longest first; a job's rows stay together and in order), so the rows
+    # attending over the same cache length are one contiguous span at every step
+    order = sorted(range(len(jobs)), key=lambda ji: -len(jobs[ji].prompt))
+    rows = [_Row(job=ji) for ji in order for _ in range(jobs[ji].num_samples)]
+    job_rows: list[list[int]] = [[] for _ in jobs]
+    for b, r in enumerate(rows):
+        job_rows[r.job].append(b)
+    return _Batch(
+        jobs=jobs, order=order, rows=rows, job_rows=job_rows, cache_len=L,
+        temp_B=torch.tensor([1.0 if jobs[r.job].greedy else float(jobs[r.job].temperature) for r in rows]),
+        plen_B=torch.tensor([len(jobs[r.job].prompt) for r in rows], dtype=torch.long),
+        job_done=[False] * len(jobs), live=torch.arange(len(rows)))
+
+
+def prefill(W: SamplerWeights, batch: _Batch, results: list[SampleResult]) -> tuple[torch.Tensor, KVCache]:
+    """Each job's prompt prefilled once into its own cache slot (indices `[0, len)`), then its K/V
+    copied to each of its rows. Records the prompt logprobs the jobs asked for; returns the first
+    token's logits `[rows, V]` and the rows' cache."""
+    jobs, R = batch.jobs, len(batch.jobs)
+    cache_R = [(torch.zeros(R, W.n_kv, batch.cache_len, W.head_dim, dtype=W.dtype),
+                torch.zeros(R, W.n_kv, batch.cache_len, W.head_dim, dtype=W.dtype)) for _ in W.layers]
+    ids = [torch.tensor(j.prompt, dtype=torch.long) for j in jobs]
+    hidden = sampler_forward.prefill(W, ids, cache_R, range(R))
+    for ji, j in enumerate(jobs):
+        if j.include_prompt_logprobs:
+            results[ji].prompt_logprobs = prompt_logprobs(W, hidden[ji], ids[ji])
+    src_B = torch.tensor([r.job for r in batch.rows], dtype=torch.long)
+    logits = W.lm_head.blocked(torch.stack([h[-1] for h in hidden])).float()[src_B]  # [B, V]
+    return logits, [(kc.index_select(0, src_B), vc.index_select(0, src_B)) for kc, vc in cache_R]
+
+
+def _generators(jobs: Sequence[SampleJob]) -> dict[int, torch.Generator]:
+    """One generator per sampling job: seeded jobs from their seed, unseeded ones from a seed drawn
+    from the global generator. Greedy jobs draw nothing (not even from the global generator)."""
+    gens: dict[int, torch.Generator] = {}
+    for ji, j in enumerate(jobs):
+        if not j.greedy:
+            seed = int(j.seed) if j.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+            gens[ji] = torch.Generator().manual_seed(seed)
+    return gens
+
+
+def sample(batch: _Batch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token and its logprob for every live row (`logits`: `[live rows, V]`); each row's token and
+    logprob come from its own logits by the same formulas whatever the other rows do."""
+    jobs, live = batch.jobs, batch.live
+    temps = batch.temp_B[live]
+    scaled = logits if bool((temps == 1.0).all()) else logits / temps.unsqueeze(1)
+    probs = torch.softmax(scaled, -1)  # the tempered distribution over the full vocabulary
+    # greedy rows take the argmax; a full-vocabulary argmax per step is skipped when no live job is greedy
+    # (rows of finished jobs keep a placeholder token: nothing reads their outputs)
+    tok = (torch.argmax(logits, -1) if any(jobs[ji].greedy and not batch.job_done[ji] for ji in batch.order)
+           else torch.zeros(logits.shape[0], dtype=torch.long))
+    pos_of = {int(r): i for i, r in enumerate(live.tolist())}
+    idx_l, u_l = [], []  # rows drawing from the full tempered distribution
+    for ji in batch.order:
+        j = jobs[ji]
+        if batch.job_done[ji] or j.greedy:
+            continue
+        idx = [pos_of[b] for b in batch.job_rows[ji]]
+        # inverse-CDF draws: one uniform per row per step from the request's own generator (cheaper
+        # than torch.multinomial, and independent of the other requests in the batch)
+        u = torch.rand(len(idx), generator=batch.gens[ji], dtype=torch.float64)
+        if j.top_k > 0 or j.top_p < 1.0:
+            ii = torch.tensor(idx)
+            tok[ii] = inverse_cdf(torch.softmax(_filter_top(scaled[ii], j.top_k, j.top_p), -1), u)
+        else:
+            idx_l += idx
+            u_l.append(u)
+    if idx_l:  # one call for all of them (a row's draw depends on its own row only)
+        if idx_l == list(range(len(live))):
+            tok = inverse_cdf(probs, torch.cat(u_l))
+        else:
+            ii = torch.tensor(idx_l)
+            tok[ii] = inverse_cdf(probs[ii], torch.cat(u_l))
+    # log of an fp32 probability: abs. error ~1e-7
+    lp = probs.gather(1, tok.unsqueeze(1)).squeeze(1).log()
+    return tok, lp
+
+
+def record(batch: _Batch, tok: torch.Tensor, lp: torch.Tensor, tokenizer: Any) -> None:
+    """Append each unfinished live row's token and logprob; mark rows (and jobs) that hit a stop token,
+    a stop string or their max_tokens."""
+    tok_l, lp_l = tok.tolist(), lp.tolist()
+    for i, b in enumerate(batch.live.tolist()):
+        r = batch.rows[b]
+        if r.done:
+            continue
+        j = batch.jobs[r.job]
+        if len(r.tokens) >= j.max_tokens:
+            r.done = True
+            continue
+        r.tokens.append(tok_l[i])
+        r.logprobs.append(lp_l[i])
+        if tok_l[i] in j.stop_ids or (j.stop_strs and _hits_stop_string(r.tokens, j.stop_strs, tokenizer)):
+            r.done, r.reason = True, "stop"
+        elif len(r.tokens) >= j.max_tokens:
+            r.done = True
+    for ji in range(len(batch.jobs)):
+        batch.job_done[ji] = all(batch.rows[b].done for b in batch.job_rows[ji])
+
+
+def compact(batch: _Batch, tok: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
+    """Drop finished jobs' rows once they are half the batch (a job's rows stay together)."""
+    keep = [i for i, b in enumerate(batch.live.tolist()) if not batch.job_done[batch.rows[b].job]]
+    if len(keep) <= len(batch.live) // 2:
+        k = torch.tensor(keep, dtype=torch.long)
+        batch.live = batch.live[k]
+        tok = tok[k]
+        cache = [(kc.index_select(0, k), vc.index_select(0, k)) for kc, vc in cache]
+    return tok, cache
+
+
+def decode_one_token(W: SamplerWeights, batch: _Batch, tok: torch.Tensor, step: int, cache: KVCache
+                     ) -> torch.Tensor:
+    """The next logits of every live row, its token `tok` written at cache index = prompt length + step."""
+    pos = batch.plen_B[batch.live] + step
+    return sampler_forward.decode_step(W, tok, pos, _spans(pos.tolist()), cache)
+
+
+@torch.no_grad()
+def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None) -> list[SampleResult]:
+    """Sample all `jobs` together: each prompt prefilled on its own, then one decode loop over all rows.
+
+    Every row's numbers are independent of the other jobs in the batch (see `sampler_forward`), and its
+    draws come from its job's generator, so a seeded job returns the same tokens and bit-identical
+    logprobs alone or in any batch (same machine and thread count)."""
+    if not jobs:
+        return []
+    batch = _plan(W, jobs)
+    results = [SampleResult() for _ in jobs]
+    logits, cache = prefill(W, batch, results)
+    batch.gens = _generators(jobs)
+    max_steps = max(j.max_tokens for j in jobs)
+    for step in range(max_steps):
+        tok, lp = sample(batch, logits)
+        record(batch, tok, lp, tokenizer)
+        if all(batch.job_done) or step == max_steps - 1:
+            break
+        tok, cache = compact(batch, tok, cache)
+        logits = decode_one_token(W, batch, tok, step, cache)
+    for r in batch.rows:
+        results[r.job].sequences.append((r.tokens, r.logprobs, r.reason))
+    return results
+
+
+def _spans(pos: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive rows at the same position: `(first, end, position + 1)`."""
+    out: list[tuple[int, int, int]] = []
+    for i, p in enumerate(pos):
+        if out and out[-1][2] == p + 1:
+            out[-1] = (out[-1][0], i + 1, p + 1)
+        else:
+            out.append((i, i + 1, p + 1))
+    return out
+
+
+def _hits_stop_string(tokens: list[int], stops: tuple[str, ...], tokenizer: Any) -> bool:
+    longest = max(len(s) for s in stops)
+    tail = tokenizer.decode(tokens[-(longest + 2):])
+    return any(s in tail for s in stops)

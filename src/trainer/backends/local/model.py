@@ -1,0 +1,148 @@
+"""The Llama block's shared pieces, used by both the sampler and the training forward: weight names,
+dimensions, the architecture check, RMSNorm, RoPE, the stacked (fused) projections, the unembedding
+and the oneDNN pre-packed GEMM.
+
+Numerics follow transformers 5.5 `models/llama/modeling_llama.py` (`LlamaRMSNorm.forward`: the norm in
+fp32, then cast to the input dtype and scaled; `rotate_half` / `apply_rotary_pos_emb`; the SiLU-gated
+`LlamaMLP`), with cos/sin taken from the model's own rotary module (so any rope type it implements).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+# Projection names of one decoder layer, as in the HF state dict and peft's `target_modules`.
+QKV_PROJ = ("q_proj", "k_proj", "v_proj")
+GATE_UP_PROJ = ("gate_proj", "up_proj")
+ATTN_PROJ = QKV_PROJ + ("o_proj",)
+MLP_PROJ = GATE_UP_PROJ + ("down_proj",)
+UNEMBED = "lm_head"
+
+# Module names outside the decoder layers (a weight is `name + ".weight"`, see `weight`).
+EMBED = "model.embed_tokens"
+FINAL_NORM = "model.norm"
+
+
+def weight(module: str) -> str:
+    """The state-dict key of a module's weight."""
+    return module + ".weight"
+
+
+@dataclass(frozen=True)
+class LayerNames:
+    """HF module names of decoder layer i, plus the keys of its stacked weights in `fuse_base`."""
+
+    input_norm: str
+    qkv: tuple[str, ...]  # q, k, v projections, in the stacking order
+    o: str
+    post_norm: str
+    gate_up: tuple[str, ...]  # gate, up projections, in the stacking order
+    down: str
+    stacked_qkv: str
+    stacked_gate_up: str
+
+
+def layer_names(i: int) -> LayerNames:
+    p = f"model.layers.{i}"
+    return LayerNames(
+        input_norm=f"{p}.input_layernorm", qkv=tuple(f"{p}.self_attn.{n}" for n in QKV_PROJ),
+        o=f"{p}.self_attn.o_proj", post_norm=f"{p}.post_attention_layernorm",
+        gate_up=tuple(f"{p}.mlp.{n}" for n in GATE_UP_PROJ), down=f"{p}.mlp.down_proj",
+        stacked_qkv=f"{p}.self_attn.qkv", stacked_gate_up=f"{p}.mlp.gate_up")
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes and constants of a Llama config that the forward passes need."""
+
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv: int  # key/value heads (GQA: n_heads is a multiple)
+    head_dim: int
+    intermediate: int
+    eps: float  # RMSNorm epsilon
+    act: Callable[[torch.Tensor], torch.Tensor]  # the MLP gate's activation
+
+    @property
+    def qkv_outs(self) -> tuple[int, int, int]:
+        """Output rows of q, k and v in the stacked q|k|v projection."""
+        return (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
+
+
+def dims(config: Any) -> Dims:
+    from transformers.activations import ACT2FN
+
+    return Dims(n_layers=int(config.num_hidden_layers), hidden=int(config.hidden_size),
+                n_heads=config.num_attention_heads, n_kv=config.num_key_value_heads,
+                head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                intermediate=config.intermediate_size, eps=float(config.rms_norm_eps),
+                act=ACT2FN[config.hidden_act])
+
+
+def check_architecture(config: Any) -> None:
+    """The engine implements the Llama block only; anything else fails with a clear message."""
+    if getattr(config, "model_type", None) != "llama":
+        raise ValueError(f"local sampler supports Llama-architecture models, got model_type="
+                         f"{getattr(config, 'model_type', None)!r}")
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        raise ValueError("local sampler: attention/MLP biases are not supported")
+
+
+def rotary_tables(model: Any, max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin `[max_context, head_dim]` from the model's own rotary module (any rope type)."""
+    rot = model.model.rotary_emb if hasattr(model, "model") else model.base_model.model.model.rotary_emb
+    pos = torch.arange(max_context).unsqueeze(0)
+    with torch.no_grad():
+        cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)
+    return cos[0].float(), sin[0].float()
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalised in fp32, cast back, then scaled in the input dtype (torch's one-op
+    `F.rms_norm` gives the same bits as the spelled-out mean/rsqrt/mul in fewer passes)."""
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return x * cos + rot * sin
+
+
+def fuse_base(config: Any, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per layer `LayerNames.stacked_qkv` and `.stacked_gate_up`: the projections of one input stacked
+    into one weight (rows in q|k|v and gate|up order), so each runs as one GEMM with more columns; built
+    once per base model and shared by the fp32 sampler and the training forward
+    (`SharedBase.stacked_weights`)."""
+    out = {}
+    for i in range(config.num_hidden_layers):
+        n = layer_names(i)
+        out[n.stacked_qkv] = torch.cat([base[weight(m)] for m in n.qkv]).contiguous()
+        out[n.stacked_gate_up] = torch.cat([base[weight(m)] for m in n.gate_up]).contiguous()
+    return out
+
+
+def unembed_weight(base: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The output projection (the embedding matrix when they are tied)."""
+    return base.get(weight(UNEMBED), base[weight(EMBED)])
+
+
+# ----------------------------------------------------------------------------------- oneDNN packing
+# oneDNN with a weight pre-packed for a given row count (the kernels torch inductor uses on CPU) runs
+# small-row and wide, shallow fp32 products faster than MKL sgemm; `bench/gemm.py` measures both.
+ONEDNN_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def onednn_pack(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """`w [out, in]` reordered for oneDNN products of about `rows` rows (needs `ONEDNN_PACKING`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, rows)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """`x W^T` with `packed = onednn_pack(W, ...)`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")

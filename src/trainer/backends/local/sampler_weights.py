@@ -1,0 +1,195 @@
+"""The sampler's weights: the base fused into stacked projections in the sampler dtype, packed for
+oneDNN (fp32 and bf16), and one snapshot's LoRA merged into re-packed copies (or kept as unmerged factors
+where oneDNN is missing).
+
+Why pack: decode products have only as many rows as the batch, a shape where plain `F.linear` is slow;
+oneDNN with the weight pre-packed for that row count runs the same product faster: in fp32 (MKL sgemm
+unpacked) with the widest gain on the vocabulary-wide unembedding, and in bf16 on AMX, where unpacked
+bf16 weights are reordered into AMX tiles on every call (`bench/gemm.py` measures plain and packed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from trainer.backends.local.model import (EMBED, FINAL_NORM, ONEDNN_PACKING, UNEMBED, check_architecture, dims,
+                                          fuse_base, layer_names, onednn_linear, onednn_pack, unembed_weight,
+                                          weight)
+
+# decode batches up to this many rows use the packed oneDNN weights; above it sgemm is as fast
+PACKED_MAX_ROWS = 256
+# Rows per GEMM call wherever rows of different requests share one product (decode steps and the first
+# token's logits). The row count alone can change a row's result: MKL sgemm gives M = 1, 2-3 and >= 4
+# rows three different results, and oneDNN's bf16 unembedding switches kernels above 32 rows.
+# Fixed-shape blocks make each request's numbers independent of the batch it ran in.
+ROW_BLOCK = 32
+# the row count the packed decode weights are reordered for
+_PACK_ROWS = 32
+
+
+@dataclass
+class Projection:
+    """A bias-free projection: the plain weight `[out, in]`, on oneDNN builds a copy pre-packed for
+    small-row (decode) products, and an optional unmerged LoRA (`y += (x A^T) B^T`, scale in B).
+
+    With packed weights a snapshot's LoRA is merged (`W + s B A`) and re-packed once (`w` is then None:
+    the packed copy serves every row count): one merge per snapshot costs less than the unmerged
+    rank-r products over a generate. Without packing the LoRA stays unmerged and its term is
+    accumulated by the GEMM."""
+
+    w: torch.Tensor | None
+    packed: torch.Tensor | None = None
+    lora_a: torch.Tensor | None = None  # [R, in]
+    lora_b: torch.Tensor | None = None  # [out, R], scale folded in
+
+    @property
+    def out_features(self) -> int:
+        return int((self.w if self.w is not None else self.packed).shape[0])
+
+    def blocked(self, x: torch.Tensor) -> torch.Tensor:
+        """`self(x)` computed over fixed blocks of `ROW_BLOCK` rows (the last one zero-padded), so every
+        GEMM has the same shape whatever the row count: a row's output never depends on how many other
+        rows share the batch (oneDNN / MKL pick kernels, and with them the summation order, by row
+        count; see `ROW_BLOCK`)."""
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        n = x2.shape[0]
+        nb = -(-n // ROW_BLOCK)
+        if nb * ROW_BLOCK != n:
+            x2 = torch.cat([x2, x2.new_zeros(nb * ROW_BLOCK - n, k)])
+        y = torch.cat([self(x2[i * ROW_BLOCK: (i + 1) * ROW_BLOCK]) for i in range(nb)]) if nb > 1 else self(x2)
+        return y[:n].view(*lead, y.shape[-1])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and (self.w is None or x.numel() // x.shape[-1] <= PACKED_MAX_ROWS):
+            y = onednn_linear(x, self.packed)
+        else:
+            y = F.linear(x, self.w)
+        if self.lora_a is not None:  # accumulated by the GEMM (no [rows, out] temporary)
+            y = y.view(-1, y.shape[-1]).addmm_(F.linear(x, self.lora_a).view(-1, self.lora_a.shape[0]),
+                                                self.lora_b.t()).view(y.shape)
+        return y
+
+
+def projection(w: torch.Tensor, pack: bool) -> Projection:
+    return Projection(w, onednn_pack(w, _PACK_ROWS) if pack else None)
+
+
+@dataclass
+class LayerWeights:
+    in_norm: torch.Tensor
+    qkv: Projection
+    o: Projection
+    post_norm: torch.Tensor
+    gate_up: Projection
+    down: Projection
+
+
+@dataclass
+class SamplerWeights:
+    """One immutable weight set (the base, plus one snapshot's LoRA: merged into re-packed projections
+    when packed, unmerged factors otherwise) in the sampler dtype."""
+
+    embed: torch.Tensor
+    lm_head: Projection
+    final_norm: torch.Tensor
+    layers: list[LayerWeights]
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    act: Any
+    cos: torch.Tensor  # [max_ctx, head_dim] in dtype
+    sin: torch.Tensor
+    max_context: int
+    dtype: torch.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.out_features
+
+
+def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                  dtype: torch.dtype, pack: bool | None = None,
+                  stacked: dict[str, torch.Tensor] | None = None) -> SamplerWeights:
+    """Fuse base weights (fp32, HF names) into `dtype` (no LoRA; see `with_lora`); `pack` (default: on a
+    oneDNN build) adds decode-packed copies of every projection. `stacked`: `fuse_base(config, base)`
+    when already built (shared instead of concatenated again)."""
+    check_architecture(config)
+    pack = ONEDNN_PACKING if pack is None else pack
+    stacked = fuse_base(config, base) if stacked is None else stacked
+
+    def w(name: str) -> torch.Tensor:
+        return base[weight(name)].to(dtype)
+
+    layers = []
+    with torch.no_grad():
+        for i in range(config.num_hidden_layers):
+            n = layer_names(i)
+            layers.append(LayerWeights(
+                in_norm=w(n.input_norm),
+                qkv=projection(stacked[n.stacked_qkv].to(dtype), pack),
+                o=projection(w(n.o), pack),
+                post_norm=w(n.post_norm),
+                gate_up=projection(stacked[n.stacked_gate_up].to(dtype), pack),
+                down=projection(w(n.down), pack)))
+        embed = w(EMBED)
+        head_w = unembed_weight(base)
+        tied = head_w.data_ptr() == base[weight(EMBED)].data_ptr()
+        lm_head = embed if tied else head_w.to(dtype)  # tied: share the sampler copy too
+    d = dims(config)
+    return SamplerWeights(
+        embed=embed, lm_head=projection(lm_head, pack), final_norm=w(FINAL_NORM), layers=layers,
+        n_heads=d.n_heads, n_kv=d.n_kv, head_dim=d.head_dim, intermediate=d.intermediate, eps=d.eps, act=d.act,
+        cos=cos.to(dtype), sin=sin.to(dtype), max_context=cos.shape[0], dtype=dtype)
+
+
+def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
+                 lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float, dtype: torch.dtype) -> Projection:
+    """`lin` (rows = the modules `names`, `outs` rows each, concatenated) with their LoRA factors:
+    A stacked `[sum r, in]`, B block-diagonal `[sum out, sum r]` times `scale`."""
+    have = [(n, o, sum(outs[:k])) for k, (n, o) in enumerate(zip(names, outs)) if n in lora]
+    if not have:
+        return lin
+    A = torch.cat([lora[n][0] for n, _, _ in have], 0)
+    B = torch.zeros(sum(outs), A.shape[0])
+    r0 = 0
+    for n, o, row in have:
+        r = lora[n][0].shape[0]
+        B[row: row + o, r0: r0 + r] = scale * lora[n][1]
+        r0 += r
+    if lin.packed is not None:  # merge into the base and re-pack (see `Projection`)
+        # summed in fp32, rounded once (a bf16 addmm would round the product and the sum separately)
+        merged = torch.addmm(lin.w.float(), B, A.float()).to(lin.w.dtype)
+        return Projection(None, onednn_pack(merged, _PACK_ROWS))
+    return Projection(lin.w, None, A.to(dtype).contiguous(), B.to(dtype))
+
+
+def with_lora(W: SamplerWeights, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float
+              ) -> SamplerWeights:
+    """`W` (shared, not copied) plus one adapter: `HF module name -> (A [r, in], B [out, r])`, `scale`."""
+    if not lora:
+        return W
+    nh, nkv, hd, inter = W.n_heads, W.n_kv, W.head_dim, W.intermediate
+    known = {UNEMBED}
+    layers = []
+    with torch.no_grad():
+        for i, L in enumerate(W.layers):
+            n = layer_names(i)
+            known.update(n.qkv + n.gate_up + (n.o, n.down))
+            layers.append(LayerWeights(
+                in_norm=L.in_norm, post_norm=L.post_norm,
+                qkv=with_factors(L.qkv, n.qkv, [nh * hd, nkv * hd, nkv * hd], lora, scale, W.dtype),
+                o=with_factors(L.o, [n.o], [L.o.w.shape[0]], lora, scale, W.dtype),
+                gate_up=with_factors(L.gate_up, n.gate_up, [inter, inter], lora, scale, W.dtype),
+                down=with_factors(L.down, [n.down], [L.down.w.shape[0]], lora, scale, W.dtype)))
+        head = with_factors(W.lm_head, [UNEMBED], [W.vocab_size], lora, scale, W.dtype)
+    unknown = sorted(set(lora) - known)
+    if unknown:
+        raise ValueError(f"local sampler: LoRA on unsupported modules {unknown[:3]}")
+    return replace(W, layers=layers, lm_head=head)

@@ -1,0 +1,67 @@
+"""The engine's `auto` precision: measured once per machine, cached, overridable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainer.backends.local import precision
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(precision.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(precision.AUTO_PRECISION_ENV, raising=False)
+    return tmp_path
+
+
+def test_measured_choice_follows_the_cpus_bf16_instructions(cache_dir):
+    """Where the CPU has AMX, bf16 GEMMs are several times faster and `auto` must pick them; where it has
+    neither AVX512_BF16 nor AMX, torch's bf16 fallback is slower than fp32 and `auto` must not."""
+    seconds = precision.measure()
+    choice, speedup = precision.choose(seconds)
+    assert all(t > 0 for kinds in seconds.values() for t in kinds.values())
+    flags = precision.cpu_flags()
+    if "amx_bf16" in flags:
+        assert (choice, speedup > 2) == ("bfloat16", True), seconds  # ~4.5-5x measured
+    elif not flags:
+        assert (choice, speedup < 1) == ("float32", True), seconds
+
+
+def test_choice_is_cached_per_machine_and_a_bad_cache_is_remeasured(cache_dir):
+    path = precision.cache_path()
+    other = {"another cpu | avx512_bf16 | torch 0": {"choice": "bfloat16", "speedup": 9.0}}
+    path.write_text(json.dumps(other))  # another machine's entry does not answer for this one
+    dtype, why = precision.auto_precision()
+    assert path.parent == cache_dir and str(path) in why and why.startswith("measured")
+    entries = json.loads(path.read_text())
+    assert set(entries) == {*other, precision.machine_key()}  # kept beside the new one
+    entry = entries[precision.machine_key()]
+    assert precision.DTYPES[entry["choice"]] == dtype
+    # a second call reads the file: an edited entry is what it returns (no new measurement)
+    flipped = "float32" if entry["choice"] == "bfloat16" else "bfloat16"
+    path.write_text(json.dumps({precision.machine_key(): {**entry, "choice": flipped}}))
+    assert precision.auto_precision()[0] == precision.DTYPES[flipped]
+    # a malformed file is measured again and rewritten, not an error
+    path.write_text("{not json")
+    assert precision.auto_precision()[0] == dtype
+    assert json.loads(path.read_text())[precision.machine_key()]["choice"] == entry["choice"]
+
+
+def test_unwritable_cache_still_answers(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(precision.CACHE_DIR_ENV, str(blocker / "sub"))  # a folder under a file: cannot exist
+    monkeypatch.delenv(precision.AUTO_PRECISION_ENV, raising=False)
+    dtype, why = precision.auto_precision()
+    assert dtype in precision.DTYPES.values() and "not cached" in why
+
+
+def test_override_wins_and_a_bad_value_names_the_variable(cache_dir, monkeypatch):
+    monkeypatch.setenv(precision.AUTO_PRECISION_ENV, "float32")
+    assert precision.auto_precision()[0] == precision.DTYPES["float32"]
+    assert not precision.cache_path().exists()  # nothing measured
+    monkeypatch.setenv(precision.AUTO_PRECISION_ENV, "fp8")
+    with pytest.raises(ValueError, match=precision.AUTO_PRECISION_ENV):
+        precision.auto_precision()
