@@ -34,8 +34,8 @@ def run(steps: int, n_tokens: int, one_pass: bool) -> dict:
     from trainer.config.compose import compose_config
     from trainer.loop import RLLoop
     from trainer.losses.paths import OnePassLossPath
-    from trainer.main import build_components, make_loss
     from trainer.run_info import resolved_config_dict
+    from trainer.setup import build_components, make_loss
 
     cfg = compose_config(["+experiment=dppo_vs_grpo", "loss=dppo", f"schedule.num_steps={steps}",
                           "schedule.save_every=0", "preflight.skip=true", "eval=none"])

@@ -92,7 +92,7 @@ def ours(steps: int, precision: str, drop_constant_groups: bool = False) -> dict
     from trainer.backends.local.service import dtype_name
     from trainer.config.compose import compose_config
     from trainer.loop import RLLoop
-    from trainer.main import build_components, make_loss
+    from trainer.setup import build_components, make_loss
     from trainer.run_info import resolved_config_dict
 
     cfg = compose_config([

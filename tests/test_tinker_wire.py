@@ -245,13 +245,15 @@ def test_group_samples_differ_by_construction_and_rerun_identically(tmp_path):
     request would repeat itself, and a rerun draws the same tokens; duplicates are measured and warned."""
     import asyncio
 
+    import tinker
+
     from trainer.backends.local import LocalServiceClient
     from trainer.config.compose import compose_config
     from trainer.datums import Rollout
     from trainer.loop import frac_duplicate_in_group
-    from trainer.main import build_components
     from trainer.retry import RetryPolicy
     from trainer.rollouts import sample_batch, sample_seed
+    from trainer.setup import build_components
 
     assert len({sample_seed(0, 3, 1, i) for i in range(64)}) == 64
     assert sample_seed(0, 3, 1, 5) == sample_seed(0, 3, 1, 5) != sample_seed(1, 3, 1, 5)
@@ -261,9 +263,10 @@ def test_group_samples_differ_by_construction_and_rerun_identically(tmp_path):
     sampler = sc.create_sampling_client(base_model="pairedrl/tiny-random")
 
     def draw():
-        return asyncio.run(sample_batch(task, task.train_problems()[:2], sampler, seed=0, step=0, group_size=4,
-                                        temperature=1.0, max_tokens=8, top_p=1.0, top_k=-1, max_seq_len=512,
-                                        concurrency=8, retry=RetryPolicy(), per_sample=True))
+        params = tinker.SamplingParams(max_tokens=8, temperature=1.0, top_p=1.0, top_k=-1)
+        return asyncio.run(sample_batch(task, task.train_problems()[:2], sampler, params, seed=0, step=0,
+                                        group_size=4, max_seq_len=512, concurrency=8, retry=RetryPolicy(),
+                                        per_sample=True))
 
     a, b = draw(), draw()
     assert [[r.tokens for r in g] for g in a] == [[r.tokens for r in g] for g in b]

@@ -13,6 +13,14 @@ import tinker
 log = logging.getLogger(__name__)
 
 
+def greedy_eval_budgets(cfg: Any) -> dict[str, int]:
+    """`run_greedy_eval`'s budgets from a run config (the training run's evals, the preflight pilot's and
+    `python -m eval.run` all take them from here): the eval group's completion length and concurrency,
+    and the model's context length."""
+    return {"max_tokens": cfg.eval.max_tokens, "max_seq_len": cfg.model.max_seq_len,
+            "concurrency": cfg.eval.concurrency}
+
+
 def greedy_params(max_tokens: int, stop: Any) -> tinker.SamplingParams:
     # temperature 0 and top_k=1 both mean argmax; set both so either convention gives greedy
     return tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_k=1, stop=stop, seed=0)

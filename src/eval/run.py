@@ -48,10 +48,10 @@ def _resolve_checkpoint(cfg: DictConfig) -> tuple[str, Path | None, DictConfig]:
 def main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 
-    from eval.greedy import run_greedy_eval
+    from eval.greedy import greedy_eval_budgets, run_greedy_eval
     from trainer.backends import build_service_client
     from trainer.config.schema import validate
-    from trainer.main import build_components, eval_task, fail
+    from trainer.setup import build_components, eval_task, fail
     from trainer.retry import RetryPolicy
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
@@ -70,9 +70,7 @@ def main(cfg: DictConfig) -> float:
     if out_path.exists():  # never overwrite the run's own eval: write beside it
         out_path = out_path.with_name(f"{cfg.eval.name}_standalone_{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
     summary = run_greedy_eval(etask, etask.test_problems(cfg.eval.n_examples), sampler,
-                              max_tokens=cfg.eval.max_tokens, max_seq_len=cfg.model.max_seq_len,
-                              concurrency=cfg.eval.concurrency, retry=retry,
-                              out_path=out_path,
+                              **greedy_eval_budgets(cfg), retry=retry, out_path=out_path,
                               extra={"name": cfg.eval.name, "checkpoint": path})
     print(f"{cfg.eval.name}: accuracy {summary['accuracy']:.4f} "
           f"[{summary['wilson_low']:.4f}, {summary['wilson_high']:.4f}] n={summary['n']} -> {out_path}")

@@ -33,6 +33,7 @@ from trainer.lr_schedule import lr_at
 from trainer.metrics_sink import MetricsSink
 from trainer.retry import RetryPolicy
 from trainer.rollouts import sample_batch
+from trainer.tinker_params import adam_params, create_lora_training_client, sampling_params, served_model
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +126,8 @@ class RLLoop:
 
     # ------------------------------------------------------------------ clients
     def _new_training_client(self) -> Any:
-        m = self.cfg.model
-        return self.retry.call("create_training_client", lambda: self.sc.create_lora_training_client(
-            base_model=m.base_model, rank=m.lora_rank, seed=self.cfg.seed, train_mlp=m.train_mlp,
-            train_attn=m.train_attn, train_unembed=m.train_unembed).result())
+        return self.retry.call("create_training_client", lambda: create_lora_training_client(
+            self.sc, self.cfg.model, self.cfg.seed))
 
     def _restore_training_client(self, path: str) -> Any:
         return self.retry.call("load_state", lambda: self.sc.create_training_client_from_state_with_optimizer(
@@ -137,9 +136,7 @@ class RLLoop:
     def _record_info(self) -> None:
         try:
             info = self.tc.get_info()
-            self.info = {"served_model": getattr(info, "model_name", None) or
-                         getattr(getattr(info, "model_data", None), "model_name", None),
-                         "lora_rank": getattr(info, "lora_rank", None)}
+            self.info = {"served_model": served_model(info), "lora_rank": getattr(info, "lora_rank", None)}
         except Exception as e:  # noqa: BLE001 - informational only
             self.info = {"served_model": None, "error": str(e)}
 
@@ -277,11 +274,9 @@ class RLLoop:
         t0 = time.time()
         try:
             groups = asyncio.run(sample_batch(
-                self.task, problems, sampling_client, seed=cfg.seed, step=step, group_size=s.group_size,
-                temperature=cfg.sampling.temperature, max_tokens=cfg.sampling.max_tokens,
-                top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, max_seq_len=cfg.model.max_seq_len,
-                concurrency=cfg.sampling.concurrency, retry=self.retry,
-                per_sample=self.per_sample_requests))
+                self.task, problems, sampling_client, sampling_params(cfg.sampling), seed=cfg.seed, step=step,
+                group_size=s.group_size, max_seq_len=cfg.model.max_seq_len, concurrency=cfg.sampling.concurrency,
+                retry=self.retry, per_sample=self.per_sample_requests))
         except Exception as exc:  # noqa: BLE001 - sampling retried in place already; now a new client
             if classify(exc) != RECOVER and classify(exc) != RESEND:
                 raise
@@ -322,9 +317,7 @@ class RLLoop:
             call = self.loss_path.prepare(mb)
             lr = lr_at(state.optim_steps, s.num_steps * s.updates_per_batch, cfg.optimizer.lr, s.lr_schedule,
                        s.warmup_steps, s.min_lr_ratio)
-            o = cfg.optimizer
-            params = tinker.AdamParams(learning_rate=lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                                       weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm)
+            params = adam_params(cfg.optimizer, lr)
             if cfg.backend.get("pipeline_optim_step", False):
                 fb, opt = self._train_call(_PIPELINED, lambda call=call: self._fb_then_optim(call, params))
             else:

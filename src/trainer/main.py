@@ -1,4 +1,8 @@
-"""`python train.py ...`: validate, set up the run folder, build the pieces, train, evaluate."""
+"""`python train.py ...`: validate, set up the run folder, build the pieces, train, evaluate.
+
+The entry module: only train.py imports it. The parts it puts together are built in trainer/setup.py
+and the evals around the loop live in eval/during_training.py, where the other entry points (the
+preflight gates, `python -m eval.run`, bench/) find them too."""
 
 from __future__ import annotations
 
@@ -10,30 +14,31 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
 
-from trainer.config.schema import ConfigError, validate
-from trainer.run_info import batch_arithmetic, format_batch_arithmetic, resolved_config_dict, write_run_files
-
-if TYPE_CHECKING:
-    from trainer.losses.paths import LossPath
+from eval.during_training import compare_with_start, periodic_eval, run_final_eval, run_start_eval
+from eval.run_report import write_run_report
+from trainer.backends import BackendConfigError, build_service_client, check_tinker
+from trainer.backends.errors import BackendRequestError
+from trainer.checkpoint import ResumeError, check_resumable, config_hash
+from trainer.config.schema import ConfigError, arm_name, validate
+from trainer.loop import RLLoop, TrainingClientLost
+from trainer.preflight.gates import require_passed
+from trainer.run_info import (batch_arithmetic, format_batch_arithmetic, git_revision, resolved_config_dict,
+                              write_run_files)
+from trainer.setup import build_components, eval_task, fail, make_loss
+from trainer.utils.io import atomic_write_json, read_json
+from trainer.wandb_run import WandbRun
 
 log = logging.getLogger("pairedrl")
 
 
-def fail(msg: str) -> None:
-    """Stop before any compute with a message naming the problem (exit code 2)."""
-    print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def hydra_dirs() -> tuple[Path, Path | None]:
     """(run folder, sweep folder or None) of the current Hydra job."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     sweep_dir = Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
@@ -63,70 +68,10 @@ def record_arm(sweep_dir: Path, job_num: int, info: dict[str, Any]) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         arms = json.loads(path.read_text()) if path.exists() else {}
         arms[str(job_num)] = info
-        from trainer.utils.io import atomic_write_json
-
         atomic_write_json(path, arms)
     finally:
         fcntl.flock(lock, fcntl.LOCK_UN)
         lock.close()
-
-
-def build_components(cfg: DictConfig) -> tuple[Any, Any, Any]:
-    """(tokenizer, renderer, task) for the configured model and env."""
-    from envs import build_task
-    from envs.renderers import get_renderer
-    from envs.tokenizers import get_tokenizer
-
-    tokenizer = get_tokenizer(cfg.model)
-    renderer = get_renderer(cfg.model, tokenizer)
-    task = build_task(cfg.env, renderer)
-    return tokenizer, renderer, task
-
-
-def eval_task(cfg: DictConfig, renderer: Any, train_task: Any) -> Any:
-    if cfg.eval.task is None or cfg.eval.name == "none":
-        return None
-    if cfg.eval.task == cfg.env.name:
-        return train_task
-    from envs import build_task
-    from trainer.config.schema import GROUP_SCHEMAS
-
-    schema = GROUP_SCHEMAS["env"][f"{cfg.eval.task}_schema"]
-    return build_task(OmegaConf.structured(schema()), renderer)
-
-
-def make_loss(cfg: DictConfig, service_client: Any) -> LossPath:
-    """The loss plugin on its path, by `backend.loss_path`: `two_pass` the client-side callable; `one_pass` a
-    handle registered with `create_custom_loss` (the per-datum form, which needs `aggregation=sum`), failing
-    the run when that is impossible; `auto` the handle where the loss and backend allow it, else the
-    callable, with a warning when registering failed (the arms of a sweep would otherwise run different
-    paths unnoticed; `eval.compare` refuses such a sweep)."""
-    from trainer.losses import build_loss
-    from trainer.losses.paths import OnePassLossPath, TwoPassLossPath
-
-    loss = build_loss(cfg.loss)
-    want = cfg.backend.get("loss_path", "auto")
-    if want == "two_pass":
-        return TwoPassLossPath(loss)
-    if cfg.loss.aggregation != "sum" or not hasattr(service_client, "create_custom_loss"):
-        if want == "one_pass":
-            fail(f"backend.loss_path=one_pass needs loss.aggregation=sum (got {cfg.loss.aggregation}) and a "
-                 "backend with create_custom_loss; use backend.loss_path=auto or two_pass")
-        return TwoPassLossPath(loss)
-    try:
-        path = OnePassLossPath.register(loss, service_client)
-    except Exception as e:  # noqa: BLE001 - reported, and the run fails or falls back by loss_path
-        if want == "one_pass":
-            fail(f"backend.loss_path=one_pass: registering the loss with create_custom_loss failed: "
-                 f"{type(e).__name__}: {e}")
-        log.warning("backend.loss_path=auto: registering the loss failed (%s: %s); this run computes its loss on "
-                    "the two-pass path (same gradients, other cost and metric rounding); pin "
-                    "backend.loss_path so that every arm of a sweep runs the same path", type(e).__name__, e)
-        return TwoPassLossPath(loss)
-    if cfg.backend.name == "tinker" and getattr(path.handle, "loss_id", None) is None:
-        log.info("the service runs registered losses client-side (custom_loss_server_side=false): one-pass "
-                 "semantics, two model passes per update")
-    return path
 
 
 def run_training(cfg: DictConfig) -> float | None:
@@ -139,15 +84,11 @@ def run_training(cfg: DictConfig) -> float | None:
     run_dir, sweep_dir = hydra_dirs()
     check_output_dir(run_dir, cfg)
     if cfg.backend.name == "tinker":  # a missing key or an unreachable service fails before any other work
-        from trainer.backends import BackendConfigError, check_tinker
-
         try:
             check_tinker(cfg.backend)
         except BackendConfigError as e:
             fail(str(e))
     if not cfg.preflight.skip:
-        from trainer.preflight.gates import require_passed
-
         try:
             require_passed(cfg)
         except RuntimeError as e:
@@ -161,8 +102,6 @@ def run_training(cfg: DictConfig) -> float | None:
     except (FileNotFoundError, ValueError, KeyError) as e:
         fail(f"data/env: {e}")
 
-    from trainer.checkpoint import ResumeError, check_resumable, config_hash
-
     config_dict = resolved_config_dict(cfg)
     batch = batch_arithmetic(cfg)
     try:
@@ -174,19 +113,13 @@ def run_training(cfg: DictConfig) -> float | None:
              "as hydra.run.dir=<folder> (or drop resume=true to start a new run)")
     # the backend last: loading a model takes seconds, and a bad data path or run folder should fail
     # before that
-    from trainer.backends import BackendConfigError, build_service_client
-
     try:
         service_client = build_service_client(cfg, run_dir)
     except BackendConfigError as e:
         fail(str(e))
     if resuming:  # the folder's config.yaml / run_info.json stay as the run first wrote them
-        from trainer.utils.io import read_json
-
         info = read_json(run_dir / "run_info.json", "run info")
         print(f"resuming the run in {run_dir}", flush=True)
-        from trainer.run_info import git_revision
-
         # code is not part of the config hash (a fix may be why the run is resumed), but it is said
         was, now = (info.get("git") or {}), git_revision()
         if (was.get("rev"), was.get("dirty")) != (now.get("rev"), now.get("dirty")):
@@ -198,17 +131,12 @@ def run_training(cfg: DictConfig) -> float | None:
                                               # the engine's resolved precision (None: the service decides)
                                               "precision": getattr(service_client, "precision", None)})
     if sweep_dir is not None:
-        from hydra.core.hydra_config import HydraConfig
-
         record_arm(sweep_dir, HydraConfig.get().job.num,
                    {"arm": info["arm"], "loss": info["loss"], "seed": info["seed"], "run_dir": str(run_dir)})
     print(format_batch_arithmetic(batch), flush=True)
 
     wandb_run = None
     if cfg.logger.name == "wandb":
-        from trainer.config.schema import arm_name
-        from trainer.wandb_run import WandbRun
-
         wandb_run = WandbRun(run_dir, cfg.logger, arm_name(cfg), config_dict, sweep_dir, resuming,
                              cfg.schedule.updates_per_batch)
     try:
@@ -225,9 +153,6 @@ def run_training(cfg: DictConfig) -> float | None:
 
 def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, service_client: Any, task: Any,
                         etask: Any, config_dict: dict, t_setup: float, wandb_run: Any) -> float | None:
-    from trainer.checkpoint import ResumeError
-    from trainer.loop import RLLoop
-
     questions = ({p.index: p.question for p in etask.test_problems(cfg.eval.n_examples)}
                  if etask is not None else None)
 
@@ -254,9 +179,6 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
         start_eval_s = time.time() - t0
         to_wandb()
     t_train = time.time()
-    from trainer.backends.errors import BackendRequestError
-    from trainer.loop import TrainingClientLost
-
     try:
         result = loop.run()
     except ResumeError as e:
@@ -277,13 +199,9 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
         to_wandb()
         if wandb_run is not None and "eval_vs_start" in result:
             wandb_run.set_paired_result(result["eval_vs_start"])
-    from trainer.utils.io import atomic_write_json
-
     atomic_write_json(run_dir / "result.json", result)
     report = None
     if cfg.report.enabled:
-        from eval.run_report import write_run_report
-
         try:
             report = write_run_report(run_dir)
         except Exception as e:  # noqa: BLE001 - the run is done and saved; a report failure must not hide that
@@ -300,79 +218,3 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
     if report is not None:
         print(f"  report:   {report}")
     return final_acc
-
-
-def _greedy_eval(cfg: DictConfig, etask: Any, sampling_client: Any, retry: Any, out_path: Path, extra: dict,
-                 check_determinism: bool) -> dict:
-    """The configured eval (`eval.n_examples` test items, budgets and concurrency) on one sampler."""
-    from eval.greedy import run_greedy_eval
-
-    return run_greedy_eval(
-        etask, etask.test_problems(cfg.eval.n_examples), sampling_client, max_tokens=cfg.eval.max_tokens,
-        max_seq_len=cfg.model.max_seq_len, concurrency=cfg.eval.concurrency, retry=retry, out_path=out_path,
-        extra={"name": cfg.eval.name, **extra}, check_determinism=check_determinism)
-
-
-def periodic_eval(cfg: DictConfig, loop: Any, etask: Any, run_dir: Path, step: int) -> None:
-    """Greedy eval every `eval.every` rollout steps (not at the end: the final eval covers that). Skips a
-    step whose eval already finished (its summary is written last), so the loop can call it again for
-    the step a resumed run restarts from: a run killed during that eval gets it on resume."""
-    out = run_dir / "eval" / f"{cfg.eval.name}_step{step}.jsonl"
-    if step % cfg.eval.every or step >= cfg.schedule.num_steps or out.with_suffix(".summary.json").is_file():
-        return
-    summary = _greedy_eval(cfg, etask, loop.sampling_client(), loop.retry, out, {"step": step}, False)
-    log.info("eval %s at step %d: accuracy %.4f", cfg.eval.name, step, summary["accuracy"])
-
-
-def run_start_eval(cfg: DictConfig, service_client: Any, etask: Any, run_dir: Path, retry: Any,
-                   cfg_hash: str) -> Path:
-    """Greedy eval of the initial weights, i.e. the base model (LoRA starts with B = 0, so the adapter
-    adds nothing): the baseline the final eval is paired with. Kept on resume (not recomputed) when it
-    was made under the same config; one left by a run of another config in this folder (e.g. one that
-    stopped before its first checkpoint) is redone."""
-    from trainer.utils.io import read_json
-
-    out = run_dir / "eval" / f"{cfg.eval.name}_start.jsonl"
-    done = out.with_suffix(".summary.json")
-    if done.is_file():  # written last, so the records are complete
-        try:
-            made_under = read_json(done, "start-eval summary").get("config_hash")
-        except ValueError:  # torn by hand or by a disk error: redo it
-            made_under = None
-        if made_under == cfg_hash:
-            return out
-        log.warning("%s was not made under this run's config; redoing the initial-weights eval", out)
-    # tinker 0.38 returns a future of the client (`BackcompatSamplingClientFuture`); using it as the client
-    # is deprecated, so take its result, inside the retry so a failed creation is really retried
-    sampler = retry.call("create_sampling_client", lambda: service_client.create_sampling_client(
-        base_model=cfg.model.base_model).result())
-    summary = _greedy_eval(cfg, etask, sampler, retry, out, {"step": 0, "config_hash": cfg_hash}, False)
-    log.info("eval %s of the initial weights: accuracy %.4f [%.4f, %.4f] on %d items", cfg.eval.name,
-             summary["accuracy"], summary["wilson_low"], summary["wilson_high"], summary["n"])
-    print(f"initial-weights eval: accuracy {summary['accuracy']:.4f} on {summary['n']} items "
-          f"({summary['time_s']:.0f} s)", flush=True)
-    return out
-
-
-def compare_with_start(start_path: Path, final_path: Path) -> dict:
-    """Paired statistics (same items) of the final eval against the initial-weights eval."""
-    from eval.records import read_item_records
-    from eval.stats import paired_compare
-
-    start = {r["index"]: r["correct"] for r in read_item_records(start_path)}
-    final = {r["index"]: r["correct"] for r in read_item_records(final_path)}
-    if set(start) != set(final):
-        raise ValueError(f"{start_path} and {final_path} hold different items; cannot pair them")
-    idx = sorted(start)
-    return paired_compare([final[i] for i in idx], [start[i] for i in idx])
-
-
-def run_final_eval(cfg: DictConfig, loop: Any, etask: Any, run_dir: Path, result: dict) -> float:
-    t0 = time.time()
-    summary = _greedy_eval(cfg, etask, loop.sampling_client(), loop.retry, run_dir / "eval" / f"{cfg.eval.name}.jsonl",
-                           {"step": result["steps"], "checkpoint": result.get("checkpoint")}, True)
-    result["time/eval"] = time.time() - t0
-    result["eval"] = summary
-    log.info("eval %s: accuracy %.4f [%.4f, %.4f] on %d items", cfg.eval.name, summary["accuracy"],
-             summary["wilson_low"], summary["wilson_high"], summary["n"])
-    return float(summary["accuracy"])

@@ -80,18 +80,17 @@ async def _await(fut: Any) -> Any:
     return await fut
 
 
-async def sample_batch(task: Any, problems: Sequence[Any], sampling_client: Any, *, seed: int, step: int,
-                       group_size: int, temperature: float, max_tokens: int, top_p: float, top_k: int,
-                       max_seq_len: int, concurrency: int, retry: RetryPolicy,
-                       per_sample: bool = False) -> list[list[Rollout]]:
+async def sample_batch(task: Any, problems: Sequence[Any], sampling_client: Any, params: tinker.SamplingParams,
+                       *, seed: int, step: int, group_size: int, max_seq_len: int, concurrency: int,
+                       retry: RetryPolicy, per_sample: bool = False) -> list[list[Rollout]]:
     """All groups of one step, submitted concurrently (bounded by `concurrency` requests); one request per
-    group, or with `per_sample` one per sample (seeded by `sample_seed`)."""
+    group seeded by `request_seed`, or with `per_sample` one per sample (seeded by `sample_seed`).
+    `params`: the run's sampling parameters (`tinker_params.sampling_params`), without a seed."""
     sem = asyncio.Semaphore(concurrency)
     coros = []
     for g, problem in enumerate(problems):
-        params = tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                       top_k=top_k, seed=request_seed(seed, step, g))
+        group_params = params.model_copy(update={"seed": request_seed(seed, step, g)})
         seeds = [sample_seed(seed, step, g, i) for i in range(group_size)] if per_sample else None
-        coros.append(_group_rollout(task, problem, g, group_size, sampling_client, params, max_seq_len,
+        coros.append(_group_rollout(task, problem, g, group_size, sampling_client, group_params, max_seq_len,
                                     sem, retry, seeds))
     return list(await asyncio.gather(*coros))

@@ -16,8 +16,11 @@ import numpy as np
 import tinker
 from omegaconf import DictConfig, OmegaConf
 
+from eval.greedy import greedy_eval_budgets, run_greedy_eval
 from trainer.config.ignored_keys import PLAN_IGNORED_KEYS
 from trainer.preflight.common import Check, GateReport
+from trainer.setup import build_components, eval_task, make_loss
+from trainer.tinker_params import adam_params, create_lora_training_client, served_model
 
 # design runs second: it costs seconds and can stop a plan that cannot answer its question before the pilot
 GATES = ("correctness", "design", "restoration", "activation", "feasibility")
@@ -97,13 +100,6 @@ def _logprobs(tc: Any, data: list[tinker.Datum]) -> np.ndarray:
                            for o in out.loss_fn_outputs])
 
 
-def _new_client(sc: Any, cfg: DictConfig, seed: int) -> Any:
-    m = cfg.model
-    return sc.create_lora_training_client(base_model=m.base_model, rank=m.lora_rank, seed=seed,
-                                          train_mlp=m.train_mlp, train_attn=m.train_attn,
-                                          train_unembed=m.train_unembed).result()
-
-
 def arm_config_diff(overrides: list[str], conf_dir: Path | None = None) -> list[str]:
     """Top-level config keys in which the arms differ when each is composed on its own from the
     preflight's overrides (loss-group overrides left out) plus `loss=<arm>`: `["loss"]` unless a loss
@@ -121,7 +117,6 @@ def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = No
     """Both arms' fresh clients start identical; each reports the planned model and optimizer.
     `overrides`: the command line the preflight was composed from (each arm is composed from it)."""
     from trainer.backends import build_service_client
-    from trainer.main import build_components
 
     report = GateReport("restoration")
     sc = build_service_client(cfg, out_dir / "engine")
@@ -135,7 +130,7 @@ def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = No
         diff_keys = arm_config_diff(overrides)
         report.checks.append(Check("arm configs differ only in loss", diff_keys, ["loss"],
                                    _status(diff_keys == ["loss"]), "each arm composed on its own"))
-    clients = {name: _new_client(sc, a, a.seed) for name, a in arms.items()}
+    clients = {name: create_lora_training_client(sc, a.model, a.seed) for name, a in arms.items()}
     lp = {name: _logprobs(tc, data) for name, tc in clients.items()}
     # the backend's own bound: the embedded engine is deterministic to 1e-6; a bf16 GPU service serving
     # two clients (or a restored one) on other hardware paths is not (backend.restore_tolerance)
@@ -145,8 +140,7 @@ def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = No
                                f"{lp['grpo'].size} tokens of {len(data)} GSM8K-style sequences"))
     # one identical SFT step on both: exposes different LoRA initialisations (B=0 hides them at step 0)
     o = cfg.optimizer
-    adam = tinker.AdamParams(learning_rate=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                             weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm)
+    adam = adam_params(o, o.lr)
     for tc in clients.values():
         tc.forward_backward(data, "cross_entropy").result()
         tc.optim_step(adam).result()
@@ -162,7 +156,7 @@ def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = No
     report.checks.append(Check("save_state -> restore logprobs max |diff|", d2, f"<= {tol:g}", _status(d2 <= tol)))
     for name, tc in clients.items():
         info = tc.get_info()
-        served = getattr(info, "model_name", None) or getattr(getattr(info, "model_data", None), "model_name", None)
+        served = served_model(info)
         report.checks.append(Check(f"{name}: served model", served, cfg.model.base_model,
                                    _status(served_ok(served, cfg))))
         rank = getattr(info, "lora_rank", None)
@@ -186,7 +180,6 @@ def run_pilot(cfg: DictConfig, out_dir: Path) -> tuple[Path, dict[str, Any]]:
     """A short run of the treatment arm (dppo) with the experiment's batch shape; returns its folder."""
     from trainer.backends import build_service_client
     from trainer.loop import RLLoop
-    from trainer.main import build_components, make_loss
     from trainer.run_info import resolved_config_dict
 
     pilot = _arm_cfg(cfg, "dppo")
@@ -206,16 +199,12 @@ def run_pilot(cfg: DictConfig, out_dir: Path) -> tuple[Path, dict[str, Any]]:
     result["served_model"] = loop.info.get("served_model")
     result["precision"] = getattr(sc, "precision", None)
     # eval timing on a few items (per item, projected to the full eval)
-    from eval.greedy import run_greedy_eval
-    from trainer.main import eval_task
-
     etask = eval_task(pilot, renderer, task)
     if etask is not None:
         n = int(cfg.preflight.get("pilot_eval_items", 8))
         t2 = time.time()
-        summ = run_greedy_eval(etask, etask.test_problems(n), loop.sampling_client(),
-                               max_tokens=pilot.eval.max_tokens, max_seq_len=pilot.model.max_seq_len,
-                               concurrency=pilot.eval.concurrency, retry=loop.retry, check_determinism=False)
+        summ = run_greedy_eval(etask, etask.test_problems(n), loop.sampling_client(), **greedy_eval_budgets(pilot),
+                               retry=loop.retry, check_determinism=False)
         result["time/eval_per_item"] = (time.time() - t2) / max(1, summ["n"])
     from trainer.utils.io import atomic_write_json
 

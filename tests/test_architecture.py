@@ -1,0 +1,281 @@
+"""The import structure the design rests on, read from the code with `ast` (nothing is imported).
+
+The graph: one node per module under src/ (a package is its `__init__`), one arrow per import
+statement anywhere in a module (top level, inside functions, under `if TYPE_CHECKING:`: a local import
+is still a dependency, and hiding one in a function is how circles get dodged), relative imports
+resolved. `from pkg import name` points at the submodule `pkg.name` when there is one, else at `pkg`;
+importing `a.b.c` from outside package `a.b` also points at `a` and `a.b` (their `__init__` runs first).
+Third-party imports are kept per module for the torch check.
+
+The contracts, and why each holds:
+1. No import circle among the modules of src/. Modules in a circle cannot be read, tested or moved
+   apart, and the circle forces function-local imports to get the import order right.
+2. Nothing imports `trainer.main` but train.py (train.py, src/, bench/ and tests/ are searched).
+   trainer/main.py is the entry module; what other entry points (the preflight gates, `python -m
+   eval.run`, the bench scripts) need from a run is built in trainer/setup.py and
+   eval/during_training.py. A library that imports the entry module hangs the run's orchestration
+   under everything and closes a circle as soon as the entry module uses that library.
+3. The training run's layers, top to bottom: trainer.main, trainer.preflight, trainer.setup,
+   trainer.loop, trainer.rollouts. A layer imports nothing from a layer above it: the entry and the
+   gates drive the loop; the loop never reaches back into them.
+4. trainer.losses imports nothing from the run around it (trainer.main, setup, preflight, loop,
+   rollouts, backends; envs; eval). The losses are pure functions of tensors checked against an
+   independent reference, and the engine, the loop and the correctness gate all build on them.
+5. trainer.backends imports nothing from above the client boundary (trainer.main, setup, preflight,
+   loop, rollouts, losses; envs; eval). A backend is a Tinker-shaped client: it runs whatever loss it
+   is handed, and nothing above it knows which backend it talks to.
+6. trainer.config imports no other part of src/ and loads no torch: composing and validating a
+   config (train.py --cfg, eval.compare, eval.design) must not load the runtime; the runtime imports
+   the config's enumerations and defaults, not the other way round.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+
+# Arrows allowed to close a circle until the branch that removes them is merged, each with its reason.
+# Keep this empty: an entry here is a known defect, not a design decision.
+KNOWN_CIRCLE_ARROWS: set[tuple[str, str]] = set()
+# Arrows allowed to break a layer contract until the branch that removes them is merged (keep empty).
+KNOWN_CONTRACT_ARROWS: set[tuple[str, str]] = set()
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+    # src/ modules this one imports, each with the line of the first import statement naming it
+    imports: dict[str, int] = field(default_factory=dict)
+    # top-level names of the modules it imports from outside src/ (torch, numpy, ...)
+    external: set[str] = field(default_factory=set)
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(module: Module, node: ast.ImportFrom) -> str:
+    """The absolute name of what `from <...> import` names (relative levels resolved)."""
+    if not node.level:
+        return node.module or ""
+    package = module.name.split(".") if module.is_package else module.name.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _targets(module: Module, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """What one import statement names: each `import a.b`; for `from pkg import x, y` pkg.x, pkg.y
+    and pkg itself (x may be a submodule or a name defined in pkg)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = _resolve(module, node)
+    return [f"{base}.{alias.name}" for alias in node.names] + [base]
+
+
+def read_imports(module: Module, modules: dict[str, Module]) -> None:
+    tree = ast.parse(module.path.read_text(), filename=str(module.path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, node)
+            subs = [f"{base}.{alias.name}" for alias in node.names]
+            # `from pkg import sub` loads the submodule pkg.sub; any other name comes from pkg itself
+            targets = [t for t in subs if t in modules] + ([base] if not all(t in modules for t in subs) else [])
+        else:
+            continue
+        for target in targets:
+            parts = target.split(".")
+            # `import a.b.c` loads the longest prefix that is a module of the tree
+            known = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules),
+                         None)
+            if known is None:
+                module.external.add(parts[0])
+                continue
+            # importing a.b.c from outside package a.b first runs a/__init__ and a/b/__init__
+            packages = [".".join(known.split(".")[:n]) for n in range(1, known.count(".") + 1)]
+            for hit in [p for p in packages if p in modules and not _under(module.name, p)] + [known]:
+                if hit != module.name:
+                    module.imports.setdefault(hit, node.lineno)
+
+
+@functools.cache
+def build_graph(root: Path = SRC) -> dict[str, Module]:
+    """Every module under `root` with its imports (read once per root and test session)."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        modules[name] = Module(name, path, path.name == "__init__.py")
+    for module in modules.values():
+        read_imports(module, modules)
+    return modules
+
+
+def find_circles(modules: dict[str, Module], ignore: set[tuple[str, str]] = frozenset()) -> list[list[str]]:
+    """One import path per circle: for each strongly connected component with more than one module
+    (Tarjan), a loop through it found by a walk from its first module."""
+    edges = {m: sorted(t for t in mod.imports if (m, t) not in ignore) for m, mod in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    counter = [0]
+
+    def connect(v: str) -> None:  # the recursion depth is bounded by the number of modules (~100)
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                components.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return [_loop_in(comp, edges) for comp in sorted(components)]
+
+
+def _loop_in(comp: list[str], edges: dict[str, list[str]]) -> list[str]:
+    """A shortest import loop from comp[0] back to itself inside the component (breadth first)."""
+    inside, start = set(comp), comp[0]
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in edges[v]:
+                if w == start:
+                    chain = [v]
+                    while chain[-1] != start:
+                        chain.append(came_from[chain[-1]])
+                    return chain[::-1] + [start]
+                if w in inside and w not in came_from:
+                    came_from[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"{comp} is not a circle")
+
+
+def _describe(loop: list[str], modules: dict[str, Module]) -> str:
+    steps = [f"{a} (line {modules[a].imports[b]})" for a, b in pairwise(loop)]
+    return " -> ".join(steps + [loop[-1]])
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def forbidden_arrows(modules: dict[str, Module], source: str, forbidden: list[str]) -> list[str]:
+    """`module:line -> target` for every import from a module under `source` of one under `forbidden`."""
+    return [f"{m}:{mod.imports[t]} -> {t}" for m, mod in sorted(modules.items()) if _under(m, source)
+            for t in sorted(mod.imports) if any(_under(t, f) for f in forbidden)
+            and (m, t) not in KNOWN_CONTRACT_ARROWS]
+
+
+# --------------------------------------------------------------------------- the contracts
+def test_no_import_circle_in_src():
+    modules = build_graph()
+    circles = find_circles(modules, KNOWN_CIRCLE_ARROWS)
+    assert not circles, "import circles in src/:\n  " + "\n  ".join(_describe(c, modules) for c in circles)
+
+
+def test_only_train_py_imports_the_entry_module():
+    importers = []
+    files = [ROOT / "train.py"] + [p for d in ("src", "bench", "tests") for p in sorted((ROOT / d).rglob("*.py"))]
+    for path in files:
+        # each file read as a module of its own folder's tree, so that relative imports resolve
+        top = SRC if SRC in path.parents else path.parent
+        mod = Module(module_name(path, top), path, path.name == "__init__.py")
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                    _under(t, "trainer.main") for t in _targets(mod, node)):
+                importers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    others = [i for i in importers if not i.startswith("train.py:")]
+    assert not others, ("only train.py may import trainer.main (build what other entry points share in "
+                        "trainer/setup.py or eval/during_training.py); also imported at: " + ", ".join(others))
+    assert importers, "the search did not find train.py's own import of trainer.main"
+
+
+def test_the_run_layers_import_only_downwards():
+    modules = build_graph()
+    layers = ["trainer.main", "trainer.preflight", "trainer.setup", "trainer.loop", "trainer.rollouts"]
+    bad = [a for i, layer in enumerate(layers) for a in forbidden_arrows(modules, layer, layers[:i])]
+    assert not bad, "a lower layer imports a higher one:\n  " + "\n  ".join(bad)
+
+
+def test_losses_import_nothing_of_the_run_around_them():
+    bad = forbidden_arrows(build_graph(), "trainer.losses", [
+        "trainer.main", "trainer.setup", "trainer.preflight", "trainer.loop", "trainer.rollouts",
+        "trainer.backends", "envs", "eval"])
+    assert not bad, "trainer.losses imports the run around it:\n  " + "\n  ".join(bad)
+
+
+def test_backends_import_nothing_above_the_client_boundary():
+    bad = forbidden_arrows(build_graph(), "trainer.backends", [
+        "trainer.main", "trainer.setup", "trainer.preflight", "trainer.loop", "trainer.rollouts",
+        "trainer.losses", "envs", "eval"])
+    assert not bad, "trainer.backends imports from above the client boundary:\n  " + "\n  ".join(bad)
+
+
+def test_config_is_self_contained_and_torch_free():
+    modules = build_graph()
+    bad = [f"{m}:{line} -> {t}" for m, mod in sorted(modules.items()) if _under(m, "trainer.config")
+           for t, line in sorted(mod.imports.items())
+           if not _under(t, "trainer.config") and (m, t) not in KNOWN_CONTRACT_ARROWS]
+    assert not bad, "trainer.config imports other parts of src/:\n  " + "\n  ".join(bad)
+    torch = sorted(f"{m} imports {x}" for m, mod in modules.items() if _under(m, "trainer.config")
+                   for x in mod.external if x == "torch")
+    assert not torch, "trainer.config loads torch:\n  " + "\n  ".join(torch)
+
+
+# --------------------------------------------------------------------------- the checker itself
+def test_the_checker_sees_circles_local_and_relative_imports(tmp_path):
+    """A circle closed by a function-local relative import, `from pkg import submodule`, a name taken
+    from a module (not a submodule), and the `__init__` of a package entered from outside are all read
+    as the arrows they are."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import helper\n")
+    (pkg / "b.py").write_text("def helper():\n    from . import c\n")
+    (pkg / "c.py").write_text("import os\nfrom .a import nothing\n")
+    (pkg / "d.py").write_text("from pkg import a\nimport torch.nn\nfrom pkg.sub.x import f\n")
+    (pkg / "sub" / "__init__.py").write_text("from pkg.sub.x import f\n")
+    (pkg / "sub" / "x.py").write_text("def f():\n    pass\n")
+    modules = build_graph(tmp_path)
+    assert modules["pkg.a"].imports == {"pkg.b": 1}
+    assert modules["pkg.b"].imports == {"pkg.c": 2}
+    assert modules["pkg.c"].imports == {"pkg.a": 2} and modules["pkg.c"].external == {"os"}
+    assert modules["pkg.d"].imports == {"pkg.a": 1, "pkg.sub": 3, "pkg.sub.x": 3}
+    assert modules["pkg.d"].external == {"torch"}
+    assert modules["pkg.sub"].imports == {"pkg.sub.x": 1}  # its own package is already running
+    assert find_circles(modules) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
+    assert _describe(["pkg.a", "pkg.b", "pkg.c", "pkg.a"], modules) == \
+        "pkg.a (line 1) -> pkg.b (line 2) -> pkg.c (line 2) -> pkg.a"
+    assert find_circles(modules, {("pkg.c", "pkg.a")}) == []
