@@ -40,11 +40,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 
-# Arrows allowed to close a circle until the branch that removes them is merged, each with its reason.
-# Keep this empty: an entry here is a known defect, not a design decision.
-KNOWN_CIRCLE_ARROWS: set[tuple[str, str]] = set()
-# Arrows allowed to break a layer contract until the branch that removes them is merged (keep empty).
-KNOWN_CONTRACT_ARROWS: set[tuple[str, str]] = set()
 
 
 @dataclass
@@ -122,10 +117,10 @@ def build_graph(root: Path = SRC) -> dict[str, Module]:
     return modules
 
 
-def find_circles(modules: dict[str, Module], ignore: set[tuple[str, str]] = frozenset()) -> list[list[str]]:
+def find_circles(modules: dict[str, Module]) -> list[list[str]]:
     """One import path per circle: for each strongly connected component with more than one module
     (Tarjan), a loop through it found by a walk from its first module."""
-    edges = {m: sorted(t for t in mod.imports if (m, t) not in ignore) for m, mod in modules.items()}
+    edges = {m: sorted(mod.imports) for m, mod in modules.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -194,14 +189,13 @@ def _under(name: str, prefix: str) -> bool:
 def forbidden_arrows(modules: dict[str, Module], source: str, forbidden: list[str]) -> list[str]:
     """`module:line -> target` for every import from a module under `source` of one under `forbidden`."""
     return [f"{m}:{mod.imports[t]} -> {t}" for m, mod in sorted(modules.items()) if _under(m, source)
-            for t in sorted(mod.imports) if any(_under(t, f) for f in forbidden)
-            and (m, t) not in KNOWN_CONTRACT_ARROWS]
+            for t in sorted(mod.imports) if any(_under(t, f) for f in forbidden)]
 
 
 # --------------------------------------------------------------------------- the contracts
 def test_no_import_circle_in_src():
     modules = build_graph()
-    circles = find_circles(modules, KNOWN_CIRCLE_ARROWS)
+    circles = find_circles(modules)
     assert not circles, "import circles in src/:\n  " + "\n  ".join(_describe(c, modules) for c in circles)
 
 
@@ -247,7 +241,7 @@ def test_config_is_self_contained_and_torch_free():
     modules = build_graph()
     bad = [f"{m}:{line} -> {t}" for m, mod in sorted(modules.items()) if _under(m, "trainer.config")
            for t, line in sorted(mod.imports.items())
-           if not _under(t, "trainer.config") and (m, t) not in KNOWN_CONTRACT_ARROWS]
+           if not _under(t, "trainer.config")]
     assert not bad, "trainer.config imports other parts of src/:\n  " + "\n  ".join(bad)
     torch = sorted(f"{m} imports {x}" for m, mod in modules.items() if _under(m, "trainer.config")
                    for x in mod.external if x == "torch")
@@ -278,4 +272,3 @@ def test_the_checker_sees_circles_local_and_relative_imports(tmp_path):
     assert find_circles(modules) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
     assert _describe(["pkg.a", "pkg.b", "pkg.c", "pkg.a"], modules) == \
         "pkg.a (line 1) -> pkg.b (line 2) -> pkg.c (line 2) -> pkg.a"
-    assert find_circles(modules, {("pkg.c", "pkg.a")}) == []
