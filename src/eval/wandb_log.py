@@ -10,13 +10,13 @@ whatever statistics compare reports: every scalar of the result goes to the summ
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from trainer.wandb_run import is_scalar, resolve_mode, run_id, table_cell
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ def verdict_rows(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     cols: list[str] = []
     # the per-seed rows' statistics (the combined result also holds run-level strings: paths, the rule)
     for r in per_seed or [result]:
-        cols += [k for k, v in r.items() if (_scalar(v) or k in ("verdict", "method")) and k not in cols]
-    return ["scope", *cols], [[label, *[_cell(r.get(c)) for c in cols]] for label, r in scopes]
+        cols += [k for k, v in r.items() if (is_scalar(v) or k in ("verdict", "method")) and k not in cols]
+    return ["scope", *cols], [[label, *[table_cell(r.get(c)) for c in cols]] for label, r in scopes]
 
 
 def log_compare(result: dict[str, Any], out_dir: str | Path | None = None) -> str | None:
@@ -70,17 +70,16 @@ def log_compare(result: dict[str, Any], out_dir: str | Path | None = None) -> st
         return None
     import wandb
 
-    from trainer.wandb_run import resolve_mode
 
     out_dir = Path(out_dir or result["output_dir"])
     t = result.get("treatment") or "+".join(result.get("treatments") or []) or "aa"
     b = result.get("baseline")
-    config = {k: v for k, v in result.items() if _scalar(v) or isinstance(v, str)}
+    config = {k: v for k, v in result.items() if is_scalar(v) or isinstance(v, str)}
     config.update(arms=[a.get("arm") for a in result.get("arms", [])], inputs=result.get("inputs"))
     run = wandb.init(project=settings["project"], entity=settings["entity"], group=settings["group"],
                      job_type=JOB_TYPE, name=f"compare_{t}_vs_{b}", dir=str(out_dir),
                      # one compare run per output folder: a rerun updates it rather than adding another
-                     id="compare-" + hashlib.sha1(str(out_dir.resolve()).encode()).hexdigest()[:12],
+                     id=run_id(out_dir, "compare"),
                      resume="allow", mode=resolve_mode(settings["mode"]), config=config, reinit="create_new")
     try:
         cols, rows = verdict_rows(result)
@@ -89,8 +88,8 @@ def log_compare(result: dict[str, Any], out_dir: str | Path | None = None) -> st
         if arms:
             acols: list[str] = []
             for a in arms:
-                acols += [k for k, v in a.items() if (_scalar(v) or isinstance(v, str)) and k not in acols]
-            data["compare/arms"] = wandb.Table(columns=acols, data=[[_cell(a.get(c)) for c in acols]
+                acols += [k for k, v in a.items() if (is_scalar(v) or isinstance(v, str)) and k not in acols]
+            data["compare/arms"] = wandb.Table(columns=acols, data=[[table_cell(a.get(c)) for c in acols]
                                                                     for a in arms])
         for name, rel in (result.get("plots") or {}).items():
             path = out_dir / rel
@@ -98,19 +97,9 @@ def log_compare(result: dict[str, Any], out_dir: str | Path | None = None) -> st
                 data[f"compare/plots/{name}"] = wandb.Image(str(path), caption=name)
         run.log(data)
         for k, v in result.items():
-            if _scalar(v) or isinstance(v, str):
+            if is_scalar(v) or isinstance(v, str):
                 run.summary[f"compare/{k}"] = v
         folder = run.dir
     finally:
         run.finish()
     return str(Path(folder).parent)
-
-
-def _scalar(v: Any) -> bool:
-    return isinstance(v, (int, float))
-
-
-def _cell(v: Any) -> Any:
-    if v is None or isinstance(v, (str, int, float, bool)):
-        return v
-    return json.dumps(v)

@@ -11,6 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.utils.io import atomic_write_json, atomic_write_text
+from trainer.utils.machine import cpu_model
 
 SECRET_ENV_VARS = ("TINKER_API_KEY", "WANDB_API_KEY")
 _SECRET_KEYS = ("api_key", "apikey", "token", "access_token", "secret", "password")
@@ -75,17 +76,6 @@ def _torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
 def write_run_files(run_dir: Path, cfg: DictConfig, extra: dict[str, Any]) -> dict[str, Any]:
     cfg_d = resolved_config_dict(cfg)
     atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg_d)))
@@ -98,7 +88,7 @@ def write_run_files(run_dir: Path, cfg: DictConfig, extra: dict[str, Any]) -> di
         "experiment": cfg_d.get("experiment"),
         # the local engine's numbers are reproducible for the same thread count and CPU (README)
         "torch_threads": _torch_threads(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         **extra,
     }
     atomic_write_json(run_dir / "run_info.json", redact(info, current_secrets()))

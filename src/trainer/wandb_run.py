@@ -35,9 +35,9 @@ EVAL_COLUMNS = ("index", "prompt", "completion", "parsed", "gold", "correct", "c
 _STEP_AXIS_KEYS = ("eval/*", "env/*", "rollouts/*")
 
 
-def run_id(run_dir: Path) -> str:
-    """A stable id per run folder, so a resumed run continues the same wandb run."""
-    return "pairedrl-" + hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+def run_id(run_dir: Path, prefix: str = "pairedrl") -> str:
+    """A stable id per folder, so a resumed run (or a rerun compare) continues the same wandb run."""
+    return f"{prefix}-" + hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
 
 
 def resolve_mode(mode: str) -> str:
@@ -74,7 +74,7 @@ class WandbRun:
 
     # ------------------------------------------------------------------ training
     def log_update(self, row: dict[str, Any]) -> None:
-        self.run.log({k: v for k, v in row.items() if _is_scalar(v)}, step=int(row.get("global_update", 0)))
+        self.run.log({k: v for k, v in row.items() if is_scalar(v)}, step=int(row.get("global_update", 0)))
 
     def log_rollouts(self, rows: list[dict], step: int, global_update: int) -> None:
         """This step's logged rollouts as a table (key `rollouts/samples`), at the step's last update."""
@@ -83,7 +83,7 @@ class WandbRun:
         import wandb
 
         table = wandb.Table(columns=list(ROLLOUT_COLUMNS),
-                            data=[[_cell(r.get(c)) for c in ROLLOUT_COLUMNS] for r in rows])
+                            data=[[table_cell(r.get(c)) for c in ROLLOUT_COLUMNS] for r in rows])
         self.run.log({"step": step, "rollouts/samples": table}, step=global_update)
 
     # ------------------------------------------------------------------ evals
@@ -111,7 +111,7 @@ class WandbRun:
         for step, _, key, summary, records_path in sorted(found, key=lambda t: (t[0], not t[1])):
             row: dict[str, Any] = {"step": step}
             for k in ("accuracy", "wilson_low", "wilson_high", "n"):
-                if _is_scalar(summary.get(k)):
+                if is_scalar(summary.get(k)):
                     row[f"eval/{k}"] = summary[k]
             if key == "final":
                 row["eval/items"] = self._items_table(records_path, eval_dir / f"{eval_name}_start.jsonl",
@@ -138,13 +138,13 @@ class WandbRun:
         rows = []
         for r in read_item_records(records_path):
             full = {**r, "prompt": (questions or {}).get(r["index"]), "correct_at_start": start.get(r["index"])}
-            rows.append([_cell(full.get(c)) for c in EVAL_COLUMNS])
+            rows.append([table_cell(full.get(c)) for c in EVAL_COLUMNS])
         return wandb.Table(columns=list(EVAL_COLUMNS), data=rows)
 
     def set_paired_result(self, paired: dict[str, Any]) -> None:
         """The final eval against the initial weights, item by item, into the summary (`eval_vs_start/*`)."""
         for k, v in paired.items():
-            if _is_scalar(v) or isinstance(v, str):
+            if is_scalar(v) or isinstance(v, str):
                 self.run.summary[f"eval_vs_start/{k}"] = v
 
     def finish(self, exit_code: int | None = None) -> None:
@@ -169,11 +169,11 @@ def _eval_key(stem: str, eval_name: str) -> str | None:
     return f"step{int(m.group(1))}" if m else None
 
 
-def _is_scalar(v: Any) -> bool:
+def is_scalar(v: Any) -> bool:
     return isinstance(v, (int, float))
 
 
-def _cell(v: Any) -> Any:
+def table_cell(v: Any) -> Any:
     """A table cell: wandb tables take scalars and strings; anything else is shown as JSON."""
     if v is None or isinstance(v, (str, int, float, bool)):
         return v

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from trainer.backends.local.common import COMPUTE
-from trainer.backends.local.model import (ATTN_PROJ, MLP_PROJ, UNEMBED, check_architecture, fuse_base, rotary_tables,
-                                          unembed_weight)
+from trainer.backends.local.model import (ATTN_PROJ, MLP_PROJ, UNEMBED, check_architecture, fuse_base, layer_names,
+                                          rotary_tables, unembed_weight, weight)
 from trainer.backends.local.models import resolve_base_model, spec_for
 from trainer.backends.local.sampler_weights import SamplerWeights, build_weights, with_lora
 from trainer.backends.local.train_forward import pack_unembed
@@ -156,9 +156,9 @@ class SharedBase:
             got = self._compute_weights.get(dtype)
             if got is None:
                 base = dict(self.base_state)
-                for k, v in self.base_state.items():
-                    if k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
-                        base[k] = v.to(dtype)
+                for n in map(layer_names, range(self.config.num_hidden_layers)):
+                    for key in (weight(n.o), weight(n.down)):
+                        base[key] = base[key].to(dtype)
                 fused = {k: v.to(dtype) for k, v in stacked.items()}
                 fused["unembed"] = unembed_weight(self.base_state).to(dtype)  # the logprob gradient's product
                 got = self._compute_weights[dtype] = (base, fused)

@@ -26,6 +26,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from trainer.utils.machine import cpu_model
+
 AUTO_PRECISION_ENV = "PAIREDRL_AUTO_PRECISION"
 # where the measured choice is kept (default: $XDG_CACHE_HOME/pairedrl or ~/.cache/pairedrl)
 CACHE_DIR_ENV = "PAIREDRL_CACHE_DIR"
@@ -47,19 +49,9 @@ def cpu_flags() -> set[str]:
     return {f for f in ("avx512_bf16", "amx_bf16") if f in text.split()}
 
 
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_key() -> str:
     """What the measurement depends on: CPU model and bf16 flags, torch version."""
-    return f"{_cpu_model()} | {','.join(sorted(cpu_flags())) or 'no bf16 flags'} | torch {torch.__version__}"
+    return f"{cpu_model() or platform.machine()} | {','.join(sorted(cpu_flags())) or 'no bf16 flags'} | torch {torch.__version__}"
 
 
 def cache_path() -> Path:
