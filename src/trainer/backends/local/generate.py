@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.backends.local import sampler_forward
-from trainer.backends.local.sampler_forward import KVCache, prompt_logprobs
+from trainer.backends.local.sampler_forward import ATTN_DTYPE, KVCache, prompt_logprobs
 from trainer.backends.local.sampler_weights import SamplerWeights
 
 
@@ -146,8 +146,8 @@ def prefill(W: SamplerWeights, batch: _Batch, results: list[SampleResult]) -> tu
     copied to each of its rows. Records the prompt logprobs the jobs asked for; returns the first
     token's logits `[rows, V]` and the rows' cache."""
     jobs, R = batch.jobs, len(batch.jobs)
-    cache_R = [(torch.zeros(R, W.n_kv, batch.cache_len, W.head_dim, dtype=W.dtype),
-                torch.zeros(R, W.n_kv, batch.cache_len, W.head_dim, dtype=W.dtype)) for _ in W.layers]
+    shape = (R, W.n_kv, batch.cache_len, W.head_dim)
+    cache_R = [(torch.zeros(shape, dtype=ATTN_DTYPE), torch.zeros(shape, dtype=ATTN_DTYPE)) for _ in W.layers]
     ids = [torch.tensor(j.prompt, dtype=torch.long) for j in jobs]
     hidden = sampler_forward.prefill(W, ids, cache_R, range(R))
     for ji, j in enumerate(jobs):

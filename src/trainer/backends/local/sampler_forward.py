@@ -5,7 +5,14 @@ Batch invariance (a request's numbers are bit-identical alone or in any batch, f
 thread count): GEMM libraries pick kernels, hence summation orders, by row count, so each prompt is
 prefilled on its own (its row count is its length); every decode product that mixes rows of different
 requests runs over fixed `ROW_BLOCK`-row blocks; and decode attention runs per run of rows of equal
-length over cache indices `[0, n)`, with no padding or mask.
+length over cache indices `[0, n)`, with no padding or mask, as two batched products and a softmax
+(`decode_attention`): torch's CPU flash-attention kernel splits the key/value length across threads
+when a call has few batch rows, so one row's attention could differ with the number of rows beside it.
+
+Attention runs in fp32 in either sampler dtype, as in the training forward: RoPE on fp32 tables, the KV
+cache in fp32 (a bf16 projection's k/v are cast exactly), scores and softmax in fp32; only the
+projections run in the sampler dtype. The sampled tokens' logprobs then differ from the training
+forward's by the projections' rounding alone.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from trainer.backends.local.model import rms_norm, rope
 from trainer.backends.local.sampler_weights import LayerWeights, SamplerWeights
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [rows, n_kv, length, head_dim]
+# the dtype of the KV cache and of attention (see the module docstring)
+ATTN_DTYPE = torch.float32
 
 
 def _mlp(W: SamplerWeights, L: LayerWeights, x: torch.Tensor, blocked: bool = False) -> torch.Tensor:
@@ -45,14 +54,14 @@ def _prefill_one(W: SamplerWeights, ids: torch.Tensor, cache: KVCache | None, ro
     x = F.embedding(ids, W.embed)  # [N, H]
     for li, L in enumerate(W.layers):
         q, k, v = L.qkv(rms_norm(x, L.in_norm, W.eps)).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = rope(q.view(N, nh, hd), cos, sin).transpose(0, 1)  # [nh, N, hd]
+        q = rope(q.view(N, nh, hd), cos, sin).transpose(0, 1)  # [nh, N, hd], fp32 (fp32 tables)
         k = rope(k.view(N, nkv, hd), cos, sin).transpose(0, 1)
-        v = v.view(N, nkv, hd).transpose(0, 1)
+        v = v.view(N, nkv, hd).transpose(0, 1).to(ATTN_DTYPE)
         if cache is not None:
             cache[li][0][row, :, :N] = k
             cache[li][1][row, :, :N] = v
         attn = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=nkv != nh)[0]
-        x = x + L.o(attn.transpose(0, 1).reshape(N, nh * hd))
+        x = x + L.o(attn.transpose(0, 1).reshape(N, nh * hd).to(W.dtype))
         x = x + _mlp(W, L, rms_norm(x, L.post_norm, W.eps))
     return rms_norm(x, W.final_norm, W.eps)
 
@@ -79,16 +88,26 @@ def decode_step(W: SamplerWeights, tok_B: torch.Tensor, pos_B: torch.Tensor, spa
         k = rope(k.view(B, nkv, 1, hd), cos, sin)
         kc, vc = cache[li]
         kc[rows_B, :, pos_B] = k[:, :, 0]
-        vc[rows_B, :, pos_B] = v.view(B, nkv, hd)
+        vc[rows_B, :, pos_B] = v.view(B, nkv, hd).to(ATTN_DTYPE)
         # GQA without repeating K/V: q head h uses kv head h // g, so group the g query heads of one
         # kv head as g "positions" of a single-query attention over that head's cache.
         qg = q.view(B, nkv, g, hd)
-        a = torch.cat([F.scaled_dot_product_attention(qg[r0:r1], kc[r0:r1, :, :n], vc[r0:r1, :, :n])
+        a = torch.cat([decode_attention(qg[r0:r1], kc[r0:r1, :, :n], vc[r0:r1, :, :n])
                        for r0, r1, n in spans]) if len(spans) > 1 else \
-            F.scaled_dot_product_attention(qg, kc[:, :, : spans[0][2]], vc[:, :, : spans[0][2]])
-        x = x + L.o.blocked(a.reshape(B, nh * hd))
+            decode_attention(qg, kc[:, :, : spans[0][2]], vc[:, :, : spans[0][2]])
+        x = x + L.o.blocked(a.reshape(B, nh * hd).to(W.dtype))
         x = x + _mlp(W, L, rms_norm(x, L.post_norm, W.eps), blocked=True)
     return W.lm_head.blocked(rms_norm(x, W.final_norm, W.eps)).float()
+
+
+def decode_attention(q_BKGD: torch.Tensor, k_BKND: torch.Tensor, v_BKND: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of `q` (`[rows, kv heads, queries, head_dim]`) over all `N` cached positions, as
+    `softmax(q k^T / sqrt(d)) v` in two batched products. Each (row, head) is its own small matrix
+    product whose kernel depends only on (queries, N, head_dim), so a row's result does not depend on
+    the rows beside it (unlike the fused SDPA kernel, see the module docstring); at decode shapes it is
+    as fast as that kernel."""
+    s = torch.matmul(q_BKGD, k_BKND.transpose(-1, -2)).mul_(q_BKGD.shape[-1] ** -0.5)
+    return torch.matmul(torch.softmax(s, -1), v_BKND)
 
 
 def _target_logprobs(W: SamplerWeights, hidden_TH: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:

@@ -104,7 +104,7 @@ class SamplerWeights:
     intermediate: int
     eps: float
     act: Any
-    cos: torch.Tensor  # [max_ctx, head_dim] in dtype
+    cos: torch.Tensor  # [max_ctx, head_dim], fp32 (RoPE and attention run in fp32, see `sampler_forward`)
     sin: torch.Tensor
     max_context: int
     dtype: torch.dtype
@@ -146,7 +146,7 @@ def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor,
     return SamplerWeights(
         embed=embed, lm_head=projection(lm_head, pack), final_norm=w(FINAL_NORM), layers=layers,
         n_heads=d.n_heads, n_kv=d.n_kv, head_dim=d.head_dim, intermediate=d.intermediate, eps=d.eps, act=d.act,
-        cos=cos.to(dtype), sin=sin.to(dtype), max_context=cos.shape[0], dtype=dtype)
+        cos=cos.float(), sin=sin.float(), max_context=cos.shape[0], dtype=dtype)
 
 
 def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
