@@ -4,7 +4,9 @@ measured against, and which kernel path torch takes for each.
 Training shapes: ~1200 packed rows times SmolLM2's stacked projections (q|k|v, o, gate|up, down), as
 `F.linear` like the training forward runs them. Decode shapes: 32 rows (one decode step of 8 prompts x 4
 samples), the 49152-wide unembedding included, both as plain `F.linear` and through oneDNN with the weights
-pre-packed for that row count; the faster of the two is the decode ceiling.
+pre-packed for that row count; the faster of the two is the decode ceiling. Then the training
+unembedding's two products (fp32 logits and the logprob gradient's product, plain and packed), which the
+ceilings leave out.
 
 The kernel path is read from oneDNN's own verbose log of one call (e.g. `brg_matmul:avx10_1_512_amx` is
 oneDNN on AMX tiles); a call that leaves no oneDNN record ran in MKL/ATen (fp32 sgemm, or ATen's own
@@ -116,12 +118,46 @@ def ceilings(dtype: torch.dtype, rows: int = 1184, decode_rows: int = 32, quiet:
             "decode_gflops_by_path": {k: v[0] for k, v in decode.items()}}
 
 
+def unembedding(dtype: torch.dtype) -> None:
+    """The training unembedding's two products per 128-row block (`train_forward._TargetLogprob`): fp32
+    logits (plain sgemm, oneDNN-packed, and fp32 inputs rounded to bf16 where torch honours that), and the
+    gradient's `probs [rows, vocab] x W [vocab, H]` in `dtype` (plain addmm against oneDNN-packed `W^T`)."""
+    from trainer.backends.local.train_forward import (UNEMBED_ROWS, bf16_inputs_honoured, matmul_inputs,
+                                                      pack_unembed, pack_unembed_grad)
+
+    rows, fl = UNEMBED_ROWS, 2 * UNEMBED_ROWS * VOCAB * 576
+    h, W = torch.randn(rows, 576), torch.randn(VOCAB, 576) * 0.05
+    logits = {"plain": lambda: F.linear(h, W)}
+    if ONEDNN_PACKING:
+        packed = pack_unembed(W)
+        logits["packed"] = lambda: onednn_linear(h, packed)
+
+    def bf16_inputs() -> torch.Tensor:
+        with matmul_inputs(torch.bfloat16):
+            return F.linear(h, W)
+    logits["bf16 inputs"] = bf16_inputs
+    print(f"unembedding logits fp32 ({rows} x 576 -> {VOCAB}); bf16 inputs honoured here: {bf16_inputs_honoured()}")
+    for k, fn in logits.items():
+        print(f"  {k:12s} {fl / _time(fn, 10) / 1e9:7.1f} GFLOPS  [{kernel_path(fn)}]")
+    Wg, y = W.to(dtype), torch.randint(0, VOCAB, (rows,))
+    probs = torch.softmax(torch.randn(rows, VOCAB), -1).to(dtype)
+    grad = {"plain addmm": lambda: torch.addmm(Wg.index_select(0, y), probs, Wg, alpha=-1)}
+    if ONEDNN_PACKING:
+        gp = pack_unembed_grad(Wg)
+        grad["packed W^T"] = lambda: onednn_linear(probs, gp)
+    print(f"unembed grad {dtype_name(dtype)} ({rows} x {VOCAB} -> 576)")
+    for k, fn in grad.items():
+        print(f"  {k:12s} {fl / _time(fn, 10) / 1e9:7.1f} GFLOPS  [{kernel_path(fn)}]")
+
+
 def run(dtypes: list[str], rows: int, decode_rows: int) -> None:
     print(f"torch threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}")
     for name in dtypes:
         c = ceilings(DTYPES[name], rows, decode_rows, quiet=False)
         print(f"== {name}: training ceiling {c['train_gflops']:.1f} GFLOPS [{c['train_kernel']}], decode ceiling "
-              f"{c['decode_gflops']:.1f} GFLOPS [{c['decode_kernel']}]\n")
+              f"{c['decode_gflops']:.1f} GFLOPS [{c['decode_kernel']}]")
+        unembedding(DTYPES[name])
+        print()
 
 
 def main() -> None:

@@ -153,8 +153,13 @@ def test_blocked_unembedding_equals_cross_entropy(monkeypatch):
     assert torch.allclose(a, b, atol=1e-5)
     assert torch.allclose(h1.grad, h2.grad, atol=1e-5)
     packed = train_forward.pack_unembed(W)
-    if packed is not None:  # the oneDNN-packed product gives the same values
+    if packed is not None:  # the oneDNN-packed products give the same values and gradients
         assert torch.allclose(train_forward.target_logprobs(h1.detach(), W, None, 1.0, y, packed), b.detach(), atol=1e-5)
+        h3 = h1.detach().clone().requires_grad_(True)
+        c = train_forward.target_logprobs(h3, W, None, 1.0, y, packed, W, train_forward.pack_unembed_grad(W))
+        (c * up).sum().backward()
+        assert torch.allclose(c, b, atol=1e-5)
+        assert torch.allclose(h3.grad, h2.grad, atol=1e-5)
 
 
 @pytest.mark.bf16

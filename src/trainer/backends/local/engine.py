@@ -27,7 +27,7 @@ from trainer.backends.local.model import (ATTN_PROJ, MLP_PROJ, UNEMBED, check_ar
                                           rotary_tables, unembed_weight, weight)
 from trainer.backends.local.models import resolve_base_model, spec_for
 from trainer.backends.local.sampler_weights import SamplerWeights, build_weights, with_lora
-from trainer.backends.local.train_forward import pack_unembed
+from trainer.backends.local.train_forward import pack_unembed, pack_unembed_grad
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -77,6 +77,7 @@ class SharedBase:
         self._stacked: dict[str, torch.Tensor] | None = None
         self._packed_unembed: torch.Tensor | None = None
         self._packed_unembed_built = False
+        self._packed_unembed_grad: dict[torch.dtype, torch.Tensor | None] = {}
 
     # ------------------------------------------------------------------ adapters
     def add_adapter(self, rank: int, alpha: float, targets: list[str], seed: int) -> str:
@@ -136,6 +137,15 @@ class SharedBase:
                 self._packed_unembed = pack_unembed(unembed_weight(self.base_state))
                 self._packed_unembed_built = True
             return self._packed_unembed
+
+    def packed_unembed_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The unembedding's transpose in `dtype`, packed for the logprob gradient's product (built on
+        first use; None without oneDNN)."""
+        with self.lock:
+            if dtype not in self._packed_unembed_grad:
+                w = unembed_weight(self.base_state) if dtype == torch.float32 else self.compute_weights(dtype)[1]["unembed"]
+                self._packed_unembed_grad[dtype] = pack_unembed_grad(w)
+            return self._packed_unembed_grad[dtype]
 
     def stacked_weights(self) -> dict[str, torch.Tensor]:
         """fp32 q|k|v and gate|up weights of every layer (`model.fuse_base`), built once and

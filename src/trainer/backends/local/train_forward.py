@@ -24,6 +24,7 @@ model's own forward.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -93,7 +94,8 @@ Lora = dict[str, tuple[torch.Tensor, torch.Tensor]]
 def matmul_inputs(dtype: torch.dtype) -> Iterator[None]:
     """fp32 matmuls inside run on `dtype` inputs (oneDNN: bf16 inputs, fp32 accumulation, fp32 output).
     The bf16 unembedding uses it: its logits keep fp32 output precision (rounding `[rows, vocab]` logits
-    to bf16 would cost ~0.1 at |logit| ~ 20) while the product runs at bf16 speed."""
+    to bf16 would cost ~0.1 at |logit| ~ 20) while the product runs at bf16 speed. torch applies the
+    setting only on some CPUs (AMX); elsewhere the products inside stay fp32 (`bf16_inputs_honoured`)."""
     if dtype == torch.float32:
         yield
         return
@@ -104,6 +106,19 @@ def matmul_inputs(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         m.fp32_precision = before
+
+
+@functools.cache
+def bf16_inputs_honoured() -> bool:
+    """Whether `matmul_inputs(torch.bfloat16)` really rounds fp32 matmul inputs to bf16 on this machine.
+    torch hands fp32 matmuls to oneDNN's bf16 mode only where it deems that fast (AMX CPUs); elsewhere
+    (e.g. AVX512_BF16 without AMX) the setting is silently ignored and the product runs as a plain fp32
+    sgemm, several times slower than the oneDNN-packed fp32 kernel at the unembedding's shape. Probed
+    with an input that bf16 cannot represent (1 + 2^-12 rounds to 1), at an unembedding-like shape."""
+    x = torch.full((UNEMBED_ROWS, 576), 1.0 + 2.0 ** -12)
+    with matmul_inputs(torch.bfloat16):
+        y = F.linear(x, torch.ones(4096, 576))
+    return bool(y[0, 0] != float(x[0].double().sum()))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
@@ -233,11 +248,13 @@ UNEMBED_ROWS = 128
 class _TargetLogprob(torch.autograd.Function):
     """`log softmax(h W^T)[y]` per row, in row blocks. d/dh = W[y] - softmax(h W^T) W is formed in the
     forward while a block's logits are at hand, so the backward only scales it: no [rows, vocab] tensor
-    outlives its block (the FLOPs are those of the usual forward + backward)."""
+    outlives its block (the FLOPs are those of the usual forward + backward). `grad_packed`: `Wg^T`
+    packed for oneDNN (`pack_unembed_grad`), which runs the `[rows, vocab] x [vocab, H]` product ~1.5x
+    (bf16) to ~2.3x (fp32) as fast as the plain addmm (`bench/gemm.py`, "unembed grad")."""
 
     @staticmethod
     def forward(ctx: Any, h_NH: torch.Tensor, W_VH: torch.Tensor, y_N: torch.Tensor,
-                packed: torch.Tensor | None, Wg_VH: torch.Tensor) -> torch.Tensor:
+                packed: torch.Tensor | None, Wg_VH: torch.Tensor, grad_packed: torch.Tensor | None) -> torch.Tensor:
         need = ctx.needs_input_grad[0]
         N = h_NH.shape[0]
         out_N = h_NH.new_empty(N)
@@ -251,16 +268,20 @@ class _TargetLogprob(torch.autograd.Function):
             out_N[a:b] = target - (top + z.log()).squeeze(1)
             if need:
                 probs = logits.div_(z).to(Wg_VH.dtype)
-                dh_NH[a:b] = torch.addmm(Wg_VH.index_select(0, y_N[a:b]), probs, Wg_VH, alpha=-1)
+                if grad_packed is None:
+                    dh_NH[a:b] = torch.addmm(Wg_VH.index_select(0, y_N[a:b]), probs, Wg_VH, alpha=-1)
+                else:  # the product rounded once to the gradient dtype, the difference taken in fp32
+                    dh_NH[a:b] = Wg_VH.index_select(0, y_N[a:b])
+                    dh_NH[a:b].sub_(onednn_linear(probs, grad_packed))
         if need:
             ctx.save_for_backward(dh_NH)
         return out_N
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, g_N: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+    def backward(ctx: Any, g_N: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         (dh_NH,) = ctx.saved_tensors
-        return g_N.unsqueeze(1) * dh_NH, None, None, None, None
+        return g_N.unsqueeze(1) * dh_NH, None, None, None, None, None
 
 
 def pack_unembed(W_VH: torch.Tensor) -> torch.Tensor | None:
@@ -272,18 +293,29 @@ def pack_unembed(W_VH: torch.Tensor) -> torch.Tensor | None:
     return onednn_pack(W_VH, UNEMBED_ROWS)
 
 
+def pack_unembed_grad(Wg_VH: torch.Tensor) -> torch.Tensor | None:
+    """`Wg^T` (`[H, vocab]`, any dtype) pre-packed for the logprob gradient's `probs Wg` product at
+    `UNEMBED_ROWS` rows (None without oneDNN)."""
+    if not ONEDNN_PACKING:
+        return None
+    return onednn_pack(Wg_VH.t().contiguous(), UNEMBED_ROWS)
+
+
 @torch.no_grad()
 def target_logprobs_and_entropy(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
-                                scale: float, y_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                                scale: float, y_N: torch.Tensor, packed: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob of `y_N[n]`, exact entropy of row n's next-token distribution), fp32, in row blocks and
     without gradients: H = log Z - sum_v softmax_v * (l_v - max l). Kept off the training path (it costs
-    one more pass over each [rows, vocab] block); the no-grad `forward` uses it."""
+    one more pass over each [rows, vocab] block); the no-grad `forward` uses it. `packed`: as in
+    `target_logprobs` (the same logits as the training path's)."""
     h_NH = h_NH.float()
     N = h_NH.shape[0]
     lp_N, ent_N = h_NH.new_empty(N), h_NH.new_empty(N)
     for a in range(0, N, UNEMBED_ROWS):
         b = min(N, a + UNEMBED_ROWS)
-        shifted = linear(h_NH[a:b], W_VH, lora, scale)
+        shifted = linear(h_NH[a:b], W_VH, lora, scale) if packed is None or lora is not None else \
+            onednn_linear(h_NH[a:b], packed)
         shifted = shifted - shifted.amax(-1, keepdim=True)
         e = shifted.exp()
         z = e.sum(-1)
@@ -294,13 +326,15 @@ def target_logprobs_and_entropy(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tu
 
 def target_logprobs(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
                     scale: float, y_N: torch.Tensor, packed: torch.Tensor | None = None,
-                    grad_weight: torch.Tensor | None = None) -> torch.Tensor:
+                    grad_weight: torch.Tensor | None = None, grad_packed: torch.Tensor | None = None) -> torch.Tensor:
     """Logprob of target `y_N[n]` under row n's next-token distribution, in fp32 (`packed`: the
     `pack_unembed(W_VH)` copy). `grad_weight`: `W_VH` in the precision of the backward (bf16 training:
     the `[rows, vocab] x [vocab, H]` gradient product then runs as fast as the layers' GEMMs, while the
-    logits, whose rounding would show in the logprobs, stay fp32). With a LoRA on the unembedding its
+    logits, whose rounding would show in the logprobs, stay fp32); `grad_packed`: `pack_unembed_grad` of
+    that weight (the gradient product then runs on oneDNN's packed kernel). With a LoRA on the unembedding its
     factors need gradients, so the plain logits + cross-entropy path runs instead."""
     h_NH = h_NH.float()
     if lora is None and not W_VH.requires_grad:
-        return _TargetLogprob.apply(h_NH, W_VH, y_N, packed, W_VH if grad_weight is None else grad_weight)
+        return _TargetLogprob.apply(h_NH, W_VH, y_N, packed, W_VH if grad_weight is None else grad_weight,
+                                    grad_packed)
     return -F.cross_entropy(linear(h_NH, W_VH, lora, scale), y_N, reduction="none")

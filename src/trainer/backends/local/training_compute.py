@@ -184,19 +184,24 @@ class LoraCompute:
                 lp = lg.gather(-1, t) - torch.logsumexp(lg, -1, keepdim=True)
                 out.append(lp if p.targets.dim() == 2 else lp.squeeze(-1))
             return out
+        # fp32 logits on oneDNN's packed fp32 kernel, unless bf16 inputs are honoured (see `logprobs`); every
+        # path below computes its logits the same way
+        fp32_logits = self.train_dtype == torch.float32 or not train_forward.bf16_inputs_honoured()
+        packed = b.packed_unembed() if head_lora is None and fp32_logits else None
         if entropy is not None:
             idx = torch.cat(list(pk.rows))
             lp, ent = train_forward.target_logprobs_and_entropy(hidden.index_select(0, idx), W, head_lora,
-                                                                self.scale, torch.cat([p.targets for p in preps]))
+                                                                self.scale, torch.cat([p.targets for p in preps]),
+                                                                packed)
             sizes = [len(p.ids) for p in preps]
             entropy += list(ent.split(sizes))
             return list(lp.split(sizes))
         cuts = [min(max(0, int(s)), len(p.ids)) for s, p in zip(grad_from or [0] * len(preps), preps)]
         idx_g = torch.cat([rows[c:] for c, rows in zip(cuts, pk.rows)])
         tgt_g = torch.cat([p.targets[c:] for c, p in zip(cuts, preps)])
-        packed = b.packed_unembed() if head_lora is None and self.train_dtype == torch.float32 else None
+        grad_packed = b.packed_unembed_grad(self.train_dtype) if head_lora is None and torch.is_grad_enabled() else None
         lp_g = train_forward.target_logprobs(hidden.index_select(0, idx_g), W, head_lora, self.scale, tgt_g, packed,
-                                             grad_weight)
+                                             grad_weight, grad_packed)
         idx_n = torch.cat([rows[:c] for c, rows in zip(cuts, pk.rows)])
         tgt_n = torch.cat([p.targets[:c] for c, p in zip(cuts, preps)])
         with torch.no_grad():  # shared prompt rows with the same target: one unembedding each
