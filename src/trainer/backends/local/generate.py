@@ -154,7 +154,7 @@ def prefill(W: SamplerWeights, batch: _Batch, results: list[SampleResult]) -> tu
         if j.include_prompt_logprobs:
             results[ji].prompt_logprobs = prompt_logprobs(W, hidden[ji], ids[ji])
     src_B = torch.tensor([r.job for r in batch.rows], dtype=torch.long)
-    logits = W.lm_head.blocked(torch.stack([h[-1] for h in hidden])).float()[src_B]  # [B, V]
+    logits = sampler_forward.logits(W, torch.stack([h[-1] for h in hidden]))[src_B]  # [B, V]
     return logits, [(kc.index_select(0, src_B), vc.index_select(0, src_B)) for kc, vc in cache_R]
 
 

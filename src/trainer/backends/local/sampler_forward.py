@@ -9,10 +9,11 @@ length over cache indices `[0, n)`, with no padding or mask, as two batched prod
 (`decode_attention`): torch's CPU flash-attention kernel splits the key/value length across threads
 when a call has few batch rows, so one row's attention could differ with the number of rows beside it.
 
-Attention runs in fp32 in either sampler dtype, as in the training forward: RoPE on fp32 tables, the KV
-cache in fp32 (a bf16 projection's k/v are cast exactly), scores and softmax in fp32; only the
-projections run in the sampler dtype. The sampled tokens' logprobs then differ from the training
-forward's by the projections' rounding alone.
+Everything but the projections runs in fp32 in either sampler dtype, as in the training forward: the
+residual stream, the embedding, RMSNorm (fp32 weights), RoPE on fp32 tables, the KV cache (a bf16
+projection's k/v are cast exactly) and attention; each projection's input is cast to the sampler dtype
+just before its GEMM. A bf16 sampler's logprobs then differ from the bf16 training forward's by the
+projections' kernels alone, not by a second set of rounding points.
 """
 
 from __future__ import annotations
@@ -30,12 +31,33 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [row
 ATTN_DTYPE = torch.float32
 
 
+def _norm(W: SamplerWeights, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """RMSNorm of the fp32 residual stream, cast to the sampler dtype for the projection that follows."""
+    return rms_norm(x, w, W.eps).to(W.dtype)
+
+
 def _mlp(W: SamplerWeights, L: LayerWeights, x: torch.Tensor, blocked: bool = False) -> torch.Tensor:
     if blocked:
         g, u = L.gate_up.blocked(x).split(W.intermediate, dim=-1)
         return L.down.blocked(W.act(g) * u)
     g, u = L.gate_up(x).split(W.intermediate, dim=-1)
     return L.down(W.act(g) * u)
+
+
+def _rope_qk(W: SamplerWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q and k of a stacked q|k|v output (`[rows, (nh + 2 nkv) hd]`) rotated together in one RoPE (they
+    are adjacent, and the rotation is per head), in fp32 (fp32 tables); v as is.
+    Returns q `[rows, nh, hd]`, k `[rows, nkv, hd]`, v `[rows, nkv, hd]`."""
+    nh, nkv, hd = W.n_heads, W.n_kv, W.head_dim
+    rows = qkv.shape[0]
+    qk = rope(qkv[:, : (nh + nkv) * hd].view(rows, nh + nkv, hd), cos, sin)
+    return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * hd:].view(rows, nkv, hd)
+
+
+def logits(W: SamplerWeights, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of final-normed hidden states, over fixed `ROW_BLOCK`-row blocks (see `Projection.blocked`)."""
+    return W.lm_head.blocked(hidden.to(W.dtype)).float()
 
 
 def prefill(W: SamplerWeights, prompts: Sequence[torch.Tensor], cache: KVCache | None = None,
@@ -51,18 +73,16 @@ def _prefill_one(W: SamplerWeights, ids: torch.Tensor, cache: KVCache | None, ro
     N = int(ids.shape[0])
     cos = W.cos[:N].view(N, 1, hd)
     sin = W.sin[:N].view(N, 1, hd)
-    x = F.embedding(ids, W.embed)  # [N, H]
+    x = F.embedding(ids, W.embed)  # [N, H], fp32
     for li, L in enumerate(W.layers):
-        q, k, v = L.qkv(rms_norm(x, L.in_norm, W.eps)).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = rope(q.view(N, nh, hd), cos, sin).transpose(0, 1)  # [nh, N, hd], fp32 (fp32 tables)
-        k = rope(k.view(N, nkv, hd), cos, sin).transpose(0, 1)
-        v = v.view(N, nkv, hd).transpose(0, 1).to(ATTN_DTYPE)
+        q, k, v = _rope_qk(W, L.qkv(_norm(W, x, L.in_norm)), cos, sin)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1).to(ATTN_DTYPE)  # [heads, N, hd]
         if cache is not None:
             cache[li][0][row, :, :N] = k
             cache[li][1][row, :, :N] = v
         attn = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=nkv != nh)[0]
         x = x + L.o(attn.transpose(0, 1).reshape(N, nh * hd).to(W.dtype))
-        x = x + _mlp(W, L, rms_norm(x, L.post_norm, W.eps))
+        x = x + _mlp(W, L, _norm(W, x, L.post_norm))
     return rms_norm(x, W.final_norm, W.eps)
 
 
@@ -78,26 +98,27 @@ def decode_step(W: SamplerWeights, tok_B: torch.Tensor, pos_B: torch.Tensor, spa
     B = tok_B.shape[0]
     nh, nkv, hd = W.n_heads, W.n_kv, W.head_dim
     g = nh // nkv
-    cos = W.cos[pos_B].view(B, 1, 1, hd)
-    sin = W.sin[pos_B].view(B, 1, 1, hd)
-    rows_B = torch.arange(B)
-    x = F.embedding(tok_B, W.embed)  # [B, H]
+    cos = W.cos[pos_B].view(B, 1, hd)
+    sin = W.sin[pos_B].view(B, 1, hd)
+    # row r's kv head h is written at flat cache row (r * nkv + h) * length + pos_B[r] of the cache viewed
+    # as [rows * nkv * length, hd]: one index_copy_ per cache tensor, the same indices for every layer
+    L_cache = cache[0][0].shape[2]
+    at = ((torch.arange(B).unsqueeze(1) * nkv + torch.arange(nkv)) * L_cache + pos_B.unsqueeze(1)).view(-1)
+    x = F.embedding(tok_B, W.embed)  # [B, H], fp32
     for li, L in enumerate(W.layers):
-        q, k, v = L.qkv.blocked(rms_norm(x, L.in_norm, W.eps)).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = rope(q.view(B, nh, 1, hd), cos, sin)
-        k = rope(k.view(B, nkv, 1, hd), cos, sin)
+        q, k, v = _rope_qk(W, L.qkv.blocked(_norm(W, x, L.in_norm)), cos, sin)
         kc, vc = cache[li]
-        kc[rows_B, :, pos_B] = k[:, :, 0]
-        vc[rows_B, :, pos_B] = v.view(B, nkv, hd).to(ATTN_DTYPE)
+        kc.view(-1, hd).index_copy_(0, at, k.reshape(B * nkv, hd))
+        vc.view(-1, hd).index_copy_(0, at, v.reshape(B * nkv, hd).to(ATTN_DTYPE))
         # GQA without repeating K/V: q head h uses kv head h // g, so group the g query heads of one
         # kv head as g "positions" of a single-query attention over that head's cache.
-        qg = q.view(B, nkv, g, hd)
+        qg = q.reshape(B, nkv, g, hd)
         a = torch.cat([decode_attention(qg[r0:r1], kc[r0:r1, :, :n], vc[r0:r1, :, :n])
                        for r0, r1, n in spans]) if len(spans) > 1 else \
             decode_attention(qg, kc[:, :, : spans[0][2]], vc[:, :, : spans[0][2]])
         x = x + L.o.blocked(a.reshape(B, nh * hd).to(W.dtype))
-        x = x + _mlp(W, L, rms_norm(x, L.post_norm, W.eps), blocked=True)
-    return W.lm_head.blocked(rms_norm(x, W.final_norm, W.eps)).float()
+        x = x + _mlp(W, L, _norm(W, x, L.post_norm), blocked=True)
+    return logits(W, rms_norm(x, W.final_norm, W.eps))
 
 
 def decode_attention(q_BKGD: torch.Tensor, k_BKND: torch.Tensor, v_BKND: torch.Tensor) -> torch.Tensor:
@@ -111,8 +132,8 @@ def decode_attention(q_BKGD: torch.Tensor, k_BKND: torch.Tensor, v_BKND: torch.T
 
 
 def _target_logprobs(W: SamplerWeights, hidden_TH: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
-    logits = W.lm_head(hidden_TH).float()
-    return logits.gather(-1, targets_T.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    lg = W.lm_head(hidden_TH.to(W.dtype)).float()
+    return lg.gather(-1, targets_T.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, -1)
 
 
 def prompt_logprobs(W: SamplerWeights, hidden_TH: torch.Tensor, ids_T: torch.Tensor) -> list[float | None]:

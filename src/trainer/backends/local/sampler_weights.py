@@ -94,7 +94,7 @@ class SamplerWeights:
     """One immutable weight set (the base, plus one snapshot's LoRA: merged into re-packed projections
     when packed, unmerged factors otherwise) in the sampler dtype."""
 
-    embed: torch.Tensor
+    embed: torch.Tensor  # fp32, like the norms (only the projections are in `dtype`)
     lm_head: Projection
     final_norm: torch.Tensor
     layers: list[LayerWeights]
@@ -124,27 +124,27 @@ def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor,
     pack = ONEDNN_PACKING if pack is None else pack
     stacked = fuse_base(config, base) if stacked is None else stacked
 
-    def w(name: str) -> torch.Tensor:
+    def w(name: str) -> torch.Tensor:  # a projection weight in the sampler dtype
         return base[weight(name)].to(dtype)
+
+    def f32(name: str) -> torch.Tensor:  # the embedding and the norms stay fp32 (see `sampler_forward`)
+        return base[weight(name)].float()
 
     layers = []
     with torch.no_grad():
         for i in range(config.num_hidden_layers):
             n = layer_names(i)
             layers.append(LayerWeights(
-                in_norm=w(n.input_norm),
+                in_norm=f32(n.input_norm),
                 qkv=projection(stacked[n.stacked_qkv].to(dtype), pack),
                 o=projection(w(n.o), pack),
-                post_norm=w(n.post_norm),
+                post_norm=f32(n.post_norm),
                 gate_up=projection(stacked[n.stacked_gate_up].to(dtype), pack),
                 down=projection(w(n.down), pack)))
-        embed = w(EMBED)
-        head_w = unembed_weight(base)
-        tied = head_w.data_ptr() == base[weight(EMBED)].data_ptr()
-        lm_head = embed if tied else head_w.to(dtype)  # tied: share the sampler copy too
+        lm_head = unembed_weight(base).to(dtype)  # tied or not: the output projection in the sampler dtype
     d = dims(config)
     return SamplerWeights(
-        embed=embed, lm_head=projection(lm_head, pack), final_norm=w(FINAL_NORM), layers=layers,
+        embed=f32(EMBED), lm_head=projection(lm_head, pack), final_norm=f32(FINAL_NORM), layers=layers,
         n_heads=d.n_heads, n_kv=d.n_kv, head_dim=d.head_dim, intermediate=d.intermediate, eps=d.eps, act=d.act,
         cos=cos.float(), sin=sin.float(), max_context=cos.shape[0], dtype=dtype)
 
