@@ -162,6 +162,37 @@ def test_blocked_unembedding_equals_cross_entropy(monkeypatch):
         assert torch.allclose(h3.grad, h2.grad, atol=1e-5)
 
 
+def test_blocked_unembedding_with_lora_equals_cross_entropy(monkeypatch):
+    """A LoRA on the unembedding: the blocked logprobs (logits recomputed in the backward) give the plain
+    cross-entropy's values and its gradients for h, A and B, over several row blocks."""
+    monkeypatch.setattr(train_forward, "UNEMBED_ROWS", 7)
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(300, 16, generator=g)
+    y = torch.randint(0, 300, (30,), generator=g)
+    up = torch.randn(30, generator=g)
+    h0, A0, B0 = torch.randn(30, 16, generator=g), torch.randn(3, 16, generator=g) * 0.3, torch.randn(300, 3, generator=g) * 0.3
+
+    def run(blocked: bool, packed=None):
+        h, A, B = (t.clone().requires_grad_(True) for t in (h0, A0, B0))
+        if blocked:
+            lp = train_forward.target_logprobs(h, W, (A, B), 1.5, y, packed)
+        else:
+            lp = -F.cross_entropy(h @ W.t() + 1.5 * (h @ A.t()) @ B.t(), y, reduction="none")
+        (lp * up).sum().backward()
+        return lp.detach(), h.grad, A.grad, B.grad
+
+    ref = run(False)
+    got = run(True)
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, atol=1e-5)
+    packed = train_forward.pack_unembed(W)
+    if packed is not None:  # the base product on oneDNN's packed kernel: the same values
+        for a, b in zip(run(True, packed), ref):
+            assert torch.allclose(a, b, atol=1e-5)
+    with torch.no_grad():  # without gradients: the same logprobs, nothing kept for a backward
+        assert torch.allclose(train_forward.target_logprobs(h0, W, (A0, B0), 1.5, y), ref[0], atol=1e-5)
+
+
 @pytest.mark.bf16
 def test_bf16_training_stays_close_to_fp32(tmp_path):
     """train_dtype=bfloat16 (the `auto` choice on CPUs with fast bf16 matmuls: bf16 weight copies, LoRA

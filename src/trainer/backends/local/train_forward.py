@@ -245,6 +245,19 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
 UNEMBED_ROWS = 128
 
 
+def unembed_block(h_NH: torch.Tensor, W_VH: torch.Tensor, packed: torch.Tensor | None,
+                  lora: tuple[torch.Tensor, torch.Tensor] | None = None, scale: float = 1.0,
+                  u_NR: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 logits `h W^T (+ s (h A^T) B^T)` of one row block: the base product on oneDNN's packed kernel
+    when `packed` is given, the LoRA term accumulated into it (`u_NR`: `h A^T` when already formed). Every
+    unembedding path computes its logits here, so they agree to the bit."""
+    logits = F.linear(h_NH, W_VH) if packed is None else onednn_linear(h_NH, packed)
+    if lora is not None:
+        A_RH, B_VR = lora
+        logits.addmm_(F.linear(h_NH, A_RH) if u_NR is None else u_NR, B_VR.t(), alpha=scale)
+    return logits
+
+
 class _TargetLogprob(torch.autograd.Function):
     """`log softmax(h W^T)[y]` per row, in row blocks. d/dh = W[y] - softmax(h W^T) W is formed in the
     forward while a block's logits are at hand, so the backward only scales it: no [rows, vocab] tensor
@@ -261,7 +274,7 @@ class _TargetLogprob(torch.autograd.Function):
         dh_NH = torch.empty_like(h_NH) if need else None
         for a in range(0, N, UNEMBED_ROWS):
             b = min(N, a + UNEMBED_ROWS)
-            logits = F.linear(h_NH[a:b], W_VH) if packed is None else onednn_linear(h_NH[a:b], packed)
+            logits = unembed_block(h_NH[a:b], W_VH, packed)
             target = logits.gather(1, y_N[a:b, None]).squeeze(1)
             top = logits.amax(-1, keepdim=True)
             z = logits.sub_(top).exp_().sum(-1, keepdim=True)  # logits now hold exp(logits - top)
@@ -282,6 +295,55 @@ class _TargetLogprob(torch.autograd.Function):
     def backward(ctx: Any, g_N: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         (dh_NH,) = ctx.saved_tensors
         return g_N.unsqueeze(1) * dh_NH, None, None, None, None, None
+
+
+class _TargetLogprobLora(torch.autograd.Function):
+    """`log softmax(h W^T + s (h A^T) B^T)[y]` per row, in row blocks, with a LoRA (`A [r, H]`, `B [vocab, r]`)
+    on the unembedding. The factor gradients sum over rows with each row's upstream gradient inside the
+    sum (`dB = s sum_n g_n (onehot(y_n) - p_n) u_n^T`), so they cannot be formed in the forward the way
+    `_TargetLogprob` forms d/dh; the backward recomputes each block's logits instead (one more unembedding
+    product per block) and never holds a `[rows, vocab]` tensor beyond its block. With
+    `d_n = g_n (onehot(y_n) - p_n)`: `dh = d W + (s d B) A`, `dB = s d^T u`, `dA = (s d B)^T h`."""
+
+    @staticmethod
+    def forward(ctx: Any, h_NH: torch.Tensor, A_RH: torch.Tensor, B_VR: torch.Tensor, W_VH: torch.Tensor,
+                y_N: torch.Tensor, scale: float, packed: torch.Tensor | None, Wg_VH: torch.Tensor,
+                grad_packed: torch.Tensor | None) -> torch.Tensor:
+        N = h_NH.shape[0]
+        u_NR = F.linear(h_NH, A_RH)
+        out_N, lse_N = h_NH.new_empty(N), h_NH.new_empty(N)
+        for a in range(0, N, UNEMBED_ROWS):
+            b = min(N, a + UNEMBED_ROWS)
+            logits = unembed_block(h_NH[a:b], W_VH, packed, (A_RH, B_VR), scale, u_NR[a:b])
+            target = logits.gather(1, y_N[a:b, None]).squeeze(1)
+            top = logits.amax(-1, keepdim=True)
+            lse_N[a:b] = (top + logits.sub_(top).exp_().sum(-1, keepdim=True).log()).squeeze(1)
+            out_N[a:b] = target - lse_N[a:b]
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(h_NH, A_RH, B_VR, u_NR, y_N, lse_N)
+            ctx.W_VH, ctx.scale, ctx.packed, ctx.Wg_VH, ctx.grad_packed = W_VH, scale, packed, Wg_VH, grad_packed
+        return out_N
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        h_NH, A_RH, B_VR, u_NR, y_N, lse_N = ctx.saved_tensors
+        s, Wg_VH = ctx.scale, ctx.Wg_VH
+        dh_NH, dA_RH = torch.empty_like(h_NH), torch.zeros_like(A_RH)
+        dB_RV = B_VR.new_zeros(B_VR.shape[1], B_VR.shape[0])  # dB^T: the wide [r, vocab] product is the fast one
+        for a in range(0, h_NH.shape[0], UNEMBED_ROWS):
+            b = min(h_NH.shape[0], a + UNEMBED_ROWS)
+            logits = unembed_block(h_NH[a:b], ctx.W_VH, ctx.packed, (A_RH, B_VR), s, u_NR[a:b])
+            g = g_N[a:b].unsqueeze(1)
+            d = logits.sub_(lse_N[a:b, None]).exp_().mul_(-g)  # -g p
+            d.scatter_add_(1, y_N[a:b, None], g)  # + g onehot(y)
+            dg = d.to(Wg_VH.dtype)
+            dh_NH[a:b] = torch.mm(dg, Wg_VH) if ctx.grad_packed is None else onednn_linear(dg, ctx.grad_packed)
+            du = torch.mm(d, B_VR).mul_(s)  # [rows, r]
+            dh_NH[a:b].addmm_(du, A_RH)
+            dB_RV.addmm_(u_NR[a:b].t(), d, alpha=s)
+            dA_RH.addmm_(du.t(), h_NH[a:b])
+        return dh_NH, dA_RH, dB_RV.t().contiguous(), None, None, None, None, None, None
 
 
 def pack_unembed(W_VH: torch.Tensor) -> torch.Tensor | None:
@@ -314,8 +376,7 @@ def target_logprobs_and_entropy(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tu
     lp_N, ent_N = h_NH.new_empty(N), h_NH.new_empty(N)
     for a in range(0, N, UNEMBED_ROWS):
         b = min(N, a + UNEMBED_ROWS)
-        shifted = linear(h_NH[a:b], W_VH, lora, scale) if packed is None or lora is not None else \
-            onednn_linear(h_NH[a:b], packed)
+        shifted = unembed_block(h_NH[a:b], W_VH, packed, lora, scale)
         shifted = shifted - shifted.amax(-1, keepdim=True)
         e = shifted.exp()
         z = e.sum(-1)
@@ -331,10 +392,12 @@ def target_logprobs(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tuple[torch.Te
     `pack_unembed(W_VH)` copy). `grad_weight`: `W_VH` in the precision of the backward (bf16 training:
     the `[rows, vocab] x [vocab, H]` gradient product then runs as fast as the layers' GEMMs, while the
     logits, whose rounding would show in the logprobs, stay fp32); `grad_packed`: `pack_unembed_grad` of
-    that weight (the gradient product then runs on oneDNN's packed kernel). With a LoRA on the unembedding its
-    factors need gradients, so the plain logits + cross-entropy path runs instead."""
+    that weight (the gradient product then runs on oneDNN's packed kernel). A LoRA on the unembedding (fp32
+    factors) runs `_TargetLogprobLora`; a trainable `W_VH` the plain logits + cross-entropy path."""
     h_NH = h_NH.float()
-    if lora is None and not W_VH.requires_grad:
-        return _TargetLogprob.apply(h_NH, W_VH, y_N, packed, W_VH if grad_weight is None else grad_weight,
-                                    grad_packed)
-    return -F.cross_entropy(linear(h_NH, W_VH, lora, scale), y_N, reduction="none")
+    Wg_VH = W_VH if grad_weight is None else grad_weight
+    if W_VH.requires_grad or (lora is not None and lora[0].dtype != torch.float32):
+        return -F.cross_entropy(linear(h_NH, W_VH, lora, scale), y_N, reduction="none")
+    if lora is None:
+        return _TargetLogprob.apply(h_NH, W_VH, y_N, packed, Wg_VH, grad_packed)
+    return _TargetLogprobLora.apply(h_NH, lora[0], lora[1], W_VH, y_N, scale, packed, Wg_VH, grad_packed)

@@ -187,7 +187,7 @@ class LoraCompute:
         # fp32 logits on oneDNN's packed fp32 kernel, unless bf16 inputs are honoured (see `logprobs`); every
         # path below computes its logits the same way
         fp32_logits = self.train_dtype == torch.float32 or not train_forward.bf16_inputs_honoured()
-        packed = b.packed_unembed() if head_lora is None and fp32_logits else None
+        packed = b.packed_unembed() if fp32_logits else None
         if entropy is not None:
             idx = torch.cat(list(pk.rows))
             lp, ent = train_forward.target_logprobs_and_entropy(hidden.index_select(0, idx), W, head_lora,
@@ -199,7 +199,7 @@ class LoraCompute:
         cuts = [min(max(0, int(s)), len(p.ids)) for s, p in zip(grad_from or [0] * len(preps), preps)]
         idx_g = torch.cat([rows[c:] for c, rows in zip(cuts, pk.rows)])
         tgt_g = torch.cat([p.targets[c:] for c, p in zip(cuts, preps)])
-        grad_packed = b.packed_unembed_grad(self.train_dtype) if head_lora is None and torch.is_grad_enabled() else None
+        grad_packed = b.packed_unembed_grad(self.train_dtype) if torch.is_grad_enabled() else None
         lp_g = train_forward.target_logprobs(hidden.index_select(0, idx_g), W, head_lora, self.scale, tgt_g, packed,
                                              grad_weight, grad_packed)
         idx_n = torch.cat([rows[:c] for c, rows in zip(cuts, pk.rows)])
