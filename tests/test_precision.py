@@ -65,3 +65,29 @@ def test_override_wins_and_a_bad_value_names_the_variable(cache_dir, monkeypatch
     monkeypatch.setenv(precision.AUTO_PRECISION_ENV, "fp8")
     with pytest.raises(ValueError, match=precision.AUTO_PRECISION_ENV):
         precision.auto_precision()
+
+
+def test_training_packing_is_measured_with_the_precision_and_overridable(cache_dir, monkeypatch):
+    """The packed-training choice comes from the same cached measurement; an entry written before it was
+    measured (no `packing` field) is measured again; PAIREDRL_TRAIN_PACKING overrides it."""
+    import torch
+
+    monkeypatch.delenv(precision.TRAIN_PACKING_ENV, raising=False)
+    path = precision.cache_path()
+    old = {precision.machine_key(): {"choice": "bfloat16", "speedup": 3.0}}  # as an older build wrote it
+    path.write_text(json.dumps(old))
+    on, why = precision.training_packing(torch.float32)
+    entry = json.loads(path.read_text())[precision.machine_key()]
+    gains = entry["packing"]
+    if torch.backends.mkldnn.is_available():
+        assert set(gains) == {"float32", "bfloat16"} and all(g > 0 for g in gains.values())
+        assert on == (gains["float32"] >= precision.MIN_PACK_SPEEDUP) and why.startswith("measured")
+    # the cached answer is what a second call returns
+    path.write_text(json.dumps({precision.machine_key(): {**entry, "packing": {"float32": 9.0, "bfloat16": 1.0}}}))
+    assert precision.training_packing(torch.float32)[0] is True
+    assert precision.training_packing(torch.bfloat16)[0] is False
+    monkeypatch.setenv(precision.TRAIN_PACKING_ENV, "0")
+    assert precision.training_packing(torch.float32)[0] is False
+    monkeypatch.setenv(precision.TRAIN_PACKING_ENV, "yes")
+    with pytest.raises(ValueError, match=precision.TRAIN_PACKING_ENV):
+        precision.training_packing(torch.float32)

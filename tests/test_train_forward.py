@@ -193,6 +193,50 @@ def test_blocked_unembedding_with_lora_equals_cross_entropy(monkeypatch):
         assert torch.allclose(train_forward.target_logprobs(h0, W, (A0, B0), 1.5, y), ref[0], atol=1e-5)
 
 
+@pytest.mark.skipif(not train_forward.ONEDNN_PACKING, reason="torch built without oneDNN packing")
+def test_packed_linear_equals_f_linear():
+    """A projection without LoRA on packed weights: its value and input gradient are F.linear's, and a
+    stacked no-LoRA projection takes that path."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 24, generator=g)
+    x1 = torch.randn(50, 24, generator=g, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    dy = torch.randn(50, 40, generator=g)
+    y1 = train_forward.stacked_linear(x1, w, (30, 10), [None, None], 1.0, train_forward.pack_weight(w))
+    y2 = F.linear(x2, w)
+    (y1 * dy).sum().backward()
+    (y2 * dy).sum().backward()
+    fn, names = y1.grad_fn, []
+    while fn is not None:  # the views down to the product
+        names.append(fn.name())
+        fn = fn.next_functions[0][0] if fn.next_functions else None
+    assert any(n.startswith("PackedLinear") for n in names), names
+    assert torch.allclose(y1, y2, atol=1e-5) and torch.allclose(x1.grad, x2.grad, atol=1e-5)
+
+
+@pytest.mark.skipif(not train_forward.ONEDNN_PACKING, reason="torch built without oneDNN packing")
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.bf16)])
+def test_packed_training_weights_give_the_unpacked_numbers(tmp_path, monkeypatch, dtype):
+    """The layer GEMMs on oneDNN-packed weights (`precision.training_packing`, forced both ways here) give
+    the unpacked forward's logprobs and LoRA gradients up to kernel rounding, on every projection."""
+    out = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("PAIREDRL_TRAIN_PACKING", flag)
+        c = LocalServiceClient(state_dir=tmp_path / flag, sampler_dtype="float32", train_dtype=dtype)
+        assert c.train_packed_weights is (flag == "1")
+        tc = _trained(c, seed=5, train_unembed=False)
+        data, weights = _grouped_data(tc.get_tokenizer())
+        res = tc.forward_backward_custom(data, lambda d, lps: (sum((lp * w).sum() for lp, w in zip(lps, weights)), {}))
+        out[flag] = (torch.cat([o["logprobs"].to_torch() for o in res.result().loss_fn_outputs]), grads(tc))
+        c.close()
+    (lp0, g0), (lp1, g1) = out["0"], out["1"]
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    assert float((lp0 - lp1).abs().max()) <= tol
+    for a, b in zip(g1, g0):
+        assert float(b.norm()) > 0
+        assert float((a - b).norm() / b.norm()) <= (1e-4 if dtype == "float32" else 2e-2)
+
+
 @pytest.mark.bf16
 def test_bf16_training_stays_close_to_fp32(tmp_path):
     """train_dtype=bfloat16 (the `auto` choice on CPUs with fast bf16 matmuls: bf16 weight copies, LoRA

@@ -56,7 +56,10 @@ def test_smoke_run_end_to_end(tmp_path):
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["arm"] == "grpo_seed0" and info["versions"]["torch"].startswith("2.")
     # TINY names fp32, so what `auto` would mean on this CPU does not enter the run
-    assert info["precision"] == {"sampler_dtype": "float32", "train_dtype": "float32", "auto": None}
+    prec = info["precision"]
+    assert {k: prec[k] for k in ("sampler_dtype", "train_dtype", "auto")} == \
+        {"sampler_dtype": "float32", "train_dtype": "float32", "auto": None}
+    assert isinstance(prec["train_packed_weights"], bool) and prec["train_packing"]  # and why
     assert (run_dir / "config.yaml").exists() and (run_dir / "rollouts.jsonl").stat().st_size > 0
 
 
@@ -84,8 +87,8 @@ def test_auto_precision_override_is_checked_and_recorded(tmp_path):
     p = run_train([*args, f"hydra.run.dir={run_dir}"], tmp_path, env={"PAIREDRL_AUTO_PRECISION": forced})
     assert p.returncode == 0, p.stderr[-3000:]
     info = json.loads((run_dir / "run_info.json").read_text())
-    assert info["precision"] == {"sampler_dtype": forced, "train_dtype": forced,
-                                 "auto": f"PAIREDRL_AUTO_PRECISION={forced}"}
+    assert {k: info["precision"][k] for k in ("sampler_dtype", "train_dtype", "auto")} == \
+        {"sampler_dtype": forced, "train_dtype": forced, "auto": f"PAIREDRL_AUTO_PRECISION={forced}"}
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from trainer.backends.local.model import (ATTN_PROJ, MLP_PROJ, UNEMBED, check_ar
                                           rotary_tables, unembed_weight, weight)
 from trainer.backends.local.models import resolve_base_model, spec_for
 from trainer.backends.local.sampler_weights import SamplerWeights, build_weights, with_lora
-from trainer.backends.local.train_forward import pack_unembed, pack_unembed_grad
+from trainer.backends.local.train_forward import Packed, pack_unembed, pack_unembed_grad, pack_weight
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -78,6 +78,7 @@ class SharedBase:
         self._packed_unembed: torch.Tensor | None = None
         self._packed_unembed_built = False
         self._packed_unembed_grad: dict[torch.dtype, torch.Tensor | None] = {}
+        self._packed_projections: dict[torch.dtype, dict[str, Packed]] = {}
 
     # ------------------------------------------------------------------ adapters
     def add_adapter(self, rank: int, alpha: float, targets: list[str], seed: int) -> str:
@@ -172,6 +173,22 @@ class SharedBase:
                 fused = {k: v.to(dtype) for k, v in stacked.items()}
                 fused["unembed"] = unembed_weight(self.base_state).to(dtype)  # the logprob gradient's product
                 got = self._compute_weights[dtype] = (base, fused)
+            return got
+
+    def packed_projections(self, dtype: torch.dtype) -> dict[str, Packed]:
+        """Every projection weight of `compute_weights(dtype)` (o, down, stacked q|k|v and gate|up) packed
+        for the training forward's products and their input gradients (`train_forward.pack_weight`),
+        built on first use: a copy of each weight and of its transpose."""
+        base, fused = self.compute_weights(dtype)
+        with self.lock:
+            got = self._packed_projections.get(dtype)
+            if got is None:
+                got = {}
+                for n in map(layer_names, range(self.config.num_hidden_layers)):
+                    for key, w in ((weight(n.o), base[weight(n.o)]), (weight(n.down), base[weight(n.down)]),
+                                   (n.stacked_qkv, fused[n.stacked_qkv]), (n.stacked_gate_up, fused[n.stacked_gate_up])):
+                        got[key] = pack_weight(w)
+                self._packed_projections[dtype] = got
             return got
 
     def causal_lm(self) -> Any:

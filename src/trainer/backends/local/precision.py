@@ -10,6 +10,12 @@ precision it used in `run_info.json`).
 
 `PAIREDRL_AUTO_PRECISION=float32|bfloat16` overrides the measurement (a whole test suite, subprocesses
 included, can then run the other precision); settings that name a precision keep it.
+
+The same measurement decides, per precision, whether the training forward runs its layer GEMMs on
+oneDNN-packed weights (`training_packing`): which of MKL's sgemm and oneDNN's packed kernel is faster at
+the training shapes differs between CPUs and precisions (`bench/gemm.py` measures both), so packing is
+chosen where the packed product is at least `MIN_PACK_SPEEDUP` times as fast as `F.linear`;
+`PAIREDRL_TRAIN_PACKING=0|1` overrides it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ CACHE_DIR_ENV = "PAIREDRL_CACHE_DIR"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # bf16 rounds activations and weights: it is chosen only when it is clearly faster, not within noise
 MIN_SPEEDUP = 1.25
+# packed training weights cost a copy of every projection weight and of its transpose: only when clearly faster
+MIN_PACK_SPEEDUP = 1.2
+TRAIN_PACKING_ENV = "PAIREDRL_TRAIN_PACKING"
 # SmolLM2-135M's widest layer projection (gate|up, 576 -> 3072): 32 decode rows, 512 training rows
 _IN, _OUT, _DECODE_ROWS, _TRAIN_ROWS = 576, 3072, 32, 512
 # calls per timed sample: ~5 ms of bf16 work each on an AMX CPU (fp32 and bf16 alike run the same count)
@@ -83,7 +92,15 @@ def _kernels(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
     def train() -> None:
         for _ in range(_TRAIN_REPS):
             F.linear(xt, w)
-    return {"decode": decode, "train": train}
+    kinds = {"decode": decode, "train": train}
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        packed_t = torch.ops.mkldnn._reorder_linear_weight(w, _TRAIN_ROWS)  # how packed training runs
+
+        def train_packed() -> None:
+            for _ in range(_TRAIN_REPS):
+                torch.ops.mkldnn._linear_pointwise(xt, packed_t, None, "none", [], "")
+        kinds["train_packed"] = train_packed
+    return kinds
 
 
 def _measure_here(rounds: int = 5) -> dict[str, dict[str, float]]:
@@ -122,9 +139,17 @@ def measure() -> dict[str, dict[str, float]]:
 
 
 def choose(seconds: dict[str, dict[str, float]]) -> tuple[str, float]:
-    """(`bfloat16` or `float32`, bf16's speedup over fp32 summed over the GEMM kinds)."""
-    speedup = sum(seconds["float32"].values()) / sum(seconds["bfloat16"].values())
+    """(`bfloat16` or `float32`, bf16's speedup over fp32): each precision's decode product plus its faster
+    training product (plain or packed, as `training_packing` would run it)."""
+    def total(ks: dict[str, float]) -> float:
+        return ks["decode"] + min(ks["train"], ks.get("train_packed", ks["train"]))
+    speedup = total(seconds["float32"]) / total(seconds["bfloat16"])
     return ("bfloat16" if speedup >= MIN_SPEEDUP else "float32"), speedup
+
+
+def choose_packing(seconds: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Per precision, the packed training product's speedup over `F.linear` (absent without oneDNN)."""
+    return {name: round(ks["train"] / ks["train_packed"], 3) for name, ks in seconds.items() if "train_packed" in ks}
 
 
 def _read_cache(path: Path) -> dict:
@@ -135,18 +160,24 @@ def _read_cache(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def measured_precision() -> tuple[str, str]:
-    """(`bfloat16` or `float32`, why), from the cache when this machine was measured before."""
+def _valid(hit: object) -> bool:
+    return (isinstance(hit, dict) and hit.get("choice") in DTYPES and isinstance(hit.get("speedup"), (int, float))
+            and isinstance(hit.get("packing"), dict)
+            and all(isinstance(v, (int, float)) for v in hit["packing"].values()))
+
+
+def measured_entry() -> tuple[dict, str]:
+    """This machine's measurement (`choice`, `speedup`, `packing`, `seconds`) and where it is kept: from
+    the cache when this machine was measured before (an entry missing a field is measured again)."""
     key, path = machine_key(), cache_path()
     entries = _read_cache(path)
     hit = entries.get(key)
-    if isinstance(hit, dict) and hit.get("choice") in DTYPES and isinstance(hit.get("speedup"), (int, float)):
-        return hit["choice"], (f"measured: bf16 GEMMs {hit['speedup']:.2f}x as fast as fp32 on this CPU "
-                               f"(threshold {MIN_SPEEDUP}x; cached in {path})")
+    if _valid(hit):
+        return hit, f"cached in {path}"
     seconds = measure()
     choice, speedup = choose(seconds)
-    entries[key] = {"choice": choice, "speedup": round(speedup, 3), "seconds": seconds,
-                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    entries[key] = hit = {"choice": choice, "speedup": round(speedup, 3), "packing": choose_packing(seconds),
+                          "seconds": seconds, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     where = "not cached: the cache folder is not writable"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,7 +187,30 @@ def measured_precision() -> tuple[str, str]:
         where = f"cached in {path}"
     except OSError:
         pass
-    return choice, f"measured: bf16 GEMMs {speedup:.2f}x as fast as fp32 on this CPU (threshold {MIN_SPEEDUP}x; {where})"
+    return hit, where
+
+
+def measured_precision() -> tuple[str, str]:
+    """(`bfloat16` or `float32`, why)."""
+    hit, where = measured_entry()
+    return hit["choice"], (f"measured: bf16 GEMMs {hit['speedup']:.2f}x as fast as fp32 on this CPU "
+                           f"(threshold {MIN_SPEEDUP}x; {where})")
+
+
+def training_packing(dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether the training forward runs its layer GEMMs on oneDNN-packed weights in `dtype`, and why."""
+    forced = os.environ.get(TRAIN_PACKING_ENV, "").strip()
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(f"{TRAIN_PACKING_ENV}={forced!r}: expected 0 or 1")
+        return forced == "1" and torch.backends.mkldnn.is_available(), f"{TRAIN_PACKING_ENV}={forced}"
+    hit, where = measured_entry()
+    name = str(dtype).removeprefix("torch.")
+    gain = hit["packing"].get(name)
+    if gain is None:
+        return False, "no oneDNN packing on this torch build"
+    return gain >= MIN_PACK_SPEEDUP, (f"measured: packed {name} training GEMMs {gain:.2f}x as fast as F.linear "
+                                      f"(threshold {MIN_PACK_SPEEDUP}x; {where})")
 
 
 def auto_precision() -> tuple[torch.dtype, str]:

@@ -121,19 +121,49 @@ def bf16_inputs_honoured() -> bool:
     return bool(y[0, 0] != float(x[0].double().sum()))
 
 
+# a frozen weight `W [out, in]` packed for oneDNN twice: for `x W^T` and, as `W^T`, for the backward's
+# `dy W` (`pack_weight`)
+Packed = tuple[torch.Tensor, torch.Tensor]
+# the row count training products are packed for (a micro-batch holds ~1000-2000 packed rows)
+TRAIN_PACK_ROWS = 1024
+
+
+def pack_weight(w: torch.Tensor) -> Packed:
+    """`w` and its transpose reordered for oneDNN products of training size (needs `ONEDNN_PACKING`)."""
+    return onednn_pack(w, TRAIN_PACK_ROWS), onednn_pack(w.t().contiguous(), TRAIN_PACK_ROWS)
+
+
+class PackedLinear(torch.autograd.Function):
+    """`x W^T` for a frozen, packed `W`: forward and input gradient both on oneDNN's packed kernel."""
+
+    @staticmethod
+    def forward(ctx: Any, x_NI: torch.Tensor, fwd: torch.Tensor, bwd: torch.Tensor) -> torch.Tensor:
+        ctx.bwd = bwd
+        return onednn_linear(x_NI, fwd)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy_NO: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return onednn_linear(dy_NO.contiguous(), ctx.bwd), None, None
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
-           scale: float) -> torch.Tensor:
+           scale: float, packed: Packed | None = None) -> torch.Tensor:
     """`x W^T + scale (x A^T) B^T`, the LoRA term accumulated by the GEMM itself. With a frozen `W`, one
     dtype and no autocast this is `LoraLinear` (its backward in fast GEMM shapes); otherwise plain
-    autograd through the ops below."""
+    autograd through the ops below. `packed`: `pack_weight(W)`, whose products then run on oneDNN's
+    packed kernel (same dtype as `x` only; used on that fast path)."""
+    fast = not torch.is_autocast_enabled("cpu") and not w.requires_grad
+    packed = packed if fast and packed is not None and packed[0].dtype == x.dtype else None
     if lora is None:
+        if packed is not None:
+            return PackedLinear.apply(x.reshape(-1, x.shape[-1]), *packed).view(*x.shape[:-1], w.shape[0])
         return F.linear(x, w)
     A, B = lora
-    fast = not torch.is_autocast_enabled("cpu") and not w.requires_grad
     if fast and x.dtype == w.dtype and A.dtype != w.dtype:  # bf16 compute, fp32 LoRA parameters
         A, B = A.to(w.dtype), B.to(w.dtype)
     if fast and x.dtype == w.dtype == A.dtype == B.dtype:
-        return LoraLinear.apply(x.reshape(-1, x.shape[-1]), w, A, B, scale).view(*x.shape[:-1], w.shape[0])
+        return LoraLinear.apply(x.reshape(-1, x.shape[-1]), w, A, B, scale, packed).view(*x.shape[:-1], w.shape[0])
     y = F.linear(x, w)
     u, Bt = F.linear(x, A), B.t()
     if u.dtype != y.dtype or Bt.dtype != y.dtype:  # under bf16 autocast the in-place op is not cast for us
@@ -148,46 +178,53 @@ class LoraLinear(torch.autograd.Function):
     MKL runs fast. Autograd's own backward of `F.linear(x, W).addmm_(x A^T, B^T)` forms the LoRA
     gradients as `x^T du` and `dy^T u` ([in, N] x [N, r] and [out, N] x [N, r]: long reductions into a
     skinny output), which MKL runs several times slower than `du^T x` and `u^T dy`, the same numbers.
-    `A` [R, in] and `B` [out, R] may stack several projections' factors (B block-diagonal)."""
+    `A` [R, in] and `B` [out, R] may stack several projections' factors (B block-diagonal). `packed`:
+    `pack_weight(W)`, the base products `x W^T` and `dy W` then on oneDNN's packed kernel."""
 
     @staticmethod
     def forward(ctx: Any, x_NI: torch.Tensor, W_OI: torch.Tensor, A_RI: torch.Tensor, B_OR: torch.Tensor,
-                scale: float) -> torch.Tensor:
+                scale: float, packed: Packed | None = None) -> torch.Tensor:
         u_NR = F.linear(x_NI, A_RI)
-        y_NO = F.linear(x_NI, W_OI).addmm_(u_NR, B_OR.t(), alpha=scale)
+        base = F.linear(x_NI, W_OI) if packed is None else onednn_linear(x_NI, packed[0])
+        y_NO = base.addmm_(u_NR, B_OR.t(), alpha=scale)
         ctx.save_for_backward(x_NI, W_OI, A_RI, B_OR, u_NR)
-        ctx.scale = scale
+        ctx.scale, ctx.packed = scale, packed
         return y_NO
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dy_NO: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None,
-                                                          torch.Tensor | None, None]:
+                                                          torch.Tensor | None, None, None]:
         x_NI, W_OI, A_RI, B_OR, u_NR = ctx.saved_tensors
         s = ctx.scale
         dy_NO = dy_NO.contiguous()
         du_NR = torch.mm(dy_NO, B_OR).mul_(s)
-        dx = torch.mm(dy_NO, W_OI).addmm_(du_NR, A_RI) if ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            base = torch.mm(dy_NO, W_OI) if ctx.packed is None else onednn_linear(dy_NO, ctx.packed[1])
+            dx = base.addmm_(du_NR, A_RI)
         dA = torch.mm(du_NR.t(), x_NI) if ctx.needs_input_grad[2] else None
         dB = torch.mm(u_NR.t(), dy_NO).t().mul_(s) if ctx.needs_input_grad[3] else None
-        return dx, None, dA, dB, None
+        return dx, None, dA, dB, None, None
 
 
 def stacked_linear(x: torch.Tensor, w: torch.Tensor, outs: Sequence[int],
-                   loras: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scale: float) -> torch.Tensor:
+                   loras: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scale: float,
+                   packed: Packed | None = None) -> torch.Tensor:
     """`linear` for projections of the same input stacked into one weight `w` (their `outs` rows in
     order: q|k|v, gate|up): one GEMM with more columns instead of several narrow ones. With a LoRA on
     every projection (the engine's targets come in these groups) their factors are stacked (A rows
-    concatenated, B block-diagonal) into one `linear`; a mixed stack splits back into projections."""
+    concatenated, B block-diagonal) into one `linear`; a mixed stack splits back into projections (and
+    runs unpacked). `packed`: `pack_weight(w)` of the whole stack."""
     x2 = x.reshape(-1, x.shape[-1])
     if all(lr is None for lr in loras):
-        y = F.linear(x2, w)
+        y = linear(x2, w, None, scale, packed)
     elif any(lr is None for lr in loras):
         y = torch.cat([linear(x2, wi, lr, scale) for wi, lr in zip(w.split(list(outs), 0), loras)], -1)
     else:
         A = loras[0][0] if len(loras) == 1 else torch.cat([lr[0] for lr in loras], 0)
         B = loras[0][1] if len(loras) == 1 else torch.block_diag(*[lr[1] for lr in loras])
-        y = linear(x2, w, (A, B), scale)
+        y = linear(x2, w, (A, B), scale, packed)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -204,7 +241,7 @@ def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: P
 
 def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, lora: Lora,
             scale: float, pk: Packing, fused: dict[str, torch.Tensor] | None = None,
-            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            dtype: torch.dtype = torch.float32, packed: dict[str, Packed] | None = None) -> torch.Tensor:
     """Final-normed hidden states `[N, H]` of the packed rows. `base`: the frozen weights under HF names;
     `lora`: HF module name -> (A [r, in], B [out, r]) parameters (their gradients accumulate); `fused`:
     `fuse_base(config, base)` (built here when not given).
@@ -213,7 +250,8 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
     bf16 this is what `torch.autocast` would do to the fp32 model (bf16 GEMMs, fp32 residual stream,
     norms and RoPE in fp32), without casting a weight per call and with LoRA kept on `LoraLinear`'s
     backward; attention runs in fp32, whose CPU flash backward is several times faster than bf16's at
-    these short sequences (and more exact)."""
+    these short sequences (and more exact). `packed`: weight key (as in `base` / `fused`) -> `pack_weight`
+    of it, for the projections to run on oneDNN's packed kernel (`SharedBase.packed_projections`)."""
     d = dims(config)
     nh, nkv, hd, inter = d.n_heads, d.n_kv, d.head_dim, d.intermediate
     fused = fused if fused is not None else fuse_base(config, base)
@@ -221,21 +259,22 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
     cos_N = cos[pk.pos_N].unsqueeze(1)  # [N, 1, hd]
     sin_N = sin[pk.pos_N].unsqueeze(1)
 
-    def lin(x: torch.Tensor, w: torch.Tensor, outs: Sequence[int], names: Sequence[str]) -> torch.Tensor:
-        return stacked_linear(x, w, outs, [lora.get(n) for n in names], scale)
+    def lin(x: torch.Tensor, key: str, outs: Sequence[int], names: Sequence[str]) -> torch.Tensor:
+        w = fused[key] if key in fused else base[key]
+        return stacked_linear(x, w, outs, [lora.get(n) for n in names], scale, (packed or {}).get(key))
 
     x = F.embedding(pk.ids_N, base[weight(EMBED)])
     for i in range(d.n_layers):
         n = layer_names(i)
         h = rms_norm(x, base[weight(n.input_norm)], d.eps).to(dtype)
-        q, k, v = lin(h, fused[n.stacked_qkv], d.qkv_outs, n.qkv).split(list(d.qkv_outs), -1)
+        q, k, v = lin(h, n.stacked_qkv, d.qkv_outs, n.qkv).split(list(d.qkv_outs), -1)
         q = rope(q.view(N, nh, hd), cos_N, sin_N)  # fp32 tables: fp32 q and k
         k = rope(k.view(N, nkv, hd), cos_N, sin_N)
         a = _attend(q, k, v.view(N, nkv, hd).to(q.dtype), pk).to(dtype)
-        x = x + lin(a, base[weight(n.o)], (d.hidden,), [n.o])
+        x = x + lin(a, weight(n.o), (d.hidden,), [n.o])
         h = rms_norm(x, base[weight(n.post_norm)], d.eps).to(dtype)
-        g, u = lin(h, fused[n.stacked_gate_up], (inter, inter), n.gate_up).split(inter, -1)
-        x = x + lin(d.act(g) * u, base[weight(n.down)], (d.hidden,), [n.down])
+        g, u = lin(h, n.stacked_gate_up, (inter, inter), n.gate_up).split(inter, -1)
+        x = x + lin(d.act(g) * u, weight(n.down), (d.hidden,), [n.down])
     return rms_norm(x, base[weight(FINAL_NORM)], d.eps)
 
 

@@ -122,11 +122,13 @@ class LoraCompute:
     that order (what the optimizer updates and the gradients accumulate in)."""
 
     def __init__(self, base: SharedBase, model_id: str, scale: float, *, train_dtype: torch.dtype,
-                 micro_batch_size: int, micro_batch_tokens: int):
+                 micro_batch_size: int, micro_batch_tokens: int, packed_weights: bool = False):
         self.base = base
         self.model_id = model_id
         self.scale = scale
         self.train_dtype = train_dtype
+        # the layer GEMMs on oneDNN-packed weights (`precision.training_packing` decides where that is faster)
+        self.packed_weights = packed_weights
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         with base.lock:
@@ -160,7 +162,9 @@ class LoraCompute:
         lora = {m: (A, B) for m, A, B in self.modules}
         pk = train_forward.pack([p.ids for p in preps], [p.share for p in preps])
         base, fused = b.compute_weights(self.train_dtype)
-        hidden = train_forward.forward(b.config, base, b.cos, b.sin, lora, self.scale, pk, fused, self.train_dtype)
+        packed = b.packed_projections(self.train_dtype) if self.packed_weights else None
+        hidden = train_forward.forward(b.config, base, b.cos, b.sin, lora, self.scale, pk, fused, self.train_dtype,
+                                       packed)
         # bf16 training: the unembedding runs on bf16 inputs with fp32 accumulation and fp32 logits, on every
         # path below alike (a recomputed anchor and the training logprobs must come from the same numbers)
         with train_forward.matmul_inputs(self.train_dtype):
