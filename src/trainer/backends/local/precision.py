@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from trainer.backends.local.model import ONEDNN_PACKING, onednn_linear, onednn_pack
 from trainer.utils.machine import cpu_model
 
 AUTO_PRECISION_ENV = "PAIREDRL_AUTO_PRECISION"
@@ -93,12 +94,12 @@ def _kernels(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
         for _ in range(_TRAIN_REPS):
             F.linear(xt, w)
     kinds = {"decode": decode, "train": train}
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        packed_t = torch.ops.mkldnn._reorder_linear_weight(w, _TRAIN_ROWS)  # how packed training runs
+    if ONEDNN_PACKING:
+        packed_t = onednn_pack(w, _TRAIN_ROWS)  # how packed training runs
 
         def train_packed() -> None:
             for _ in range(_TRAIN_REPS):
-                torch.ops.mkldnn._linear_pointwise(xt, packed_t, None, "none", [], "")
+                onednn_linear(xt, packed_t)
         kinds["train_packed"] = train_packed
     return kinds
 
@@ -152,6 +153,10 @@ def choose_packing(seconds: dict[str, dict[str, float]]) -> dict[str, float]:
     return {name: round(ks["train"] / ks["train_packed"], 3) for name, ks in seconds.items() if "train_packed" in ks}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _read_cache(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
@@ -200,15 +205,17 @@ def measured_precision() -> tuple[str, str]:
 def training_packing(dtype: torch.dtype) -> tuple[bool, str]:
     """Whether the training forward runs its layer GEMMs on oneDNN-packed weights in `dtype`, and why."""
     forced = os.environ.get(TRAIN_PACKING_ENV, "").strip()
-    if forced:
-        if forced not in ("0", "1"):
-            raise ValueError(f"{TRAIN_PACKING_ENV}={forced!r}: expected 0 or 1")
-        return forced == "1" and torch.backends.mkldnn.is_available(), f"{TRAIN_PACKING_ENV}={forced}"
-    hit, where = measured_entry()
-    name = str(dtype).removeprefix("torch.")
-    gain = hit["packing"].get(name)
-    if gain is None:
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{TRAIN_PACKING_ENV}={forced!r}: expected 0 or 1")
+    if not ONEDNN_PACKING:
         return False, "no oneDNN packing on this torch build"
+    if forced:
+        return forced == "1", f"{TRAIN_PACKING_ENV}={forced}"
+    hit, where = measured_entry()
+    name = dtype_name(dtype)
+    gain = hit["packing"].get(name)
+    if gain is None:  # measured where packing was absent: the same torch build, so not expected
+        return False, f"no packed measurement for {name} ({where})"
     return gain >= MIN_PACK_SPEEDUP, (f"measured: packed {name} training GEMMs {gain:.2f}x as fast as F.linear "
                                       f"(threshold {MIN_PACK_SPEEDUP}x; {where})")
 

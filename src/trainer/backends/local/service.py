@@ -22,8 +22,7 @@ from trainer.backends.local import ckpt
 from trainer.backends.local.common import Faults, done_future, failed_future, parse_path
 from trainer.backends.local.engine import BASE_SNAPSHOT, LoraSnapshot, shared_base, target_modules
 from trainer.backends.local.models import SUPPORTED_MODELS
-from trainer.backends.local.model import ONEDNN_PACKING
-from trainer.backends.local.precision import auto_precision, training_packing
+from trainer.backends.local.precision import auto_precision, dtype_name, training_packing
 from trainer.backends.local.precision import DTYPES as _DTYPES
 from trainer.backends.local.sampling import LocalSamplingClient, SampleScheduler
 from trainer.backends.local.training import LocalTrainingClient
@@ -39,10 +38,6 @@ def _dtype(name: str, what: str, auto: tuple[torch.dtype, str] | None) -> torch.
     return _DTYPES[name]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 class LocalServiceClient:
     def __init__(self, *, state_dir: str | Path, sampler_dtype: str = "bfloat16", train_dtype: str = "float32",
                  micro_batch_size: int = 16, micro_batch_tokens: int = 2048, max_sample_batch: int = 128,
@@ -54,8 +49,7 @@ class LocalServiceClient:
         self.sampler_dtype = _dtype(sampler_dtype, "sampler_dtype", auto)
         self.train_dtype = _dtype(train_dtype, "train_dtype", auto)
         # what ran, recorded in run_info.json and the gates' reports: bf16 noise is ~1e3x fp32's
-        self.train_packed_weights, packing_why = training_packing(self.train_dtype) if ONEDNN_PACKING else \
-            (False, "no oneDNN packing on this torch build")
+        self.train_packed_weights, packing_why = training_packing(self.train_dtype)
         self.precision = {"sampler_dtype": dtype_name(self.sampler_dtype), "train_dtype": dtype_name(self.train_dtype),
                           "auto": auto[1] if auto else None,
                           "train_packed_weights": self.train_packed_weights, "train_packing": packing_why}
