@@ -34,7 +34,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from trainer.backends.local.common import COMPUTE  # noqa: E402
 from trainer.backends.local.model import ONEDNN_PACKING, onednn_linear, onednn_pack  # noqa: E402
-from trainer.backends.local.service import dtype_name  # noqa: E402
+from trainer.backends.local.train_forward import TRAIN_PACK_ROWS  # noqa: E402
+from trainer.backends.local.precision import dtype_name  # noqa: E402
 
 # SmolLM2-135M: hidden 576, 9 query / 3 kv heads of 64, MLP 1536, vocab 49152
 SHAPES = {"q|k|v": (960, 576), "o": (576, 576), "gate|up": (3072, 576), "down": (576, 1536)}
@@ -97,9 +98,10 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: F.linear(x, w)
 
 
-def _packed(rows: int) -> Callable:
+def _packed(hint_rows: int) -> Callable:
+    """Products on a weight packed as the engine packs it (`hint_rows`: the batch size oneDNN tunes for)."""
     def make(x: torch.Tensor, w: torch.Tensor) -> Callable[[], torch.Tensor]:
-        p = onednn_pack(w, rows)
+        p = onednn_pack(w, hint_rows)
         return lambda: onednn_linear(x, p)
     return make
 
@@ -110,7 +112,7 @@ def ceilings(dtype: torch.dtype, rows: int = 1184, decode_rows: int = 32, quiet:
     name = dtype_name(dtype)
     train_by = {"linear": _sweep(f"train {name}", SHAPES, rows, dtype, _linear, 20, quiet)}
     if ONEDNN_PACKING:  # the training forward runs packed where `precision.training_packing` measured it faster
-        train_by["packed"] = _sweep(f"trpacked {name}", SHAPES, rows, dtype, _packed(rows), 20, quiet)
+        train_by["packed"] = _sweep(f"trpacked {name}", SHAPES, rows, dtype, _packed(TRAIN_PACK_ROWS), 20, quiet)
     tbest = max(train_by, key=lambda k: train_by[k][0])
     train, train_path = train_by[tbest][0], f"{tbest}: {train_by[tbest][1]}"
     shapes = {**SHAPES, "unembed": (VOCAB, 576)}

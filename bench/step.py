@@ -89,7 +89,7 @@ class _NoStopTask:
 
 def ours(steps: int, precision: str, drop_constant_groups: bool = False) -> dict:
     from trainer.backends import build_service_client
-    from trainer.backends.local.service import dtype_name
+    from trainer.backends.local.precision import dtype_name
     from trainer.config.compose import compose_config
     from trainer.loop import RLLoop
     from trainer.setup import build_components, make_loss

@@ -40,7 +40,7 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     from trainer.backends.local.precision import auto_precision
-    from trainer.backends.local.service import dtype_name
+    from trainer.backends.local.precision import dtype_name
 
     dtype, why = auto_precision()
     return f"pairedrl: backend precision `auto` = {dtype_name(dtype)} ({why})"

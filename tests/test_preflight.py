@@ -72,7 +72,7 @@ def test_activation_gate_passes_on_smollm2(tmp_path):
     # the report names the precision `auto` chose here, and its on-policy noise floor has that precision's
     # size: fp32 ~1e-6 at q90; bf16 ~0.02 (as large as real drift, which is why the gate compares against it)
     from trainer.backends.local.precision import auto_precision
-    from trainer.backends.local.service import dtype_name
+    from trainer.backends.local.precision import dtype_name
 
     ran = dtype_name(auto_precision()[0])
     assert rep["meta"]["precision"]["sampler_dtype"] == rep["meta"]["precision"]["train_dtype"] == ran

@@ -77,11 +77,11 @@ def _kernels(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
     w = torch.randn(_OUT, _IN, generator=gen).to(dtype)
     xd = torch.randn(_DECODE_ROWS, _IN, generator=gen).to(dtype)
     xt = torch.randn(_TRAIN_ROWS, _IN, generator=gen).to(dtype)
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, _DECODE_ROWS)  # how the sampler runs decode
+    if ONEDNN_PACKING:
+        packed = onednn_pack(w, _DECODE_ROWS)  # how the sampler runs decode
 
         def one_decode() -> object:
-            return torch.ops.mkldnn._linear_pointwise(xd, packed, None, "none", [], "")
+            return onednn_linear(xd, packed)
     else:
         def one_decode() -> object:
             return F.linear(xd, w)
