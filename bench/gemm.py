@@ -130,8 +130,8 @@ def unembedding(dtype: torch.dtype) -> None:
     """The training unembedding's two products per 128-row block (`train_forward._TargetLogprob`): fp32
     logits (plain sgemm, oneDNN-packed, and fp32 inputs rounded to bf16 where torch honours that), and the
     gradient's `probs [rows, vocab] x W [vocab, H]` in `dtype` (plain addmm against oneDNN-packed `W^T`)."""
-    from trainer.backends.local.train_forward import (UNEMBED_ROWS, bf16_inputs_honoured, matmul_inputs,
-                                                      pack_unembed, pack_unembed_grad)
+    from trainer.backends.local.model import bf16_inputs_honoured, matmul_inputs
+    from trainer.backends.local.train_forward import UNEMBED_ROWS, pack_unembed, pack_unembed_grad
 
     rows, fl = UNEMBED_ROWS, 2 * UNEMBED_ROWS * VOCAB * 576
     h, W = torch.randn(rows, 576), torch.randn(VOCAB, 576) * 0.05

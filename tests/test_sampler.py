@@ -227,7 +227,7 @@ def test_bf16_sampler_matches_hf_bf16_and_stays_close_to_fp32(tmp_path, sc):
     c.close()
 
 
-def _tiny_weights(pack):
+def _tiny_weights(pack, dtype=torch.float32, with_base=False):
     from trainer.backends.local.model import rotary_tables
     from trainer.backends.local.models import resolve_base_model
     from trainer.backends.local.sampler_weights import build_weights
@@ -235,7 +235,33 @@ def _tiny_weights(pack):
     factory, _ = resolve_base_model(TINY)
     model = factory(torch.float32)
     cos, sin = rotary_tables(model, 256)
-    return build_weights(model.config, dict(model.state_dict()), cos, sin, torch.float32, pack=pack)
+    base = dict(model.state_dict())
+    W = build_weights(model.config, base, cos, sin, dtype, pack=pack)
+    return (W, base) if with_base else W
+
+
+def test_bf16_sampler_logits_are_the_trainers_fp32_logits():
+    """A bf16 sampler's logprobs come from fp32 logits computed as the bf16 trainer computes them (same
+    input rounding, fp32 output): rounding the logits to bf16 would put up to ~|logit| / 512 between the
+    two sides' logprobs of every token, the largest part of their gap (`bench/drift.py`)."""
+    from trainer.backends.local import train_forward
+    from trainer.backends.local.model import matmul_inputs, unembed_inputs, unembed_weight
+    from trainer.backends.local.sampler_forward import logits
+
+    W, base = _tiny_weights(None, torch.bfloat16, with_base=True)
+    W32 = unembed_weight(base)
+    g = torch.Generator().manual_seed(0)
+    h = 4 * torch.randn(40, W32.shape[1], generator=g)  # |logits| of several units, as a trained model's
+    y = torch.randint(0, W32.shape[0], (40,), generator=g)
+    lg = logits(W, h)
+    assert lg.dtype == torch.float32 and not torch.equal(lg, lg.bfloat16().float())  # fp32 values, not bf16
+    sampled = torch.log_softmax(lg, -1).gather(1, y[:, None])[:, 0]
+    inputs = unembed_inputs(torch.bfloat16)
+    packed = train_forward.pack_unembed(W32) if inputs == torch.float32 else None
+    with matmul_inputs(inputs):
+        trained = train_forward.target_logprobs(h, W32, None, 1.0, y, packed)
+    assert float(lg.abs().max()) > 4
+    assert float((sampled - trained).abs().max()) <= 1e-4
 
 
 def test_prefill_cache_blocked_rows_and_packed_decode_weights():

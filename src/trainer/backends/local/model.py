@@ -1,6 +1,6 @@
 """The Llama block's shared pieces, used by both the sampler and the training forward: weight names,
 dimensions, the architecture check, RMSNorm, RoPE, the stacked (fused) projections, the unembedding
-and the oneDNN pre-packed GEMM.
+and its numerics (fp32 logits on both sides), and the oneDNN pre-packed GEMM.
 
 Numerics follow transformers 5.5 `models/llama/modeling_llama.py` (`LlamaRMSNorm.forward`: the norm in
 fp32, then cast to the input dtype and scaled; `rotate_half` / `apply_rotary_pos_emb`; the SiLU-gated
@@ -9,8 +9,10 @@ fp32, then cast to the input dtype and scaled; `rotate_half` / `apply_rotary_pos
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -146,3 +148,47 @@ def onednn_pack(w: torch.Tensor, rows: int) -> torch.Tensor:
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """`x W^T` with `packed = onednn_pack(W, ...)`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+# ------------------------------------------------------------------------- unembedding numerics
+# Both sides compute fp32 logits: rounding `[rows, vocab]` logits to bf16 costs up to ~0.04 at
+# |logit| ~ 20, and a bf16 sampler's rounded logits against the trainer's fp32 ones were the largest
+# part of the sampler/trainer logprob gap (`bench/drift.py`). In bf16 the inputs may be rounded to bf16
+# (fp32 accumulation and output), where torch honours that and it is fast: `unembed_inputs`.
+
+
+@contextlib.contextmanager
+def matmul_inputs(dtype: torch.dtype) -> Iterator[None]:
+    """fp32 matmuls inside run on `dtype` inputs (oneDNN: bf16 inputs, fp32 accumulation, fp32 output),
+    so the unembedding keeps fp32 logits at bf16 speed. torch applies the setting only on some CPUs
+    (AMX); elsewhere the products inside stay fp32 (`bf16_inputs_honoured`)."""
+    if dtype == torch.float32:
+        yield
+        return
+    m = torch.backends.mkldnn.matmul
+    before = m.fp32_precision
+    m.fp32_precision = {torch.bfloat16: "bf16"}[dtype]
+    try:
+        yield
+    finally:
+        m.fp32_precision = before
+
+
+@functools.cache
+def bf16_inputs_honoured() -> bool:
+    """Whether `matmul_inputs(torch.bfloat16)` really rounds fp32 matmul inputs to bf16 on this machine.
+    torch hands fp32 matmuls to oneDNN's bf16 mode only where it deems that fast (AMX CPUs); elsewhere
+    (e.g. AVX512_BF16 without AMX) the setting is silently ignored and the product runs as a plain fp32
+    sgemm, several times slower than the oneDNN-packed fp32 kernel at the unembedding's shape. Probed
+    with an input that bf16 cannot represent (1 + 2^-12 rounds to 1), at an unembedding-like shape."""
+    x = torch.full((128, 576), 1.0 + 2.0 ** -12)
+    with matmul_inputs(torch.bfloat16):
+        y = F.linear(x, torch.ones(4096, 576))
+    return bool(y[0, 0] != float(x[0].double().sum()))
+
+
+def unembed_inputs(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the unembedding's fp32 inputs are rounded to when the engine runs in `dtype` (sampler
+    and trainer alike): bf16 where torch honours bf16 inputs for fp32 matmuls, else fp32 (then the
+    product runs on oneDNN's packed fp32 kernel)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 and bf16_inputs_honoured() else torch.float32

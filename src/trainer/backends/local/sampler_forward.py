@@ -9,11 +9,12 @@ length over cache indices `[0, n)`, with no padding or mask, as two batched prod
 (`decode_attention`): torch's CPU flash-attention kernel splits the key/value length across threads
 when a call has few batch rows, so one row's attention could differ with the number of rows beside it.
 
-Everything but the projections runs in fp32 in either sampler dtype, as in the training forward: the
-residual stream, the embedding, RMSNorm (fp32 weights), RoPE on fp32 tables, the KV cache (a bf16
-projection's k/v are cast exactly) and attention; each projection's input is cast to the sampler dtype
-just before its GEMM. A bf16 sampler's logprobs then differ from the bf16 training forward's by the
-projections' kernels alone, not by a second set of rounding points.
+Everything but the layer projections runs in fp32 in either sampler dtype, as in the training forward:
+the residual stream, the embedding, RMSNorm (fp32 weights), RoPE on fp32 tables, the KV cache (a bf16
+projection's k/v are cast exactly), attention and the logits (an fp32 unembedding whose inputs are
+rounded as the trainer's are, `model.unembed_inputs`); each layer projection's input is cast to the
+sampler dtype just before its GEMM. A bf16 sampler's logprobs then differ from the bf16 training
+forward's by the projections' kernels alone, not by a second set of rounding points.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from trainer.backends.local.model import rms_norm, rope
+from trainer.backends.local.model import matmul_inputs, rms_norm, rope
 from trainer.backends.local.sampler_weights import LayerWeights, SamplerWeights
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [rows, n_kv, length, head_dim]
@@ -57,7 +58,8 @@ def _rope_qk(W: SamplerWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch
 
 def logits(W: SamplerWeights, hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits of final-normed hidden states, over fixed `ROW_BLOCK`-row blocks (see `Projection.blocked`)."""
-    return W.lm_head.blocked(hidden.to(W.dtype)).float()
+    with matmul_inputs(W.head_inputs):
+        return W.lm_head.blocked(hidden.float())
 
 
 def prefill(W: SamplerWeights, prompts: Sequence[torch.Tensor], cache: KVCache | None = None,
@@ -132,7 +134,8 @@ def decode_attention(q_BKGD: torch.Tensor, k_BKND: torch.Tensor, v_BKND: torch.T
 
 
 def _target_logprobs(W: SamplerWeights, hidden_TH: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
-    lg = W.lm_head(hidden_TH.to(W.dtype)).float()
+    with matmul_inputs(W.head_inputs):
+        lg = W.lm_head(hidden_TH.float())
     return lg.gather(-1, targets_T.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, -1)
 
 

@@ -1,6 +1,6 @@
-"""The sampler's weights: the base fused into stacked projections in the sampler dtype, packed for
-oneDNN (fp32 and bf16), and one snapshot's LoRA merged into re-packed copies (or kept as unmerged factors
-where oneDNN is missing).
+"""The sampler's weights: the base fused into stacked projections in the sampler dtype (the unembedding
+in fp32), packed for oneDNN, and one snapshot's LoRA merged into re-packed copies (or kept as unmerged
+factors where oneDNN is missing).
 
 Why pack: decode products have only as many rows as the batch, a shape where plain `F.linear` is slow;
 oneDNN with the weight pre-packed for that row count runs the same product faster: in fp32 (MKL sgemm
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer.backends.local.model import (EMBED, FINAL_NORM, ONEDNN_PACKING, UNEMBED, check_architecture, dims,
-                                          fuse_base, layer_names, onednn_linear, onednn_pack, unembed_weight,
-                                          weight)
+                                          fuse_base, layer_names, onednn_linear, onednn_pack, unembed_inputs,
+                                          unembed_weight, weight)
 
 # decode batches up to this many rows use the packed oneDNN weights; above it sgemm is as fast
 PACKED_MAX_ROWS = 256
@@ -94,7 +94,8 @@ class SamplerWeights:
     """One immutable weight set (the base, plus one snapshot's LoRA: merged into re-packed projections
     when packed, unmerged factors otherwise) in the sampler dtype."""
 
-    embed: torch.Tensor  # fp32, like the norms (only the projections are in `dtype`)
+    embed: torch.Tensor  # fp32, like the norms (only the layer projections are in `dtype`)
+    # fp32 (the logits are fp32 in either sampler dtype, as in training: `model.unembed_inputs`)
     lm_head: Projection
     final_norm: torch.Tensor
     layers: list[LayerWeights]
@@ -108,6 +109,8 @@ class SamplerWeights:
     sin: torch.Tensor
     max_context: int
     dtype: torch.dtype
+    # what the unembedding's inputs are rounded to (`model.unembed_inputs`; run it under `matmul_inputs`)
+    head_inputs: torch.dtype
 
     @property
     def vocab_size(self) -> int:
@@ -141,12 +144,15 @@ def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor,
                 post_norm=f32(n.post_norm),
                 gate_up=projection(stacked[n.stacked_gate_up].to(dtype), pack),
                 down=projection(w(n.down), pack)))
-        lm_head = unembed_weight(base).to(dtype)  # tied or not: the output projection in the sampler dtype
+        # tied or not, the output projection in fp32: packed for fp32 inputs, plain where matmuls honour
+        # bf16 inputs (the packed fp32 kernel would ignore that setting)
+        head_inputs = unembed_inputs(dtype)
+        lm_head = projection(unembed_weight(base).float(), pack and head_inputs == torch.float32)
     d = dims(config)
     return SamplerWeights(
-        embed=f32(EMBED), lm_head=projection(lm_head, pack), final_norm=f32(FINAL_NORM), layers=layers,
+        embed=f32(EMBED), lm_head=lm_head, final_norm=f32(FINAL_NORM), layers=layers,
         n_heads=d.n_heads, n_kv=d.n_kv, head_dim=d.head_dim, intermediate=d.intermediate, eps=d.eps, act=d.act,
-        cos=cos.float(), sin=sin.float(), max_context=cos.shape[0], dtype=dtype)
+        cos=cos.float(), sin=sin.float(), max_context=cos.shape[0], dtype=dtype, head_inputs=head_inputs)
 
 
 def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
@@ -188,7 +194,7 @@ def with_lora(W: SamplerWeights, lora: dict[str, tuple[torch.Tensor, torch.Tenso
                 o=with_factors(L.o, [n.o], [L.o.w.shape[0]], lora, scale, W.dtype),
                 gate_up=with_factors(L.gate_up, n.gate_up, [inter, inter], lora, scale, W.dtype),
                 down=with_factors(L.down, [n.down], [L.down.w.shape[0]], lora, scale, W.dtype)))
-        head = with_factors(W.lm_head, [UNEMBED], [W.vocab_size], lora, scale, W.dtype)
+        head = with_factors(W.lm_head, [UNEMBED], [W.vocab_size], lora, scale, torch.float32)
     unknown = sorted(set(lora) - known)
     if unknown:
         raise ValueError(f"local sampler: LoRA on unsupported modules {unknown[:3]}")

@@ -23,10 +23,8 @@ model's own forward.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -90,35 +88,6 @@ def pack(seqs: Sequence[Sequence[int]], share: Sequence[int]) -> Packing:
 Lora = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-@contextlib.contextmanager
-def matmul_inputs(dtype: torch.dtype) -> Iterator[None]:
-    """fp32 matmuls inside run on `dtype` inputs (oneDNN: bf16 inputs, fp32 accumulation, fp32 output).
-    The bf16 unembedding uses it: its logits keep fp32 output precision (rounding `[rows, vocab]` logits
-    to bf16 would cost ~0.1 at |logit| ~ 20) while the product runs at bf16 speed. torch applies the
-    setting only on some CPUs (AMX); elsewhere the products inside stay fp32 (`bf16_inputs_honoured`)."""
-    if dtype == torch.float32:
-        yield
-        return
-    m = torch.backends.mkldnn.matmul
-    before = m.fp32_precision
-    m.fp32_precision = {torch.bfloat16: "bf16"}[dtype]
-    try:
-        yield
-    finally:
-        m.fp32_precision = before
-
-
-@functools.cache
-def bf16_inputs_honoured() -> bool:
-    """Whether `matmul_inputs(torch.bfloat16)` really rounds fp32 matmul inputs to bf16 on this machine.
-    torch hands fp32 matmuls to oneDNN's bf16 mode only where it deems that fast (AMX CPUs); elsewhere
-    (e.g. AVX512_BF16 without AMX) the setting is silently ignored and the product runs as a plain fp32
-    sgemm, several times slower than the oneDNN-packed fp32 kernel at the unembedding's shape. Probed
-    with an input that bf16 cannot represent (1 + 2^-12 rounds to 1), at an unembedding-like shape."""
-    x = torch.full((UNEMBED_ROWS, 576), 1.0 + 2.0 ** -12)
-    with matmul_inputs(torch.bfloat16):
-        y = F.linear(x, torch.ones(4096, 576))
-    return bool(y[0, 0] != float(x[0].double().sum()))
 
 
 # a frozen weight `W [out, in]` packed for oneDNN twice: for `x W^T` and, as `W^T`, for the backward's

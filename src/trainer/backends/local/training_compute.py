@@ -19,7 +19,7 @@ from tinker.lib.public_interfaces.custom_loss import LossHandle, check_loss_inpu
 from trainer.backends.local import train_forward
 from trainer.backends.local.engine import SharedBase
 from trainer.backends.local.losses import REQUIRED_INPUTS, datum_loss, resolve_config
-from trainer.backends.local.model import unembed_weight
+from trainer.backends.local.model import matmul_inputs, unembed_inputs, unembed_weight
 
 # A registered (one-pass) loss that takes a `mask` input must weight every token term by it, as the
 # project's per-datum losses do (trainer/losses/per_datum.py); the engine then skips the unembedding
@@ -165,9 +165,9 @@ class LoraCompute:
         packed = b.packed_projections(self.train_dtype) if self.packed_weights else None
         hidden = train_forward.forward(b.config, base, b.cos, b.sin, lora, self.scale, pk, fused, self.train_dtype,
                                        packed)
-        # bf16 training: the unembedding runs on bf16 inputs with fp32 accumulation and fp32 logits, on every
-        # path below alike (a recomputed anchor and the training logprobs must come from the same numbers)
-        with train_forward.matmul_inputs(self.train_dtype):
+        # the unembedding's fp32 logits on `unembed_inputs` inputs, on every path below alike and as the
+        # sampler computes them (a recomputed anchor and the training logprobs come from the same numbers)
+        with matmul_inputs(unembed_inputs(self.train_dtype)):
             return self._unembed(hidden, pk, preps, lora.get("lm_head"), fused.get("unembed"), grad_from, entropy)
 
     def _unembed(self, hidden: torch.Tensor, pk: train_forward.Packing, preps: list[PreparedDatum],
@@ -188,10 +188,9 @@ class LoraCompute:
                 lp = lg.gather(-1, t) - torch.logsumexp(lg, -1, keepdim=True)
                 out.append(lp if p.targets.dim() == 2 else lp.squeeze(-1))
             return out
-        # fp32 logits on oneDNN's packed fp32 kernel, unless bf16 inputs are honoured (see `logprobs`); every
-        # path below computes its logits the same way
-        fp32_logits = self.train_dtype == torch.float32 or not train_forward.bf16_inputs_honoured()
-        packed = b.packed_unembed() if fp32_logits else None
+        # fp32 inputs run on oneDNN's packed fp32 kernel (see `model.unembed_inputs`); every path below
+        # computes its logits the same way
+        packed = b.packed_unembed() if unembed_inputs(self.train_dtype) == torch.float32 else None
         if entropy is not None:
             idx = torch.cat(list(pk.rows))
             lp, ent = train_forward.target_logprobs_and_entropy(hidden.index_select(0, idx), W, head_lora,
