@@ -264,6 +264,31 @@ def test_bf16_sampler_logits_are_the_trainers_fp32_logits():
     assert float((sampled - trained).abs().max()) <= 1e-4
 
 
+def test_packed_sampler_head_computes_the_plain_products_numbers():
+    """Where the sampler's fp32 output projection runs on oneDNN's packed kernel under bf16 inputs, it
+    gives the bits of the plain product on the same rounded inputs (a packed kernel that kept fp32 inputs
+    would be off by ~1e-3 at these logits), and in fp32 it agrees with the plain fp32 product."""
+    from trainer.backends.local.model import (ONEDNN_PACKING, matmul_inputs, packed_bf16_inputs_honoured,
+                                              unembed_inputs, unembed_weight)
+    from trainer.backends.local.sampler_forward import logits
+    from trainer.backends.local.sampler_weights import ROW_BLOCK
+
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        W, base = _tiny_weights(ONEDNN_PACKING, dtype, with_base=True)
+        W32 = unembed_weight(base)
+        assert (W.lm_head.packed is not None) == (ONEDNN_PACKING and (
+            unembed_inputs(dtype) == torch.float32 or packed_bf16_inputs_honoured()))
+        h = 4 * torch.randn(ROW_BLOCK, W32.shape[1], generator=g)
+        with matmul_inputs(W.head_inputs):
+            plain = torch.nn.functional.linear(h, W32)
+        if W.head_inputs == torch.bfloat16:
+            assert torch.equal(logits(W, h), plain)
+            assert float((plain - h @ W32.T).abs().max()) > 1e-4  # the inputs really were rounded
+        else:
+            assert torch.allclose(logits(W, h), plain, atol=1e-4)
+
+
 def test_prefill_cache_blocked_rows_and_packed_decode_weights():
     """Prompts prefilled in one call give each prompt the hidden states and K/V of prefilling it alone
     (at cache indices [0, T_i) of its row); a projection over fixed row blocks returns each row exactly

@@ -106,7 +106,11 @@ def rotary_tables(model: Any, max_context: int) -> tuple[torch.Tensor, torch.Ten
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm: normalised in fp32, cast back, then scaled in the input dtype (torch's one-op
-    `F.rms_norm` gives the same bits as the spelled-out mean/rsqrt/mul in fewer passes)."""
+    `F.rms_norm` gives the same bits as the spelled-out mean/rsqrt/mul in fewer passes). On the engine's
+    fp32 residual stream with fp32 weights there is no cast, and `F.rms_norm` scales by `w` itself (same
+    bits, forward and backward, one pass fewer)."""
+    if x.dtype == w.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
     return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -184,6 +188,19 @@ def bf16_inputs_honoured() -> bool:
     x = torch.full((128, 576), 1.0 + 2.0 ** -12)
     with matmul_inputs(torch.bfloat16):
         y = F.linear(x, torch.ones(4096, 576))
+    return bool(y[0, 0] != float(x[0].double().sum()))
+
+
+@functools.cache
+def packed_bf16_inputs_honoured() -> bool:
+    """Whether oneDNN's packed fp32 kernel (`onednn_pack` / `onednn_linear`) rounds its inputs to bf16
+    under `matmul_inputs(torch.bfloat16)` as the plain product does (`bf16_inputs_honoured`; probed the
+    same way). Where it does, the packed weight serves bf16-input products too, and it skips the
+    per-call conversion of the fp32 weight that the plain product pays."""
+    x = torch.full((32, 576), 1.0 + 2.0 ** -12)
+    packed = onednn_pack(torch.ones(4096, 576), 32)
+    with matmul_inputs(torch.bfloat16):
+        y = onednn_linear(x, packed)
     return bool(y[0, 0] != float(x[0].double().sum()))
 
 

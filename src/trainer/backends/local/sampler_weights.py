@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer.backends.local.model import (EMBED, FINAL_NORM, ONEDNN_PACKING, UNEMBED, check_architecture, dims,
-                                          fuse_base, layer_names, onednn_linear, onednn_pack, unembed_inputs,
-                                          unembed_weight, weight)
+                                          fuse_base, layer_names, onednn_linear, onednn_pack,
+                                          packed_bf16_inputs_honoured, unembed_inputs, unembed_weight, weight)
 
 # decode batches up to this many rows use the packed oneDNN weights; above it sgemm is as fast
 PACKED_MAX_ROWS = 256
@@ -144,10 +144,12 @@ def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor,
                 post_norm=f32(n.post_norm),
                 gate_up=projection(stacked[n.stacked_gate_up].to(dtype), pack),
                 down=projection(w(n.down), pack)))
-        # tied or not, the output projection in fp32: packed for fp32 inputs, plain where matmuls honour
-        # bf16 inputs (the packed fp32 kernel would ignore that setting)
+        # tied or not, the output projection in fp32, packed where the packed kernel computes what the
+        # plain product would on `head_inputs` inputs: fp32 inputs, or bf16 ones where it honours that
+        # setting as the plain product does (it then skips the plain product's per-call weight conversion)
         head_inputs = unembed_inputs(dtype)
-        lm_head = projection(unembed_weight(base).float(), pack and head_inputs == torch.float32)
+        lm_head = projection(unembed_weight(base).float(), pack and (
+            head_inputs == torch.float32 or packed_bf16_inputs_honoured()))
     d = dims(config)
     return SamplerWeights(
         embed=f32(EMBED), lm_head=lm_head, final_norm=f32(FINAL_NORM), layers=layers,
