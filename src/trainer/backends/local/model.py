@@ -178,30 +178,37 @@ def matmul_inputs(dtype: torch.dtype) -> Iterator[None]:
         m.fp32_precision = before
 
 
+def _rounds_inputs_to_bf16(prepare: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
+                           rows: int) -> bool:
+    """Whether the product `prepare(W)(x)` (`x W^T`, fp32 tensors; the weight prepared outside, as the
+    engine prepares it) rounds its inputs to bf16 under `matmul_inputs(torch.bfloat16)`: probed with an
+    input bf16 cannot represent (1 + 2^-12 rounds to 1), at an unembedding-like shape."""
+    x = torch.full((rows, 576), 1.0 + 2.0 ** -12)
+    product = prepare(torch.ones(4096, 576))
+    with matmul_inputs(torch.bfloat16):
+        y = product(x)
+    return bool(y[0, 0] != float(x[0].double().sum()))
+
+
 @functools.cache
 def bf16_inputs_honoured() -> bool:
     """Whether `matmul_inputs(torch.bfloat16)` really rounds fp32 matmul inputs to bf16 on this machine.
     torch hands fp32 matmuls to oneDNN's bf16 mode only where it deems that fast (AMX CPUs); elsewhere
     (e.g. AVX512_BF16 without AMX) the setting is silently ignored and the product runs as a plain fp32
-    sgemm, several times slower than the oneDNN-packed fp32 kernel at the unembedding's shape. Probed
-    with an input that bf16 cannot represent (1 + 2^-12 rounds to 1), at an unembedding-like shape."""
-    x = torch.full((128, 576), 1.0 + 2.0 ** -12)
-    with matmul_inputs(torch.bfloat16):
-        y = F.linear(x, torch.ones(4096, 576))
-    return bool(y[0, 0] != float(x[0].double().sum()))
+    sgemm, several times slower than the oneDNN-packed fp32 kernel at the unembedding's shape."""
+    return _rounds_inputs_to_bf16(lambda w: lambda x: F.linear(x, w), 128)
 
 
 @functools.cache
 def packed_bf16_inputs_honoured() -> bool:
-    """Whether oneDNN's packed fp32 kernel (`onednn_pack` / `onednn_linear`) rounds its inputs to bf16
-    under `matmul_inputs(torch.bfloat16)` as the plain product does (`bf16_inputs_honoured`; probed the
-    same way). Where it does, the packed weight serves bf16-input products too, and it skips the
+    """Whether oneDNN's packed fp32 kernel (`onednn_pack` / `onednn_linear`, needs `ONEDNN_PACKING`) rounds
+    its inputs to bf16 under `matmul_inputs(torch.bfloat16)` as the plain product does where
+    `bf16_inputs_honoured`. Where it does, the packed weight serves bf16-input products too, without the
     per-call conversion of the fp32 weight that the plain product pays."""
-    x = torch.full((32, 576), 1.0 + 2.0 ** -12)
-    packed = onednn_pack(torch.ones(4096, 576), 32)
-    with matmul_inputs(torch.bfloat16):
-        y = onednn_linear(x, packed)
-    return bool(y[0, 0] != float(x[0].double().sum()))
+    def prepare(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        packed = onednn_pack(w, 32)
+        return lambda x: onednn_linear(x, packed)
+    return _rounds_inputs_to_bf16(prepare, 32)
 
 
 def unembed_inputs(dtype: torch.dtype) -> torch.dtype:
