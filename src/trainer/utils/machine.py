@@ -15,3 +15,14 @@ def cpu_model() -> str | None:
     except OSError:
         pass
     return platform.processor() or None
+
+
+def cpu_flags_line() -> str:
+    """The CPU's model name and full feature-flag line (what `-march=native` code depends on); empty
+    where /proc/cpuinfo cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().split("\n\n", 1)[0].splitlines()
+    except OSError:
+        return platform.machine()
+    return "\n".join(ln for ln in lines if ln.startswith(("model name", "flags", "vendor_id", "cpu family", "model\t")))

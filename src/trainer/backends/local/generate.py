@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.backends.local import sampler_forward
-from trainer.backends.local.sampler_forward import ATTN_DTYPE, KVCache, prompt_logprobs
+from trainer.backends.local.sampler_forward import KVCache, new_cache, prompt_logprobs
 from trainer.backends.local.sampler_weights import SamplerWeights
 
 
@@ -146,8 +146,7 @@ def prefill(W: SamplerWeights, batch: _Batch, results: list[SampleResult]) -> tu
     copied to each of its rows. Records the prompt logprobs the jobs asked for; returns the first
     token's logits `[rows, V]` and the rows' cache."""
     jobs, R = batch.jobs, len(batch.jobs)
-    shape = (R, W.n_kv, batch.cache_len, W.head_dim)
-    cache_R = [(torch.zeros(shape, dtype=ATTN_DTYPE), torch.zeros(shape, dtype=ATTN_DTYPE)) for _ in W.layers]
+    cache_R = new_cache(W, R, batch.cache_len)
     ids = [torch.tensor(j.prompt, dtype=torch.long) for j in jobs]
     hidden = sampler_forward.prefill(W, ids, cache_R, range(R))
     for ji, j in enumerate(jobs):

@@ -4,17 +4,21 @@ decode step for a batch of rows, and prompt scoring.
 Batch invariance (a request's numbers are bit-identical alone or in any batch, for one machine and
 thread count): GEMM libraries pick kernels, hence summation orders, by row count, so each prompt is
 prefilled on its own (its row count is its length); every decode product that mixes rows of different
-requests runs over fixed `ROW_BLOCK`-row blocks; and decode attention runs per run of rows of equal
-length over cache indices `[0, n)`, with no padding or mask, as two batched products and a softmax
-(`decode_attention`): torch's CPU flash-attention kernel splits the key/value length across threads
-when a call has few batch rows, so one row's attention could differ with the number of rows beside it.
+requests runs over fixed `ROW_BLOCK`-row blocks; and decode attention runs per row over cache indices
+`[0, n)` with no padding or mask: on the native kernel (`kernels.c`) as one task per (row, key/value head)
+whose sums run in an order fixed by n, on the torch path per run of rows of equal length as two batched
+products and a softmax (`decode_attention`): torch's CPU flash-attention kernel splits the key/value
+length across threads when a call has few batch rows, so one row's attention could differ with the
+number of rows beside it.
 
 Everything but the layer projections runs in fp32 in either sampler dtype, as in the training forward:
-the residual stream, the embedding, RMSNorm (fp32 weights), RoPE on fp32 tables, the KV cache (a bf16
-projection's k/v are cast exactly), attention and the logits (an fp32 unembedding whose inputs are
-rounded as the trainer's are, `model.unembed_inputs`); each layer projection's input is cast to the
-sampler dtype just before its GEMM. A bf16 sampler's logprobs then differ from the bf16 training
-forward's by the projections' kernels alone, not by a second set of rounding points.
+the residual stream, the embedding, RMSNorm (fp32 weights), RoPE on fp32 tables, attention and the
+logits (an fp32 unembedding whose inputs are rounded as the trainer's are, `model.unembed_inputs`); each
+layer projection's input is cast to the sampler dtype just before its GEMM. A bf16 sampler's logprobs
+then differ from the bf16 training forward's by the projections' kernels (and attention's summation
+order) alone, not by a second set of rounding points. The KV cache holds exact values either way: on the
+native decode kernel (`kernels.py`) keys before RoPE and values in the sampler dtype (the projection's
+own bits), rotated in fp32 as they are read; on the torch path rotated fp32 keys and fp32 values.
 """
 
 from __future__ import annotations
@@ -24,12 +28,27 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from trainer.backends.local import kernels
 from trainer.backends.local.model import matmul_inputs, rms_norm, rope
 from trainer.backends.local.sampler_weights import LayerWeights, SamplerWeights
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [rows, n_kv, length, head_dim]
-# the dtype of the KV cache and of attention (see the module docstring)
+# the dtype of attention, and of the KV cache on the torch path (see the module docstring)
 ATTN_DTYPE = torch.float32
+
+
+def native(W: SamplerWeights) -> bool:
+    """Whether this sampler's decode attention runs on the native kernel (`kernels.py`). Its KV cache
+    then holds keys before RoPE and values in the sampler dtype (a projection output's own bits, so
+    nothing is rounded; in bf16 half the memory of rotated fp32 keys), and keys are rotated as read."""
+    return kernels.native_decode(W.n_heads, W.n_kv, W.head_dim)
+
+
+def new_cache(W: SamplerWeights, rows: int, length: int) -> KVCache:
+    """An empty KV cache for `rows` rows of up to `length` positions, in the layout `decode_step` reads."""
+    dt = W.dtype if native(W) else ATTN_DTYPE
+    shape = (rows, W.n_kv, length, W.head_dim)
+    return [(torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)) for _ in W.layers]
 
 
 def _norm(W: SamplerWeights, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -75,11 +94,16 @@ def _prefill_one(W: SamplerWeights, ids: torch.Tensor, cache: KVCache | None, ro
     N = int(ids.shape[0])
     cos = W.cos[:N].view(N, 1, hd)
     sin = W.sin[:N].view(N, 1, hd)
+    raw = cache is not None and native(W)  # the cache takes keys before RoPE, in the sampler dtype
     x = F.embedding(ids, W.embed)  # [N, H], fp32
     for li, L in enumerate(W.layers):
-        q, k, v = _rope_qk(W, L.qkv(_norm(W, x, L.in_norm)), cos, sin)
+        qkv = L.qkv(_norm(W, x, L.in_norm))
+        q, k, v = _rope_qk(W, qkv, cos, sin)
+        if raw:
+            cache[li][0][row, :, :N] = qkv[:, nh * hd: (nh + nkv) * hd].view(N, nkv, hd).transpose(0, 1)
+            cache[li][1][row, :, :N] = v.transpose(0, 1)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1).to(ATTN_DTYPE)  # [heads, N, hd]
-        if cache is not None:
+        if cache is not None and not raw:
             cache[li][0][row, :, :N] = k
             cache[li][1][row, :, :N] = v
         attn = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=nkv != nh)[0]
@@ -94,11 +118,20 @@ def decode_step(W: SamplerWeights, tok_B: torch.Tensor, pos_B: torch.Tensor, spa
     index 0); `spans`: `(first row, end row, n)` runs of rows that all attend over cache indices `[0, n)`.
     Returns fp32 logits `[B, V]`.
 
-    Batch invariance: projections run in fixed `ROW_BLOCK`-row blocks, and attention runs per span with
-    no padding or mask, so a row's numbers depend only on its own tokens (a padded, masked attention
-    over the batch's longest row would change the summation order with the batch)."""
+    Batch invariance: projections run in fixed `ROW_BLOCK`-row blocks, and attention runs per row over
+    its own cache length (the native kernel: one task per row and key/value head; the torch path: per
+    span, with no padding or mask), so a row's numbers depend only on its own tokens (a padded, masked
+    attention over the batch's longest row would change the summation order with the batch)."""
     B = tok_B.shape[0]
     nh, nkv, hd = W.n_heads, W.n_kv, W.head_dim
+    if native(W):
+        x = F.embedding(tok_B, W.embed)  # [B, H], fp32
+        for li, L in enumerate(W.layers):
+            qkv = L.qkv.blocked(_norm(W, x, L.in_norm))
+            a = kernels.decode_layer_attention(qkv, W.cos, W.sin, cache[li][0], cache[li][1], pos_B, nh)
+            x = x + L.o.blocked(a)
+            x = x + _mlp(W, L, _norm(W, x, L.post_norm), blocked=True)
+        return logits(W, rms_norm(x, W.final_norm, W.eps))
     g = nh // nkv
     cos = W.cos[pos_B].view(B, 1, hd)
     sin = W.sin[pos_B].view(B, 1, hd)

@@ -18,7 +18,7 @@ from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.lib.public_interfaces.custom_loss import trace_loss
 
-from trainer.backends.local import ckpt
+from trainer.backends.local import ckpt, kernels
 from trainer.backends.local.common import Faults, done_future, failed_future, parse_path
 from trainer.backends.local.engine import BASE_SNAPSHOT, LoraSnapshot, shared_base, target_modules
 from trainer.backends.local.models import SUPPORTED_MODELS
@@ -52,7 +52,9 @@ class LocalServiceClient:
         self.train_packed_weights, packing_why = training_packing(self.train_dtype)
         self.precision = {"sampler_dtype": dtype_name(self.sampler_dtype), "train_dtype": dtype_name(self.train_dtype),
                           "auto": auto[1] if auto else None,
-                          "train_packed_weights": self.train_packed_weights, "train_packing": packing_why}
+                          "train_packed_weights": self.train_packed_weights, "train_packing": packing_why,
+                          # the sampler's decode attention: native kernel or torch path (their sums differ in order)
+                          "decode_attention": kernels.describe()}
         for name, v in (("micro_batch_size", micro_batch_size), ("micro_batch_tokens", micro_batch_tokens),
                         ("max_sample_batch", max_sample_batch)):
             if not isinstance(v, int) or v < 1:

@@ -1,0 +1,209 @@
+/* Native CPU kernels of the local engine's sampler; built and loaded by kernels.py (why and how: there).
+ *
+ * Every reduction below runs in an order fixed by this code and by the lengths of its own inputs (16
+ * lanes, then a fixed tree), never by the thread that runs it or by the other rows of a call: a row's
+ * results are bit-identical whatever else the call holds. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+/* the largest query-group size (query heads per key/value head) and head size the kernel takes */
+#define MAX_G 16
+#define MAX_D 256
+
+/* Sum of 16 lanes in a fixed tree. */
+static inline float lane_sum(float *acc) {
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    return acc[0];
+}
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+/* a . b over D: 16 lanes of partial sums (one AVX-512 register, or two AVX2 ones, where the CPU has
+ * them), then a fixed tree. */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t D) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_setzero_ps();
+    for (; d + LANES <= D; d += LANES) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), v);
+    float head = _mm512_reduce_add_ps(v);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (; d + LANES <= D; d += LANES) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), hi);
+    }
+    __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+    float head = _mm_cvtss_f32(s4);
+#else
+    float acc[LANES] = {0};
+    for (; d + LANES <= D; d += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[d + l] * b[d + l];
+    float head = lane_sum(acc);
+#endif
+    float tail = 0.0f;
+    for (; d < D; d++) tail += a[d] * b[d];
+    return head + tail;
+}
+
+/* e^x for x <= 0 (softmax arguments less their maximum), written so that the compiler vectorizes it:
+ * x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite: ln2 split in two so that n ln2 is exact), e^r by its
+ * degree-7 Taylor polynomial (relative error < 1e-8 on that interval, below fp32's 6e-8 rounding),
+ * times 2^n built from its exponent bits. Below -87, e^x is under fp32's smallest normal number and the
+ * argument is clamped there (its weight in a softmax sum is then < 1e-37 of the maximum's). */
+static inline float exp_nonpos(float x) {
+    const float shift = 12582912.0f; /* 1.5 * 2^23: x log2(e) + shift rounds to an integer */
+    x = x < -87.0f ? -87.0f : x;
+    float t = x * 1.44269504088896341f + shift;
+    float n = t - shift;
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t ti, bits;
+    memcpy(&ti, &t, sizeof ti);
+    bits = (ti - 0x4B400000 + 127) << 23; /* the integer n sits in t's low mantissa bits */
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* bf16 (stored as its upper 16 bits) to fp32: exact. */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* fp32 to bf16, rounding to nearest even as torch's `.to(torch.bfloat16)` does (NaN stays NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Row `x` (D elements of the kernel's element type) as fp32. */
+static inline void load_row(const void *x, int bf16, float *restrict dst, int64_t D) {
+    if (bf16) {
+        const uint16_t *h = (const uint16_t *)x;
+        for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(h[d]);
+    } else {
+        memcpy(dst, x, sizeof(float) * D);
+    }
+}
+
+/* RoPE of one fp32 head vector at one position, as model.rope computes it in fp32:
+ * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]); each product and the sum rounded
+ * on their own (built with -ffp-contract=off), so the result has the bits torch's three ops give. */
+static inline void rope_row(const float *restrict x, const float *restrict c, const float *restrict s,
+                            float *restrict out, int64_t D) {
+    const int64_t h = D / 2;
+    for (int64_t d = 0; d < h; d++) out[d] = x[d] * c[d] + (-x[d + h]) * s[d];
+    for (int64_t d = 0; d < h; d++) out[d + h] = x[d + h] * c[d + h] + x[d] * s[d + h];
+}
+
+/* The attention part of one decode layer for all rows, from the layer's stacked q|k|v projection output
+ * to the attention output that feeds its o projection:
+ *   qkv [B, (KV * G + 2 KV) * D], row b at qkv + b * qkv_row_stride: q heads, then k heads, then v heads
+ *       (rows' tokens at rope position pos_B[b], which is also their cache index)
+ *   kc, vc [B, KV, L, D]: the key cache holds keys before RoPE, the value cache values; the new token's
+ *       k and v are written at index pos_B[b]
+ *   cos, sin [max_ctx, D] fp32 RoPE tables
+ *   out [B, KV * G * D] = softmax(rope(q) rope(k)^T * scale) v over cache indices [0, pos_B[b]]
+ * qkv, caches and out are bf16 when `bf16` is set, else fp32; everything is computed in fp32. Keys are
+ * rotated as they are read (the RoPE tables of a few hundred positions stay in cache, and a key cache in
+ * the projection's own dtype is exact and, in bf16, half the memory traffic of rotated fp32 keys), to
+ * the same bits as rotating them once. The G query heads that share a key/value head read its cache
+ * together. Returns 0, or -1 when the sizes are beyond what the kernel takes (the caller then runs its
+ * torch path) or memory ran out. */
+int decode_layer_attention(const void *qkv, int64_t qkv_row_stride, int bf16, const float *restrict cos,
+                           const float *restrict sin, int64_t max_ctx, void *kc, void *vc,
+                           const int64_t *restrict pos_B, void *out, int64_t B, int64_t KV, int64_t G, int64_t D,
+                           int64_t L, float scale, int nthreads) {
+    if (G < 1 || G > MAX_G || D < 2 || D > MAX_D || D % 2) return -1;
+    for (int64_t b = 0; b < B; b++)
+        if (pos_B[b] < 0 || pos_B[b] >= L || pos_B[b] >= max_ctx) return -1;
+    const size_t el = bf16 ? 2 : 4;
+    int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : failed)
+    for (int64_t t = 0; t < B * KV; t++) {
+        const int64_t b = t / KV, h = t % KV, pos = pos_B[b], n = pos + 1;
+        const char *row = (const char *)qkv + (size_t)(b * qkv_row_stride) * el;
+        char *kt = (char *)kc + (size_t)(t * L * D) * el;
+        char *vt = (char *)vc + (size_t)(t * L * D) * el;
+        memcpy(kt + (size_t)(pos * D) * el, row + (size_t)((KV * G + h) * D) * el, D * el);
+        memcpy(vt + (size_t)(pos * D) * el, row + (size_t)((KV * G + KV + h) * D) * el, D * el);
+        float *restrict sc = (float *)malloc(sizeof(float) * G * n); /* sc[i * n + j]: query i, position j */
+        if (!sc) {
+            failed = 1;
+            continue;
+        }
+        float qf[MAX_G * MAX_D], xf[MAX_D], kf[MAX_D];
+        for (int64_t i = 0; i < G; i++) {
+            load_row(row + (size_t)((h * G + i) * D) * el, bf16, xf, D);
+            rope_row(xf, cos + pos * D, sin + pos * D, qf + i * D, D);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            load_row(kt + (size_t)(j * D) * el, bf16, xf, D);
+            rope_row(xf, cos + j * D, sin + j * D, kf, D);
+            for (int64_t i = 0; i < G; i++) sc[i * n + j] = dot(qf + i * D, kf, D) * scale;
+        }
+        float inv_z[MAX_G];
+        for (int64_t i = 0; i < G; i++) {
+            float *si = sc + i * n;
+            float m = si[0];
+            for (int64_t j = 1; j < n; j++) m = si[j] > m ? si[j] : m;
+            float acc[LANES] = {0};
+            int64_t j = 0;
+            for (; j + LANES <= n; j += LANES)
+                for (int l = 0; l < LANES; l++) {
+                    si[j + l] = exp_nonpos(si[j + l] - m);
+                    acc[l] += si[j + l];
+                }
+            float tail = 0.0f;
+            for (; j < n; j++) {
+                si[j] = exp_nonpos(si[j] - m);
+                tail += si[j];
+            }
+            inv_z[i] = 1.0f / (lane_sum(acc) + tail);
+        }
+        float o[MAX_G * MAX_D];
+        memset(o, 0, sizeof(float) * G * D);
+        for (int64_t j = 0; j < n; j++) {
+            load_row(vt + (size_t)(j * D) * el, bf16, xf, D);
+            for (int64_t i = 0; i < G; i++) {
+                const float p = sc[i * n + j];
+                float *restrict oi = o + i * D;
+                for (int64_t d = 0; d < D; d++) oi[d] += p * xf[d];
+            }
+        }
+        for (int64_t i = 0; i < G; i++) {
+            const int64_t at = (t * G + i) * D;
+            for (int64_t d = 0; d < D; d++) {
+                const float y = o[i * D + d] * inv_z[i];
+                if (bf16)
+                    ((uint16_t *)out)[at + d] = f32_to_bf16(y);
+                else
+                    ((float *)out)[at + d] = y;
+            }
+        }
+        free(sc);
+    }
+    return failed ? -1 : 0;
+}

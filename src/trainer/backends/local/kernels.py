@@ -1,0 +1,148 @@
+"""Native CPU kernels for the sampler's decode step (`kernels.c`), built with the machine's C compiler on
+first use and loaded with ctypes; the sampler runs its torch path where none can be built.
+
+Why: at decode shapes (one query per row, a few hundred cached positions, head size 64) attention is 96
+tiny matrix products per layer, which torch's batched GEMM runs at a few percent of the CPU's speed;
+it costs about as much as all the layer projections of the step together. One pass per (row, key/value
+head) that computes the scores, the softmax and the weighted sum of values, with the query heads of a
+group sharing their cache reads, does the same arithmetic in a fraction of the time.
+
+Build: `cc -O3 -march=native -fopenmp -shared -fPIC`, once per (source, compiler, CPU), into
+`<cache>/kernels/` (`PAIREDRL_CACHE_DIR` or ~/.cache/pairedrl, as for `auto` precision), written
+atomically. The library is opened after torch, so its OpenMP symbols resolve to the runtime torch
+already loaded (same soname): the kernel's threads are torch's own, not a second pool competing for
+the cores. Without a compiler, when the build fails, or with `PAIREDRL_NATIVE_KERNELS=0`, `library()`
+is None and `describe()` says why; the run records which path it used (`run_info.json`, `precision`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from trainer.backends.local.precision import cache_path
+from trainer.utils.machine import cpu_flags_line
+
+NATIVE_ENV = "PAIREDRL_NATIVE_KERNELS"
+SOURCE = Path(__file__).with_name("kernels.c")
+# -ffp-contract=off: no fused multiply-adds where the source writes a product and a sum (RoPE must
+# round as torch does)
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(cc: str) -> Path:
+    """The library for this source, compiler and CPU: built into the cache folder unless already there."""
+    src = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([src, cc.encode(), version.encode(), " ".join(FLAGS).encode(),
+                                      cpu_flags_line().encode()])).hexdigest()[:16]
+    out = cache_path().parent / "kernels" / f"pairedrl_kernels_{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-500:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load() -> None:
+    if os.environ.get(NATIVE_ENV, "").strip() == "0":
+        _state.update(lib=None, why=f"torch path ({NATIVE_ENV}=0)")
+        return
+    cc = _compiler()
+    if cc is None:
+        _state.update(lib=None, why="torch path (no C compiler found: set CC or install gcc/clang)")
+        return
+    try:
+        path = _build(cc)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _state.update(lib=None, why=f"torch path (native kernels did not build: {e})")
+        return
+    i64, fp = ctypes.c_int64, ctypes.c_void_p
+    lib.decode_layer_attention.argtypes = [fp, i64, ctypes.c_int, fp, fp, i64, fp, fp, fp, fp, i64, i64, i64, i64, i64,
+                                           ctypes.c_float, ctypes.c_int]
+    lib.decode_layer_attention.restype = ctypes.c_int
+    _state.update(lib=lib, why=f"native ({path.name})")
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None where it cannot be built here (see `describe`)."""
+    with _lock:
+        if "lib" not in _state:
+            _load()
+        return _state["lib"]  # type: ignore[return-value]
+
+
+def describe() -> str:
+    """Which decode-attention path this process runs, and why."""
+    library()
+    return str(_state["why"])
+
+
+# what `decode_layer_attention` takes (kernels.c: MAX_G, MAX_D)
+MAX_GROUP, MAX_HEAD_DIM = 16, 256
+
+
+def native_decode(n_heads: int, n_kv: int, head_dim: int) -> bool:
+    """Whether the decode step of a model with these attention sizes runs on the native kernel here."""
+    return (library() is not None and n_heads % n_kv == 0 and 1 <= n_heads // n_kv <= MAX_GROUP
+            and 2 <= head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0)
+
+
+def decode_layer_attention(qkv_BC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, pos_B: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """One decode layer's attention from its stacked q|k|v output `qkv_BC` (`[B, (n_heads + 2 KV) D]`, in
+    the caches' dtype): RoPE of q at `pos_B`, the new k (before RoPE) and v written into the caches at
+    index `pos_B[b]`, and softmax attention over indices `[0, pos_B[b]]` with keys rotated as read.
+    Returns `[B, n_heads * D]` in the caches' dtype (computed in fp32). Caches: `[B, KV, L, D]`,
+    contiguous, fp32 or bf16; `cos`, `sin`: fp32 `[max_ctx, D]` RoPE tables. Only where
+    `native_decode(n_heads, KV, D)`."""
+    lib = library()
+    B, KV, L, D = k_cache.shape
+    dt = k_cache.dtype
+    if lib is None or not native_decode(n_heads, KV, D):
+        raise RuntimeError(f"the native decode kernel does not run here: {describe()}")
+    if (dt not in (torch.float32, torch.bfloat16) or qkv_BC.dtype != dt or v_cache.dtype != dt
+            or v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or qkv_BC.stride(-1) != 1 or qkv_BC.shape != (B, (n_heads + 2 * KV) * D)
+            or not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+                    and cos.shape == sin.shape and cos.shape[1] == D)
+            or pos_B.shape != (B,) or (B and not (0 <= int(pos_B.min()) and int(pos_B.max()) < min(L, cos.shape[0])))):
+        raise ValueError(f"decode_layer_attention: unexpected inputs (qkv {tuple(qkv_BC.shape)} {qkv_BC.dtype}, "
+                         f"caches {tuple(k_cache.shape)} {dt}/{v_cache.dtype}, tables {tuple(cos.shape)}, "
+                         f"positions {tuple(pos_B.shape)})")
+    pos_B = pos_B.to(torch.int64).contiguous()
+    out = torch.empty(B, n_heads * D, dtype=dt)
+    if B == 0:
+        return out
+    rc = lib.decode_layer_attention(qkv_BC.data_ptr(), qkv_BC.stride(0), int(dt == torch.bfloat16), cos.data_ptr(),
+                                    sin.data_ptr(), cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
+                                    pos_B.data_ptr(), out.data_ptr(), B, KV, n_heads // KV, D, L, float(D) ** -0.5,
+                                    torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("decode_layer_attention: out of memory for the attention scores")
+    return out

@@ -1,0 +1,115 @@
+"""The sampler's native decode kernel (`kernels.c`): its numbers against a float64 reference, the cache it
+writes, batch invariance, agreement with the torch path through whole decode steps, and the fallback
+where it cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sampler import _tiny_weights
+
+from trainer.backends.local import kernels
+from trainer.backends.local import sampler_forward as sf
+from trainer.backends.local.model import rope
+
+needs_native = pytest.mark.skipif(kernels.library() is None, reason=f"no native kernels here: {kernels.describe()}")
+
+
+def _reference(qkv, k_raw, v, pos_B, cos, sin, nh):
+    """float64 attention of each row over cache indices [0, pos] with the new token's k/v in place, keys and
+    queries rotated as model.rope rotates them in fp32."""
+    B, KV, L, D = k_raw.shape
+    G = nh // KV
+    out = torch.empty(B, nh * D, dtype=torch.float64)
+    for b in range(B):
+        p = int(pos_B[b])
+        row = qkv[b].float()
+        q = rope(row[: nh * D].view(nh, D), cos[p], sin[p])
+        k = k_raw[b].float().clone()
+        vv = v[b].float().clone()
+        k[:, p] = row[nh * D: (nh + KV) * D].view(KV, D)
+        vv[:, p] = row[(nh + KV) * D:].view(KV, D)
+        kr = rope(k[:, : p + 1].transpose(0, 1), cos[: p + 1, None], sin[: p + 1, None]).transpose(0, 1)
+        for h in range(nh):
+            s = (q[h].double() @ kr[h // G].double().T) * D ** -0.5
+            out[b, h * D: (h + 1) * D] = torch.softmax(s, -1) @ vv[h // G, : p + 1].double()
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_attention_against_float64_and_its_cache_writes(dtype):
+    g = torch.Generator().manual_seed(0)
+    B, KV, G, D, L, nh = 5, 2, 3, 64, 40, 6
+    cos_t, sin_t = torch.randn(64, D, generator=g), torch.randn(64, D, generator=g)
+    qkv = torch.randn(B, (nh + 2 * KV) * D + 7, generator=g).to(dtype)[:, 7:]  # a row stride beyond its width
+    kc, vc = torch.randn(B, KV, L, D, generator=g).to(dtype), torch.randn(B, KV, L, D, generator=g).to(dtype)
+    pos = torch.tensor([0, 3, 17, 39, 17])
+    before_k, before_v = kc.clone(), vc.clone()
+    ref = _reference(qkv, kc, vc, pos, cos_t, sin_t, nh)
+    out = kernels.decode_layer_attention(qkv, cos_t, sin_t, kc, vc, pos, nh)
+    assert out.dtype == dtype and out.shape == (B, nh * D)
+    if dtype == torch.float32:
+        assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+    else:  # the fp32 result rounded once: within one bf16 step (2^-8 relative) of the exact value
+        assert float(((out.double() - ref).abs() / ref.abs().clamp(min=1e-3)).max()) <= 2 ** -8
+    for b in range(B):  # the new k (before RoPE) and v at pos, bit for bit; nothing else touched
+        p = int(pos[b])
+        assert torch.equal(kc[b, :, p], qkv[b, nh * D: (nh + KV) * D].view(KV, D))
+        assert torch.equal(vc[b, :, p], qkv[b, (nh + KV) * D:].view(KV, D))
+        keep = torch.ones(L, dtype=torch.bool)
+        keep[p] = False
+        assert torch.equal(kc[b][:, keep], before_k[b][:, keep]) and torch.equal(vc[b][:, keep], before_v[b][:, keep])
+    # batch invariance: each row alone gives its batched bits
+    for b in range(B):
+        k1, v1 = before_k[b: b + 1].clone(), before_v[b: b + 1].clone()
+        one = kernels.decode_layer_attention(qkv[b: b + 1], cos_t, sin_t, k1, v1, pos[b: b + 1], nh)
+        assert torch.equal(one[0], out[b])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_steps_agree_on_the_native_and_torch_paths(monkeypatch, dtype):
+    """The same prompts prefilled and decoded for a few steps, rows at different lengths, on each path:
+    fp32 logprobs agree to fp32 noise, bf16 ones to bf16's (the paths differ in summation order only)."""
+    if kernels.library() is None:
+        pytest.skip(f"no native kernels here: {kernels.describe()}")
+    W = _tiny_weights(None, dtype)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, W.vocab_size, (n,), generator=g) for n in (9, 4, 13)]
+    toks = torch.randint(0, W.vocab_size, (4, 3), generator=g)
+    real = kernels.library
+    out = {}
+    for path in ("native", "torch"):
+        monkeypatch.setattr(kernels, "library", real if path == "native" else (lambda: None))
+        assert sf.native(W) == (path == "native")
+        cache = sf.new_cache(W, 3, 20)
+        assert cache[0][0].dtype == (dtype if path == "native" else torch.float32)
+        sf.prefill(W, prompts, cache, range(3))
+        steps = []
+        for s in range(4):
+            pos = torch.tensor([len(p) + s for p in prompts])
+            spans = [(i, i + 1, int(pos[i]) + 1) for i in range(3)]
+            steps.append(torch.log_softmax(sf.decode_step(W, toks[s], pos, spans, cache), -1))
+        out[path] = torch.stack(steps)
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert float((out["native"] - out["torch"]).abs().max()) < tol
+
+
+def test_native_kernels_fall_back_where_they_cannot_be_built(monkeypatch, tmp_path):
+    """A compiler that fails, no compiler, or PAIREDRL_NATIVE_KERNELS=0: no library, a reason, and the
+    sampler on its torch path (fp32 cache of rotated keys); nothing is left in the cache folder."""
+    monkeypatch.setenv("PAIREDRL_CACHE_DIR", str(tmp_path))
+    W = _tiny_weights(None, torch.float32)
+    for env, why in (({"CC": "/bin/false"}, "did not build"), ({"CC": str(tmp_path / "no-such-cc")}, "did not build"),
+                     ({"PAIREDRL_NATIVE_KERNELS": "0"}, "PAIREDRL_NATIVE_KERNELS=0")):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setattr(kernels, "_state", {})
+        assert kernels.library() is None and why in kernels.describe()
+        assert not sf.native(W) and sf.new_cache(W, 1, 4)[0][0].dtype == torch.float32
+        for k in env:
+            monkeypatch.delenv(k)
+    assert not any(p.suffix == ".so" for p in tmp_path.rglob("*"))
+    with pytest.raises(RuntimeError, match="does not run here"):
+        kernels.decode_layer_attention(torch.zeros(1, 4 * 8), W.cos, W.sin, torch.zeros(1, 1, 4, 8),
+                                       torch.zeros(1, 1, 4, 8), torch.tensor([0]), 2)
