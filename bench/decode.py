@@ -1,0 +1,90 @@
+"""The sampler's decode step on its native attention kernel next to its torch path, interleaved in one process.
+
+SmolLM2-135M-Instruct with a rank-8 LoRA merged (as a sampling snapshot is), 32 rows in 8 runs of 4 (a
+GRPO batch of 8 prompts x 4 samples) at cache lengths 107-170, random cache contents (the time does not
+depend on them). Each side decodes into its own cache layout (native: keys before RoPE in the sampler
+dtype; torch: rotated fp32 keys). The two sides alternate `--reps` times, `--inner` steps each; min and
+median ms per step are printed.
+
+    python bench/decode.py [--dtype bfloat16|float32] [--reps 10] [--inner 3]
+
+Without a native library here (no C compiler, or PAIREDRL_NATIVE_KERNELS=0) it says why and times the
+torch path only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+ROWS, RUNS, NEW_POS = 32, 8, 150
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--inner", type=int, default=3)
+    args = ap.parse_args()
+
+    import torch
+
+    from trainer.backends.local import kernels
+    from trainer.backends.local import sampler_forward as sf
+    from trainer.backends.local.common import COMPUTE
+    from trainer.backends.local.engine import shared_base
+    from trainer.backends.local.models import SMOLLM2
+    from trainer.utils.machine import cpu_model
+
+    print(f"CPU: {cpu_model()}, torch threads {torch.get_num_threads()}; native kernels: {kernels.describe()}")
+    base = shared_base(SMOLLM2)
+    name = base.add_adapter(8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 0)
+    snap = base.snapshot(name, 2.0)
+    real = kernels.library
+
+    def run() -> None:
+        W = base.sampler_weights(snap, getattr(torch, args.dtype))
+        per = ROWS // RUNS
+        pos = torch.tensor([NEW_POS - 9 * (i // per) for i in range(ROWS)])
+        spans = [(per * i, per * (i + 1), NEW_POS + 1 - 9 * i) for i in range(RUNS)]
+        tok = torch.randint(100, 40000, (ROWS,))
+        sides = {"native kernel": real, "torch path": lambda: None}
+        if real() is None:
+            del sides["native kernel"]
+        caches = {}
+        for side, lib in sides.items():
+            kernels.library = lib
+            caches[side] = sf.new_cache(W, ROWS, NEW_POS + 90)
+            for k, v in caches[side]:
+                k.normal_()
+                v.normal_()
+        times: dict[str, list[float]] = {s: [] for s in sides}
+        try:
+            with torch.no_grad():
+                for rep in range(args.reps + 1):
+                    for side, lib in sides.items():
+                        kernels.library = lib
+                        t = time.perf_counter()
+                        for _ in range(args.inner):
+                            sf.decode_step(W, tok, pos, spans, caches[side])
+                        if rep:  # the first round warms up
+                            times[side].append((time.perf_counter() - t) / args.inner * 1e3)
+        finally:
+            kernels.library = real
+        for side, ts in times.items():
+            print(f"{args.dtype} decode step, {side}: min {min(ts):.1f} ms, median {statistics.median(ts):.1f} ms")
+        if len(times) == 2:
+            a, b = (min(times[s]) for s in sides)
+            print(f"native / torch (min): {a / b:.3f}")
+
+    COMPUTE.run(run)
+
+
+if __name__ == "__main__":
+    main()
