@@ -99,6 +99,7 @@ def test_native_kernels_fall_back_where_they_cannot_be_built(monkeypatch, tmp_pa
     """A compiler that fails, no compiler, or PAIREDRL_NATIVE_KERNELS=0: no library, a reason, and the
     sampler on its torch path (fp32 cache of rotated keys); nothing is left in the cache folder."""
     monkeypatch.setenv("PAIREDRL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PAIREDRL_NATIVE_KERNELS", raising=False)
     W = _tiny_weights(None, torch.float32)
     for env, why in (({"CC": "/bin/false"}, "did not build"), ({"CC": str(tmp_path / "no-such-cc")}, "did not build"),
                      ({"PAIREDRL_NATIVE_KERNELS": "0"}, "PAIREDRL_NATIVE_KERNELS=0")):
