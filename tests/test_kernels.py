@@ -18,7 +18,7 @@ needs_native = pytest.mark.skipif(kernels.library() is None, reason=f"no native 
 def _reference(qkv, k_raw, v, pos_B, cos, sin, nh):
     """float64 attention of each row over cache indices [0, pos] with the new token's k/v in place, keys and
     queries rotated as model.rope rotates them in fp32."""
-    B, KV, L, D = k_raw.shape
+    B, KV, _, D = k_raw.shape
     G = nh // KV
     out = torch.empty(B, nh * D, dtype=torch.float64)
     for b in range(B):
@@ -40,7 +40,7 @@ def _reference(qkv, k_raw, v, pos_B, cos, sin, nh):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_attention_against_float64_and_its_cache_writes(dtype):
     g = torch.Generator().manual_seed(0)
-    B, KV, G, D, L, nh = 5, 2, 3, 64, 40, 6
+    B, KV, D, L, nh = 5, 2, 64, 40, 6  # 3 query heads per key/value head
     cos_t, sin_t = torch.randn(64, D, generator=g), torch.randn(64, D, generator=g)
     qkv = torch.randn(B, (nh + 2 * KV) * D + 7, generator=g).to(dtype)[:, 7:]  # a row stride beyond its width
     kc, vc = torch.randn(B, KV, L, D, generator=g).to(dtype), torch.randn(B, KV, L, D, generator=g).to(dtype)
@@ -60,6 +60,11 @@ def test_native_decode_attention_against_float64_and_its_cache_writes(dtype):
         keep = torch.ones(L, dtype=torch.bool)
         keep[p] = False
         assert torch.equal(kc[b][:, keep], before_k[b][:, keep]) and torch.equal(vc[b][:, keep], before_v[b][:, keep])
+    # a position beyond the cache: an error naming it, and nothing written
+    kb, vb = kc.clone(), vc.clone()
+    with pytest.raises(ValueError, match="position outside"):
+        kernels.decode_layer_attention(qkv, cos_t, sin_t, kc, vc, torch.tensor([0, 3, 17, 39, L]), nh)
+    assert torch.equal(kc, kb) and torch.equal(vc, vb)
     # batch invariance: each row alone gives its batched bits
     for b in range(B):
         k1, v1 = before_k[b: b + 1].clone(), before_v[b: b + 1].clone()

@@ -18,8 +18,8 @@ def cpu_model() -> str | None:
 
 
 def cpu_flags_line() -> str:
-    """The CPU's model name and full feature-flag line (what `-march=native` code depends on); empty
-    where /proc/cpuinfo cannot be read."""
+    """The CPU's vendor, family, model and full feature-flag line (what `-march=native` code depends on);
+    the machine type (`platform.machine()`) where /proc/cpuinfo cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             lines = f.read().split("\n\n", 1)[0].splitlines()

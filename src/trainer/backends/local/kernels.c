@@ -130,8 +130,8 @@ static inline void rope_row(const float *restrict x, const float *restrict c, co
  * rotated as they are read (the RoPE tables of a few hundred positions stay in cache, and a key cache in
  * the projection's own dtype is exact and, in bf16, half the memory traffic of rotated fp32 keys), to
  * the same bits as rotating them once. The G query heads that share a key/value head read its cache
- * together. Returns 0, or -1 when the sizes are beyond what the kernel takes (the caller then runs its
- * torch path) or memory ran out. */
+ * together. Returns 0; -1, with nothing written, when the sizes or a position are beyond what the
+ * kernel takes; -2 when memory for the scores ran out. */
 int decode_layer_attention(const void *qkv, int64_t qkv_row_stride, int bf16, const float *restrict cos,
                            const float *restrict sin, int64_t max_ctx, void *kc, void *vc,
                            const int64_t *restrict pos_B, void *out, int64_t B, int64_t KV, int64_t G, int64_t D,
@@ -205,5 +205,5 @@ int decode_layer_attention(const void *qkv, int64_t qkv_row_stride, int bf16, co
         }
         free(sc);
     }
-    return failed ? -1 : 0;
+    return failed ? -2 : 0;
 }

@@ -23,7 +23,7 @@ own bits), rotated in fp32 as they are read; on the torch path rotated fp32 keys
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -99,12 +99,10 @@ def _prefill_one(W: SamplerWeights, ids: torch.Tensor, cache: KVCache | None, ro
     for li, L in enumerate(W.layers):
         qkv = L.qkv(_norm(W, x, L.in_norm))
         q, k, v = _rope_qk(W, qkv, cos, sin)
-        if raw:
-            cache[li][0][row, :, :N] = qkv[:, nh * hd: (nh + nkv) * hd].view(N, nkv, hd).transpose(0, 1)
-            cache[li][1][row, :, :N] = v.transpose(0, 1)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1).to(ATTN_DTYPE)  # [heads, N, hd]
-        if cache is not None and not raw:
-            cache[li][0][row, :, :N] = k
+        if cache is not None:  # into a sampler-dtype cache, v goes back exactly (it came from that dtype)
+            cache[li][0][row, :, :N] = (qkv[:, nh * hd: (nh + nkv) * hd].view(N, nkv, hd).transpose(0, 1)
+                                        if raw else k)
             cache[li][1][row, :, :N] = v
         attn = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=nkv != nh)[0]
         x = x + L.o(attn.transpose(0, 1).reshape(N, nh * hd).to(W.dtype))
@@ -122,27 +120,35 @@ def decode_step(W: SamplerWeights, tok_B: torch.Tensor, pos_B: torch.Tensor, spa
     its own cache length (the native kernel: one task per row and key/value head; the torch path: per
     span, with no padding or mask), so a row's numbers depend only on its own tokens (a padded, masked
     attention over the batch's longest row would change the summation order with the batch)."""
-    B = tok_B.shape[0]
-    nh, nkv, hd = W.n_heads, W.n_kv, W.head_dim
     if native(W):
-        x = F.embedding(tok_B, W.embed)  # [B, H], fp32
-        for li, L in enumerate(W.layers):
-            qkv = L.qkv.blocked(_norm(W, x, L.in_norm))
-            a = kernels.decode_layer_attention(qkv, W.cos, W.sin, cache[li][0], cache[li][1], pos_B, nh)
-            x = x + L.o.blocked(a)
-            x = x + _mlp(W, L, _norm(W, x, L.post_norm), blocked=True)
-        return logits(W, rms_norm(x, W.final_norm, W.eps))
+        def attend(qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+            return kernels.decode_layer_attention(qkv, W.cos, W.sin, kc, vc, pos_B, W.n_heads)
+    else:
+        attend = _torch_decode_attention(W, pos_B, spans, cache[0][0].shape[2])
+    x = F.embedding(tok_B, W.embed)  # [B, H], fp32
+    for li, L in enumerate(W.layers):
+        x = x + L.o.blocked(attend(L.qkv.blocked(_norm(W, x, L.in_norm)), *cache[li]))
+        x = x + _mlp(W, L, _norm(W, x, L.post_norm), blocked=True)
+    return logits(W, rms_norm(x, W.final_norm, W.eps))
+
+
+def _torch_decode_attention(W: SamplerWeights, pos_B: torch.Tensor, spans: Sequence[tuple[int, int, int]],
+                            length: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The torch path's counterpart of `kernels.decode_layer_attention` for one decode step: from a
+    layer's q|k|v output, RoPE of q and k at `pos_B`, k and v written into the fp32 cache of rotated keys
+    (`length` positions per row), attention per span; `[B, n_heads * head_dim]` in the sampler dtype.
+    The step's rotary rows and cache indices are formed once here for every layer."""
+    B = pos_B.shape[0]
+    nh, nkv, hd = W.n_heads, W.n_kv, W.head_dim
     g = nh // nkv
     cos = W.cos[pos_B].view(B, 1, hd)
     sin = W.sin[pos_B].view(B, 1, hd)
     # row r's kv head h is written at flat cache row (r * nkv + h) * length + pos_B[r] of the cache viewed
     # as [rows * nkv * length, hd]: one index_copy_ per cache tensor, the same indices for every layer
-    L_cache = cache[0][0].shape[2]
-    at = ((torch.arange(B).unsqueeze(1) * nkv + torch.arange(nkv)) * L_cache + pos_B.unsqueeze(1)).view(-1)
-    x = F.embedding(tok_B, W.embed)  # [B, H], fp32
-    for li, L in enumerate(W.layers):
-        q, k, v = _rope_qk(W, L.qkv.blocked(_norm(W, x, L.in_norm)), cos, sin)
-        kc, vc = cache[li]
+    at = ((torch.arange(B).unsqueeze(1) * nkv + torch.arange(nkv)) * length + pos_B.unsqueeze(1)).view(-1)
+
+    def attend(qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        q, k, v = _rope_qk(W, qkv, cos, sin)
         kc.view(-1, hd).index_copy_(0, at, k.reshape(B * nkv, hd))
         vc.view(-1, hd).index_copy_(0, at, v.reshape(B * nkv, hd).to(ATTN_DTYPE))
         # GQA without repeating K/V: q head h uses kv head h // g, so group the g query heads of one
@@ -151,9 +157,8 @@ def decode_step(W: SamplerWeights, tok_B: torch.Tensor, pos_B: torch.Tensor, spa
         a = torch.cat([decode_attention(qg[r0:r1], kc[r0:r1, :, :n], vc[r0:r1, :, :n])
                        for r0, r1, n in spans]) if len(spans) > 1 else \
             decode_attention(qg, kc[:, :, : spans[0][2]], vc[:, :, : spans[0][2]])
-        x = x + L.o.blocked(a.reshape(B, nh * hd).to(W.dtype))
-        x = x + _mlp(W, L, _norm(W, x, L.post_norm), blocked=True)
-    return logits(W, rms_norm(x, W.final_norm, W.eps))
+        return a.reshape(B, nh * hd).to(W.dtype)
+    return attend
 
 
 def decode_attention(q_BKGD: torch.Tensor, k_BKND: torch.Tensor, v_BKND: torch.Tensor) -> torch.Tensor:
