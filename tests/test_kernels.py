@@ -1,11 +1,13 @@
-"""The sampler's native decode kernel (`kernels.c`): its numbers against a float64 reference, the cache it
-writes, batch invariance, agreement with the torch path through whole decode steps, and the fallback
-where it cannot be built."""
+"""The sampler's native kernels (`kernels.c`): decode attention against a float64 reference and the cache it
+writes, the row kernels (residual add + RMSNorm, SiLU gate) against torch's ops, batch invariance,
+agreement with the torch path through prefill and whole decode steps, and the fallback where they
+cannot be built."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_sampler import _tiny_weights
 
 from trainer.backends.local import kernels
@@ -72,6 +74,51 @@ def test_native_decode_attention_against_float64_and_its_cache_writes(dtype):
         assert torch.equal(one[0], out[b])
 
 
+def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance between two bf16 tensors in units of the last place (same-sign values)."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return int((ia - ib).abs().max())
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_kernels_against_torch(dtype):
+    """`residual_rms_norm`: the add in place and exact (one fp32 rounding, as torch's promoting add), the
+    norm as `F.rms_norm` up to summation order (fp32) or within one bf16 rounding step; `silu_mul` as
+    `F.silu(g) * u` in the same dtype; each row alone gives its batched bits; bad shapes are named."""
+    g = torch.Generator().manual_seed(1)
+    B, H, I = 7, 96, 80
+    x = torch.randn(B, H, generator=g) * 3
+    y = (torch.randn(B, H + 5, generator=g) * 2).to(dtype)[:, 5:]  # rows with a stride beyond their width
+    w = torch.randn(H, generator=g)
+    xk = x.clone()
+    out = kernels.residual_rms_norm(xk, y, w, 1e-5, dtype)
+    assert out.dtype == dtype and torch.equal(xk, x + y)
+    ref = F.rms_norm(x + y, (H,), w, 1e-5)
+    if dtype == torch.float32:
+        assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+    else:
+        assert _ulps_bf16(out, ref.to(dtype)) <= 1
+    x0 = x.clone()  # no residual: the norm alone, x untouched
+    assert torch.allclose(kernels.residual_rms_norm(x0, None, w, 1e-5, torch.float32), F.rms_norm(x, (H,), w, 1e-5),
+                          rtol=1e-6, atol=1e-6) and torch.equal(x0, x)
+    gu = (torch.randn(B, 2 * I, generator=g) * 4).to(dtype)
+    m = kernels.silu_mul(gu)
+    ref_m = F.silu(gu[:, :I]) * gu[:, I:]
+    if dtype == torch.float32:
+        assert torch.allclose(m, ref_m, rtol=1e-5, atol=1e-6)
+    else:
+        assert _ulps_bf16(m, ref_m) <= 1
+    for b in range(B):
+        xb = x[b: b + 1].clone()
+        assert torch.equal(kernels.residual_rms_norm(xb, y[b: b + 1], w, 1e-5, dtype)[0], out[b])
+        assert torch.equal(kernels.silu_mul(gu[b: b + 1])[0], m[b])
+    with pytest.raises(ValueError, match="residual_rms_norm"):
+        kernels.residual_rms_norm(x.clone(), y, w[:-1], 1e-5, dtype)
+    with pytest.raises(ValueError, match="silu_mul"):
+        kernels.silu_mul(gu[:, :-1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_steps_agree_on_the_native_and_torch_paths(monkeypatch, dtype):
     """The same prompts prefilled and decoded for a few steps, rows at different lengths, on each path:
@@ -86,7 +133,7 @@ def test_decode_steps_agree_on_the_native_and_torch_paths(monkeypatch, dtype):
     out = {}
     for path in ("native", "torch"):
         monkeypatch.setattr(kernels, "library", real if path == "native" else (lambda: None))
-        assert sf.native(W) == (path == "native")
+        assert sf.native(W) == sf.native_rows(W) == (path == "native")
         cache = sf.new_cache(W, 3, 20)
         assert cache[0][0].dtype == (dtype if path == "native" else torch.float32)
         sf.prefill(W, prompts, cache, range(3))
@@ -119,3 +166,30 @@ def test_native_kernels_fall_back_where_they_cannot_be_built(monkeypatch, tmp_pa
     with pytest.raises(RuntimeError, match="does not run here"):
         kernels.decode_layer_attention(torch.zeros(1, 4 * 8), W.cos, W.sin, torch.zeros(1, 1, 4, 8),
                                        torch.zeros(1, 1, 4, 8), torch.tensor([0]), 2)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_merge_against_addmm(dtype):
+    """`lora_merge` is `torch.addmm(w.float(), B, A).to(w.dtype)` (the product summed in fp32, added to the
+    weight, rounded once) up to the product's summation order, with a block-diagonal B (stacked
+    projections: zeros skipped) and a zero rank block; the weight itself is left as it was."""
+    g = torch.Generator().manual_seed(2)
+    O, I, r = 48, 40, 4
+    w = torch.randn(O, I, generator=g).to(dtype)
+    A = torch.randn(3 * r, I, generator=g) * 0.3
+    B = torch.zeros(O, 3 * r)
+    B[:16, :r] = torch.randn(16, r, generator=g)
+    B[16:32, r: 2 * r] = torch.randn(16, r, generator=g)  # rows 32: have no LoRA term: their weight, exactly
+    before = w.clone()
+    m = kernels.lora_merge(w, A, B)
+    assert torch.equal(w, before) and m.dtype == dtype
+    exact = w.double() + B.double() @ A.double()
+    assert torch.equal(m[32:], w[32:])
+    if dtype == torch.float32:
+        assert torch.allclose(m.double(), exact, rtol=1e-6, atol=1e-6)
+    else:
+        assert _ulps_bf16(m, torch.addmm(w.float(), B, A).to(dtype)) <= 1
+        assert float(((m.double() - exact).abs() / exact.abs().clamp(min=1e-2)).max()) <= 2 ** -8
+    with pytest.raises(ValueError, match="lora_merge"):
+        kernels.lora_merge(w, A[:, :-1], B)

@@ -5,12 +5,16 @@
  * results are bit-identical whatever else the call holds. */
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #define LANES 16
 /* the largest query-group size (query heads per key/value head) and head size the kernel takes */
 #define MAX_G 16
 #define MAX_D 256
+/* the largest hidden size and MLP width the row kernels take (rows live on the stack) */
+#define MAX_H 16384
+#define MAX_I 32768
 
 /* Sum of 16 lanes in a fixed tree. */
 static inline float lane_sum(float *acc) {
@@ -206,4 +210,103 @@ int decode_layer_attention(const void *qkv, int64_t qkv_row_stride, int bf16, co
         free(sc);
     }
     return failed ? -2 : 0;
+}
+
+/* Row `x` of H fp32 values to `out` (bf16 rounded to nearest even where `bf16`, else fp32). */
+static inline void store_row(const float *restrict x, int bf16, void *out, int64_t H) {
+    if (bf16) {
+        uint16_t *h = (uint16_t *)out;
+        for (int64_t d = 0; d < H; d++) h[d] = f32_to_bf16(x[d]);
+    } else {
+        memcpy(out, x, sizeof(float) * H);
+    }
+}
+
+/* The residual add and the RMSNorm that sit between a layer's products, one row at a time:
+ *   x [B, H] fp32 residual stream, row b at x + b * H; when y is given, x += y first (y [B, H], row
+ *       stride y_row_stride, bf16 where y_bf16, else fp32: each sum rounded once in fp32, as torch's
+ *       promoting add of a bf16 and an fp32 tensor)
+ *   out [B, H] = (x * rsqrt(mean(x^2) + eps)) * w with fp32 weights w [H], as torch's F.rms_norm
+ *       computes it in fp32, stored as bf16 (rounded to nearest even, as `.to(torch.bfloat16)`) where
+ *       out_bf16, else fp32.
+ * The sum of squares runs in the fixed order of `dot`. Returns 0; -1 when H exceeds what it takes. */
+int residual_rms_norm(float *x, const void *y, int64_t y_row_stride, int y_bf16, const float *restrict w, float eps,
+                      void *out, int out_bf16, int64_t B, int64_t H, int nthreads) {
+    if (H < 1 || H > MAX_H) return -1;
+    const size_t yel = y_bf16 ? 2 : 4, oel = out_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < B; b++) {
+        float *restrict xr = x + b * H;
+        float yf[MAX_H], o[MAX_H];
+        if (y) {
+            load_row((const char *)y + (size_t)(b * y_row_stride) * yel, y_bf16, yf, H);
+            for (int64_t d = 0; d < H; d++) xr[d] += yf[d];
+        }
+        const float rstd = 1.0f / sqrtf(dot(xr, xr, H) / (float)H + eps);
+        for (int64_t d = 0; d < H; d++) o[d] = (xr[d] * rstd) * w[d];
+        store_row(o, out_bf16, (char *)out + (size_t)(b * H) * oel, H);
+    }
+    return 0;
+}
+
+/* SiLU(x) = x / (1 + e^-x), from e^-|x| alone (no overflow for large |x|). */
+static inline float silu(float x) {
+    const float e = exp_nonpos(x >= 0.0f ? -x : x);
+    return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
+}
+
+/* The gated MLP's middle, one row at a time: from the stacked gate|up product gu [B, 2 I] (row stride
+ * row_stride), out [B, I] = silu(gate) * up. In bf16 each of torch's two ops rounds its result
+ * (`F.silu(g) * u` on bf16 tensors): silu(gate) is rounded to bf16 before the product, and the product
+ * again; in fp32 each is an fp32 op. */
+int silu_mul(const void *gu, int64_t row_stride, int bf16, void *out, int64_t B, int64_t I, int nthreads) {
+    if (I < 1 || I > MAX_I) return -1;
+    const size_t el = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < B; b++) {
+        const char *row = (const char *)gu + (size_t)(b * row_stride) * el;
+        float g[MAX_I], u[MAX_I];
+        load_row(row, bf16, g, I);
+        load_row(row + (size_t)I * el, bf16, u, I);
+        for (int64_t i = 0; i < I; i++) {
+            float s = silu(g[i]);
+            if (bf16) s = bf16_to_f32(f32_to_bf16(s));
+            g[i] = s * u[i];
+        }
+        store_row(g, bf16, (char *)out + (size_t)(b * I) * el, I);
+    }
+    return 0;
+}
+
+/* A LoRA merged into its frozen weight, one output row at a time:
+ *   out[o, i] = w[o, i] + sum_r B[o, r] A[r, i]
+ * w, out [O, I] (bf16 where bf16, else fp32; out may be w), A [R, I] and B [O, R] fp32. The product is
+ * summed over r in fp32 first, in r's order, then added to the weight and rounded once to its dtype, as
+ * `torch.addmm(w.float(), B, A).to(w.dtype)` does, in one pass over the weight instead of four. A zero
+ * B[o, r] (the block-diagonal factors of stacked projections) adds nothing and is skipped. */
+int lora_merge(const void *w, int bf16, const float *restrict A, const float *restrict B, void *out, int64_t O,
+               int64_t I, int64_t R, int nthreads) {
+    if (I < 1 || I > MAX_I) return -1;
+    const size_t el = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t o = 0; o < O; o++) {
+        float p[MAX_I], wr[MAX_I];
+        int any = 0;
+        for (int64_t r = 0; r < R; r++) {
+            const float b = B[o * R + r];
+            if (b == 0.0f) continue;
+            const float *restrict a = A + r * I;
+            if (!any) {
+                for (int64_t i = 0; i < I; i++) p[i] = b * a[i];
+                any = 1;
+            } else {
+                for (int64_t i = 0; i < I; i++) p[i] += b * a[i];
+            }
+        }
+        load_row((const char *)w + (size_t)(o * I) * el, bf16, wr, I);
+        if (any)
+            for (int64_t i = 0; i < I; i++) wr[i] += p[i];
+        store_row(wr, bf16, (char *)out + (size_t)(o * I) * el, I);
+    }
+    return 0;
 }

@@ -35,7 +35,7 @@ NATIVE_ENV = "PAIREDRL_NATIVE_KERNELS"
 SOURCE = Path(__file__).with_name("kernels.c")
 # -ffp-contract=off: no fused multiply-adds where the source writes a product and a sum (RoPE must
 # round as torch does)
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -87,6 +87,13 @@ def _load() -> None:
     lib.decode_layer_attention.argtypes = [fp, i64, ctypes.c_int, fp, fp, i64, fp, fp, fp, fp, i64, i64, i64, i64, i64,
                                            ctypes.c_float, ctypes.c_int]
     lib.decode_layer_attention.restype = ctypes.c_int
+    lib.residual_rms_norm.argtypes = [fp, fp, i64, ctypes.c_int, fp, ctypes.c_float, fp, ctypes.c_int, i64, i64,
+                                      ctypes.c_int]
+    lib.residual_rms_norm.restype = ctypes.c_int
+    lib.silu_mul.argtypes = [fp, i64, ctypes.c_int, fp, i64, i64, ctypes.c_int]
+    lib.silu_mul.restype = ctypes.c_int
+    lib.lora_merge.argtypes = [fp, ctypes.c_int, fp, fp, fp, i64, i64, i64, ctypes.c_int]
+    lib.lora_merge.restype = ctypes.c_int
     _state.update(lib=lib, why=f"native ({path.name})")
 
 
@@ -148,4 +155,72 @@ def decode_layer_attention(qkv_BC: torch.Tensor, cos: torch.Tensor, sin: torch.T
                          f"{pos_B.tolist()}")
     if rc != 0:
         raise MemoryError("decode_layer_attention: out of memory for the attention scores")
+    return out
+
+
+# what the row kernels take (kernels.c: MAX_H, MAX_I)
+MAX_HIDDEN, MAX_INTERMEDIATE = 16384, 32768
+
+
+def _lib_or_raise(what: str) -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the native {what} kernel does not run here: {describe()}")
+    return lib
+
+
+def residual_rms_norm(x_BH: torch.Tensor, y_BH: torch.Tensor | None, w_H: torch.Tensor, eps: float,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """`x += y` in place on the fp32 residual stream `x_BH` (contiguous; `y_BH` bf16 or fp32, rows
+    contiguous, or None), then `rms_norm(x, w, eps)` (`model.rms_norm` on fp32 `x` and `w`) in `out_dtype`
+    (bf16 or fp32): the residual add and the norm between two layer products in one pass per row."""
+    lib = _lib_or_raise("row")
+    B, H = x_BH.shape
+    if (x_BH.dtype != torch.float32 or not x_BH.is_contiguous() or w_H.dtype != torch.float32
+            or w_H.shape != (H,) or not w_H.is_contiguous() or out_dtype not in (torch.float32, torch.bfloat16)
+            or (y_BH is not None and (y_BH.shape != (B, H) or y_BH.stride(-1) != 1
+                                      or y_BH.dtype not in (torch.float32, torch.bfloat16)))
+            or not 1 <= H <= MAX_HIDDEN):
+        raise ValueError(f"residual_rms_norm: unexpected inputs (x {tuple(x_BH.shape)} {x_BH.dtype}, y "
+                         f"{None if y_BH is None else (tuple(y_BH.shape), y_BH.dtype)}, w {tuple(w_H.shape)} "
+                         f"{w_H.dtype}, out {out_dtype})")
+    out = torch.empty(B, H, dtype=out_dtype)
+    if B:
+        lib.residual_rms_norm(x_BH.data_ptr(), None if y_BH is None else y_BH.data_ptr(),
+                              0 if y_BH is None else y_BH.stride(0), int(y_BH is not None and y_BH.dtype == torch.bfloat16),
+                              w_H.data_ptr(), float(eps), out.data_ptr(), int(out_dtype == torch.bfloat16), B, H,
+                              torch.get_num_threads())
+    return out
+
+
+def silu_mul(gu_BC: torch.Tensor) -> torch.Tensor:
+    """`F.silu(g) * u` of a stacked gate|up product `gu_BC = [g | u]` (`[B, 2 I]`, bf16 or fp32, rows
+    contiguous), with the roundings of those two torch ops in its dtype; `[B, I]` in that dtype."""
+    lib = _lib_or_raise("row")
+    B, C = gu_BC.shape
+    if (gu_BC.dtype not in (torch.float32, torch.bfloat16) or gu_BC.stride(-1) != 1 or C % 2
+            or not 1 <= C // 2 <= MAX_INTERMEDIATE):
+        raise ValueError(f"silu_mul: unexpected input {tuple(gu_BC.shape)} {gu_BC.dtype}")
+    out = torch.empty(B, C // 2, dtype=gu_BC.dtype)
+    if B:
+        lib.silu_mul(gu_BC.data_ptr(), gu_BC.stride(0), int(gu_BC.dtype == torch.bfloat16), out.data_ptr(), B, C // 2,
+                     torch.get_num_threads())
+    return out
+
+
+def lora_merge(w_OI: torch.Tensor, A_RI: torch.Tensor, B_OR: torch.Tensor) -> torch.Tensor:
+    """`w + B A` in `w`'s dtype (bf16 or fp32; `A`, `B` fp32), summed in fp32 and rounded once, as
+    `torch.addmm(w.float(), B, A).to(w.dtype)`, in one pass over the weight (a new tensor)."""
+    lib = _lib_or_raise("merge")
+    O, I = w_OI.shape
+    R = A_RI.shape[0]
+    if (w_OI.dtype not in (torch.float32, torch.bfloat16) or not w_OI.is_contiguous()
+            or A_RI.dtype != torch.float32 or B_OR.dtype != torch.float32 or A_RI.shape != (R, I)
+            or B_OR.shape != (O, R) or not 1 <= I <= MAX_INTERMEDIATE):
+        raise ValueError(f"lora_merge: unexpected inputs (w {tuple(w_OI.shape)} {w_OI.dtype}, A {tuple(A_RI.shape)} "
+                         f"{A_RI.dtype}, B {tuple(B_OR.shape)} {B_OR.dtype})")
+    A_RI, B_OR = A_RI.contiguous(), B_OR.contiguous()
+    out = torch.empty_like(w_OI)
+    lib.lora_merge(w_OI.data_ptr(), int(w_OI.dtype == torch.bfloat16), A_RI.data_ptr(), B_OR.data_ptr(), out.data_ptr(),
+                   O, I, R, torch.get_num_threads())
     return out

@@ -69,6 +69,7 @@ class Dims:
     intermediate: int
     eps: float  # RMSNorm epsilon
     act: Callable[[torch.Tensor], torch.Tensor]  # the MLP gate's activation
+    act_name: str  # its name in the config (`hidden_act`): native kernels implement "silu" only
 
     @property
     def qkv_outs(self) -> tuple[int, int, int]:
@@ -83,7 +84,7 @@ def dims(config: Any) -> Dims:
                 n_heads=config.num_attention_heads, n_kv=config.num_key_value_heads,
                 head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
                 intermediate=config.intermediate_size, eps=float(config.rms_norm_eps),
-                act=ACT2FN[config.hidden_act])
+                act=ACT2FN[config.hidden_act], act_name=str(config.hidden_act))
 
 
 def check_architecture(config: Any) -> None:

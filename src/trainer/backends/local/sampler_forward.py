@@ -30,11 +30,16 @@ import torch.nn.functional as F
 
 from trainer.backends.local import kernels
 from trainer.backends.local.model import matmul_inputs, rms_norm, rope
-from trainer.backends.local.sampler_weights import LayerWeights, SamplerWeights
+from trainer.backends.local.sampler_weights import ROW_BLOCK, LayerWeights, SamplerWeights
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [rows, n_kv, length, head_dim]
 # the dtype of attention, and of the KV cache on the torch path (see the module docstring)
 ATTN_DTYPE = torch.float32
+# rows per prefill product block (`prefill`): any fixed count keeps prompts independent of each other; at
+# 64 rows a block runs at most of the training-size products' speed while short prompts pad little
+PREFILL_BLOCK = 64
+# `hidden_act` names of SiLU in transformers' ACT2FN, the activation `kernels.silu_mul` implements
+SILU_NAMES = ("silu", "swish")
 
 
 def native(W: SamplerWeights) -> bool:
@@ -56,10 +61,11 @@ def _norm(W: SamplerWeights, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, w, W.eps).to(W.dtype)
 
 
-def _mlp(W: SamplerWeights, L: LayerWeights, x: torch.Tensor, blocked: bool = False) -> torch.Tensor:
+def _mlp(W: SamplerWeights, L: LayerWeights, x: torch.Tensor, blocked: bool = False, block: int = ROW_BLOCK
+         ) -> torch.Tensor:
     if blocked:
-        g, u = L.gate_up.blocked(x).split(W.intermediate, dim=-1)
-        return L.down.blocked(W.act(g) * u)
+        g, u = L.gate_up.blocked(x, block).split(W.intermediate, dim=-1)
+        return L.down.blocked(W.act(g) * u, block)
     g, u = L.gate_up(x).split(W.intermediate, dim=-1)
     return L.down(W.act(g) * u)
 
@@ -83,31 +89,60 @@ def logits(W: SamplerWeights, hidden: torch.Tensor) -> torch.Tensor:
 
 def prefill(W: SamplerWeights, prompts: Sequence[torch.Tensor], cache: KVCache | None = None,
             rows: Sequence[int] | None = None) -> list[torch.Tensor]:
-    """Each prompt (`[T_i]`) on its own, so its GEMMs have its own row count and its numbers do not
-    depend on the other prompts of the batch; when `cache` is given, write prompt i's K/V into
-    `cache[l][rows[i], :, :T_i]`. Returns the final-normed hidden states `[T_i, H]` of each prompt."""
-    return [_prefill_one(W, p, cache, None if rows is None else rows[i]) for i, p in enumerate(prompts)]
+    """All prompts (`[T_i]` each) through the model together; when `cache` is given, prompt i's K/V go
+    into `cache[l][rows[i], :, :T_i]`. Returns the final-normed fp32 hidden states `[T_i, H]` of each.
 
-
-def _prefill_one(W: SamplerWeights, ids: torch.Tensor, cache: KVCache | None, row: int | None) -> torch.Tensor:
+    The layer projections run over all prompts' rows at once, in fixed blocks of `PREFILL_BLOCK` rows
+    (`Projection.blocked`): a projection streams its weight from memory once per block instead of once
+    per prompt (at a few dozen rows a product costs about the same whatever its row count, the weight
+    read dominates), and a row's numbers do not depend on which rows share its block. Attention runs
+    per prompt (causal, over its own rows), so nothing crosses prompts: a prompt's numbers are the same
+    alone or in any batch (batch invariance, see the module docstring)."""
     nh, nkv, hd = W.n_heads, W.n_kv, W.head_dim
-    N = int(ids.shape[0])
-    cos = W.cos[:N].view(N, 1, hd)
-    sin = W.sin[:N].view(N, 1, hd)
+    lens = [int(p.shape[0]) for p in prompts]
+    if not lens:
+        return []
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    N = sum(lens)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    cos, sin = W.cos[pos].view(N, 1, hd), W.sin[pos].view(N, 1, hd)
     raw = cache is not None and native(W)  # the cache takes keys before RoPE, in the sampler dtype
-    x = F.embedding(ids, W.embed)  # [N, H], fp32
+    fused = native_rows(W)
+    x = F.embedding(torch.cat(list(prompts)), W.embed)  # [N, H], fp32
+    y = None  # on the row kernels: the previous product's output, not yet added to x
+
+    def norm(w: torch.Tensor) -> torch.Tensor:
+        nonlocal x, y
+        if fused:
+            h, y = kernels.residual_rms_norm(x, y, w, W.eps, W.dtype), None
+            return h
+        x, y = (x if y is None else x + y), None
+        return _norm(W, x, w)
+
     for li, L in enumerate(W.layers):
-        qkv = L.qkv(_norm(W, x, L.in_norm))
-        q, k, v = _rope_qk(W, qkv, cos, sin)
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1).to(ATTN_DTYPE)  # [heads, N, hd]
-        if cache is not None:  # into a sampler-dtype cache, v goes back exactly (it came from that dtype)
-            cache[li][0][row, :, :N] = (qkv[:, nh * hd: (nh + nkv) * hd].view(N, nkv, hd).transpose(0, 1)
-                                        if raw else k)
-            cache[li][1][row, :, :N] = v
-        attn = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=nkv != nh)[0]
-        x = x + L.o(attn.transpose(0, 1).reshape(N, nh * hd).to(W.dtype))
-        x = x + _mlp(W, L, _norm(W, x, L.post_norm))
-    return rms_norm(x, W.final_norm, W.eps)
+        qkv = L.qkv.blocked(norm(L.in_norm), PREFILL_BLOCK)
+        q, k, v = _rope_qk(W, qkv, cos, sin)  # [N, heads, hd]
+        attn = []
+        for i, (a, n) in enumerate(zip(starts, lens)):
+            qi, ki, vi = (t[a: a + n].transpose(0, 1) for t in (q, k, v))
+            vi = vi.to(ATTN_DTYPE)
+            if cache is not None:  # into a sampler-dtype cache, v goes back exactly (it came from that dtype)
+                cache[li][0][rows[i], :, :n] = (qkv[a: a + n, nh * hd: (nh + nkv) * hd].view(n, nkv, hd)
+                                                .transpose(0, 1) if raw else ki)
+                cache[li][1][rows[i], :, :n] = vi
+            o = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True, enable_gqa=nkv != nh)[0]
+            attn.append(o.transpose(0, 1).reshape(n, nh * hd))
+        y = L.o.blocked(torch.cat(attn).to(W.dtype), PREFILL_BLOCK)
+        h = norm(L.post_norm)
+        if fused:
+            y = L.down.blocked(kernels.silu_mul(L.gate_up.blocked(h, PREFILL_BLOCK)), PREFILL_BLOCK)
+        else:
+            y = _mlp(W, L, h, blocked=True, block=PREFILL_BLOCK)
+    if fused:
+        x = kernels.residual_rms_norm(x, y, W.final_norm, W.eps, torch.float32)
+    else:
+        x = rms_norm(x + y, W.final_norm, W.eps)
+    return list(x.split(lens))
 
 
 def decode_step(W: SamplerWeights, tok_B: torch.Tensor, pos_B: torch.Tensor, spans: Sequence[tuple[int, int, int]],
@@ -126,10 +161,34 @@ def decode_step(W: SamplerWeights, tok_B: torch.Tensor, pos_B: torch.Tensor, spa
     else:
         attend = _torch_decode_attention(W, pos_B, spans, cache[0][0].shape[2])
     x = F.embedding(tok_B, W.embed)  # [B, H], fp32
+    if native_rows(W):
+        return logits(W, _native_layers(W, x, attend, cache))
     for li, L in enumerate(W.layers):
         x = x + L.o.blocked(attend(L.qkv.blocked(_norm(W, x, L.in_norm)), *cache[li]))
         x = x + _mlp(W, L, _norm(W, x, L.post_norm), blocked=True)
     return logits(W, rms_norm(x, W.final_norm, W.eps))
+
+
+def native_rows(W: SamplerWeights) -> bool:
+    """Whether the decode step's element-wise work between the layer products (residual adds, RMSNorms,
+    casts, the SiLU gate) runs on the native row kernels (`kernels.residual_rms_norm`, `kernels.silu_mul`):
+    one pass per row each, instead of a dozen small torch ops per layer whose dispatch costs more than
+    their arithmetic at decode's few rows."""
+    return native(W) and W.act_name in SILU_NAMES
+
+
+def _native_layers(W: SamplerWeights, x: torch.Tensor, attend: Callable[..., torch.Tensor], cache: KVCache
+                   ) -> torch.Tensor:
+    """The decode step's layers on the row kernels (`native_rows`), from the embedded fp32 stream `x`
+    (updated in place) to its final-normed fp32 hidden states. Each residual add is fused into the
+    norm that follows it: the next layer's input norm, or the final norm."""
+    y = None  # the previous product's output, not yet added to x
+    for li, L in enumerate(W.layers):
+        h = kernels.residual_rms_norm(x, y, L.in_norm, W.eps, W.dtype)
+        y = L.o.blocked(attend(L.qkv.blocked(h), *cache[li]))
+        h = kernels.residual_rms_norm(x, y, L.post_norm, W.eps, W.dtype)
+        y = L.down.blocked(kernels.silu_mul(L.gate_up.blocked(h)))
+    return kernels.residual_rms_norm(x, y, W.final_norm, W.eps, torch.float32)
 
 
 def _torch_decode_attention(W: SamplerWeights, pos_B: torch.Tensor, spans: Sequence[tuple[int, int, int]],

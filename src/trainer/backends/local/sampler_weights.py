@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from trainer.backends.local import kernels
 from trainer.backends.local.model import (EMBED, FINAL_NORM, ONEDNN_PACKING, UNEMBED, check_architecture, dims,
                                           fuse_base, layer_names, onednn_linear, onednn_pack,
                                           packed_bf16_inputs_honoured, unembed_inputs, unembed_weight, weight)
@@ -50,18 +51,18 @@ class Projection:
     def out_features(self) -> int:
         return int((self.w if self.w is not None else self.packed).shape[0])
 
-    def blocked(self, x: torch.Tensor) -> torch.Tensor:
-        """`self(x)` computed over fixed blocks of `ROW_BLOCK` rows (the last one zero-padded), so every
+    def blocked(self, x: torch.Tensor, block: int = ROW_BLOCK) -> torch.Tensor:
+        """`self(x)` computed over fixed blocks of `block` rows (the last one zero-padded), so every
         GEMM has the same shape whatever the row count: a row's output never depends on how many other
         rows share the batch (oneDNN / MKL pick kernels, and with them the summation order, by row
         count; see `ROW_BLOCK`)."""
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         n = x2.shape[0]
-        nb = -(-n // ROW_BLOCK)
-        if nb * ROW_BLOCK != n:
-            x2 = torch.cat([x2, x2.new_zeros(nb * ROW_BLOCK - n, k)])
-        y = torch.cat([self(x2[i * ROW_BLOCK: (i + 1) * ROW_BLOCK]) for i in range(nb)]) if nb > 1 else self(x2)
+        nb = -(-n // block)
+        if nb * block != n:
+            x2 = torch.cat([x2, x2.new_zeros(nb * block - n, k)])
+        y = torch.cat([self(x2[i * block: (i + 1) * block]) for i in range(nb)]) if nb > 1 else self(x2)
         return y[:n].view(*lead, y.shape[-1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,6 +106,7 @@ class SamplerWeights:
     intermediate: int
     eps: float
     act: Any
+    act_name: str  # the config's `hidden_act` (see `model.Dims`)
     cos: torch.Tensor  # [max_ctx, head_dim], fp32 (RoPE and attention run in fp32, see `sampler_forward`)
     sin: torch.Tensor
     max_context: int
@@ -153,7 +155,7 @@ def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor,
     d = dims(config)
     return SamplerWeights(
         embed=f32(EMBED), lm_head=lm_head, final_norm=f32(FINAL_NORM), layers=layers,
-        n_heads=d.n_heads, n_kv=d.n_kv, head_dim=d.head_dim, intermediate=d.intermediate, eps=d.eps, act=d.act,
+        n_heads=d.n_heads, n_kv=d.n_kv, head_dim=d.head_dim, intermediate=d.intermediate, eps=d.eps, act=d.act, act_name=d.act_name,
         cos=cos.float(), sin=sin.float(), max_context=cos.shape[0], dtype=dtype, head_inputs=head_inputs)
 
 
@@ -172,8 +174,12 @@ def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
         B[row: row + o, r0: r0 + r] = scale * lora[n][1]
         r0 += r
     if lin.packed is not None:  # merge into the base and re-pack (see `Projection`)
-        # summed in fp32, rounded once (a bf16 addmm would round the product and the sum separately)
-        merged = torch.addmm(lin.w.float(), B, A.float()).to(lin.w.dtype)
+        # summed in fp32, rounded once (a bf16 addmm would round the product and the sum separately);
+        # on the native kernel in one pass over the weight
+        if kernels.library() is not None and lin.w.dtype in (torch.float32, torch.bfloat16):
+            merged = kernels.lora_merge(lin.w, A.float(), B)
+        else:
+            merged = torch.addmm(lin.w.float(), B, A.float()).to(lin.w.dtype)
         return Projection(None, onednn_pack(merged, _PACK_ROWS))
     return Projection(lin.w, None, A.to(dtype).contiguous(), B.to(dtype))
 
