@@ -12,7 +12,7 @@ from test_sampler import _tiny_weights
 
 from trainer.backends.local import kernels
 from trainer.backends.local import sampler_forward as sf
-from trainer.backends.local.model import rope
+from trainer.backends.local.model import rms_norm, rope
 
 needs_native = pytest.mark.skipif(kernels.library() is None, reason=f"no native kernels here: {kernels.describe()}")
 
@@ -193,3 +193,58 @@ def test_lora_merge_against_addmm(dtype):
         assert float(((m.double() - exact).abs() / exact.abs().clamp(min=1e-2)).max()) <= 2 ** -8
     with pytest.raises(ValueError, match="lora_merge"):
         kernels.lora_merge(w, A[:, :-1], B)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_training_ops_match_torch_autograd(dtype):
+    """The training forward's fused steps (`fused_ops`) against the torch ops they replace, forward and
+    backward: RoPE of q|k|v to the bit (its gradient computed in fp32 and rounded once), the norm and the SiLU gate up to summation
+    order and the exp (fp32) or within one bf16 rounding step."""
+    from trainer.backends.local.fused_ops import NormCast, RopeQKV, SiluMul
+
+    g = torch.Generator().manual_seed(3)
+    N, H, nh, kv, D, I = 11, 48, 6, 2, 8, 40
+
+    def close(a, b):
+        if dtype == torch.float32 or a.dtype == torch.float32:
+            return torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5)
+        return _ulps_bf16(a, b) <= 1
+
+    # norm + cast
+    x = (torch.randn(N, H, generator=g) * 2).requires_grad_()
+    w = torch.randn(H, generator=g)
+    dy = torch.randn(N, H, generator=g).to(dtype)
+    out = NormCast.apply(x, w, 1e-5, dtype)
+    (dx,) = torch.autograd.grad(out, x, dy)
+    ref = rms_norm(x, w, 1e-5).to(dtype)
+    (dx_ref,) = torch.autograd.grad(ref, x, dy)
+    assert out.dtype == dtype and close(out, ref) and torch.allclose(dx, dx_ref, rtol=1e-4, atol=1e-5)
+    # RoPE of q and k, v as fp32
+    cos_t, sin_t = torch.randn(32, D, generator=g), torch.randn(32, D, generator=g)
+    pos = torch.randint(0, 32, (N,), generator=g)
+    qkv = torch.randn(N, (nh + 2 * kv) * D, generator=g).to(dtype).requires_grad_()
+    outs = RopeQKV.apply(qkv, pos, cos_t, sin_t, nh, kv)
+    q, k, v = qkv.split([nh * D, kv * D, kv * D], -1)
+    c, s = cos_t[pos].unsqueeze(1), sin_t[pos].unsqueeze(1)
+    refs = (rope(q.view(N, nh, D), c, s), rope(k.view(N, kv, D), c, s), v.view(N, kv, D).float())
+    for o, r in zip(outs, refs):
+        assert o.dtype == torch.float32 and torch.equal(o, r)
+    grads = [torch.randn(o.shape, generator=g) for o in outs]
+    (dqkv,) = torch.autograd.grad(outs, qkv, grads)
+    # the gradient in fp32, rounded once to the dtype (autograd on bf16 inputs would round each of RoPE's
+    # two terms to bf16 before their sum)
+    q32 = qkv.detach().float().requires_grad_()
+    q, k, v = q32.split([nh * D, kv * D, kv * D], -1)
+    refs = (rope(q.view(N, nh, D), c, s), rope(k.view(N, kv, D), c, s), v.view(N, kv, D))
+    (dqkv_ref,) = torch.autograd.grad(refs, q32, grads)
+    assert dqkv.dtype == dtype and torch.equal(dqkv, dqkv_ref.to(dtype))
+    # SiLU gate
+    gu = (torch.randn(N, 2 * I, generator=g) * 3).to(dtype).requires_grad_()
+    dm = torch.randn(N, I, generator=g).to(dtype)
+    m = SiluMul.apply(gu)
+    (dgu,) = torch.autograd.grad(m, gu, dm)
+    gg, uu = gu.split(I, -1)
+    m_ref = F.silu(gg) * uu
+    (dgu_ref,) = torch.autograd.grad(m_ref, gu, dm)
+    assert close(m, m_ref) and close(dgu, dgu_ref)

@@ -228,10 +228,11 @@ static inline void store_row(const float *restrict x, int bf16, void *out, int64
  *       promoting add of a bf16 and an fp32 tensor)
  *   out [B, H] = (x * rsqrt(mean(x^2) + eps)) * w with fp32 weights w [H], as torch's F.rms_norm
  *       computes it in fp32, stored as bf16 (rounded to nearest even, as `.to(torch.bfloat16)`) where
- *       out_bf16, else fp32.
+ *       out_bf16, else fp32; rsqrt(mean(x^2) + eps) of each row into rstd_out [B] when given (for the
+ *       norm's backward, `rms_norm_backward`).
  * The sum of squares runs in the fixed order of `dot`. Returns 0; -1 when H exceeds what it takes. */
 int residual_rms_norm(float *x, const void *y, int64_t y_row_stride, int y_bf16, const float *restrict w, float eps,
-                      void *out, int out_bf16, int64_t B, int64_t H, int nthreads) {
+                      void *out, int out_bf16, float *rstd_out, int64_t B, int64_t H, int nthreads) {
     if (H < 1 || H > MAX_H) return -1;
     const size_t yel = y_bf16 ? 2 : 4, oel = out_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -243,6 +244,7 @@ int residual_rms_norm(float *x, const void *y, int64_t y_row_stride, int y_bf16,
             for (int64_t d = 0; d < H; d++) xr[d] += yf[d];
         }
         const float rstd = 1.0f / sqrtf(dot(xr, xr, H) / (float)H + eps);
+        if (rstd_out) rstd_out[b] = rstd;
         for (int64_t d = 0; d < H; d++) o[d] = (xr[d] * rstd) * w[d];
         store_row(o, out_bf16, (char *)out + (size_t)(b * H) * oel, H);
     }
@@ -307,6 +309,122 @@ int lora_merge(const void *w, int bf16, const float *restrict A, const float *re
         if (any)
             for (int64_t i = 0; i < I; i++) wr[i] += p[i];
         store_row(wr, bf16, (char *)out + (size_t)(o * I) * el, I);
+    }
+    return 0;
+}
+
+
+/* The backward of `out = (x * rstd) * w` (`residual_rms_norm` without the add, w frozen) for rows x [N, H]
+ * fp32 with their rstd [N]: from dy [N, H] (bf16 where dy_bf16, else fp32; row stride dy_row_stride),
+ *   dx = rstd * (w dy - xhat * mean(xhat * w dy)),  xhat = x * rstd,
+ * into dx [N, H] fp32. The mean runs in the fixed order of `dot`. */
+int rms_norm_backward(const float *restrict x, const float *restrict w, const float *restrict rstd, const void *dy,
+                      int64_t dy_row_stride, int dy_bf16, float *restrict dx, int64_t N, int64_t H, int nthreads) {
+    if (H < 1 || H > MAX_H) return -1;
+    const size_t el = dy_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; n++) {
+        float g[MAX_H], xh[MAX_H];
+        const float r = rstd[n];
+        load_row((const char *)dy + (size_t)(n * dy_row_stride) * el, dy_bf16, g, H);
+        for (int64_t d = 0; d < H; d++) {
+            g[d] *= w[d];
+            xh[d] = x[n * H + d] * r;
+        }
+        const float c = dot(xh, g, H) / (float)H;
+        for (int64_t d = 0; d < H; d++) dx[n * H + d] = r * (g[d] - xh[d] * c);
+    }
+    return 0;
+}
+
+/* The training forward's RoPE of q and k, from the stacked q|k|v projection output: rows qkv [N, (nh + 2 kv) D]
+ * (bf16 where bf16, else fp32; row stride qkv_row_stride), row n at position pos[n] of its sequence, into fp32
+ * q [N, nh, D] and k [N, kv, D] rotated as `model.rope` rotates them (fp32 tables; bit-exact, see `rope_row`),
+ * and v [N, kv, D] as fp32. */
+int rope_qkv(const void *qkv, int64_t qkv_row_stride, int bf16, const int64_t *restrict pos, const float *restrict cos,
+             const float *restrict sin, int64_t max_ctx, float *restrict q, float *restrict k, float *restrict v,
+             int64_t N, int64_t nh, int64_t kv, int64_t D, int nthreads) {
+    if (D < 2 || D > MAX_D || D % 2) return -1;
+    for (int64_t n = 0; n < N; n++)
+        if (pos[n] < 0 || pos[n] >= max_ctx) return -1;
+    const size_t el = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; n++) {
+        const char *row = (const char *)qkv + (size_t)(n * qkv_row_stride) * el;
+        const float *c = cos + pos[n] * D, *s = sin + pos[n] * D;
+        float xf[MAX_D];
+        for (int64_t h = 0; h < nh + kv; h++) {
+            load_row(row + (size_t)(h * D) * el, bf16, xf, D);
+            rope_row(xf, c, s, h < nh ? q + (n * nh + h) * D : k + (n * kv + h - nh) * D, D);
+        }
+        for (int64_t h = 0; h < kv; h++) load_row(row + (size_t)((nh + kv + h) * D) * el, bf16, v + (n * kv + h) * D, D);
+    }
+    return 0;
+}
+
+/* The backward of `rope_qkv`: from fp32 dq [N, nh, D], dk [N, kv, D], dv [N, kv, D] (each row contiguous) to
+ * dqkv [N, (nh + 2 kv) D] in the projection's dtype (bf16 where bf16, else fp32), RoPE's transpose:
+ *   dx[:D/2] = dy[:D/2] cos[:D/2] + dy[D/2:] sin[D/2:],  dx[D/2:] = dy[D/2:] cos[D/2:] - dy[:D/2] sin[:D/2],
+ * each product and sum rounded in fp32 as autograd's mul / cat / add backward rounds them on fp32 inputs, then
+ * once to the dtype (autograd on bf16 inputs would round each of the two terms to bf16 before their sum). */
+int rope_qkv_backward(const float *restrict dq, const float *restrict dk, const float *restrict dv,
+                      const int64_t *restrict pos, const float *restrict cos, const float *restrict sin, void *dqkv,
+                      int bf16, int64_t N, int64_t nh, int64_t kv, int64_t D, int nthreads) {
+    if (D < 2 || D > MAX_D || D % 2) return -1;
+    const size_t el = bf16 ? 2 : 4;
+    const int64_t C = (nh + 2 * kv) * D, half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; n++) {
+        const float *c = cos + pos[n] * D, *s = sin + pos[n] * D;
+        char *row = (char *)dqkv + (size_t)(n * C) * el;
+        float o[MAX_D];
+        for (int64_t h = 0; h < nh + kv; h++) {
+            const float *g = h < nh ? dq + (n * nh + h) * D : dk + (n * kv + h - nh) * D;
+            for (int64_t d = 0; d < half; d++) {
+                o[d] = g[d] * c[d] + g[d + half] * s[d + half];
+                o[d + half] = g[d + half] * c[d + half] + (-(g[d] * s[d]));
+            }
+            store_row(o, bf16, row + (size_t)(h * D) * el, D);
+        }
+        store_row(dv + n * kv * D, bf16, row + (size_t)((nh + kv) * D) * el, kv * D);
+    }
+    return 0;
+}
+
+/* sigmoid(x) from e^-|x| alone. */
+static inline float sigmoid(float x) {
+    const float e = exp_nonpos(x >= 0.0f ? -x : x);
+    return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
+/* The backward of `silu_mul`: from gu [N, 2 I] (its forward input) and dm [N, I] (row strides given) to
+ * dgu = [dgate | dup] [N, 2 I], contiguous, in the same dtype, with the roundings of autograd's mul and
+ * silu backward on tensors of that dtype: s = silu(g) (rounded in bf16), du = dm s, ds = dm u (each rounded),
+ * dg = ds sigmoid(g) (1 + g (1 - sigmoid(g))). */
+int silu_mul_backward(const void *gu, int64_t gu_row_stride, const void *dm, int64_t dm_row_stride, int bf16,
+                      void *dgu, int64_t N, int64_t I, int nthreads) {
+    if (I < 1 || I > MAX_I) return -1;
+    const size_t el = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; n++) {
+        const char *row = (const char *)gu + (size_t)(n * gu_row_stride) * el;
+        float g[MAX_I], u[MAX_I], d[MAX_I];
+        load_row(row, bf16, g, I);
+        load_row(row + (size_t)I * el, bf16, u, I);
+        load_row((const char *)dm + (size_t)(n * dm_row_stride) * el, bf16, d, I);
+        for (int64_t i = 0; i < I; i++) {
+            const float sg = sigmoid(g[i]);
+            float s = silu(g[i]), ds = d[i] * u[i];
+            if (bf16) {
+                s = bf16_to_f32(f32_to_bf16(s));
+                ds = bf16_to_f32(f32_to_bf16(ds));
+            }
+            u[i] = d[i] * s;
+            g[i] = ds * sg * (1.0f + g[i] * (1.0f - sg));
+        }
+        char *out = (char *)dgu + (size_t)(n * 2 * I) * el;
+        store_row(g, bf16, out, I);
+        store_row(u, bf16, out + (size_t)I * el, I);
     }
     return 0;
 }

@@ -87,13 +87,19 @@ def _load() -> None:
     lib.decode_layer_attention.argtypes = [fp, i64, ctypes.c_int, fp, fp, i64, fp, fp, fp, fp, i64, i64, i64, i64, i64,
                                            ctypes.c_float, ctypes.c_int]
     lib.decode_layer_attention.restype = ctypes.c_int
-    lib.residual_rms_norm.argtypes = [fp, fp, i64, ctypes.c_int, fp, ctypes.c_float, fp, ctypes.c_int, i64, i64,
+    lib.residual_rms_norm.argtypes = [fp, fp, i64, ctypes.c_int, fp, ctypes.c_float, fp, ctypes.c_int, fp, i64, i64,
                                       ctypes.c_int]
     lib.residual_rms_norm.restype = ctypes.c_int
     lib.silu_mul.argtypes = [fp, i64, ctypes.c_int, fp, i64, i64, ctypes.c_int]
     lib.silu_mul.restype = ctypes.c_int
     lib.lora_merge.argtypes = [fp, ctypes.c_int, fp, fp, fp, i64, i64, i64, ctypes.c_int]
     lib.lora_merge.restype = ctypes.c_int
+    lib.rms_norm_backward.argtypes = [fp, fp, fp, fp, i64, ctypes.c_int, fp, i64, i64, ctypes.c_int]
+    lib.rope_qkv.argtypes = [fp, i64, ctypes.c_int, fp, fp, fp, i64, fp, fp, fp, i64, i64, i64, i64, ctypes.c_int]
+    lib.rope_qkv_backward.argtypes = [fp, fp, fp, fp, fp, fp, fp, ctypes.c_int, i64, i64, i64, i64, ctypes.c_int]
+    lib.silu_mul_backward.argtypes = [fp, i64, fp, i64, ctypes.c_int, fp, i64, i64, ctypes.c_int]
+    for f in (lib.rms_norm_backward, lib.rope_qkv, lib.rope_qkv_backward, lib.silu_mul_backward):
+        f.restype = ctypes.c_int
     _state.update(lib=lib, why=f"native ({path.name})")
 
 
@@ -170,17 +176,20 @@ def _lib_or_raise(what: str) -> ctypes.CDLL:
 
 
 def residual_rms_norm(x_BH: torch.Tensor, y_BH: torch.Tensor | None, w_H: torch.Tensor, eps: float,
-                      out_dtype: torch.dtype) -> torch.Tensor:
+                      out_dtype: torch.dtype, rstd_B: torch.Tensor | None = None) -> torch.Tensor:
     """`x += y` in place on the fp32 residual stream `x_BH` (contiguous; `y_BH` bf16 or fp32, rows
     contiguous, or None), then `rms_norm(x, w, eps)` (`model.rms_norm` on fp32 `x` and `w`) in `out_dtype`
-    (bf16 or fp32): the residual add and the norm between two layer products in one pass per row."""
+    (bf16 or fp32): the residual add and the norm between two layer products in one pass per row.
+    `rstd_B` (fp32 `[B]`, contiguous): receives each row's `rsqrt(mean(x^2) + eps)`."""
     lib = _lib_or_raise("row")
     B, H = x_BH.shape
     if (x_BH.dtype != torch.float32 or not x_BH.is_contiguous() or w_H.dtype != torch.float32
             or w_H.shape != (H,) or not w_H.is_contiguous() or out_dtype not in (torch.float32, torch.bfloat16)
             or (y_BH is not None and (y_BH.shape != (B, H) or y_BH.stride(-1) != 1
                                       or y_BH.dtype not in (torch.float32, torch.bfloat16)))
-            or not 1 <= H <= MAX_HIDDEN):
+            or not 1 <= H <= MAX_HIDDEN
+            or (rstd_B is not None and (rstd_B.shape != (B,) or rstd_B.dtype != torch.float32
+                                        or not rstd_B.is_contiguous()))):
         raise ValueError(f"residual_rms_norm: unexpected inputs (x {tuple(x_BH.shape)} {x_BH.dtype}, y "
                          f"{None if y_BH is None else (tuple(y_BH.shape), y_BH.dtype)}, w {tuple(w_H.shape)} "
                          f"{w_H.dtype}, out {out_dtype})")
@@ -188,8 +197,8 @@ def residual_rms_norm(x_BH: torch.Tensor, y_BH: torch.Tensor | None, w_H: torch.
     if B:
         lib.residual_rms_norm(x_BH.data_ptr(), None if y_BH is None else y_BH.data_ptr(),
                               0 if y_BH is None else y_BH.stride(0), int(y_BH is not None and y_BH.dtype == torch.bfloat16),
-                              w_H.data_ptr(), float(eps), out.data_ptr(), int(out_dtype == torch.bfloat16), B, H,
-                              torch.get_num_threads())
+                              w_H.data_ptr(), float(eps), out.data_ptr(), int(out_dtype == torch.bfloat16),
+                              None if rstd_B is None else rstd_B.data_ptr(), B, H, torch.get_num_threads())
     return out
 
 
@@ -223,4 +232,69 @@ def lora_merge(w_OI: torch.Tensor, A_RI: torch.Tensor, B_OR: torch.Tensor) -> to
     out = torch.empty_like(w_OI)
     lib.lora_merge(w_OI.data_ptr(), int(w_OI.dtype == torch.bfloat16), A_RI.data_ptr(), B_OR.data_ptr(), out.data_ptr(),
                    O, I, R, torch.get_num_threads())
+    return out
+
+
+def rms_norm_backward(x_NH: torch.Tensor, w_H: torch.Tensor, rstd_N: torch.Tensor, dy_NH: torch.Tensor
+                      ) -> torch.Tensor:
+    """fp32 `dx` of `rms_norm(x, w)` (fp32 `x`, frozen fp32 `w`, the forward's `rstd`) from `dy` (bf16 or
+    fp32, rows contiguous)."""
+    lib = _lib_or_raise("row")
+    N, H = x_NH.shape
+    if dy_NH.shape != (N, H) or dy_NH.stride(-1) != 1 or dy_NH.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"rms_norm_backward: unexpected gradient {tuple(dy_NH.shape)} {dy_NH.dtype}")
+    dx = torch.empty(N, H)
+    if N:
+        lib.rms_norm_backward(x_NH.data_ptr(), w_H.data_ptr(), rstd_N.data_ptr(), dy_NH.data_ptr(), dy_NH.stride(0),
+                              int(dy_NH.dtype == torch.bfloat16), dx.data_ptr(), N, H, torch.get_num_threads())
+    return dx
+
+
+def rope_qkv(qkv_NC: torch.Tensor, pos_N: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+             n_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 `(rope(q), rope(k), v)` (`[N, heads, D]` each) of a stacked q|k|v output `qkv_NC` (bf16 or fp32,
+    rows contiguous) at positions `pos_N` (long), as `model.rope` on fp32 tables `cos`, `sin` `[ctx, D]`."""
+    lib = _lib_or_raise("RoPE")
+    N, C = qkv_NC.shape
+    D = cos.shape[1]
+    if (qkv_NC.dtype not in (torch.float32, torch.bfloat16) or qkv_NC.stride(-1) != 1
+            or C != (n_heads + 2 * n_kv) * D or pos_N.shape != (N,) or not 2 <= D <= MAX_HEAD_DIM or D % 2
+            or not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+                    and cos.shape == sin.shape)):
+        raise ValueError(f"rope_qkv: unexpected inputs (qkv {tuple(qkv_NC.shape)} {qkv_NC.dtype}, heads "
+                         f"{n_heads}/{n_kv}, tables {tuple(cos.shape)})")
+    pos_N = pos_N.to(torch.int64).contiguous()
+    q, k, v = torch.empty(N, n_heads, D), torch.empty(N, n_kv, D), torch.empty(N, n_kv, D)
+    if N and lib.rope_qkv(qkv_NC.data_ptr(), qkv_NC.stride(0), int(qkv_NC.dtype == torch.bfloat16), pos_N.data_ptr(),
+                          cos.data_ptr(), sin.data_ptr(), cos.shape[0], q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                          N, n_heads, n_kv, D, torch.get_num_threads()):
+        raise ValueError(f"rope_qkv: a position outside [0, {cos.shape[0]})")
+    return q, k, v
+
+
+def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, pos_N: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`d qkv` (`[N, (nh + 2 kv) D]` in `dtype`) of `rope_qkv` from the fp32 gradients of its three outputs."""
+    lib = _lib_or_raise("RoPE")
+    N, nh, D = dq.shape
+    kv = dk.shape[1]
+    dq, dk, dv = dq.float().contiguous(), dk.float().contiguous(), dv.float().contiguous()
+    out = torch.empty(N, (nh + 2 * kv) * D, dtype=dtype)
+    if N:
+        lib.rope_qkv_backward(dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), pos_N.to(torch.int64).contiguous().data_ptr(),
+                              cos.data_ptr(), sin.data_ptr(), out.data_ptr(), int(dtype == torch.bfloat16), N, nh, kv, D,
+                              torch.get_num_threads())
+    return out
+
+
+def silu_mul_backward(gu_NC: torch.Tensor, dm_NI: torch.Tensor) -> torch.Tensor:
+    """`d gu` (`[N, 2 I]`, contiguous, `gu`'s dtype) of `silu_mul(gu)` from `dm` (same dtype, rows contiguous)."""
+    lib = _lib_or_raise("row")
+    N, C = gu_NC.shape
+    if dm_NI.shape != (N, C // 2) or dm_NI.dtype != gu_NC.dtype or dm_NI.stride(-1) != 1:
+        raise ValueError(f"silu_mul_backward: unexpected gradient {tuple(dm_NI.shape)} {dm_NI.dtype}")
+    out = torch.empty(N, C, dtype=gu_NC.dtype)
+    if N:
+        lib.silu_mul_backward(gu_NC.data_ptr(), gu_NC.stride(0), dm_NI.data_ptr(), dm_NI.stride(0),
+                              int(gu_NC.dtype == torch.bfloat16), out.data_ptr(), N, C // 2, torch.get_num_threads())
     return out

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.backends.local import kernels
+from trainer.backends.local.fused_ops import SILU_NAMES
 from trainer.backends.local.model import matmul_inputs, rms_norm, rope
 from trainer.backends.local.sampler_weights import ROW_BLOCK, LayerWeights, SamplerWeights
 
@@ -38,8 +39,6 @@ ATTN_DTYPE = torch.float32
 # rows per prefill product block (`prefill`): any fixed count keeps prompts independent of each other; at
 # 64 rows a block runs at most of the training-size products' speed while short prompts pad little
 PREFILL_BLOCK = 64
-# `hidden_act` names of SiLU in transformers' ACT2FN, the activation `kernels.silu_mul` implements
-SILU_NAMES = ("silu", "swish")
 
 
 def native(W: SamplerWeights) -> bool:

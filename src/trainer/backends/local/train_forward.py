@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from trainer.backends.local import fused_ops
 from trainer.backends.local.model import (EMBED, FINAL_NORM, ONEDNN_PACKING, dims, fuse_base, layer_names,
                                           onednn_linear, onednn_pack, rms_norm, rope, weight)
 
@@ -225,25 +226,45 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
     nh, nkv, hd, inter = d.n_heads, d.n_kv, d.head_dim, d.intermediate
     fused = fused if fused is not None else fuse_base(config, base)
     N = pk.ids_N.shape[0]
-    cos_N = cos[pk.pos_N].unsqueeze(1)  # [N, 1, hd]
-    sin_N = sin[pk.pos_N].unsqueeze(1)
 
     def lin(x: torch.Tensor, key: str, outs: Sequence[int], names: Sequence[str]) -> torch.Tensor:
         w = fused[key] if key in fused else base[key]
         return stacked_linear(x, w, outs, [lora.get(n) for n in names], scale, (packed or {}).get(key))
 
+    # the element-wise steps on the native kernels where they run (`fused_ops`), else torch's ops
+    native = fused_ops.usable(d.act_name, dtype) and not any(
+        base[weight(k)].requires_grad for i in range(d.n_layers)
+        for k in (layer_names(i).input_norm, layer_names(i).post_norm))
+
+    def norm(x: torch.Tensor, key: str) -> torch.Tensor:
+        if native:
+            return fused_ops.NormCast.apply(x, base[weight(key)], d.eps, dtype)
+        return rms_norm(x, base[weight(key)], d.eps).to(dtype)
+
+    if not native:
+        cos_N = cos[pk.pos_N].unsqueeze(1)  # [N, 1, hd]
+        sin_N = sin[pk.pos_N].unsqueeze(1)
+
     x = F.embedding(pk.ids_N, base[weight(EMBED)])
     for i in range(d.n_layers):
         n = layer_names(i)
-        h = rms_norm(x, base[weight(n.input_norm)], d.eps).to(dtype)
-        q, k, v = lin(h, n.stacked_qkv, d.qkv_outs, n.qkv).split(list(d.qkv_outs), -1)
-        q = rope(q.view(N, nh, hd), cos_N, sin_N)  # fp32 tables: fp32 q and k
-        k = rope(k.view(N, nkv, hd), cos_N, sin_N)
-        a = _attend(q, k, v.view(N, nkv, hd).to(q.dtype), pk).to(dtype)
+        qkv = lin(norm(x, n.input_norm), n.stacked_qkv, d.qkv_outs, n.qkv)
+        if native:  # fp32 tables: fp32 q and k; v in fp32 for attention
+            q, k, v = fused_ops.RopeQKV.apply(qkv, pk.pos_N, cos, sin, nh, nkv)
+        else:
+            q, k, v = qkv.split(list(d.qkv_outs), -1)
+            q = rope(q.view(N, nh, hd), cos_N, sin_N)
+            k = rope(k.view(N, nkv, hd), cos_N, sin_N)
+            v = v.view(N, nkv, hd).to(q.dtype)
+        a = _attend(q, k, v, pk).to(dtype)
         x = x + lin(a, weight(n.o), (d.hidden,), [n.o])
-        h = rms_norm(x, base[weight(n.post_norm)], d.eps).to(dtype)
-        g, u = lin(h, n.stacked_gate_up, (inter, inter), n.gate_up).split(inter, -1)
-        x = x + lin(d.act(g) * u, weight(n.down), (d.hidden,), [n.down])
+        gu = lin(norm(x, n.post_norm), n.stacked_gate_up, (inter, inter), n.gate_up)
+        if native:
+            m = fused_ops.SiluMul.apply(gu)
+        else:
+            g, u = gu.split(inter, -1)
+            m = d.act(g) * u
+        x = x + lin(m, weight(n.down), (d.hidden,), [n.down])
     return rms_norm(x, base[weight(FINAL_NORM)], d.eps)
 
 

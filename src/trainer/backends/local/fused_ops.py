@@ -1,0 +1,84 @@
+"""The training forward's element-wise steps as autograd functions on the native row kernels (`kernels.c`):
+RMSNorm with its cast to the projection dtype, RoPE of q and k out of the stacked q|k|v product, and the
+SiLU gate out of the stacked gate|up product.
+
+Why: in torch each of these is several passes over `[rows, width]` tensors, forward and backward (the
+norm: square, mean, rsqrt, two products, a cast; RoPE: a concatenation, a negation, two products and a sum
+per tensor, plus the split of q|k|v and the concatenation of its gradient; the gate: SiLU, a product, and
+their backward, plus the concatenation of the gate and up gradients), and at a micro-batch of about a
+thousand rows these passes cost about as much as the layer products. Here each step is one pass per row
+each way, computing what the torch ops compute (`tests/test_kernels.py` checks them against autograd).
+
+`usable` says where they run: the native library is here, the activation is SiLU and the norm weights are
+frozen (LoRA training); elsewhere `train_forward` runs the torch ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from trainer.backends.local import kernels
+
+# `hidden_act` names of SiLU in transformers' ACT2FN, the activation `kernels.silu_mul` implements
+SILU_NAMES = ("silu", "swish")
+
+
+def usable(act_name: str, dtype: torch.dtype) -> bool:
+    """Whether the training forward's element-wise steps run on the native kernels here."""
+    return kernels.library() is not None and act_name in SILU_NAMES and dtype in (torch.float32, torch.bfloat16)
+
+
+class NormCast(torch.autograd.Function):
+    """`rms_norm(x, w, eps).to(dtype)` for the fp32 residual stream `x_NH` and a frozen fp32 `w`."""
+
+    @staticmethod
+    def forward(ctx: Any, x_NH: torch.Tensor, w_H: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+        x_NH = x_NH.contiguous()
+        rstd_N = torch.empty(x_NH.shape[0])
+        out = kernels.residual_rms_norm(x_NH, None, w_H, eps, dtype, rstd_N)
+        ctx.save_for_backward(x_NH, w_H, rstd_N)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy_NH: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        x_NH, w_H, rstd_N = ctx.saved_tensors
+        return kernels.rms_norm_backward(x_NH, w_H, rstd_N, dy_NH.contiguous()), None, None, None
+
+
+class RopeQKV(torch.autograd.Function):
+    """fp32 `(rope(q), rope(k), v)`, each `[N, heads, D]`, of a stacked q|k|v product `qkv_NC` at positions
+    `pos_N`: `model.rope` on fp32 tables, and `v.float()`. Its backward writes the gradient of the
+    stacked product directly (no split, no concatenation)."""
+
+    @staticmethod
+    def forward(ctx: Any, qkv_NC: torch.Tensor, pos_N: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                n_heads: int, n_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(pos_N, cos, sin)
+        ctx.dtype = qkv_NC.dtype
+        return kernels.rope_qkv(qkv_NC, pos_N, cos, sin, n_heads, n_kv)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
+                 ) -> tuple[torch.Tensor, None, None, None, None, None]:
+        pos_N, cos, sin = ctx.saved_tensors
+        return kernels.rope_qkv_backward(dq, dk, dv, pos_N, cos, sin, ctx.dtype), None, None, None, None, None
+
+
+class SiluMul(torch.autograd.Function):
+    """`F.silu(g) * u` of a stacked gate|up product `gu_NC = [g | u]`, in its dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, gu_NC: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gu_NC)
+        return kernels.silu_mul(gu_NC)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dm_NI: torch.Tensor) -> torch.Tensor:
+        (gu_NC,) = ctx.saved_tensors
+        return kernels.silu_mul_backward(gu_NC, dm_NI.contiguous())
