@@ -251,11 +251,14 @@ int residual_rms_norm(float *x, const void *y, int64_t y_row_stride, int y_bf16,
     return 0;
 }
 
-/* SiLU(x) = x / (1 + e^-x), from e^-|x| alone (no overflow for large |x|). */
-static inline float silu(float x) {
+/* sigmoid(x) = 1 / (1 + e^-x) from e^-|x| alone (no overflow for large |x|), with one division. */
+static inline float sigmoid(float x) {
     const float e = exp_nonpos(x >= 0.0f ? -x : x);
-    return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
+    return (x >= 0.0f ? 1.0f : e) / (1.0f + e);
 }
+
+/* SiLU(x) = x sigmoid(x). */
+static inline float silu(float x) { return x * sigmoid(x); }
 
 /* The gated MLP's middle, one row at a time: from the stacked gate|up product gu [B, 2 I] (row stride
  * row_stride), out [B, I] = silu(gate) * up. In bf16 each of torch's two ops rounds its result
@@ -391,12 +394,6 @@ int rope_qkv_backward(const float *restrict dq, const float *restrict dk, const 
     return 0;
 }
 
-/* sigmoid(x) from e^-|x| alone. */
-static inline float sigmoid(float x) {
-    const float e = exp_nonpos(x >= 0.0f ? -x : x);
-    return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-}
-
 /* The backward of `silu_mul`: from gu [N, 2 I] (its forward input) and dm [N, I] (row strides given) to
  * dgu = [dgate | dup] [N, 2 I], contiguous, in the same dtype, with the roundings of autograd's mul and
  * silu backward on tensors of that dtype: s = silu(g) (rounded in bf16), du = dm s, ds = dm u (each rounded),
@@ -414,7 +411,7 @@ int silu_mul_backward(const void *gu, int64_t gu_row_stride, const void *dm, int
         load_row((const char *)dm + (size_t)(n * dm_row_stride) * el, bf16, d, I);
         for (int64_t i = 0; i < I; i++) {
             const float sg = sigmoid(g[i]);
-            float s = silu(g[i]), ds = d[i] * u[i];
+            float s = g[i] * sg, ds = d[i] * u[i];
             if (bf16) {
                 s = bf16_to_f32(f32_to_bf16(s));
                 ds = bf16_to_f32(f32_to_bf16(ds));
