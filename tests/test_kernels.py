@@ -248,3 +248,27 @@ def test_fused_training_ops_match_torch_autograd(dtype):
     m_ref = F.silu(gg) * uu
     (dgu_ref,) = torch.autograd.grad(m_ref, gu, dm)
     assert close(m, m_ref) and close(dgu, dgu_ref)
+
+
+@pytest.mark.skipif(not kernels.amx_head(), reason="no AMX-BF16 here (or the OS does not grant the tiles)")
+def test_amx_head_logits():
+    """The AMX unembedding (`kernels.BlockedHead`): fp32 logits of bf16-rounded inputs and weights, as the
+    exact product of those values up to fp32 accumulation and as the fp32 product under bf16 inputs
+    (`matmul_inputs`); any row count (padded to its tiles); each row alone gives its batched bits; shapes
+    that do not fit the tiles get no blocked head."""
+    from trainer.backends.local.model import matmul_inputs
+
+    g = torch.Generator().manual_seed(4)
+    W = torch.randn(96, 64, generator=g)
+    h = torch.randn(21, 64, generator=g)
+    head = kernels.blocked_head(W)
+    out = head.logits(h)
+    assert out.shape == (21, 96) and out.dtype == torch.float32
+    exact = h.bfloat16().double() @ W.bfloat16().double().T
+    assert float((out.double() - exact).abs().max()) < 1e-5
+    with matmul_inputs(torch.bfloat16):
+        ref = F.linear(h, W)
+    assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+    for r in (0, 7, 20):
+        assert torch.equal(head.logits(h[r: r + 1])[0], out[r])
+    assert kernels.blocked_head(W[:-16]) is None and kernels.blocked_head(W[:, :-8]) is None

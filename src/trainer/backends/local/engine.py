@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
+from trainer.backends.local import kernels
 from trainer.backends.local.common import COMPUTE
 from trainer.backends.local.model import (ATTN_PROJ, MLP_PROJ, UNEMBED, check_architecture, fuse_base, layer_names,
-                                          rotary_tables, unembed_weight, weight)
+                                          rotary_tables, unembed_inputs, unembed_weight, weight)
 from trainer.backends.local.models import resolve_base_model, spec_for
 from trainer.backends.local.sampler_weights import SamplerWeights, build_weights, with_lora
 from trainer.backends.local.train_forward import Packed, pack_unembed, pack_unembed_grad, pack_weight
@@ -77,6 +78,8 @@ class SharedBase:
         self._stacked: dict[str, torch.Tensor] | None = None
         self._packed_unembed: torch.Tensor | None = None
         self._packed_unembed_built = False
+        self._blocked_unembed: kernels.BlockedHead | None = None
+        self._blocked_unembed_built = False
         self._packed_unembed_grad: dict[torch.dtype, torch.Tensor | None] = {}
         self._packed_projections: dict[torch.dtype, dict[str, Packed]] = {}
 
@@ -138,6 +141,22 @@ class SharedBase:
                 self._packed_unembed = pack_unembed(unembed_weight(self.base_state))
                 self._packed_unembed_built = True
             return self._packed_unembed
+
+    def blocked_unembed(self) -> kernels.BlockedHead | None:
+        """The unembedding in bf16 for the AMX head kernel (`kernels.blocked_head`; built on first use, None
+        where that kernel does not run here)."""
+        with self.lock:
+            return self._blocked_head_for(torch.bfloat16)
+
+    def _blocked_head_for(self, dtype: torch.dtype) -> kernels.BlockedHead | None:
+        """The blocked bf16 unembedding where a `dtype` sampler rounds its head inputs to bf16 (the AMX head
+        kernel then computes the same logits; `model.unembed_inputs`), else None. Called with the lock held."""
+        if unembed_inputs(dtype) != torch.bfloat16:
+            return None
+        if not self._blocked_unembed_built:
+            self._blocked_unembed = kernels.blocked_head(unembed_weight(self.base_state).float())
+            self._blocked_unembed_built = True
+        return self._blocked_unembed
 
     def packed_unembed_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The unembedding's transpose in `dtype`, packed for the logprob gradient's product (built on
@@ -216,7 +235,8 @@ class SharedBase:
             if base is None:
                 base = self._sampler_base[dtype] = build_weights(
                     self.config, self.base_state, self.cos, self.sin, dtype,
-                    stacked=self.stacked_weights() if dtype == torch.float32 else None)
+                    stacked=self.stacked_weights() if dtype == torch.float32 else None,
+                    blocked_head=self._blocked_head_for(dtype))
             w = with_lora(base, snap.tensors, snap.scale)
             self._sampler_cache[key] = w
             while len(self._sampler_cache) > self.sampler_cache_size:

@@ -425,3 +425,118 @@ int silu_mul_backward(const void *gu, int64_t gu_row_stride, const void *dm, int
     }
     return 0;
 }
+
+/* ---------------------------------------------------------------- the unembedding on AMX tiles
+ * fp32 logits of bf16 inputs (fp32 hidden states rounded to bf16) and bf16 weights, as oneDNN computes an
+ * fp32 product in its bf16 mode (`model.matmul_inputs`), but from weights stored in bf16: the product
+ * reads half the bytes of the fp32 weights that mode converts on every call, and at decode's few rows
+ * the unembedding is bound by that read. Every output element sums its 32-wide K chunks in K order on
+ * one thread (TDPBF16PS within a chunk), whatever the row count or the other rows: batch invariant. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Linux hands AMX state to a process only after it asks (torch's oneDNN asks too; asking twice is fine). */
+int amx_available(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles 0-3: fp32 accumulators (16 x 16); 4, 5: 16 rows x 32 bf16 of the inputs; 6, 7: 16 K pairs x 16
+ * outputs x 2 of the weights (the VNNI layout `head_pack` writes). */
+static void tiles_on(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* W [V, K] fp32 (V % 16 == 0, K % 32 == 0) rounded to bf16 into the blocked layout the tiles load: for
+ * each 16 outputs nb and 32-wide K chunk kc, one 1 KB block of 16 K pairs x 16 outputs x 2. */
+int head_pack(const float *restrict W, int64_t V, int64_t K, uint16_t *restrict out, int nthreads) {
+    if (V % 16 || K % 32 || V < 16 || K < 32) return -1;
+    const int64_t KC = K / 32;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < V / 16; nb++)
+        for (int64_t kc = 0; kc < KC; kc++) {
+            uint16_t *blk = out + (nb * KC + kc) * 512;
+            for (int64_t p = 0; p < 16; p++)
+                for (int64_t c = 0; c < 16; c++)
+                    for (int64_t e = 0; e < 2; e++)
+                        blk[p * 32 + c * 2 + e] = f32_to_bf16(W[(nb * 16 + c) * K + kc * 32 + 2 * p + e]);
+        }
+    return 0;
+}
+
+/* out [M, V] fp32 = bf16(X) [M, K] x Wp^T, Wp from `head_pack`, M % 16 == 0. Threads split the outputs in
+ * 32-wide column pairs; each thread converts nothing shared (the bf16 inputs are formed once up front). */
+int head_logits(const float *restrict X, int64_t M, int64_t K, const uint16_t *restrict Wp, int64_t V, float *out,
+                int nthreads) {
+    if (M % 16 || V % 32 || K % 32 || M < 16 || K < 32) return -1;
+    uint16_t *Xb = (uint16_t *)aligned_alloc(64, (size_t)(M * K) * 2);
+    if (!Xb) return -2;
+    for (int64_t i = 0; i < M * K; i++) Xb[i] = f32_to_bf16(X[i]);
+    const int64_t KC = K / 32, NP = V / 32, MT = M / 16;
+#pragma omp parallel num_threads(nthreads)
+    {
+        tiles_on();
+#pragma omp for schedule(static)
+        for (int64_t np = 0; np < NP; np++) {
+            const uint16_t *b0 = Wp + (2 * np) * KC * 512, *b1 = Wp + (2 * np + 1) * KC * 512;
+            for (int64_t mt = 0; mt < MT; mt += 2) {
+                const int two = mt + 1 < MT;
+                const uint16_t *a0 = Xb + mt * 16 * K, *a1 = a0 + 16 * K;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kc = 0; kc < KC; kc++) {
+                    _tile_loadd(6, b0 + kc * 512, 64);
+                    _tile_loadd(7, b1 + kc * 512, 64);
+                    _tile_loadd(4, a0 + kc * 32, K * 2);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (two) {
+                        _tile_loadd(5, a1 + kc * 32, K * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                float *o = out + mt * 16 * V + np * 32;
+                _tile_stored(0, o, V * 4);
+                _tile_stored(1, o + 16, V * 4);
+                if (two) {
+                    _tile_stored(2, o + 16 * V, V * 4);
+                    _tile_stored(3, o + 16 * V + 16, V * 4);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(Xb);
+    return 0;
+}
+#else
+int amx_available(void) { return 0; }
+int head_pack(const float *W, int64_t V, int64_t K, uint16_t *out, int nthreads) {
+    (void)W; (void)V; (void)K; (void)out; (void)nthreads;
+    return -3;
+}
+int head_logits(const float *X, int64_t M, int64_t K, const uint16_t *Wp, int64_t V, float *out, int nthreads) {
+    (void)X; (void)M; (void)K; (void)Wp; (void)V; (void)out; (void)nthreads;
+    return -3;
+}
+#endif

@@ -18,12 +18,14 @@ is None and `describe()` says why; the run records which path it used (`run_info
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -98,7 +100,11 @@ def _load() -> None:
     lib.rope_qkv.argtypes = [fp, i64, ctypes.c_int, fp, fp, fp, i64, fp, fp, fp, i64, i64, i64, i64, ctypes.c_int]
     lib.rope_qkv_backward.argtypes = [fp, fp, fp, fp, fp, fp, fp, ctypes.c_int, i64, i64, i64, i64, ctypes.c_int]
     lib.silu_mul_backward.argtypes = [fp, i64, fp, i64, ctypes.c_int, fp, i64, i64, ctypes.c_int]
-    for f in (lib.rms_norm_backward, lib.rope_qkv, lib.rope_qkv_backward, lib.silu_mul_backward):
+    lib.head_pack.argtypes = [fp, i64, i64, fp, ctypes.c_int]
+    lib.head_logits.argtypes = [fp, i64, i64, fp, i64, fp, ctypes.c_int]
+    lib.amx_available.argtypes = []
+    for f in (lib.rms_norm_backward, lib.rope_qkv, lib.rope_qkv_backward, lib.silu_mul_backward, lib.head_pack,
+              lib.head_logits, lib.amx_available):
         f.restype = ctypes.c_int
     _state.update(lib=lib, why=f"native ({path.name})")
 
@@ -298,3 +304,50 @@ def silu_mul_backward(gu_NC: torch.Tensor, dm_NI: torch.Tensor) -> torch.Tensor:
         lib.silu_mul_backward(gu_NC.data_ptr(), gu_NC.stride(0), dm_NI.data_ptr(), dm_NI.stride(0),
                               int(gu_NC.dtype == torch.bfloat16), out.data_ptr(), N, C // 2, torch.get_num_threads())
     return out
+
+
+@dataclass(frozen=True)
+class BlockedHead:
+    """An unembedding `[V, K]` rounded to bf16 in the blocked layout of the AMX head kernel (`head_pack`):
+    `logits(h)` gives fp32 logits of bf16-rounded fp32 inputs, what `model.matmul_inputs(torch.bfloat16)`
+    gives for the fp32 product, reading half its weight bytes."""
+
+    packed: torch.Tensor  # bf16, V * K elements
+    vocab: int
+    width: int
+
+    def logits(self, h_MK: torch.Tensor) -> torch.Tensor:
+        lib = _lib_or_raise("AMX head")
+        M, K = h_MK.shape
+        if K != self.width or h_MK.dtype != torch.float32:
+            raise ValueError(f"BlockedHead: inputs {tuple(h_MK.shape)} {h_MK.dtype}, expected [rows, {self.width}] fp32")
+        Mp = -(-M // 16) * 16
+        x = h_MK.contiguous() if Mp == M else torch.cat([h_MK, h_MK.new_zeros(Mp - M, K)])
+        out = torch.empty(Mp, self.vocab)
+        if M:
+            rc = lib.head_logits(x.data_ptr(), Mp, K, self.packed.data_ptr(), self.vocab, out.data_ptr(),
+                                 torch.get_num_threads())
+            if rc == -2:
+                raise MemoryError("head_logits: out of memory for the bf16 inputs")
+            if rc:
+                raise RuntimeError(f"head_logits failed ({rc})")
+        return out[:M]
+
+
+@functools.cache
+def amx_head() -> bool:
+    """Whether the AMX head kernel runs here: built for a CPU with AMX-BF16 and the OS grants the tiles."""
+    lib = library()
+    return lib is not None and bool(lib.amx_available())
+
+
+def blocked_head(W_VK: torch.Tensor) -> BlockedHead | None:
+    """`W_VK` (fp32) for the AMX head kernel, or None where it does not run here or the shape does not
+    fit its tiles (vocabulary a multiple of 32, width of 32)."""
+    V, K = W_VK.shape
+    if not amx_head() or V % 32 or K % 32 or W_VK.dtype != torch.float32:
+        return None
+    packed = torch.empty(V * K, dtype=torch.bfloat16)
+    if library().head_pack(W_VK.contiguous().data_ptr(), V, K, packed.data_ptr(), torch.get_num_threads()):
+        return None
+    return BlockedHead(packed, V, K)

@@ -81,7 +81,10 @@ def _rope_qk(W: SamplerWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 def logits(W: SamplerWeights, hidden: torch.Tensor) -> torch.Tensor:
-    """fp32 logits of final-normed hidden states, over fixed `ROW_BLOCK`-row blocks (see `Projection.blocked`)."""
+    """fp32 logits of final-normed hidden states: on the AMX head kernel where `W.head_blocked` (each row
+    computed alike whatever the others), else over fixed `ROW_BLOCK`-row blocks (`Projection.blocked`)."""
+    if W.head_blocked is not None:
+        return W.head_blocked.logits(hidden.float())
     with matmul_inputs(W.head_inputs):
         return W.lm_head.blocked(hidden.float())
 
@@ -230,8 +233,11 @@ def decode_attention(q_BKGD: torch.Tensor, k_BKND: torch.Tensor, v_BKND: torch.T
 
 
 def _target_logprobs(W: SamplerWeights, hidden_TH: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
-    with matmul_inputs(W.head_inputs):
-        lg = W.lm_head(hidden_TH.float())
+    if W.head_blocked is not None:
+        lg = W.head_blocked.logits(hidden_TH.float())
+    else:
+        with matmul_inputs(W.head_inputs):
+            lg = W.lm_head(hidden_TH.float())
     return lg.gather(-1, targets_T.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, -1)
 
 

@@ -113,6 +113,9 @@ class SamplerWeights:
     dtype: torch.dtype
     # what the unembedding's inputs are rounded to (`model.unembed_inputs`; run it under `matmul_inputs`)
     head_inputs: torch.dtype
+    # where the head inputs are bf16 and the AMX head kernel runs: the unembedding in bf16 for it (the same
+    # logits as `lm_head` under `matmul_inputs`, reading half the bytes); None elsewhere or with a LoRA on it
+    head_blocked: kernels.BlockedHead | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -121,10 +124,12 @@ class SamplerWeights:
 
 def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                   dtype: torch.dtype, pack: bool | None = None,
-                  stacked: dict[str, torch.Tensor] | None = None) -> SamplerWeights:
+                  stacked: dict[str, torch.Tensor] | None = None,
+                  blocked_head: kernels.BlockedHead | None = None) -> SamplerWeights:
     """Fuse base weights (fp32, HF names) into `dtype` (no LoRA; see `with_lora`); `pack` (default: on a
     oneDNN build) adds decode-packed copies of every projection. `stacked`: `fuse_base(config, base)`
-    when already built (shared instead of concatenated again)."""
+    when already built (shared instead of concatenated again). `blocked_head`: the unembedding for the AMX
+    head kernel (`kernels.blocked_head`), used where the head inputs are bf16."""
     check_architecture(config)
     pack = ONEDNN_PACKING if pack is None else pack
     stacked = fuse_base(config, base) if stacked is None else stacked
@@ -156,7 +161,8 @@ def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor,
     return SamplerWeights(
         embed=f32(EMBED), lm_head=lm_head, final_norm=f32(FINAL_NORM), layers=layers,
         n_heads=d.n_heads, n_kv=d.n_kv, head_dim=d.head_dim, intermediate=d.intermediate, eps=d.eps, act=d.act, act_name=d.act_name,
-        cos=cos.float(), sin=sin.float(), max_context=cos.shape[0], dtype=dtype, head_inputs=head_inputs)
+        cos=cos.float(), sin=sin.float(), max_context=cos.shape[0], dtype=dtype, head_inputs=head_inputs,
+        head_blocked=blocked_head if head_inputs == torch.bfloat16 else None)
 
 
 def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
@@ -206,4 +212,4 @@ def with_lora(W: SamplerWeights, lora: dict[str, tuple[torch.Tensor, torch.Tenso
     unknown = sorted(set(lora) - known)
     if unknown:
         raise ValueError(f"local sampler: LoRA on unsupported modules {unknown[:3]}")
-    return replace(W, layers=layers, lm_head=head)
+    return replace(W, layers=layers, lm_head=head, head_blocked=W.head_blocked if head is W.lm_head else None)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from trainer.backends.local import fused_ops
+from trainer.backends.local import fused_ops, kernels
 from trainer.backends.local.model import (EMBED, FINAL_NORM, ONEDNN_PACKING, dims, fuse_base, layer_names,
                                           onednn_linear, onednn_pack, rms_norm, rope, weight)
 
@@ -87,6 +87,8 @@ def pack(seqs: Sequence[Sequence[int]], share: Sequence[int]) -> Packing:
 
 
 Lora = dict[str, tuple[torch.Tensor, torch.Tensor]]
+# the unembedding's base product: plain (None), a oneDNN-packed weight, or the AMX head kernel's weights
+Head = torch.Tensor | kernels.BlockedHead | None
 
 
 
@@ -274,13 +276,19 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
 UNEMBED_ROWS = 128
 
 
-def unembed_block(h_NH: torch.Tensor, W_VH: torch.Tensor, packed: torch.Tensor | None,
+def unembed_block(h_NH: torch.Tensor, W_VH: torch.Tensor, packed: Head,
                   lora: tuple[torch.Tensor, torch.Tensor] | None = None, scale: float = 1.0,
                   u_NR: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 logits `h W^T (+ s (h A^T) B^T)` of one row block: the base product on oneDNN's packed kernel
-    when `packed` is given, the LoRA term accumulated into it (`u_NR`: `h A^T` when already formed). Every
-    unembedding path computes its logits here, so they agree to the bit."""
-    logits = F.linear(h_NH, W_VH) if packed is None else onednn_linear(h_NH, packed)
+    when `packed` is a packed tensor, on the AMX head kernel when it is a `kernels.BlockedHead`, the LoRA
+    term accumulated into it (`u_NR`: `h A^T` when already formed). Every unembedding path computes its
+    logits here, so they agree to the bit."""
+    if packed is None:
+        logits = F.linear(h_NH, W_VH)
+    elif isinstance(packed, kernels.BlockedHead):
+        logits = packed.logits(h_NH)
+    else:
+        logits = onednn_linear(h_NH, packed)
     if lora is not None:
         A_RH, B_VR = lora
         logits.addmm_(F.linear(h_NH, A_RH) if u_NR is None else u_NR, B_VR.t(), alpha=scale)
@@ -296,7 +304,7 @@ class _TargetLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h_NH: torch.Tensor, W_VH: torch.Tensor, y_N: torch.Tensor,
-                packed: torch.Tensor | None, Wg_VH: torch.Tensor, grad_packed: torch.Tensor | None) -> torch.Tensor:
+                packed: Head, Wg_VH: torch.Tensor, grad_packed: torch.Tensor | None) -> torch.Tensor:
         need = ctx.needs_input_grad[0]
         N = h_NH.shape[0]
         out_N = h_NH.new_empty(N)
@@ -336,7 +344,7 @@ class _TargetLogprobLora(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h_NH: torch.Tensor, A_RH: torch.Tensor, B_VR: torch.Tensor, W_VH: torch.Tensor,
-                y_N: torch.Tensor, scale: float, packed: torch.Tensor | None, Wg_VH: torch.Tensor,
+                y_N: torch.Tensor, scale: float, packed: Head, Wg_VH: torch.Tensor,
                 grad_packed: torch.Tensor | None) -> torch.Tensor:
         N = h_NH.shape[0]
         u_NR = F.linear(h_NH, A_RH)
@@ -394,7 +402,7 @@ def pack_unembed_grad(Wg_VH: torch.Tensor) -> torch.Tensor | None:
 
 @torch.no_grad()
 def target_logprobs_and_entropy(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
-                                scale: float, y_N: torch.Tensor, packed: torch.Tensor | None = None
+                                scale: float, y_N: torch.Tensor, packed: Head = None
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob of `y_N[n]`, exact entropy of row n's next-token distribution), fp32, in row blocks and
     without gradients: H = log Z - sum_v softmax_v * (l_v - max l). Kept off the training path (it costs
@@ -415,7 +423,7 @@ def target_logprobs_and_entropy(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tu
 
 
 def target_logprobs(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
-                    scale: float, y_N: torch.Tensor, packed: torch.Tensor | None = None,
+                    scale: float, y_N: torch.Tensor, packed: Head = None,
                     grad_weight: torch.Tensor | None = None, grad_packed: torch.Tensor | None = None) -> torch.Tensor:
     """Logprob of target `y_N[n]` under row n's next-token distribution, in fp32 (`packed`: the
     `pack_unembed(W_VH)` copy). `grad_weight`: `W_VH` in the precision of the backward (bf16 training:

@@ -188,9 +188,11 @@ class LoraCompute:
                 lp = lg.gather(-1, t) - torch.logsumexp(lg, -1, keepdim=True)
                 out.append(lp if p.targets.dim() == 2 else lp.squeeze(-1))
             return out
-        # fp32 inputs run on oneDNN's packed fp32 kernel (see `model.unembed_inputs`); every path below
-        # computes its logits the same way
-        packed = b.packed_unembed() if unembed_inputs(self.train_dtype) == torch.float32 else None
+        # fp32 inputs run on oneDNN's packed fp32 kernel (see `model.unembed_inputs`), bf16 ones on the AMX
+        # head kernel where it runs (the same logits as the plain product, from bf16 weights); every path
+        # below computes its logits the same way
+        packed = (b.packed_unembed() if unembed_inputs(self.train_dtype) == torch.float32
+                  else b.blocked_unembed())
         if entropy is not None:
             idx = torch.cat(list(pk.rows))
             lp, ent = train_forward.target_logprobs_and_entropy(hidden.index_select(0, idx), W, head_lora,
