@@ -142,8 +142,9 @@ def _plan(W: SamplerWeights, jobs: Sequence[SampleJob]) -> _Batch:
 
 
 def prefill(W: SamplerWeights, batch: _Batch, results: list[SampleResult]) -> tuple[torch.Tensor, KVCache]:
-    """Each job's prompt prefilled once into its own cache slot (indices `[0, len)`), then its K/V
-    copied to each of its rows. Records the prompt logprobs the jobs asked for; returns the first
+    """Every job's prompt prefilled once, all together (`sampler_forward.prefill`: prompts stay
+    independent of each other), each into its own cache slot (indices `[0, len)`), then its K/V copied
+    to each of its rows. Records the prompt logprobs the jobs asked for; returns the first
     token's logits `[rows, V]` and the rows' cache."""
     jobs, R = batch.jobs, len(batch.jobs)
     cache_R = new_cache(W, R, batch.cache_len)
@@ -248,7 +249,7 @@ def decode_one_token(W: SamplerWeights, batch: _Batch, tok: torch.Tensor, step: 
 
 @torch.no_grad()
 def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None) -> list[SampleResult]:
-    """Sample all `jobs` together: each prompt prefilled on its own, then one decode loop over all rows.
+    """Sample all `jobs` together: the prompts prefilled in one pass, then one decode loop over all rows.
 
     Every row's numbers are independent of the other jobs in the batch (see `sampler_forward`), and its
     draws come from its job's generator, so a seeded job returns the same tokens and bit-identical

@@ -1,11 +1,15 @@
-"""Native CPU kernels for the sampler's decode step (`kernels.c`), built with the machine's C compiler on
-first use and loaded with ctypes; the sampler runs its torch path where none can be built.
+"""Native CPU kernels of the local engine (`kernels.c`), built with the machine's C compiler on first use and
+loaded with ctypes; the engine runs torch ops where none can be built.
 
 Why: at decode shapes (one query per row, a few hundred cached positions, head size 64) attention is 96
 tiny matrix products per layer, which torch's batched GEMM runs at a few percent of the CPU's speed;
-it costs about as much as all the layer projections of the step together. One pass per (row, key/value
-head) that computes the scores, the softmax and the weighted sum of values, with the query heads of a
-group sharing their cache reads, does the same arithmetic in a fraction of the time.
+one pass per (row, key/value head) that computes the scores, the softmax and the weighted sum of values,
+with the query heads of a group sharing their cache reads, does the same arithmetic in a fraction of the
+time. The same holds, less extremely, for the element-wise steps between a layer's products (norms,
+casts, residual adds, RoPE, the SiLU gate): each torch op is a pass over memory and a dispatch, and at
+decode's few rows the dispatch alone costs more than the arithmetic; here each step is one pass per row.
+On AMX CPUs the unembedding runs on the tiles from bf16 weights (`BlockedHead`): the fp32 product in
+oneDNN's bf16 mode gives the same logits but converts the fp32 weight on every call.
 
 Build: `cc -O3 -march=native -fopenmp -shared -fPIC`, once per (source, compiler, CPU), into
 `<cache>/kernels/` (`PAIREDRL_CACHE_DIR` or ~/.cache/pairedrl, as for `auto` precision), written
@@ -118,7 +122,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def describe() -> str:
-    """Which decode-attention path this process runs, and why."""
+    """Which path this process runs (the native kernels or torch ops), and why."""
     library()
     return str(_state["why"])
 

@@ -53,8 +53,11 @@ class LocalServiceClient:
         self.precision = {"sampler_dtype": dtype_name(self.sampler_dtype), "train_dtype": dtype_name(self.train_dtype),
                           "auto": auto[1] if auto else None,
                           "train_packed_weights": self.train_packed_weights, "train_packing": packing_why,
-                          # the sampler's decode attention: native kernel or torch path (their sums differ in order)
-                          "decode_attention": kernels.describe()}
+                          # the native kernels (decode attention, row kernels, LoRA merge) or torch ops: their
+                          # sums differ in order
+                          "decode_attention": kernels.describe(),
+                          # the unembedding on AMX tiles from bf16 weights (bf16 head inputs only): same logits
+                          "amx_unembedding": kernels.amx_head()}
         for name, v in (("micro_batch_size", micro_batch_size), ("micro_batch_tokens", micro_batch_tokens),
                         ("max_sample_batch", max_sample_batch)):
             if not isinstance(v, int) or v < 1:
