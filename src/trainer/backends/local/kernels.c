@@ -136,6 +136,73 @@ static inline void rope_row(const float *restrict x, const float *restrict c, co
  * the same bits as rotating them once. The G query heads that share a key/value head read its cache
  * together. Returns 0; -1, with nothing written, when the sizes or a position are beyond what the
  * kernel takes; -2 when memory for the scores ran out. */
+/* One (row, key/value head) task of `decode_layer_attention` (see there); returns 1 when out of memory.
+ * Inlined with a literal head size at the common sizes, so that every per-key loop over D compiles to
+ * straight-line vector code instead of a loop with a run-time trip count. */
+static inline int attention_task(int64_t t, const void *qkv, int64_t qkv_row_stride, int bf16, const float *restrict cos,
+                                 const float *restrict sin, void *kc, void *vc, const int64_t *restrict pos_B, void *out,
+                                 int64_t KV, int64_t G, const int64_t D, int64_t L, float scale, size_t el) {
+    const int64_t b = t / KV, h = t % KV, pos = pos_B[b], n = pos + 1;
+    const char *row = (const char *)qkv + (size_t)(b * qkv_row_stride) * el;
+    char *kt = (char *)kc + (size_t)(t * L * D) * el;
+    char *vt = (char *)vc + (size_t)(t * L * D) * el;
+    memcpy(kt + (size_t)(pos * D) * el, row + (size_t)((KV * G + h) * D) * el, D * el);
+    memcpy(vt + (size_t)(pos * D) * el, row + (size_t)((KV * G + KV + h) * D) * el, D * el);
+    float *restrict sc = (float *)malloc(sizeof(float) * G * n); /* sc[i * n + j]: query i, position j */
+    if (!sc) return 1;
+    float qf[MAX_G * MAX_D], xf[MAX_D], kf[MAX_D];
+    for (int64_t i = 0; i < G; i++) {
+        load_row(row + (size_t)((h * G + i) * D) * el, bf16, xf, D);
+        rope_row(xf, cos + pos * D, sin + pos * D, qf + i * D, D);
+    }
+    for (int64_t j = 0; j < n; j++) {
+        load_row(kt + (size_t)(j * D) * el, bf16, xf, D);
+        rope_row(xf, cos + j * D, sin + j * D, kf, D);
+        for (int64_t i = 0; i < G; i++) sc[i * n + j] = dot(qf + i * D, kf, D) * scale;
+    }
+    float inv_z[MAX_G];
+    for (int64_t i = 0; i < G; i++) {
+        float *si = sc + i * n;
+        float m = si[0];
+        for (int64_t j = 1; j < n; j++) m = si[j] > m ? si[j] : m;
+        float acc[LANES] = {0};
+        int64_t j = 0;
+        for (; j + LANES <= n; j += LANES)
+            for (int l = 0; l < LANES; l++) {
+                si[j + l] = exp_nonpos(si[j + l] - m);
+                acc[l] += si[j + l];
+            }
+        float tail = 0.0f;
+        for (; j < n; j++) {
+            si[j] = exp_nonpos(si[j] - m);
+            tail += si[j];
+        }
+        inv_z[i] = 1.0f / (lane_sum(acc) + tail);
+    }
+    float o[MAX_G * MAX_D];
+    memset(o, 0, sizeof(float) * G * D);
+    for (int64_t j = 0; j < n; j++) {
+        load_row(vt + (size_t)(j * D) * el, bf16, xf, D);
+        for (int64_t i = 0; i < G; i++) {
+            const float p = sc[i * n + j];
+            float *restrict oi = o + i * D;
+            for (int64_t d = 0; d < D; d++) oi[d] += p * xf[d];
+        }
+    }
+    for (int64_t i = 0; i < G; i++) {
+        const int64_t at = (t * G + i) * D;
+        for (int64_t d = 0; d < D; d++) {
+            const float y = o[i * D + d] * inv_z[i];
+            if (bf16)
+                ((uint16_t *)out)[at + d] = f32_to_bf16(y);
+            else
+                ((float *)out)[at + d] = y;
+        }
+    }
+    free(sc);
+    return 0;
+}
+
 int decode_layer_attention(const void *qkv, int64_t qkv_row_stride, int bf16, const float *restrict cos,
                            const float *restrict sin, int64_t max_ctx, void *kc, void *vc,
                            const int64_t *restrict pos_B, void *out, int64_t B, int64_t KV, int64_t G, int64_t D,
@@ -147,67 +214,16 @@ int decode_layer_attention(const void *qkv, int64_t qkv_row_stride, int bf16, co
     int failed = 0;
 #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : failed)
     for (int64_t t = 0; t < B * KV; t++) {
-        const int64_t b = t / KV, h = t % KV, pos = pos_B[b], n = pos + 1;
-        const char *row = (const char *)qkv + (size_t)(b * qkv_row_stride) * el;
-        char *kt = (char *)kc + (size_t)(t * L * D) * el;
-        char *vt = (char *)vc + (size_t)(t * L * D) * el;
-        memcpy(kt + (size_t)(pos * D) * el, row + (size_t)((KV * G + h) * D) * el, D * el);
-        memcpy(vt + (size_t)(pos * D) * el, row + (size_t)((KV * G + KV + h) * D) * el, D * el);
-        float *restrict sc = (float *)malloc(sizeof(float) * G * n); /* sc[i * n + j]: query i, position j */
-        if (!sc) {
-            failed = 1;
-            continue;
-        }
-        float qf[MAX_G * MAX_D], xf[MAX_D], kf[MAX_D];
-        for (int64_t i = 0; i < G; i++) {
-            load_row(row + (size_t)((h * G + i) * D) * el, bf16, xf, D);
-            rope_row(xf, cos + pos * D, sin + pos * D, qf + i * D, D);
-        }
-        for (int64_t j = 0; j < n; j++) {
-            load_row(kt + (size_t)(j * D) * el, bf16, xf, D);
-            rope_row(xf, cos + j * D, sin + j * D, kf, D);
-            for (int64_t i = 0; i < G; i++) sc[i * n + j] = dot(qf + i * D, kf, D) * scale;
-        }
-        float inv_z[MAX_G];
-        for (int64_t i = 0; i < G; i++) {
-            float *si = sc + i * n;
-            float m = si[0];
-            for (int64_t j = 1; j < n; j++) m = si[j] > m ? si[j] : m;
-            float acc[LANES] = {0};
-            int64_t j = 0;
-            for (; j + LANES <= n; j += LANES)
-                for (int l = 0; l < LANES; l++) {
-                    si[j + l] = exp_nonpos(si[j + l] - m);
-                    acc[l] += si[j + l];
-                }
-            float tail = 0.0f;
-            for (; j < n; j++) {
-                si[j] = exp_nonpos(si[j] - m);
-                tail += si[j];
-            }
-            inv_z[i] = 1.0f / (lane_sum(acc) + tail);
-        }
-        float o[MAX_G * MAX_D];
-        memset(o, 0, sizeof(float) * G * D);
-        for (int64_t j = 0; j < n; j++) {
-            load_row(vt + (size_t)(j * D) * el, bf16, xf, D);
-            for (int64_t i = 0; i < G; i++) {
-                const float p = sc[i * n + j];
-                float *restrict oi = o + i * D;
-                for (int64_t d = 0; d < D; d++) oi[d] += p * xf[d];
-            }
-        }
-        for (int64_t i = 0; i < G; i++) {
-            const int64_t at = (t * G + i) * D;
-            for (int64_t d = 0; d < D; d++) {
-                const float y = o[i * D + d] * inv_z[i];
-                if (bf16)
-                    ((uint16_t *)out)[at + d] = f32_to_bf16(y);
-                else
-                    ((float *)out)[at + d] = y;
-            }
-        }
-        free(sc);
+        int oom;
+        if (D == 64 && bf16)
+            oom = attention_task(t, qkv, qkv_row_stride, 1, cos, sin, kc, vc, pos_B, out, KV, G, 64, L, scale, 2);
+        else if (D == 64)
+            oom = attention_task(t, qkv, qkv_row_stride, 0, cos, sin, kc, vc, pos_B, out, KV, G, 64, L, scale, 4);
+        else if (D == 128)
+            oom = attention_task(t, qkv, qkv_row_stride, bf16, cos, sin, kc, vc, pos_B, out, KV, G, 128, L, scale, el);
+        else
+            oom = attention_task(t, qkv, qkv_row_stride, bf16, cos, sin, kc, vc, pos_B, out, KV, G, D, L, scale, el);
+        failed |= oom;
     }
     return failed ? -2 : 0;
 }
