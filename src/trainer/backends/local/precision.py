@@ -48,6 +48,8 @@ TRAIN_PACKING_ENV = "PAIREDRL_TRAIN_PACKING"
 _IN, _OUT, _DECODE_ROWS, _TRAIN_ROWS = 576, 3072, 32, 512
 # calls per timed sample: ~5 ms of bf16 work each on an AMX CPU (fp32 and bf16 alike run the same count)
 _DECODE_REPS, _TRAIN_REPS = 40, 4
+# distinct weights the training products cycle over: 8 x 3.5 MB (bf16) is more than a core's L2
+_TRAIN_WEIGHTS = 8
 
 
 def cpu_flags() -> set[str]:
@@ -59,9 +61,14 @@ def cpu_flags() -> set[str]:
     return {f for f in ("avx512_bf16", "amx_bf16") if f in text.split()}
 
 
+# bumped when what `_kernels` times changes, so that a cached result of the old measurement is not reused
+MEASUREMENT = 2
+
+
 def machine_key() -> str:
-    """What the measurement depends on: CPU model and bf16 flags, torch version."""
-    return f"{cpu_model() or platform.machine()} | {','.join(sorted(cpu_flags())) or 'no bf16 flags'} | torch {torch.__version__}"
+    """What the measurement depends on: CPU model and bf16 flags, torch version, the measurement itself."""
+    return (f"{cpu_model() or platform.machine()} | {','.join(sorted(cpu_flags())) or 'no bf16 flags'} | "
+            f"torch {torch.__version__} | measurement {MEASUREMENT}")
 
 
 def cache_path() -> Path:
@@ -90,16 +97,26 @@ def _kernels(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
         for _ in range(_DECODE_REPS):
             one_decode()
 
-    def train() -> None:
-        for _ in range(_TRAIN_REPS):
-            F.linear(xt, w)
+    # training products cycle over distinct weights, as the training forward's layers do: each product finds
+    # its weight out of the core's caches (plain bf16 weights are then reordered for AMX from memory on
+    # every call, which a weight kept hot would hide)
+    ws = [w] + [torch.randn(_OUT, _IN, generator=gen).to(dtype) for _ in range(_TRAIN_WEIGHTS - 1)]
+
+    dyt = torch.randn(_TRAIN_ROWS, _OUT, generator=gen).to(dtype)
+
+    def train() -> None:  # the forward product and the backward's input gradient, as a layer runs them
+        for i in range(_TRAIN_REPS):
+            F.linear(xt, ws[i % _TRAIN_WEIGHTS])
+            torch.mm(dyt, ws[i % _TRAIN_WEIGHTS])
     kinds = {"decode": decode, "train": train}
-    if ONEDNN_PACKING:
-        packed_t = onednn_pack(w, _TRAIN_ROWS)  # how packed training runs
+    if ONEDNN_PACKING:  # how packed training runs: the weight and its transpose packed (`train_forward.pack_weight`)
+        packed_t = [(onednn_pack(wi, _TRAIN_ROWS), onednn_pack(wi.t().contiguous(), _TRAIN_ROWS)) for wi in ws]
 
         def train_packed() -> None:
-            for _ in range(_TRAIN_REPS):
-                onednn_linear(xt, packed_t)
+            for i in range(_TRAIN_REPS):
+                fwd, bwd = packed_t[i % _TRAIN_WEIGHTS]
+                onednn_linear(xt, fwd)
+                onednn_linear(dyt, bwd)
         kinds["train_packed"] = train_packed
     return kinds
 
