@@ -1,4 +1,6 @@
-"""The sampler's decode step on its native attention kernel next to its torch path, interleaved in one process.
+"""The sampler's decode step on its native kernels (decode attention, and the row kernels between the layer
+products: residual add + RMSNorm + cast, SiLU gate) next to its torch path, interleaved in one process.
+The unembedding is the same on both sides (on AMX CPUs the AMX head kernel).
 
 SmolLM2-135M-Instruct with a rank-8 LoRA merged (as a sampling snapshot is), 32 rows in 8 runs of 4 (a
 GRPO batch of 8 prompts x 4 samples) at cache lengths 107-170, random cache contents (the time does not
@@ -54,9 +56,9 @@ def main() -> None:
         pos = torch.tensor([NEW_POS - 9 * (i // per) for i in range(ROWS)])
         spans = [(per * i, per * (i + 1), NEW_POS + 1 - 9 * i) for i in range(RUNS)]
         tok = torch.randint(100, 40000, (ROWS,))
-        sides = {"native kernel": real, "torch path": lambda: None}
+        sides = {"native kernels": real, "torch path": lambda: None}
         if real() is None:
-            del sides["native kernel"]
+            del sides["native kernels"]
         caches = {}
         for side, lib in sides.items():
             kernels.library = lib

@@ -319,9 +319,10 @@ class BlockedHead:
     packed: torch.Tensor  # bf16, V * K elements
     vocab: int
     width: int
+    lib: ctypes.CDLL  # the library that packed it (AMX available)
 
     def logits(self, h_MK: torch.Tensor) -> torch.Tensor:
-        lib = _lib_or_raise("AMX head")
+        lib = self.lib
         M, K = h_MK.shape
         if K != self.width or h_MK.dtype != torch.float32:
             raise ValueError(f"BlockedHead: inputs {tuple(h_MK.shape)} {h_MK.dtype}, expected [rows, {self.width}] fp32")
@@ -351,7 +352,8 @@ def blocked_head(W_VK: torch.Tensor) -> BlockedHead | None:
     V, K = W_VK.shape
     if not amx_head() or V % 32 or K % 32 or W_VK.dtype != torch.float32:
         return None
+    lib = library()
     packed = torch.empty(V * K, dtype=torch.bfloat16)
-    if library().head_pack(W_VK.contiguous().data_ptr(), V, K, packed.data_ptr(), torch.get_num_threads()):
+    if lib.head_pack(W_VK.contiguous().data_ptr(), V, K, packed.data_ptr(), torch.get_num_threads()):
         return None
-    return BlockedHead(packed, V, K)
+    return BlockedHead(packed, V, K, lib)
