@@ -1,10 +1,11 @@
-"""The sampler's Llama forward over `SamplerWeights`: per-prompt prefill into a static KV cache, one
-decode step for a batch of rows, and prompt scoring.
+"""The sampler's Llama forward over `SamplerWeights`: prefill of a batch of prompts into a static KV cache,
+one decode step for a batch of rows, and prompt scoring.
 
 Batch invariance (a request's numbers are bit-identical alone or in any batch, for one machine and
-thread count): GEMM libraries pick kernels, hence summation orders, by row count, so each prompt is
-prefilled on its own (its row count is its length); every decode product that mixes rows of different
-requests runs over fixed `ROW_BLOCK`-row blocks; and decode attention runs per row over cache indices
+thread count): GEMM libraries pick kernels, hence summation orders, by row count, so every product that
+mixes rows of different requests runs over fixed-size row blocks (`PREFILL_BLOCK` in prefill, with
+attention per prompt; `ROW_BLOCK` in the decode step), whose kernel computes each row alike whatever its
+block-mates; and decode attention runs per row over cache indices
 `[0, n)` with no padding or mask: on the native kernel (`kernels.c`) as one task per (row, key/value head)
 whose sums run in an order fixed by n, on the torch path per run of rows of equal length as two batched
 products and a softmax (`decode_attention`): torch's CPU flash-attention kernel splits the key/value
