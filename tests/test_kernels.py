@@ -272,3 +272,16 @@ def test_amx_head_logits():
     for r in (0, 7, 20):
         assert torch.equal(head.logits(h[r: r + 1])[0], out[r])
     assert kernels.blocked_head(W[:-16]) is None and kernels.blocked_head(W[:, :-8]) is None
+
+
+def test_fused_ops_run_only_where_the_row_kernels_fit():
+    """The training forward takes the native element-wise steps only for SiLU, fp32/bf16 and widths the row
+    kernels take; anything else keeps torch's ops (a wider model would otherwise fail inside a kernel)."""
+    from trainer.backends.local import fused_ops
+
+    here = kernels.library() is not None
+    assert fused_ops.usable("silu", torch.bfloat16, 576, 1536) == here
+    assert not fused_ops.usable("gelu", torch.bfloat16, 576, 1536)
+    assert not fused_ops.usable("silu", torch.float16, 576, 1536)
+    assert not fused_ops.usable("silu", torch.float32, kernels.MAX_HIDDEN + 1, 1536)
+    assert not fused_ops.usable("silu", torch.float32, 576, kernels.MAX_INTERMEDIATE + 1)

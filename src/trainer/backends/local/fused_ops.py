@@ -9,8 +9,8 @@ their backward, plus the concatenation of the gate and up gradients), and at a m
 thousand rows these passes cost about as much as the layer products. Here each step is one pass per row
 each way, computing what the torch ops compute (`tests/test_kernels.py` checks them against autograd).
 
-`usable` says where they run: the native library is here, the activation is SiLU and the norm weights are
-frozen (LoRA training); elsewhere `train_forward` runs the torch ops.
+`usable` says where they run: the native library is here, the activation is SiLU, the widths fit the row
+kernels, and the norm weights are frozen (LoRA training); elsewhere `train_forward` runs the torch ops.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ from trainer.backends.local import kernels
 SILU_NAMES = ("silu", "swish")
 
 
-def usable(act_name: str, dtype: torch.dtype) -> bool:
-    """Whether the training forward's element-wise steps run on the native kernels here."""
-    return kernels.library() is not None and act_name in SILU_NAMES and dtype in (torch.float32, torch.bfloat16)
+def usable(act_name: str, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
+    """Whether the training forward's element-wise steps run on the native kernels here (the activation,
+    the dtype, and the widths within what the row kernels take)."""
+    return (kernels.library() is not None and act_name in SILU_NAMES and dtype in (torch.float32, torch.bfloat16)
+            and hidden <= kernels.MAX_HIDDEN and intermediate <= kernels.MAX_INTERMEDIATE)
 
 
 class NormCast(torch.autograd.Function):

@@ -12,9 +12,10 @@
 /* the largest query-group size (query heads per key/value head) and head size the kernel takes */
 #define MAX_G 16
 #define MAX_D 256
-/* the largest hidden size and MLP width the row kernels take (rows live on the stack) */
+/* the largest hidden size and MLP width the row kernels take: a row lives on its thread's stack, up to three
+ * rows of 64 KB at these bounds, well within the stacks OpenMP threads get */
 #define MAX_H 16384
-#define MAX_I 32768
+#define MAX_I 16384
 
 /* Sum of 16 lanes in a fixed tree. */
 static inline float lane_sum(float *acc) {

@@ -175,7 +175,7 @@ def decode_layer_attention(qkv_BC: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 
 # what the row kernels take (kernels.c: MAX_H, MAX_I)
-MAX_HIDDEN, MAX_INTERMEDIATE = 16384, 32768
+MAX_HIDDEN, MAX_INTERMEDIATE = 16384, 16384
 
 
 def _lib_or_raise(what: str) -> ctypes.CDLL:

@@ -177,7 +177,8 @@ def native_rows(W: SamplerWeights) -> bool:
     casts, the SiLU gate) runs on the native row kernels (`kernels.residual_rms_norm`, `kernels.silu_mul`):
     one pass per row each, instead of a dozen small torch ops per layer whose dispatch costs more than
     their arithmetic at decode's few rows."""
-    return native(W) and W.act_name in SILU_NAMES
+    return (native(W) and W.act_name in SILU_NAMES and W.embed.shape[1] <= kernels.MAX_HIDDEN
+            and W.intermediate <= kernels.MAX_INTERMEDIATE)
 
 
 def _native_layers(W: SamplerWeights, x: torch.Tensor, attend: Callable[..., torch.Tensor], cache: KVCache

@@ -182,7 +182,8 @@ def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
     if lin.packed is not None:  # merge into the base and re-pack (see `Projection`)
         # summed in fp32, rounded once (a bf16 addmm would round the product and the sum separately);
         # on the native kernel in one pass over the weight
-        if kernels.library() is not None and lin.w.dtype in (torch.float32, torch.bfloat16):
+        if (kernels.library() is not None and lin.w.dtype in (torch.float32, torch.bfloat16)
+                and lin.w.shape[1] <= kernels.MAX_INTERMEDIATE):
             merged = kernels.lora_merge(lin.w, A.float(), B)
         else:
             merged = torch.addmm(lin.w.float(), B, A.float()).to(lin.w.dtype)

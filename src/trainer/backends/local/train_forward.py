@@ -234,7 +234,7 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
         return stacked_linear(x, w, outs, [lora.get(n) for n in names], scale, (packed or {}).get(key))
 
     # the element-wise steps on the native kernels where they run (`fused_ops`), else torch's ops
-    native = fused_ops.usable(d.act_name, dtype) and not any(
+    native = fused_ops.usable(d.act_name, dtype, d.hidden, inter) and not any(
         base[weight(k)].requires_grad for i in range(d.n_layers)
         for k in (layer_names(i).input_norm, layer_names(i).post_norm))
 
