@@ -37,8 +37,8 @@ from trainer.backends.local.sampler_weights import ROW_BLOCK, LayerWeights, Samp
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [rows, n_kv, length, head_dim]
 # the dtype of attention, and of the KV cache on the torch path (see the module docstring)
 ATTN_DTYPE = torch.float32
-# rows per prefill product block (`prefill`): any fixed count keeps prompts independent of each other; at
-# 64 rows a block runs at most of the training-size products' speed while short prompts pad little
+# rows per prefill product block (`prefill`): any fixed count keeps prompts independent of each other; 64
+# rows already run near the speed of training-size products (bench/README), and few prompts pad much
 PREFILL_BLOCK = 64
 
 
