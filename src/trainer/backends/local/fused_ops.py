@@ -22,15 +22,10 @@ from torch.autograd.function import once_differentiable
 
 from trainer.backends.local import kernels
 
-# `hidden_act` names of SiLU in transformers' ACT2FN, the activation `kernels.silu_mul` implements
-SILU_NAMES = ("silu", "swish")
-
-
 def usable(act_name: str, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
-    """Whether the training forward's element-wise steps run on the native kernels here (the activation,
-    the dtype, and the widths within what the row kernels take)."""
-    return (kernels.library() is not None and act_name in SILU_NAMES and dtype in (torch.float32, torch.bfloat16)
-            and hidden <= kernels.MAX_HIDDEN and intermediate <= kernels.MAX_INTERMEDIATE)
+    """Whether the training forward's element-wise steps run on the native kernels here
+    (`kernels.row_kernels`)."""
+    return kernels.row_kernels(act_name, dtype, hidden, intermediate)
 
 
 class NormCast(torch.autograd.Function):

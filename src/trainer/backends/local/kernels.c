@@ -1,4 +1,5 @@
-/* Native CPU kernels of the local engine's sampler; built and loaded by kernels.py (why and how: there).
+/* Native CPU kernels of the local engine (sampler and training forward); built and loaded by kernels.py
+ * (why and how: there).
  *
  * Every reduction below runs in an order fixed by this code and by the lengths of its own inputs (16
  * lanes, then a fixed tree), never by the thread that runs it or by the other rows of a call: a row's
@@ -113,6 +114,16 @@ static inline void load_row(const void *x, int bf16, float *restrict dst, int64_
     }
 }
 
+/* Row `x` of H fp32 values to `out` (bf16 rounded to nearest even where `bf16`, else fp32). */
+static inline void store_row(const float *restrict x, int bf16, void *out, int64_t H) {
+    if (bf16) {
+        uint16_t *h = (uint16_t *)out;
+        for (int64_t d = 0; d < H; d++) h[d] = f32_to_bf16(x[d]);
+    } else {
+        memcpy(out, x, sizeof(float) * H);
+    }
+}
+
 /* RoPE of one fp32 head vector at one position, as model.rope computes it in fp32:
  * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]); each product and the sum rounded
  * on their own (built with -ffp-contract=off), so the result has the bits torch's three ops give. */
@@ -123,26 +134,13 @@ static inline void rope_row(const float *restrict x, const float *restrict c, co
     for (int64_t d = 0; d < h; d++) out[d + h] = x[d + h] * c[d + h] + x[d] * s[d + h];
 }
 
-/* The attention part of one decode layer for all rows, from the layer's stacked q|k|v projection output
- * to the attention output that feeds its o projection:
- *   qkv [B, (KV * G + 2 KV) * D], row b at qkv + b * qkv_row_stride: q heads, then k heads, then v heads
- *       (rows' tokens at rope position pos_B[b], which is also their cache index)
- *   kc, vc [B, KV, L, D]: the key cache holds keys before RoPE, the value cache values; the new token's
- *       k and v are written at index pos_B[b]
- *   cos, sin [max_ctx, D] fp32 RoPE tables
- *   out [B, KV * G * D] = softmax(rope(q) rope(k)^T * scale) v over cache indices [0, pos_B[b]]
- * qkv, caches and out are bf16 when `bf16` is set, else fp32; everything is computed in fp32. Keys are
- * rotated as they are read (the RoPE tables of a few hundred positions stay in cache, and a key cache in
- * the projection's own dtype is exact and, in bf16, half the memory traffic of rotated fp32 keys), to
- * the same bits as rotating them once. The G query heads that share a key/value head read its cache
- * together. Returns 0; -1, with nothing written, when the sizes or a position are beyond what the
- * kernel takes; -2 when memory for the scores ran out. */
 /* One (row, key/value head) task of `decode_layer_attention` (see there); returns 1 when out of memory.
  * Inlined with a literal head size at the common sizes, so that every per-key loop over D compiles to
  * straight-line vector code instead of a loop with a run-time trip count. */
 static inline int attention_task(int64_t t, const void *qkv, int64_t qkv_row_stride, int bf16, const float *restrict cos,
                                  const float *restrict sin, void *kc, void *vc, const int64_t *restrict pos_B, void *out,
-                                 int64_t KV, int64_t G, const int64_t D, int64_t L, float scale, size_t el) {
+                                 int64_t KV, int64_t G, const int64_t D, int64_t L, float scale) {
+    const size_t el = bf16 ? 2 : 4;
     const int64_t b = t / KV, h = t % KV, pos = pos_B[b], n = pos + 1;
     const char *row = (const char *)qkv + (size_t)(b * qkv_row_stride) * el;
     char *kt = (char *)kc + (size_t)(t * L * D) * el;
@@ -191,19 +189,28 @@ static inline int attention_task(int64_t t, const void *qkv, int64_t qkv_row_str
         }
     }
     for (int64_t i = 0; i < G; i++) {
-        const int64_t at = (t * G + i) * D;
-        for (int64_t d = 0; d < D; d++) {
-            const float y = o[i * D + d] * inv_z[i];
-            if (bf16)
-                ((uint16_t *)out)[at + d] = f32_to_bf16(y);
-            else
-                ((float *)out)[at + d] = y;
-        }
+        float *restrict oi = o + i * D;
+        for (int64_t d = 0; d < D; d++) oi[d] *= inv_z[i];
+        store_row(oi, bf16, (char *)out + (size_t)((t * G + i) * D) * el, D);
     }
     free(sc);
     return 0;
 }
 
+/* The attention part of one decode layer for all rows, from the layer's stacked q|k|v projection output
+ * to the attention output that feeds its o projection:
+ *   qkv [B, (KV * G + 2 KV) * D], row b at qkv + b * qkv_row_stride: q heads, then k heads, then v heads
+ *       (rows' tokens at rope position pos_B[b], which is also their cache index)
+ *   kc, vc [B, KV, L, D]: the key cache holds keys before RoPE, the value cache values; the new token's
+ *       k and v are written at index pos_B[b]
+ *   cos, sin [max_ctx, D] fp32 RoPE tables
+ *   out [B, KV * G * D] = softmax(rope(q) rope(k)^T * scale) v over cache indices [0, pos_B[b]]
+ * qkv, caches and out are bf16 when `bf16` is set, else fp32; everything is computed in fp32. Keys are
+ * rotated as they are read (the RoPE tables of a few hundred positions stay in cache, and a key cache in
+ * the projection's own dtype is exact and, in bf16, half the memory traffic of rotated fp32 keys), to
+ * the same bits as rotating them once. The G query heads that share a key/value head read its cache
+ * together. Returns 0; -1, with nothing written, when the sizes or a position are beyond what the
+ * kernel takes; -2 when memory for the scores ran out. */
 int decode_layer_attention(const void *qkv, int64_t qkv_row_stride, int bf16, const float *restrict cos,
                            const float *restrict sin, int64_t max_ctx, void *kc, void *vc,
                            const int64_t *restrict pos_B, void *out, int64_t B, int64_t KV, int64_t G, int64_t D,
@@ -211,32 +218,21 @@ int decode_layer_attention(const void *qkv, int64_t qkv_row_stride, int bf16, co
     if (G < 1 || G > MAX_G || D < 2 || D > MAX_D || D % 2) return -1;
     for (int64_t b = 0; b < B; b++)
         if (pos_B[b] < 0 || pos_B[b] >= L || pos_B[b] >= max_ctx) return -1;
-    const size_t el = bf16 ? 2 : 4;
     int failed = 0;
 #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : failed)
     for (int64_t t = 0; t < B * KV; t++) {
         int oom;
         if (D == 64 && bf16)
-            oom = attention_task(t, qkv, qkv_row_stride, 1, cos, sin, kc, vc, pos_B, out, KV, G, 64, L, scale, 2);
+            oom = attention_task(t, qkv, qkv_row_stride, 1, cos, sin, kc, vc, pos_B, out, KV, G, 64, L, scale);
         else if (D == 64)
-            oom = attention_task(t, qkv, qkv_row_stride, 0, cos, sin, kc, vc, pos_B, out, KV, G, 64, L, scale, 4);
+            oom = attention_task(t, qkv, qkv_row_stride, 0, cos, sin, kc, vc, pos_B, out, KV, G, 64, L, scale);
         else if (D == 128)
-            oom = attention_task(t, qkv, qkv_row_stride, bf16, cos, sin, kc, vc, pos_B, out, KV, G, 128, L, scale, el);
+            oom = attention_task(t, qkv, qkv_row_stride, bf16, cos, sin, kc, vc, pos_B, out, KV, G, 128, L, scale);
         else
-            oom = attention_task(t, qkv, qkv_row_stride, bf16, cos, sin, kc, vc, pos_B, out, KV, G, D, L, scale, el);
+            oom = attention_task(t, qkv, qkv_row_stride, bf16, cos, sin, kc, vc, pos_B, out, KV, G, D, L, scale);
         failed |= oom;
     }
     return failed ? -2 : 0;
-}
-
-/* Row `x` of H fp32 values to `out` (bf16 rounded to nearest even where `bf16`, else fp32). */
-static inline void store_row(const float *restrict x, int bf16, void *out, int64_t H) {
-    if (bf16) {
-        uint16_t *h = (uint16_t *)out;
-        for (int64_t d = 0; d < H; d++) h[d] = f32_to_bf16(x[d]);
-    } else {
-        memcpy(out, x, sizeof(float) * H);
-    }
 }
 
 /* The residual add and the RMSNorm that sit between a layer's products, one row at a time:
@@ -510,7 +506,7 @@ int head_logits(const float *restrict X, int64_t M, int64_t K, const uint16_t *r
     if (M % 16 || V % 32 || K % 32 || M < 16 || K < 32) return -1;
     uint16_t *Xb = (uint16_t *)aligned_alloc(64, (size_t)(M * K) * 2);
     if (!Xb) return -2;
-    for (int64_t i = 0; i < M * K; i++) Xb[i] = f32_to_bf16(X[i]);
+    store_row(X, 1, Xb, M * K);
     const int64_t KC = K / 32, NP = V / 32, MT = M / 16;
 #pragma omp parallel num_threads(nthreads)
     {

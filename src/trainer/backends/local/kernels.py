@@ -22,7 +22,6 @@ is None and `describe()` says why; the run records which path it used (`run_info
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
 import shutil
@@ -75,6 +74,24 @@ def _build(cc: str) -> Path:
     return out
 
 
+_i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+# each kernel's C parameters (kernels.c), in order
+_SIGNATURES = {
+    "decode_layer_attention": [_ptr, _i64, _int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                               _i64, _float, _int],
+    "residual_rms_norm": [_ptr, _ptr, _i64, _int, _ptr, _float, _ptr, _int, _ptr, _i64, _i64, _int],
+    "silu_mul": [_ptr, _i64, _int, _ptr, _i64, _i64, _int],
+    "lora_merge": [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "rms_norm_backward": [_ptr, _ptr, _ptr, _ptr, _i64, _int, _ptr, _i64, _i64, _int],
+    "rope_qkv": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int],
+    "rope_qkv_backward": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _int],
+    "silu_mul_backward": [_ptr, _i64, _ptr, _i64, _int, _ptr, _i64, _i64, _int],
+    "head_pack": [_ptr, _i64, _i64, _ptr, _int],
+    "head_logits": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int],
+    "amx_available": [],
+}
+
+
 def _load() -> None:
     if os.environ.get(NATIVE_ENV, "").strip() == "0":
         _state.update(lib=None, why=f"torch path ({NATIVE_ENV}=0)")
@@ -89,27 +106,9 @@ def _load() -> None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _state.update(lib=None, why=f"torch path (native kernels did not build: {e})")
         return
-    i64, fp = ctypes.c_int64, ctypes.c_void_p
-    lib.decode_layer_attention.argtypes = [fp, i64, ctypes.c_int, fp, fp, i64, fp, fp, fp, fp, i64, i64, i64, i64, i64,
-                                           ctypes.c_float, ctypes.c_int]
-    lib.decode_layer_attention.restype = ctypes.c_int
-    lib.residual_rms_norm.argtypes = [fp, fp, i64, ctypes.c_int, fp, ctypes.c_float, fp, ctypes.c_int, fp, i64, i64,
-                                      ctypes.c_int]
-    lib.residual_rms_norm.restype = ctypes.c_int
-    lib.silu_mul.argtypes = [fp, i64, ctypes.c_int, fp, i64, i64, ctypes.c_int]
-    lib.silu_mul.restype = ctypes.c_int
-    lib.lora_merge.argtypes = [fp, ctypes.c_int, fp, fp, fp, i64, i64, i64, ctypes.c_int]
-    lib.lora_merge.restype = ctypes.c_int
-    lib.rms_norm_backward.argtypes = [fp, fp, fp, fp, i64, ctypes.c_int, fp, i64, i64, ctypes.c_int]
-    lib.rope_qkv.argtypes = [fp, i64, ctypes.c_int, fp, fp, fp, i64, fp, fp, fp, i64, i64, i64, i64, ctypes.c_int]
-    lib.rope_qkv_backward.argtypes = [fp, fp, fp, fp, fp, fp, fp, ctypes.c_int, i64, i64, i64, i64, ctypes.c_int]
-    lib.silu_mul_backward.argtypes = [fp, i64, fp, i64, ctypes.c_int, fp, i64, i64, ctypes.c_int]
-    lib.head_pack.argtypes = [fp, i64, i64, fp, ctypes.c_int]
-    lib.head_logits.argtypes = [fp, i64, i64, fp, i64, fp, ctypes.c_int]
-    lib.amx_available.argtypes = []
-    for f in (lib.rms_norm_backward, lib.rope_qkv, lib.rope_qkv_backward, lib.silu_mul_backward, lib.head_pack,
-              lib.head_logits, lib.amx_available):
-        f.restype = ctypes.c_int
+    for name, argtypes in _SIGNATURES.items():  # every kernel returns an int status
+        f = getattr(lib, name)
+        f.argtypes, f.restype = argtypes, ctypes.c_int
     _state.update(lib=lib, why=f"native ({path.name})")
 
 
@@ -176,6 +175,15 @@ def decode_layer_attention(qkv_BC: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 # what the row kernels take (kernels.c: MAX_H, MAX_I)
 MAX_HIDDEN, MAX_INTERMEDIATE = 16384, 16384
+# `hidden_act` names of SiLU in transformers' ACT2FN, the activation `silu_mul` implements
+SILU_NAMES = ("silu", "swish")
+
+
+def row_kernels(act_name: str, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
+    """Whether a model's element-wise steps between its layer products run on the row kernels here: the
+    library is built, the activation is SiLU, the dtype fp32 or bf16, and the widths within the bounds."""
+    return (library() is not None and act_name in SILU_NAMES and dtype in (torch.float32, torch.bfloat16)
+            and hidden <= MAX_HIDDEN and intermediate <= MAX_INTERMEDIATE)
 
 
 def _lib_or_raise(what: str) -> ctypes.CDLL:
@@ -339,7 +347,6 @@ class BlockedHead:
         return out[:M]
 
 
-@functools.cache
 def amx_head() -> bool:
     """Whether the AMX head kernel runs here: built for a CPU with AMX-BF16 and the OS grants the tiles."""
     lib = library()

@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer.backends.local import kernels
-from trainer.backends.local.fused_ops import SILU_NAMES
 from trainer.backends.local.model import matmul_inputs, rms_norm, rope
-from trainer.backends.local.sampler_weights import ROW_BLOCK, LayerWeights, SamplerWeights
+from trainer.backends.local.sampler_weights import SamplerWeights
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [rows, n_kv, length, head_dim]
 # the dtype of attention, and of the KV cache on the torch path (see the module docstring)
@@ -56,18 +55,23 @@ def new_cache(W: SamplerWeights, rows: int, length: int) -> KVCache:
     return [(torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)) for _ in W.layers]
 
 
-def _norm(W: SamplerWeights, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """RMSNorm of the fp32 residual stream, cast to the sampler dtype for the projection that follows."""
-    return rms_norm(x, w, W.eps).to(W.dtype)
+def _add_norm(W: SamplerWeights, x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, rows: bool,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x + y` (the previous product's output added to the fp32 residual stream; `y` None: none yet) and
+    its RMSNorm (fp32 weights) cast to `dtype`. `rows` (`native_rows`): both in one native pass per row,
+    `x` updated in place."""
+    if rows:
+        return x, kernels.residual_rms_norm(x, y, w, W.eps, dtype)
+    x = x if y is None else x + y
+    return x, rms_norm(x, w, W.eps).to(dtype)
 
 
-def _mlp(W: SamplerWeights, L: LayerWeights, x: torch.Tensor, blocked: bool = False, block: int = ROW_BLOCK
-         ) -> torch.Tensor:
-    if blocked:
-        g, u = L.gate_up.blocked(x, block).split(W.intermediate, dim=-1)
-        return L.down.blocked(W.act(g) * u, block)
-    g, u = L.gate_up(x).split(W.intermediate, dim=-1)
-    return L.down(W.act(g) * u)
+def _gate(W: SamplerWeights, gu: torch.Tensor, rows: bool) -> torch.Tensor:
+    """`act(gate) * up` of a stacked gate|up product (`rows`: on the native SiLU kernel)."""
+    if rows:
+        return kernels.silu_mul(gu)
+    g, u = gu.split(W.intermediate, dim=-1)
+    return W.act(g) * u
 
 
 def _rope_qk(W: SamplerWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -112,18 +116,10 @@ def prefill(W: SamplerWeights, prompts: Sequence[torch.Tensor], cache: KVCache |
     raw = cache is not None and native(W)  # the cache takes keys before RoPE, in the sampler dtype
     fused = native_rows(W)
     x = F.embedding(torch.cat(list(prompts)), W.embed)  # [N, H], fp32
-    y = None  # on the row kernels: the previous product's output, not yet added to x
-
-    def norm(w: torch.Tensor) -> torch.Tensor:
-        nonlocal x, y
-        if fused:
-            h, y = kernels.residual_rms_norm(x, y, w, W.eps, W.dtype), None
-            return h
-        x, y = (x if y is None else x + y), None
-        return _norm(W, x, w)
-
+    y = None  # the previous product's output, not yet added to x
     for li, L in enumerate(W.layers):
-        qkv = L.qkv.blocked(norm(L.in_norm), PREFILL_BLOCK)
+        x, h = _add_norm(W, x, y, L.in_norm, fused, W.dtype)
+        qkv = L.qkv.blocked(h, PREFILL_BLOCK)
         q, k, v = _rope_qk(W, qkv, cos, sin)  # [N, heads, hd]
         attn = []
         for i, (a, n) in enumerate(zip(starts, lens)):
@@ -136,15 +132,9 @@ def prefill(W: SamplerWeights, prompts: Sequence[torch.Tensor], cache: KVCache |
             o = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True, enable_gqa=nkv != nh)[0]
             attn.append(o.transpose(0, 1).reshape(n, nh * hd))
         y = L.o.blocked(torch.cat(attn).to(W.dtype), PREFILL_BLOCK)
-        h = norm(L.post_norm)
-        if fused:
-            y = L.down.blocked(kernels.silu_mul(L.gate_up.blocked(h, PREFILL_BLOCK)), PREFILL_BLOCK)
-        else:
-            y = _mlp(W, L, h, blocked=True, block=PREFILL_BLOCK)
-    if fused:
-        x = kernels.residual_rms_norm(x, y, W.final_norm, W.eps, torch.float32)
-    else:
-        x = rms_norm(x + y, W.final_norm, W.eps)
+        x, h = _add_norm(W, x, y, L.post_norm, fused, W.dtype)
+        y = L.down.blocked(_gate(W, L.gate_up.blocked(h, PREFILL_BLOCK), fused), PREFILL_BLOCK)
+    _, x = _add_norm(W, x, y, W.final_norm, fused, torch.float32)
     return list(x.split(lens))
 
 
@@ -163,36 +153,23 @@ def decode_step(W: SamplerWeights, tok_B: torch.Tensor, pos_B: torch.Tensor, spa
             return kernels.decode_layer_attention(qkv, W.cos, W.sin, kc, vc, pos_B, W.n_heads)
     else:
         attend = _torch_decode_attention(W, pos_B, spans, cache[0][0].shape[2])
+    fused = native_rows(W)
     x = F.embedding(tok_B, W.embed)  # [B, H], fp32
-    if native_rows(W):
-        return logits(W, _native_layers(W, x, attend, cache))
+    y = None  # the previous product's output, not yet added to x
     for li, L in enumerate(W.layers):
-        x = x + L.o.blocked(attend(L.qkv.blocked(_norm(W, x, L.in_norm)), *cache[li]))
-        x = x + _mlp(W, L, _norm(W, x, L.post_norm), blocked=True)
-    return logits(W, rms_norm(x, W.final_norm, W.eps))
+        x, h = _add_norm(W, x, y, L.in_norm, fused, W.dtype)
+        y = L.o.blocked(attend(L.qkv.blocked(h), *cache[li]))
+        x, h = _add_norm(W, x, y, L.post_norm, fused, W.dtype)
+        y = L.down.blocked(_gate(W, L.gate_up.blocked(h), fused))
+    return logits(W, _add_norm(W, x, y, W.final_norm, fused, torch.float32)[1])
 
 
 def native_rows(W: SamplerWeights) -> bool:
-    """Whether the decode step's element-wise work between the layer products (residual adds, RMSNorms,
-    casts, the SiLU gate) runs on the native row kernels (`kernels.residual_rms_norm`, `kernels.silu_mul`):
-    one pass per row each, instead of a dozen small torch ops per layer whose dispatch costs more than
-    their arithmetic at decode's few rows."""
-    return (native(W) and W.act_name in SILU_NAMES and W.embed.shape[1] <= kernels.MAX_HIDDEN
-            and W.intermediate <= kernels.MAX_INTERMEDIATE)
-
-
-def _native_layers(W: SamplerWeights, x: torch.Tensor, attend: Callable[..., torch.Tensor], cache: KVCache
-                   ) -> torch.Tensor:
-    """The decode step's layers on the row kernels (`native_rows`), from the embedded fp32 stream `x`
-    (updated in place) to its final-normed fp32 hidden states. Each residual add is fused into the
-    norm that follows it: the next layer's input norm, or the final norm."""
-    y = None  # the previous product's output, not yet added to x
-    for li, L in enumerate(W.layers):
-        h = kernels.residual_rms_norm(x, y, L.in_norm, W.eps, W.dtype)
-        y = L.o.blocked(attend(L.qkv.blocked(h), *cache[li]))
-        h = kernels.residual_rms_norm(x, y, L.post_norm, W.eps, W.dtype)
-        y = L.down.blocked(kernels.silu_mul(L.gate_up.blocked(h)))
-    return kernels.residual_rms_norm(x, y, W.final_norm, W.eps, torch.float32)
+    """Whether the element-wise work between the layer products (residual adds, RMSNorms, casts, the SiLU
+    gate) runs on the native row kernels (`kernels.row_kernels`): one pass per row each, instead of a
+    dozen small torch ops per layer whose dispatch costs more than their arithmetic at decode's few rows.
+    Each residual add is then fused into the norm that follows it."""
+    return native(W) and kernels.row_kernels(W.act_name, W.dtype, W.embed.shape[1], W.intermediate)
 
 
 def _torch_decode_attention(W: SamplerWeights, pos_B: torch.Tensor, spans: Sequence[tuple[int, int, int]],
