@@ -74,6 +74,24 @@ def test_native_decode_attention_against_float64_and_its_cache_writes(dtype):
         assert torch.equal(one[0], out[b])
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nh", [6, 8])
+def test_vectorized_decode_attention_has_the_portable_loops_bits(dtype, nh):
+    """Where the CPU has a vectorized variant (AVX-512, head size 64: keys scored 16 at a time), it gives the
+    portable loop's bits: every length around a 16-key block edge, 3 query heads per key/value head (the
+    specialized count) and 4."""
+    g = torch.Generator().manual_seed(1)
+    B, KV, D, L = 12, 2, 64, 70
+    cos_t, sin_t = torch.randn(L, D, generator=g), torch.randn(L, D, generator=g)
+    qkv = torch.randn(B, (nh + 2 * KV) * D, generator=g).to(dtype)
+    kc, vc = torch.randn(B, KV, L, D, generator=g).to(dtype), torch.randn(B, KV, L, D, generator=g).to(dtype)
+    pos = torch.tensor([0, 1, 14, 15, 16, 17, 31, 32, 33, 47, 48, 69])
+    fast = kernels.decode_layer_attention(qkv, cos_t, sin_t, kc.clone(), vc.clone(), pos, nh)
+    portable = kernels.decode_layer_attention(qkv, cos_t, sin_t, kc.clone(), vc.clone(), pos, nh, portable=True)
+    assert torch.equal(fast, portable)
+
+
 def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> int:
     """The largest distance between two bf16 tensors in units of the last place (same-sign values)."""
     ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
@@ -272,6 +290,34 @@ def test_amx_head_logits():
     for r in (0, 7, 20):
         assert torch.equal(head.logits(h[r: r + 1])[0], out[r])
     assert kernels.blocked_head(W[:-16]) is None and kernels.blocked_head(W[:, :-8]) is None
+
+
+@pytest.mark.skipif(not kernels.amx_head(), reason="no AMX-BF16 here (or the OS does not grant the tiles)")
+def test_amx_layer_projection():
+    """`BlockedLinear`: bf16 rows times a bf16 weight on the tiles, each output within one bf16 rounding of
+    the exact product, a row's bits the same alone or among others (any row count, padded to 16), the
+    same bits as oneDNN's product on a weight packed for 32 rows where that runs (the sampler's decode
+    block, so decode numbers do not change with the kernel), and shapes off the tiles refused."""
+    from trainer.backends.local.model import ONEDNN_PACKING, onednn_linear, onednn_pack
+
+    g = torch.Generator().manual_seed(3)
+    W = (0.05 * torch.randn(96, 160, generator=g)).bfloat16()
+    x = torch.randn(37, 160, generator=g).bfloat16()
+    lin = kernels.blocked_linear(W)
+    assert lin is not None and (lin.out_features, lin.in_features) == (96, 160)
+    out = lin(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (37, 96)
+    exact = x.double() @ W.double().T
+    assert float(((out.double() - exact).abs() / exact.abs().clamp(min=1e-2)).max()) <= 2 ** -8
+    for r in (0, 16, 36):
+        assert torch.equal(lin(x[r: r + 1])[0], out[r])
+    assert torch.equal(lin(x[:32]), out[:32])
+    if ONEDNN_PACKING:
+        assert torch.equal(lin(x[:32]), onednn_linear(x[:32], onednn_pack(W, 32)))
+    assert kernels.blocked_linear(W[:-16]) is None and kernels.blocked_linear(W[:, :-8]) is None
+    assert kernels.blocked_linear(W.float()) is None
+    with pytest.raises(ValueError, match="expected"):
+        lin(x.float())
 
 
 def test_fused_ops_run_only_where_the_row_kernels_fit():

@@ -336,6 +336,33 @@ def test_prefill_cache_blocked_rows_and_packed_decode_weights():
             assert torch.allclose(merged(rows), ref, atol=1e-4)
 
 
+def test_bf16_projections_on_the_amx_tiles_and_their_merged_lora():
+    """On an AMX CPU every bf16 layer projection has the tiles' copy (not oneDNN's), rows of any count
+    agree with the plain bf16 product to its rounding, and a snapshot's LoRA merged into it gives the
+    product with `W + s B A` (summed in fp32, rounded once to bf16) to the same rounding."""
+    from trainer.backends.local import kernels
+    from trainer.backends.local.sampler_weights import with_factors
+
+    if not kernels.amx_head():
+        pytest.skip("no AMX-BF16 here (or the OS does not grant the tiles)")
+    W = _tiny_weights(True, torch.bfloat16)
+    assert all(p.amx is not None and p.packed is None for L in W.layers for p in (L.qkv, L.o, L.gate_up, L.down))
+    g = torch.Generator().manual_seed(2)
+    lin = W.layers[0].gate_up
+    half = lin.out_features // 2
+    x = torch.randn(45, lin.w.shape[1], generator=g).bfloat16()
+    plain = x.float() @ lin.w.float().T
+    assert torch.allclose(lin(x).float(), plain, rtol=2 ** -7, atol=1e-3)
+    lora = {n: (torch.randn(3, lin.w.shape[1], generator=g), torch.randn(half, 3, generator=g))
+            for n in ("gate", "up")}
+    merged = with_factors(lin, ["gate", "up"], [half, half], lora, 0.7, torch.bfloat16)
+    assert merged.w is None and merged.amx is not None and merged.out_features == lin.out_features
+    # the merged weight is W + s B A summed in fp32 and rounded once to bf16
+    w_merged = torch.cat([w.float() + 0.7 * lora[n][1] @ lora[n][0] for w, n in zip(lin.w.split(half), ("gate", "up"))])
+    ref = x.float() @ w_merged.bfloat16().float().T
+    assert torch.allclose(merged(x).float(), ref, rtol=2 ** -7, atol=1e-3)
+
+
 def test_inverse_cdf_matches_the_full_cumsum_and_skips_zero_mass_tokens():
     from trainer.backends.local.generate import inverse_cdf
 

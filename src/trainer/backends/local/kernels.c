@@ -197,6 +197,143 @@ static inline int attention_task(int64_t t, const void *qkv, int64_t qkv_row_str
     return 0;
 }
 
+#if defined(__AVX512F__)
+/* Lane sums of 16 vectors at once: lane s of the result is the sum of v[p(s)]'s 16 lanes, p(4k + e) = 4e + k
+ * (a 4x4 transpose, its own inverse), each sum in the fixed tree of `dot` (lane l + lane l+8, then + l+4,
+ * + l+2, + l+1), hence bit-identical to `_mm512_reduce_add_ps(v[p(s)])`. Four levels of in-register
+ * shuffles and adds serve all 16 vectors, where sixteen separate reductions cost four levels each. */
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int m = 0; m < 8; m++) /* lanes 0-7: v[2m] at l + l+8; lanes 8-15: v[2m+1] */
+        a[m] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int m = 0; m < 4; m++) /* 128-bit block k: v[4m + k] at l + l+4 */
+        b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int m = 0; m < 2; m++) /* block k, elements 2i, 2i+1: v[4(2m + i) + k] at l + l+2 */
+        c[m] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* block k, element e: v[4e + k] at l + l+1 */
+    return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* 16 bf16 (or fp32) values at x as fp32 (exact). */
+static inline __m512 load16(const void *x, int bf16) {
+    if (!bf16) return _mm512_loadu_ps(x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+
+/* `attention_task` for head size 64 on AVX-512, with the same arithmetic in the same order (bit-identical
+ * results, `test_kernels.py`): keys are scored 16 at a time, their 16-lane partial dot products summed by
+ * one `reduce16` per query instead of a horizontal reduction per (key, query), and the weighted sum of
+ * values keeps each query's output in registers. RoPE as `rope_row` (products and sums rounded on their
+ * own), value accumulation as a product then a sum (no fused multiply-add, as the portable loop). */
+static inline int attention_task_d64(int64_t t, const void *qkv, int64_t qkv_row_stride, int bf16,
+                                     const float *restrict cos, const float *restrict sin, void *kc, void *vc,
+                                     const int64_t *restrict pos_B, void *out, int64_t KV, const int64_t G,
+                                     int64_t L, float scale) {
+    const int64_t D = 64;
+    const size_t el = bf16 ? 2 : 4;
+    const int64_t b = t / KV, h = t % KV, pos = pos_B[b], n = pos + 1, npad = (n + 15) & ~(int64_t)15;
+    const char *row = (const char *)qkv + (size_t)(b * qkv_row_stride) * el;
+    char *kt = (char *)kc + (size_t)(t * L * D) * el;
+    char *vt = (char *)vc + (size_t)(t * L * D) * el;
+    memcpy(kt + (size_t)(pos * D) * el, row + (size_t)((KV * G + h) * D) * el, D * el);
+    memcpy(vt + (size_t)(pos * D) * el, row + (size_t)((KV * G + KV + h) * D) * el, D * el);
+    float *restrict sc = (float *)malloc(sizeof(float) * G * npad); /* sc[i * npad + j]: query i, position j */
+    if (!sc) return 1;
+    float qf[MAX_G * 64], xf[64];
+    for (int64_t i = 0; i < G; i++) {
+        load_row(row + (size_t)((h * G + i) * D) * el, bf16, xf, D);
+        rope_row(xf, cos + pos * D, sin + pos * D, qf + i * D, D);
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t m = n - j0 < 16 ? n - j0 : 16;
+        __m512 kr[16][4]; /* slot p(jj) (see reduce16) holds key j0 + jj rotated; zero beyond n */
+        for (int64_t jj = 0; jj < 16; jj++) {
+            const int s = (int)(4 * (jj % 4) + jj / 4);
+            if (jj >= m) {
+                for (int c = 0; c < 4; c++) kr[s][c] = _mm512_setzero_ps();
+                continue;
+            }
+            const int64_t j = j0 + jj;
+            const char *kj = kt + (size_t)(j * D) * el;
+            const float *cj = cos + j * D, *sj = sin + j * D;
+            const __m512 x0 = load16(kj, bf16), x1 = load16(kj + 16 * el, bf16);
+            const __m512 x2 = load16(kj + 32 * el, bf16), x3 = load16(kj + 48 * el, bf16);
+            kr[s][0] = _mm512_sub_ps(_mm512_mul_ps(x0, _mm512_loadu_ps(cj)), _mm512_mul_ps(x2, _mm512_loadu_ps(sj)));
+            kr[s][1] = _mm512_sub_ps(_mm512_mul_ps(x1, _mm512_loadu_ps(cj + 16)),
+                                     _mm512_mul_ps(x3, _mm512_loadu_ps(sj + 16)));
+            kr[s][2] = _mm512_add_ps(_mm512_mul_ps(x2, _mm512_loadu_ps(cj + 32)),
+                                     _mm512_mul_ps(x0, _mm512_loadu_ps(sj + 32)));
+            kr[s][3] = _mm512_add_ps(_mm512_mul_ps(x3, _mm512_loadu_ps(cj + 48)),
+                                     _mm512_mul_ps(x1, _mm512_loadu_ps(sj + 48)));
+        }
+        for (int64_t i = 0; i < G; i++) {
+            const float *qi = qf + i * D;
+            const __m512 q0 = _mm512_loadu_ps(qi), q1 = _mm512_loadu_ps(qi + 16);
+            const __m512 q2 = _mm512_loadu_ps(qi + 32), q3 = _mm512_loadu_ps(qi + 48);
+            __m512 acc[16];
+            for (int s = 0; s < 16; s++) {
+                __m512 v = _mm512_fmadd_ps(q0, kr[s][0], _mm512_setzero_ps());
+                v = _mm512_fmadd_ps(q1, kr[s][1], v);
+                v = _mm512_fmadd_ps(q2, kr[s][2], v);
+                acc[s] = _mm512_fmadd_ps(q3, kr[s][3], v);
+            }
+            _mm512_storeu_ps(sc + i * npad + j0, _mm512_mul_ps(reduce16(acc), vscale));
+        }
+    }
+    float inv_z[MAX_G];
+    for (int64_t i = 0; i < G; i++) {
+        float *si = sc + i * npad;
+        __m512 mv = _mm512_set1_ps(si[0]); /* the maximum is the same value in any order */
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(si + j));
+        float m = _mm512_reduce_max_ps(mv);
+        for (; j < n; j++) m = si[j] > m ? si[j] : m;
+        float acc[LANES] = {0};
+        j = 0;
+        for (; j + LANES <= n; j += LANES)
+            for (int l = 0; l < LANES; l++) {
+                si[j + l] = exp_nonpos(si[j + l] - m);
+                acc[l] += si[j + l];
+            }
+        float tail = 0.0f;
+        for (; j < n; j++) {
+            si[j] = exp_nonpos(si[j] - m);
+            tail += si[j];
+        }
+        inv_z[i] = 1.0f / (lane_sum(acc) + tail);
+    }
+    __m512 o[MAX_G][4];
+    for (int64_t i = 0; i < G; i++)
+        for (int c = 0; c < 4; c++) o[i][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const char *vj = vt + (size_t)(j * D) * el;
+        const __m512 v0 = load16(vj, bf16), v1 = load16(vj + 16 * el, bf16);
+        const __m512 v2 = load16(vj + 32 * el, bf16), v3 = load16(vj + 48 * el, bf16);
+        for (int64_t i = 0; i < G; i++) {
+            const __m512 p = _mm512_set1_ps(sc[i * npad + j]);
+            o[i][0] = _mm512_add_ps(o[i][0], _mm512_mul_ps(p, v0));
+            o[i][1] = _mm512_add_ps(o[i][1], _mm512_mul_ps(p, v1));
+            o[i][2] = _mm512_add_ps(o[i][2], _mm512_mul_ps(p, v2));
+            o[i][3] = _mm512_add_ps(o[i][3], _mm512_mul_ps(p, v3));
+        }
+    }
+    for (int64_t i = 0; i < G; i++) {
+        float oi[64];
+        const __m512 z = _mm512_set1_ps(inv_z[i]);
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(oi + 16 * c, _mm512_mul_ps(o[i][c], z));
+        store_row(oi, bf16, (char *)out + (size_t)((t * G + i) * D) * el, D);
+    }
+    free(sc);
+    return 0;
+}
+#endif
+
 /* The attention part of one decode layer for all rows, from the layer's stacked q|k|v projection output
  * to the attention output that feeds its o projection:
  *   qkv [B, (KV * G + 2 KV) * D], row b at qkv + b * qkv_row_stride: q heads, then k heads, then v heads
@@ -210,11 +347,12 @@ static inline int attention_task(int64_t t, const void *qkv, int64_t qkv_row_str
  * the projection's own dtype is exact and, in bf16, half the memory traffic of rotated fp32 keys), to
  * the same bits as rotating them once. The G query heads that share a key/value head read its cache
  * together. Returns 0; -1, with nothing written, when the sizes or a position are beyond what the
- * kernel takes; -2 when memory for the scores ran out. */
+ * kernel takes; -2 when memory for the scores ran out. `portable`: the portable loop even where an AVX-512
+ * variant exists (the same bits; for tests). */
 int decode_layer_attention(const void *qkv, int64_t qkv_row_stride, int bf16, const float *restrict cos,
                            const float *restrict sin, int64_t max_ctx, void *kc, void *vc,
                            const int64_t *restrict pos_B, void *out, int64_t B, int64_t KV, int64_t G, int64_t D,
-                           int64_t L, float scale, int nthreads) {
+                           int64_t L, float scale, int portable, int nthreads) {
     if (G < 1 || G > MAX_G || D < 2 || D > MAX_D || D % 2) return -1;
     for (int64_t b = 0; b < B; b++)
         if (pos_B[b] < 0 || pos_B[b] >= L || pos_B[b] >= max_ctx) return -1;
@@ -222,6 +360,17 @@ int decode_layer_attention(const void *qkv, int64_t qkv_row_stride, int bf16, co
 #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : failed)
     for (int64_t t = 0; t < B * KV; t++) {
         int oom;
+#if defined(__AVX512F__)
+        if (D == 64 && !portable) {
+            if (G == 3)
+                oom = bf16 ? attention_task_d64(t, qkv, qkv_row_stride, 1, cos, sin, kc, vc, pos_B, out, KV, 3, L, scale)
+                           : attention_task_d64(t, qkv, qkv_row_stride, 0, cos, sin, kc, vc, pos_B, out, KV, 3, L, scale);
+            else
+                oom = attention_task_d64(t, qkv, qkv_row_stride, bf16, cos, sin, kc, vc, pos_B, out, KV, G, L, scale);
+            failed |= oom;
+            continue;
+        }
+#endif
         if (D == 64 && bf16)
             oom = attention_task(t, qkv, qkv_row_stride, 1, cos, sin, kc, vc, pos_B, out, KV, G, 64, L, scale);
         else if (D == 64)
@@ -477,19 +626,24 @@ static void tiles_on(void) {
     _tile_loadconfig(&c);
 }
 
-/* W [V, K] fp32 (V % 16 == 0, K % 32 == 0) rounded to bf16 into the blocked layout the tiles load: for
- * each 16 outputs nb and 32-wide K chunk kc, one 1 KB block of 16 K pairs x 16 outputs x 2. */
-int head_pack(const float *restrict W, int64_t V, int64_t K, uint16_t *restrict out, int nthreads) {
+/* W [V, K] (V % 16 == 0, K % 32 == 0; bf16 where bf16, else fp32 rounded to bf16) into the blocked layout
+ * the tiles load: for each 16 outputs nb and 32-wide K chunk kc, one 1 KB block of 16 K pairs x 16 outputs
+ * x 2. */
+int head_pack(const void *W, int bf16, int64_t V, int64_t K, uint16_t *restrict out, int nthreads) {
     if (V % 16 || K % 32 || V < 16 || K < 32) return -1;
     const int64_t KC = K / 32;
+    const float *Wf = (const float *)W;
+    const uint16_t *Wh = (const uint16_t *)W;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t nb = 0; nb < V / 16; nb++)
         for (int64_t kc = 0; kc < KC; kc++) {
             uint16_t *blk = out + (nb * KC + kc) * 512;
             for (int64_t p = 0; p < 16; p++)
                 for (int64_t c = 0; c < 16; c++)
-                    for (int64_t e = 0; e < 2; e++)
-                        blk[p * 32 + c * 2 + e] = f32_to_bf16(W[(nb * 16 + c) * K + kc * 32 + 2 * p + e]);
+                    for (int64_t e = 0; e < 2; e++) {
+                        const int64_t at = (nb * 16 + c) * K + kc * 32 + 2 * p + e;
+                        blk[p * 32 + c * 2 + e] = bf16 ? Wh[at] : f32_to_bf16(Wf[at]);
+                    }
         }
     return 0;
 }
@@ -549,10 +703,66 @@ int head_logits(const float *restrict X, int64_t M, int64_t K, const uint16_t *r
     free(Xb);
     return 0;
 }
+
+/* out [M, V] = X [M, K] x Wp^T for the sampler's bf16 layer projections: X bf16 (row stride x_row_stride),
+ * Wp from `head_pack`, M % 16 == 0, V % 32 == 0; out bf16 (each fp32 sum rounded once to nearest even, as
+ * oneDNN's bf16 product rounds its fp32 accumulator). The sums run as `head_logits`' (K chunks in order,
+ * one thread per output): a row's outputs do not depend on the other rows. Threads split the column pairs
+ * evenly (a layer is a few dozen pairs, too few for `HEAD_GROUP`'s groups to balance over threads); each
+ * pair's weights (2 x K / 32 KB) stay in L1/L2 while every 32-row pair of inputs runs over them. */
+int amx_linear(const uint16_t *restrict X, int64_t M, int64_t K, int64_t x_row_stride, const uint16_t *restrict Wp,
+               int64_t V, uint16_t *restrict out, int nthreads) {
+    if (M % 16 || V % 32 || K % 32 || M < 16 || K < 32) return -1;
+    const int64_t KC = K / 32, NP = V / 32, MT = M / 16;
+#pragma omp parallel num_threads(nthreads)
+    {
+        tiles_on();
+        float c[4][16 * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t np = 0; np < NP; np++)
+        for (int64_t mt = 0; mt < MT; mt += 2) {
+            const uint16_t *b0 = Wp + (2 * np) * KC * 512, *b1 = Wp + (2 * np + 1) * KC * 512;
+            const int two = mt + 1 < MT;
+            const uint16_t *a0 = X + mt * 16 * x_row_stride, *a1 = a0 + 16 * x_row_stride;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kc = 0; kc < KC; kc++) {
+                _tile_loadd(6, b0 + kc * 512, 64);
+                _tile_loadd(7, b1 + kc * 512, 64);
+                _tile_loadd(4, a0 + kc * 32, x_row_stride * 2);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (two) {
+                    _tile_loadd(5, a1 + kc * 32, x_row_stride * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c[0], 64);
+            _tile_stored(1, c[1], 64);
+            if (two) {
+                _tile_stored(2, c[2], 64);
+                _tile_stored(3, c[3], 64);
+            }
+            for (int q = 0; q < (two ? 4 : 2); q++) /* tile q: rows 16 (q / 2), columns 16 (q % 2) of the pair */
+                for (int r = 0; r < 16; r++)
+                    store_row(c[q] + r * 16, 1, out + (mt * 16 + (q / 2) * 16 + r) * V + np * 32 + (q % 2) * 16, 16);
+        }
+        _tile_release();
+    }
+    return 0;
+}
 #else
+int amx_linear(const uint16_t *X, int64_t M, int64_t K, int64_t x_row_stride, const uint16_t *Wp, int64_t V,
+               uint16_t *out, int nthreads) {
+    (void)X; (void)M; (void)K; (void)x_row_stride; (void)Wp; (void)V; (void)out; (void)nthreads;
+    return -3;
+}
 int amx_available(void) { return 0; }
-int head_pack(const float *W, int64_t V, int64_t K, uint16_t *out, int nthreads) {
-    (void)W; (void)V; (void)K; (void)out; (void)nthreads;
+int head_pack(const void *W, int bf16, int64_t V, int64_t K, uint16_t *out, int nthreads) {
+    (void)W; (void)bf16; (void)V; (void)K; (void)out; (void)nthreads;
     return -3;
 }
 int head_logits(const float *X, int64_t M, int64_t K, const uint16_t *Wp, int64_t V, float *out, int nthreads) {

@@ -78,7 +78,7 @@ _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.
 # each kernel's C parameters (kernels.c), in order
 _SIGNATURES = {
     "decode_layer_attention": [_ptr, _i64, _int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                               _i64, _float, _int],
+                               _i64, _float, _int, _int],
     "residual_rms_norm": [_ptr, _ptr, _i64, _int, _ptr, _float, _ptr, _int, _ptr, _i64, _i64, _int],
     "silu_mul": [_ptr, _i64, _int, _ptr, _i64, _i64, _int],
     "lora_merge": [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
@@ -86,7 +86,8 @@ _SIGNATURES = {
     "rope_qkv": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int],
     "rope_qkv_backward": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _int],
     "silu_mul_backward": [_ptr, _i64, _ptr, _i64, _int, _ptr, _i64, _i64, _int],
-    "head_pack": [_ptr, _i64, _i64, _ptr, _int],
+    "head_pack": [_ptr, _int, _i64, _i64, _ptr, _int],
+    "amx_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _int],
     "head_logits": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int],
     "amx_available": [],
 }
@@ -137,13 +138,15 @@ def native_decode(n_heads: int, n_kv: int, head_dim: int) -> bool:
 
 
 def decode_layer_attention(qkv_BC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, pos_B: torch.Tensor, n_heads: int) -> torch.Tensor:
+                           v_cache: torch.Tensor, pos_B: torch.Tensor, n_heads: int, portable: bool = False
+                           ) -> torch.Tensor:
     """One decode layer's attention from its stacked q|k|v output `qkv_BC` (`[B, (n_heads + 2 KV) D]`, in
     the caches' dtype): RoPE of q at `pos_B`, the new k (before RoPE) and v written into the caches at
     index `pos_B[b]`, and softmax attention over indices `[0, pos_B[b]]` with keys rotated as read.
     Returns `[B, n_heads * D]` in the caches' dtype (computed in fp32). Caches: `[B, KV, L, D]`,
     contiguous, fp32 or bf16; `cos`, `sin`: fp32 `[max_ctx, D]` RoPE tables. Only where
-    `native_decode(n_heads, KV, D)`."""
+    `native_decode(n_heads, KV, D)`. `portable`: the kernel's portable loop even where a vectorized variant
+    runs (the same bits; tests compare them)."""
     lib = library()
     B, KV, L, D = k_cache.shape
     dt = k_cache.dtype
@@ -164,7 +167,7 @@ def decode_layer_attention(qkv_BC: torch.Tensor, cos: torch.Tensor, sin: torch.T
     rc = lib.decode_layer_attention(qkv_BC.data_ptr(), qkv_BC.stride(0), int(dt == torch.bfloat16), cos.data_ptr(),
                                     sin.data_ptr(), cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
                                     pos_B.data_ptr(), out.data_ptr(), B, KV, n_heads // KV, D, L, float(D) ** -0.5,
-                                    torch.get_num_threads())
+                                    int(portable), torch.get_num_threads())
     if rc == -1:  # the kernel checks every position before it writes anything
         raise ValueError(f"decode_layer_attention: a position outside [0, {min(L, cos.shape[0])}): "
                          f"{pos_B.tolist()}")
@@ -347,6 +350,46 @@ class BlockedHead:
         return out[:M]
 
 
+@dataclass
+class BlockedLinear:
+    """A bf16 layer projection `[out, in]` in the blocked layout of the AMX tiles (`head_pack`): `x W^T` of
+    bf16 rows on `amx_linear`, bf16 out. At the sampler's decode rows this is the same bits as oneDNN's
+    product on a weight packed for 32 rows, at a fraction of its per-call cost (`bench/decode.py`)."""
+
+    packed: torch.Tensor  # bf16, out * in elements
+    out_features: int
+    in_features: int
+    lib: ctypes.CDLL
+
+    def __call__(self, x_MK: torch.Tensor) -> torch.Tensor:
+        M, K = x_MK.shape
+        if K != self.in_features or x_MK.dtype != torch.bfloat16 or x_MK.stride(-1) != 1:
+            raise ValueError(f"BlockedLinear: inputs {tuple(x_MK.shape)} {x_MK.dtype}, expected [rows, "
+                             f"{self.in_features}] bf16 with unit column stride")
+        Mp = -(-M // 16) * 16
+        x = x_MK if Mp == M else torch.cat([x_MK, x_MK.new_zeros(Mp - M, K)])
+        out = torch.empty(Mp, self.out_features, dtype=torch.bfloat16)
+        if M:
+            rc = self.lib.amx_linear(x.data_ptr(), Mp, K, x.stride(0), self.packed.data_ptr(), self.out_features,
+                                     out.data_ptr(), torch.get_num_threads())
+            if rc:
+                raise RuntimeError(f"amx_linear failed ({rc})")
+        return out[:M]
+
+
+def blocked_linear(w_OI: torch.Tensor) -> BlockedLinear | None:
+    """A bf16 projection weight for `amx_linear`, or None where the AMX kernel does not run here or the
+    shape does not fit its tiles (both sizes multiples of 32)."""
+    O, I = w_OI.shape
+    if w_OI.dtype != torch.bfloat16 or O % 32 or I % 32 or not amx_head():
+        return None
+    lib = library()
+    packed = torch.empty(O * I, dtype=torch.bfloat16)
+    if lib.head_pack(w_OI.contiguous().data_ptr(), 1, O, I, packed.data_ptr(), torch.get_num_threads()):
+        return None
+    return BlockedLinear(packed, O, I, lib)
+
+
 def amx_head() -> bool:
     """Whether the AMX head kernel runs here: built for a CPU with AMX-BF16 and the OS grants the tiles."""
     lib = library()
@@ -361,6 +404,6 @@ def blocked_head(W_VK: torch.Tensor) -> BlockedHead | None:
         return None
     lib = library()
     packed = torch.empty(V * K, dtype=torch.bfloat16)
-    if lib.head_pack(W_VK.contiguous().data_ptr(), V, K, packed.data_ptr(), torch.get_num_threads()):
+    if lib.head_pack(W_VK.contiguous().data_ptr(), 0, V, K, packed.data_ptr(), torch.get_num_threads()):
         return None
     return BlockedHead(packed, V, K, lib)

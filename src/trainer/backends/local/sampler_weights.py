@@ -35,20 +35,25 @@ _PACK_ROWS = 32
 @dataclass
 class Projection:
     """A bias-free projection: the plain weight `[out, in]`, on oneDNN builds a copy pre-packed for
-    small-row (decode) products, and an optional unmerged LoRA (`y += (x A^T) B^T`, scale in B).
+    small-row (decode) products, and an optional unmerged LoRA (`y += (x A^T) B^T`, scale in B). A bf16
+    projection on an AMX CPU has the tiles' blocked copy instead of the oneDNN one (`amx`,
+    `kernels.BlockedLinear`): the same bits at decode's 32-row blocks, at less cost per call.
 
-    With packed weights a snapshot's LoRA is merged (`W + s B A`) and re-packed once (`w` is then None:
-    the packed copy serves every row count): one merge per snapshot costs less than the unmerged
-    rank-r products over a generate. Without packing the LoRA stays unmerged and its term is
+    With packed (or blocked) weights a snapshot's LoRA is merged (`W + s B A`) and re-packed once (`w` is
+    then None: the packed copy serves every row count): one merge per snapshot costs less than the
+    unmerged rank-r products over a generate. Without packing the LoRA stays unmerged and its term is
     accumulated by the GEMM."""
 
     w: torch.Tensor | None
     packed: torch.Tensor | None = None
     lora_a: torch.Tensor | None = None  # [R, in]
     lora_b: torch.Tensor | None = None  # [out, R], scale folded in
+    amx: kernels.BlockedLinear | None = None
 
     @property
     def out_features(self) -> int:
+        if self.amx is not None:
+            return self.amx.out_features
         return int((self.w if self.w is not None else self.packed).shape[0])
 
     def blocked(self, x: torch.Tensor, block: int = ROW_BLOCK) -> torch.Tensor:
@@ -66,6 +71,8 @@ class Projection:
         return y[:n].view(*lead, y.shape[-1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx is not None and x.dtype == torch.bfloat16:
+            return self.amx(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.amx.out_features)
         if self.packed is not None and (self.w is None or x.numel() // x.shape[-1] <= PACKED_MAX_ROWS):
             y = onednn_linear(x, self.packed)
         else:
@@ -77,6 +84,11 @@ class Projection:
 
 
 def projection(w: torch.Tensor, pack: bool) -> Projection:
+    """`w` with its decode copy: the AMX tiles' layout for a bf16 weight where that kernel runs (`pack`
+    or not: it needs no oneDNN), else oneDNN's packing where `pack`."""
+    amx = kernels.blocked_linear(w)
+    if amx is not None:
+        return Projection(w, None, amx=amx)
     return Projection(w, onednn_pack(w, _PACK_ROWS) if pack else None)
 
 
@@ -179,7 +191,7 @@ def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
         r = lora[n][0].shape[0]
         B[row: row + o, r0: r0 + r] = scale * lora[n][1]
         r0 += r
-    if lin.packed is not None:  # merge into the base and re-pack (see `Projection`)
+    if lin.packed is not None or lin.amx is not None:  # merge into the base and re-pack (see `Projection`)
         # summed in fp32, rounded once (a bf16 addmm would round the product and the sum separately);
         # on the native kernel in one pass over the weight
         if (kernels.library() is not None and lin.w.dtype in (torch.float32, torch.bfloat16)
@@ -187,6 +199,8 @@ def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
             merged = kernels.lora_merge(lin.w, A.float(), B)
         else:
             merged = torch.addmm(lin.w.float(), B, A.float()).to(lin.w.dtype)
+        if lin.amx is not None:
+            return Projection(None, amx=kernels.blocked_linear(merged))
         return Projection(None, onednn_pack(merged, _PACK_ROWS))
     return Projection(lin.w, None, A.to(dtype).contiguous(), B.to(dtype))
 
