@@ -1,6 +1,8 @@
 """The sampler's decode step on its native kernels (decode attention, and the row kernels between the layer
 products: residual add + RMSNorm + cast, SiLU gate) next to its torch path, interleaved in one process.
-The unembedding is the same on both sides (on AMX CPUs the AMX head kernel).
+The unembedding and the layer products are the same on both sides (on AMX CPUs the AMX head kernel, and in
+bf16 the layer products on the tiles too: `kernels.BlockedLinear`); where those run, a third side times the
+native kernels with the layer products on oneDNN's packed weights instead (what the tiles replace).
 
 SmolLM2-135M-Instruct with a rank-8 LoRA merged (as a sampling snapshot is), 32 rows in 8 runs of 4 (a
 GRPO batch of 8 prompts x 4 samples) at cache lengths 107-170, random cache contents (the time does not
@@ -42,6 +44,7 @@ def main() -> None:
     from trainer.backends.local.common import COMPUTE
     from trainer.backends.local.engine import shared_base
     from trainer.backends.local.models import SMOLLM2
+    from trainer.backends.local.sampler_weights import build_weights, with_lora
     from trainer.utils.machine import cpu_model
 
     print(f"CPU: {cpu_model()}, torch threads {torch.get_num_threads()}; native kernels: {kernels.describe()}")
@@ -51,18 +54,29 @@ def main() -> None:
     real = kernels.library
 
     def run() -> None:
-        W = base.sampler_weights(snap, getattr(torch, args.dtype))
+        dtype = getattr(torch, args.dtype)
+        W = base.sampler_weights(snap, dtype)
         per = ROWS // RUNS
         pos = torch.tensor([NEW_POS - 9 * (i // per) for i in range(ROWS)])
         spans = [(per * i, per * (i + 1), NEW_POS + 1 - 9 * i) for i in range(RUNS)]
         tok = torch.randint(100, 40000, (ROWS,))
-        sides = {"native kernels": real, "torch path": lambda: None}
+        sides = {"native kernels": (W, real), "torch path": (W, lambda: None)}
         if real() is None:
             del sides["native kernels"]
+        elif W.layers[0].qkv.amx is not None:  # the same snapshot with the layer products on oneDNN
+            blocked = kernels.blocked_linear
+            kernels.blocked_linear = lambda w: None
+            try:
+                Wd = with_lora(build_weights(base.config, base.base_state, base.cos, base.sin, dtype,
+                                             blocked_head=W.head_blocked), snap.tensors, snap.scale)
+            finally:
+                kernels.blocked_linear = blocked
+            sides = {"native kernels": (W, real), "native kernels, oneDNN layer products": (Wd, real),
+                     "torch path": (W, lambda: None)}
         caches = {}
-        for side, lib in sides.items():
+        for side, (Ws, lib) in sides.items():
             kernels.library = lib
-            caches[side] = sf.new_cache(W, ROWS, NEW_POS + 90)
+            caches[side] = sf.new_cache(Ws, ROWS, NEW_POS + 90)
             for k, v in caches[side]:
                 k.normal_()
                 v.normal_()
@@ -70,20 +84,21 @@ def main() -> None:
         try:
             with torch.no_grad():
                 for rep in range(args.reps + 1):
-                    for side, lib in sides.items():
+                    for side, (Ws, lib) in sides.items():
                         kernels.library = lib
                         t = time.perf_counter()
                         for _ in range(args.inner):
-                            sf.decode_step(W, tok, pos, spans, caches[side])
+                            sf.decode_step(Ws, tok, pos, spans, caches[side])
                         if rep:  # the first round warms up
                             times[side].append((time.perf_counter() - t) / args.inner * 1e3)
         finally:
             kernels.library = real
         for side, ts in times.items():
             print(f"{args.dtype} decode step, {side}: min {min(ts):.1f} ms, median {statistics.median(ts):.1f} ms")
-        if len(times) == 2:
-            a, b = (min(times[s]) for s in sides)
-            print(f"native / torch (min): {a / b:.3f}")
+        if len(times) >= 2:
+            first = min(times["native kernels"])
+            for side in list(sides)[1:]:
+                print(f"native kernels / {side} (min): {first / min(times[side]):.3f}")
 
     COMPUTE.run(run)
 

@@ -62,6 +62,7 @@ def test_smoke_run_end_to_end(tmp_path):
     assert isinstance(prec["train_packed_weights"], bool) and prec["train_packing"]  # and why
     assert prec["decode_attention"].startswith(("native (", "torch path ("))
     assert prec["amx_unembedding"] in (True, False)
+    assert prec["amx_layer_products"] == (prec["amx_unembedding"] and prec["sampler_dtype"] == "bfloat16")
     assert (run_dir / "config.yaml").exists() and (run_dir / "rollouts.jsonl").stat().st_size > 0
 
 

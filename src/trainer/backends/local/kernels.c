@@ -357,6 +357,7 @@ int decode_layer_attention(const void *qkv, int64_t qkv_row_stride, int bf16, co
     for (int64_t b = 0; b < B; b++)
         if (pos_B[b] < 0 || pos_B[b] >= L || pos_B[b] >= max_ctx) return -1;
     int failed = 0;
+    (void)portable; /* only the AVX-512 build has a second variant */
 #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : failed)
     for (int64_t t = 0; t < B * KV; t++) {
         int oom;
