@@ -649,6 +649,29 @@ int head_pack(const void *W, int bf16, int64_t V, int64_t K, uint16_t *restrict 
     return 0;
 }
 
+/* One 32-output column pair `np` of Wp (from `head_pack`) times 16 input rows at a (bf16, row stride lda),
+ * and, where `two`, the 16 rows after them: fp32 sums in tiles 0, 1 (rows 0-15; outputs 0-15, 16-31) and
+ * 2, 3 (rows 16-31), each over the KC 32-wide K chunks in order. */
+static inline void tile_pair(const uint16_t *a, int64_t lda, int two, const uint16_t *Wp, int64_t np, int64_t KC) {
+    const uint16_t *b0 = Wp + (2 * np) * KC * 512, *b1 = Wp + (2 * np + 1) * KC * 512, *a1 = a + 16 * lda;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kc = 0; kc < KC; kc++) {
+        _tile_loadd(6, b0 + kc * 512, 64);
+        _tile_loadd(7, b1 + kc * 512, 64);
+        _tile_loadd(4, a + kc * 32, lda * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a1 + kc * 32, lda * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
 /* Output column pairs (32 outputs each) per group: a group's weights (HEAD_GROUP x 32 outputs x K bf16, at
  * K = 576 about 0.6 MB) stay in a core's L2 while every 32-row pair of inputs (36 KB at K = 576, L1) runs
  * over them, so neither the weights nor the inputs are read from memory more than once per call. */
@@ -670,26 +693,9 @@ int head_logits(const float *restrict X, int64_t M, int64_t K, const uint16_t *r
         for (int64_t g = 0; g < NP; g += HEAD_GROUP)
         for (int64_t mt = 0; mt < MT; mt += 2)
         for (int64_t np = g; np < g + HEAD_GROUP && np < NP; np++) {
-            const uint16_t *b0 = Wp + (2 * np) * KC * 512, *b1 = Wp + (2 * np + 1) * KC * 512;
             {
                 const int two = mt + 1 < MT;
-                const uint16_t *a0 = Xb + mt * 16 * K, *a1 = a0 + 16 * K;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t kc = 0; kc < KC; kc++) {
-                    _tile_loadd(6, b0 + kc * 512, 64);
-                    _tile_loadd(7, b1 + kc * 512, 64);
-                    _tile_loadd(4, a0 + kc * 32, K * 2);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (two) {
-                        _tile_loadd(5, a1 + kc * 32, K * 2);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
+                tile_pair(Xb + mt * 16 * K, K, two, Wp, np, KC);
                 float *o = out + mt * 16 * V + np * 32;
                 _tile_stored(0, o, V * 4);
                 _tile_stored(1, o + 16, V * 4);
@@ -722,25 +728,8 @@ int amx_linear(const uint16_t *restrict X, int64_t M, int64_t K, int64_t x_row_s
 #pragma omp for schedule(static)
         for (int64_t np = 0; np < NP; np++)
         for (int64_t mt = 0; mt < MT; mt += 2) {
-            const uint16_t *b0 = Wp + (2 * np) * KC * 512, *b1 = Wp + (2 * np + 1) * KC * 512;
             const int two = mt + 1 < MT;
-            const uint16_t *a0 = X + mt * 16 * x_row_stride, *a1 = a0 + 16 * x_row_stride;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t kc = 0; kc < KC; kc++) {
-                _tile_loadd(6, b0 + kc * 512, 64);
-                _tile_loadd(7, b1 + kc * 512, 64);
-                _tile_loadd(4, a0 + kc * 32, x_row_stride * 2);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if (two) {
-                    _tile_loadd(5, a1 + kc * 32, x_row_stride * 2);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-            }
+            tile_pair(X + mt * 16 * x_row_stride, x_row_stride, two, Wp, np, KC);
             _tile_stored(0, c[0], 64);
             _tile_stored(1, c[1], 64);
             if (two) {
