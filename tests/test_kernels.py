@@ -320,6 +320,30 @@ def test_amx_layer_projection():
         lin(x.float())
 
 
+@pytest.mark.skipif(not kernels.native_attention(64, 6, 2), reason="no native training attention here (AVX-512)")
+@pytest.mark.parametrize("B,T,nh,kv,D", [(3, 37, 6, 2, 32), (2, 16, 4, 4, 64), (4, 82, 9, 3, 64), (1, 1, 2, 1, 16)])
+def test_native_training_attention_against_float64_sdpa(B, T, nh, kv, D):
+    """`fused_ops.Attention` (causal, grouped-query, fp32) against torch's SDPA in float64, output and the
+    three input gradients: lengths on and off the 16-query blocks, 1-4 query heads per key/value head, a
+    single position."""
+    from trainer.backends.local import fused_ops
+
+    g = torch.Generator().manual_seed(B * T)
+    ref = [torch.randn(B, T, h, D, generator=g, dtype=torch.float64, requires_grad=True) for h in (nh, kv, kv)]
+    do = torch.randn(B, T, nh, D, generator=g, dtype=torch.float64)
+    o_ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in ref), is_causal=True,
+                                           enable_gqa=True).transpose(1, 2)
+    o_ref.backward(do)
+    xs = [x.detach().float().requires_grad_(True) for x in ref]
+    o = fused_ops.Attention.apply(*xs)
+    o.backward(do.float())
+    assert float((o.detach().double() - o_ref.detach()).abs().max()) < 1e-5
+    for x, r in zip(xs, ref):
+        assert float((x.grad.double() - r.grad).abs().max()) < 1e-4 * max(1.0, float(r.grad.abs().max()))
+    with pytest.raises(ValueError, match="unexpected inputs"):
+        kernels.attention_forward(xs[0].detach().bfloat16(), xs[1].detach(), xs[2].detach())
+
+
 def test_fused_ops_run_only_where_the_row_kernels_fit():
     """The training forward takes the native element-wise steps only for SiLU, fp32/bf16 and widths the row
     kernels take; anything else keeps torch's ops (a wider model would otherwise fail inside a kernel)."""

@@ -22,6 +22,15 @@ from torch.autograd.function import once_differentiable
 
 from trainer.backends.local import kernels
 
+# the training attention on the native kernel where it runs (`kernels.native_attention`); False: torch's SDPA
+NATIVE_ATTENTION = True
+
+
+def native_attention(head_dim: int, n_heads: int, n_kv: int) -> bool:
+    """Whether the training forward's attention runs on `Attention` here."""
+    return NATIVE_ATTENTION and kernels.native_attention(head_dim, n_heads, n_kv)
+
+
 def usable(act_name: str, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
     """Whether the training forward's element-wise steps run on the native kernels here
     (`kernels.row_kernels`)."""
@@ -79,3 +88,20 @@ class SiluMul(torch.autograd.Function):
     def backward(ctx: Any, dm_NI: torch.Tensor) -> torch.Tensor:
         (gu_NC,) = ctx.saved_tensors
         return kernels.silu_mul_backward(gu_NC, dm_NI.contiguous())
+
+
+class Attention(torch.autograd.Function):
+    """Causal grouped-query attention of right-padded sequences in fp32 (`kernels.attention_forward`):
+    `q [B, T, heads, D]`, `k`, `v [B, T, kv, D]` -> `[B, T, heads, D]`, what `F.scaled_dot_product_attention(...,
+    is_causal=True, enable_gqa=True)` computes on the transposed layout, up to summation order."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        o, lse = kernels.attention_forward(q, k, v)
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return kernels.attention_backward(*ctx.saved_tensors, do)

@@ -589,6 +589,258 @@ int silu_mul_backward(const void *gu, int64_t gu_row_stride, const void *dm, int
     return 0;
 }
 
+/* ---------------------------------------------------------------- the training forward's causal attention
+ * fp32, causal, grouped-query attention over right-padded sequences for the training forward, forward and
+ * backward, one task per (sequence, key/value head) whose G query heads share its keys and values:
+ *   q [B, T, KV G, D], k, v [B, T, KV, D], o [B, T, KV G, D] (head h G + i of query row t attends key
+ *   rows 0..t of head h), lse [B, KV G, T] (each row's log-sum-exp, for the backward).
+ * Why: at the trainer's sequence lengths (~100 positions) torch's CPU flash kernel spends its time in
+ * per-block bookkeeping and small sgemm calls. Here 16 query rows sit in the 16 lanes of a vector: a key's
+ * scores for them are D multiply-adds of a broadcast key element into the transposed queries, the softmax
+ * runs down the keys lane-wise, and nothing needs a horizontal sum; every sum runs in a fixed order on one
+ * thread (deterministic). AVX-512 only (`attention_available`); D % 16 == 0, D <= MAX_D.
+ * Returns 0; -1 for sizes the kernel does not take; -2 when scratch memory ran out; -3 without AVX-512. */
+#if defined(__AVX512F__)
+int attention_available(void) { return 1; }
+
+/* e^x lane-wise for x <= 0, the arithmetic of `exp_nonpos`. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 shift = _mm512_set1_ps(12582912.0f);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), shift);
+    const __m512 n = _mm512_sub_ps(t, shift);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187045e-06f)));
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000)), _mm512_set1_epi32(127)),
+        23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* xT[d] (lane l) = x[t0 + l][d] for the m <= 16 rows x[t] = base + t * stride; zero in lanes >= m. One gather
+ * per d (stride * 16 must fit in 32 bits: the caller checks). */
+static inline void load_block_t(const float *base, int64_t stride, int64_t t0, int64_t m, int64_t D, float *restrict xT) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)stride));
+    const __mmask16 in = (__mmask16)((1u << m) - 1u);
+    const float *x = base + t0 * stride;
+    for (int64_t d = 0; d < D; d++)
+        _mm512_store_ps(xT + d * 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in, idx, x + d, 4));
+}
+
+/* out[j] (16 lanes) = sum_d a[j][d] * bT[d] for rows a[j] = base + j * stride, j in [0, n): the dot products of n
+ * rows with the 16 lane-columns of bT [D][16], eight rows at a time (independent chains), in d order. */
+static inline void rows_dot_lanes(const float *base, int64_t stride, int64_t n, const float *restrict bT, int64_t D,
+                                  __m512 *restrict out) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m512 acc[8];
+        for (int u = 0; u < 8; u++) acc[u] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            const __m512 b = _mm512_load_ps(bT + d * 16);
+            for (int u = 0; u < 8; u++) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(base[(j + u) * stride + d]), b, acc[u]);
+        }
+        for (int u = 0; u < 8; u++) out[j + u] = acc[u];
+    }
+    for (; j < n; j++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(base[j * stride + d]), _mm512_load_ps(bT + d * 16), acc);
+        out[j] = acc;
+    }
+}
+
+/* outT[d] (16 lanes) = sum_j w[j] * a[j][d] over j in [0, n), rows a[j] = base + j * stride: sixteen d at a
+ * time (independent chains), each in j order. */
+static inline void lanes_times_rows(const __m512 *restrict w, const float *base, int64_t stride, int64_t n, int64_t D,
+                                    float *restrict outT) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 acc[16];
+        for (int c = 0; c < 16; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const __m512 wj = w[j];
+            const float *a = base + j * stride + d0;
+            for (int c = 0; c < 16; c++) acc[c] = _mm512_fmadd_ps(wj, _mm512_set1_ps(a[c]), acc[c]);
+        }
+        for (int c = 0; c < 16; c++) _mm512_store_ps(outT + (d0 + c) * 16, acc[c]);
+    }
+}
+
+/* rows out[t0 + l] (l < m, row stride `stride`) = xT[.][l] * scale[l] */
+static inline void store_block_t(const float *restrict xT, const float *restrict scale, int64_t m, int64_t D, float *base,
+                                 int64_t stride, int64_t t0) {
+    for (int64_t l = 0; l < m; l++) {
+        float *x = base + (t0 + l) * stride;
+        for (int64_t d = 0; d < D; d++) x[d] = xT[d * 16 + l] * scale[l];
+    }
+}
+
+/* The query lanes t0 + l that key j is visible to (t0 + l >= j). */
+static inline __mmask16 visible(int64_t j, int64_t t0) {
+    return j <= t0 ? (__mmask16)0xFFFFu : (__mmask16)(0xFFFFu << (j - t0));
+}
+
+int attention_forward(const float *restrict q, const float *restrict k, const float *restrict v, float *restrict o,
+                      float *restrict lse, int64_t B, int64_t T, int64_t KV, int64_t G, int64_t D, float scale,
+                      int nthreads) {
+    if (D < 16 || D > MAX_D || D % 16 || G < 1 || T < 1 || KV * G * D * 16 > INT32_MAX) return -1;
+    const int64_t H = KV * G;
+    int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : failed)
+    for (int64_t task = 0; task < B * KV; task++) {
+        const int64_t b = task / KV, h = task % KV;
+        __m512 *s = (__m512 *)aligned_alloc(64, sizeof(__m512) * (size_t)(T + 16));
+        float *qT = (float *)aligned_alloc(64, sizeof(float) * (size_t)(2 * D * 16));
+        if (!s || !qT) {
+            free(s);
+            free(qT);
+            failed = 1;
+            continue;
+        }
+        float *oT = qT + D * 16;
+        const float *kb = k + (b * T * KV + h) * D, *vb = v + (b * T * KV + h) * D;
+        for (int64_t i = 0; i < G; i++)
+            for (int64_t t0 = 0; t0 < T; t0 += 16) {
+                const int64_t m = T - t0 < 16 ? T - t0 : 16, n = t0 + m; /* keys 0..t0 + m - 1 */
+                const float *qb = q + (b * T * H + h * G + i) * D;
+                load_block_t(qb, H * D, t0, m, D, qT);
+                rows_dot_lanes(kb, KV * D, n, qT, D, s);
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                const __m512 vs = _mm512_set1_ps(scale);
+                for (int64_t j = 0; j < n; j++) {
+                    s[j] = _mm512_mul_ps(s[j], vs);
+                    mx = _mm512_mask_max_ps(mx, visible(j, t0), mx, s[j]);
+                }
+                /* hidden keys weigh exactly 0 (e^-87 would leave denormal products, slow on every CPU) */
+                __m512 z = _mm512_setzero_ps();
+                for (int64_t j = 0; j < n; j++) {
+                    s[j] = _mm512_maskz_mov_ps(visible(j, t0), exp16(_mm512_sub_ps(s[j], mx)));
+                    z = _mm512_add_ps(z, s[j]);
+                }
+                lanes_times_rows(s, vb, KV * D, n, D, oT);
+                float zs[16], ms[16], inv[16];
+                _mm512_storeu_ps(zs, z);
+                _mm512_storeu_ps(ms, mx);
+                for (int l = 0; l < 16; l++) inv[l] = 1.0f / zs[l];
+                store_block_t(oT, inv, m, D, o + (b * T * H + h * G + i) * D, H * D, t0);
+                for (int64_t l = 0; l < m; l++) lse[(b * H + h * G + i) * T + t0 + l] = ms[l] + logf(zs[l]);
+            }
+        free(s);
+        free(qT);
+    }
+    return failed ? -2 : 0;
+}
+
+/* The backward of `attention_forward` (flash attention's: P recomputed from lse, dP = dO V^T,
+ * dS = P (dP - rowsum(dO o)), dq = scale dS K, dk = scale dS^T q, dv = P^T dO), from dO [B, T, KV G, D]
+ * into dq (same shape), dk, dv [B, T, KV, D], all written. */
+int attention_backward(const float *restrict q, const float *restrict k, const float *restrict v,
+                       const float *restrict o, const float *restrict dO, const float *restrict lse,
+                       float *restrict dq, float *restrict dk, float *restrict dv, int64_t B, int64_t T, int64_t KV,
+                       int64_t G, int64_t D, float scale, int nthreads) {
+    if (D < 16 || D > MAX_D || D % 16 || G < 1 || T < 1 || KV * G * D * 16 > INT32_MAX) return -1;
+    const int64_t H = KV * G;
+    int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : failed)
+    for (int64_t task = 0; task < B * KV; task++) {
+        const int64_t b = task / KV, h = task % KV;
+        __m512 *p = (__m512 *)aligned_alloc(64, sizeof(__m512) * (size_t)(2 * (T + 16)));
+        float *buf = (float *)aligned_alloc(64, sizeof(float) * (size_t)(3 * D * 16 + 2 * T * D));
+        if (!p || !buf) {
+            free(p);
+            free(buf);
+            failed = 1;
+            continue;
+        }
+        __m512 *ds = p + T + 16;
+        float *qT = buf, *doT = qT + D * 16, *dqT = doT + D * 16, *dka = dqT + D * 16, *dva = dka + T * D;
+        memset(dka, 0, sizeof(float) * (size_t)(2 * T * D));
+        const float *kb = k + (b * T * KV + h) * D, *vb = v + (b * T * KV + h) * D;
+        const __m512 vs = _mm512_set1_ps(scale);
+        for (int64_t i = 0; i < G; i++)
+            for (int64_t t0 = 0; t0 < T; t0 += 16) {
+                const int64_t m = T - t0 < 16 ? T - t0 : 16, n = t0 + m;
+                const int64_t off = (b * T * H + h * G + i) * D, rs = H * D;
+                load_block_t(q + off, rs, t0, m, D, qT);
+                load_block_t(dO + off, rs, t0, m, D, doT);
+                float di[16] = {0}, ls[16] = {0};
+                for (int64_t l = 0; l < m; l++) {
+                    di[l] = dot(dO + off + (t0 + l) * rs, o + off + (t0 + l) * rs, D);
+                    ls[l] = lse[(b * H + h * G + i) * T + t0 + l];
+                }
+                const __m512 vdi = _mm512_loadu_ps(di), vls = _mm512_loadu_ps(ls);
+                rows_dot_lanes(kb, KV * D, n, qT, D, p);  /* scores */
+                rows_dot_lanes(vb, KV * D, n, doT, D, ds); /* dP */
+                for (int64_t j = 0; j < n; j++) {
+                    p[j] = _mm512_maskz_mov_ps(visible(j, t0), exp16(_mm512_sub_ps(_mm512_mul_ps(p[j], vs), vls)));
+                    ds[j] = _mm512_mul_ps(_mm512_mul_ps(p[j], _mm512_sub_ps(ds[j], vdi)), vs);
+                }
+                lanes_times_rows(ds, kb, KV * D, n, D, dqT);
+                float one[16];
+                for (int l = 0; l < 16; l++) one[l] = 1.0f;
+                store_block_t(dqT, one, m, D, dq + off, rs, t0);
+                /* dk[j] += sum_l ds[j][l] q[t0 + l], dv[j] += sum_l p[j][l] dO[t0 + l]: rows from the
+                 * transposed blocks, lane l's weights broadcast from memory */
+                for (int64_t j = 0; j < n; j++) {
+                    float wd[16] __attribute__((aligned(64))), wp[16] __attribute__((aligned(64)));
+                    _mm512_store_ps(wd, ds[j]);
+                    _mm512_store_ps(wp, p[j]);
+                    for (int64_t d0 = 0; d0 < D; d0 += 64) { /* up to 4 vectors of dk and of dv: 8 chains */
+                        const int nc = D - d0 < 64 ? (int)((D - d0) / 16) : 4;
+                        __m512 ak[4], av[4];
+                        for (int c = 0; c < nc; c++) {
+                            ak[c] = _mm512_loadu_ps(dka + j * D + d0 + 16 * c);
+                            av[c] = _mm512_loadu_ps(dva + j * D + d0 + 16 * c);
+                        }
+                        for (int64_t l = 0; l < m; l++) {
+                            const float *qr = q + off + (t0 + l) * rs + d0, *dr = dO + off + (t0 + l) * rs + d0;
+                            const __m512 a = _mm512_set1_ps(wd[l]), bb = _mm512_set1_ps(wp[l]);
+                            for (int c = 0; c < nc; c++) {
+                                ak[c] = _mm512_fmadd_ps(a, _mm512_loadu_ps(qr + 16 * c), ak[c]);
+                                av[c] = _mm512_fmadd_ps(bb, _mm512_loadu_ps(dr + 16 * c), av[c]);
+                            }
+                        }
+                        for (int c = 0; c < nc; c++) {
+                            _mm512_storeu_ps(dka + j * D + d0 + 16 * c, ak[c]);
+                            _mm512_storeu_ps(dva + j * D + d0 + 16 * c, av[c]);
+                        }
+                    }
+                }
+            }
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(dk + ((b * T + t) * KV + h) * D, dka + t * D, sizeof(float) * D);
+            memcpy(dv + ((b * T + t) * KV + h) * D, dva + t * D, sizeof(float) * D);
+        }
+        free(p);
+        free(buf);
+    }
+    return failed ? -2 : 0;
+}
+#else
+int attention_available(void) { return 0; }
+int attention_forward(const float *q, const float *k, const float *v, float *o, float *lse, int64_t B, int64_t T,
+                      int64_t KV, int64_t G, int64_t D, float scale, int nthreads) {
+    (void)q; (void)k; (void)v; (void)o; (void)lse; (void)B; (void)T; (void)KV; (void)G; (void)D; (void)scale;
+    (void)nthreads;
+    return -3;
+}
+int attention_backward(const float *q, const float *k, const float *v, const float *o, const float *dO,
+                       const float *lse, float *dq, float *dk, float *dv, int64_t B, int64_t T, int64_t KV, int64_t G,
+                       int64_t D, float scale, int nthreads) {
+    (void)q; (void)k; (void)v; (void)o; (void)dO; (void)lse; (void)dq; (void)dk; (void)dv; (void)B; (void)T;
+    (void)KV; (void)G; (void)D; (void)scale; (void)nthreads;
+    return -3;
+}
+#endif
+
 /* ---------------------------------------------------------------- the unembedding on AMX tiles
  * fp32 logits of bf16 inputs (fp32 hidden states rounded to bf16) and bf16 weights, as oneDNN computes an
  * fp32 product in its bf16 mode (`model.matmul_inputs`), but from weights stored in bf16: the product

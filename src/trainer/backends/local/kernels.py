@@ -89,6 +89,10 @@ _SIGNATURES = {
     "head_pack": [_ptr, _int, _i64, _i64, _ptr, _int],
     "amx_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _int],
     "head_logits": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int],
+    "attention_forward": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _int],
+    "attention_backward": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                           _float, _int],
+    "attention_available": [],
     "amx_available": [],
 }
 
@@ -319,6 +323,61 @@ def silu_mul_backward(gu_NC: torch.Tensor, dm_NI: torch.Tensor) -> torch.Tensor:
         lib.silu_mul_backward(gu_NC.data_ptr(), gu_NC.stride(0), dm_NI.data_ptr(), dm_NI.stride(0),
                               int(gu_NC.dtype == torch.bfloat16), out.data_ptr(), N, C // 2, torch.get_num_threads())
     return out
+
+
+# the head sizes the training attention takes (kernels.c: a multiple of its 16 lanes, at most MAX_D)
+ATTENTION_LANES = 16
+
+
+def native_attention(head_dim: int, n_heads: int, n_kv: int) -> bool:
+    """Whether the training forward's attention runs on the native kernel here."""
+    lib = library()
+    return (lib is not None and bool(lib.attention_available()) and head_dim % ATTENTION_LANES == 0
+            and ATTENTION_LANES <= head_dim <= MAX_HEAD_DIM and n_heads % n_kv == 0)
+
+
+def _attention_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"attention: expected q [B, T, heads, D], k and v [B, T, kv, D], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    B, T, nh, D = q.shape
+    kv = k.shape[2]
+    if (k.shape[:2] != (B, T) or k.shape[3] != D or nh % kv or not native_attention(D, nh, kv)
+            or any(x.dtype != torch.float32 or not x.is_contiguous() for x in (q, k, v))):
+        raise ValueError(f"attention: unexpected inputs q {tuple(q.shape)} {q.dtype}, k/v {tuple(k.shape)} {k.dtype}")
+    return B, T, kv, nh // kv, D
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal grouped-query attention, fp32, scale `D^-0.5`: `q [B, T, heads, D]`, `k`, `v [B, T, kv, D]`
+    (contiguous) -> `(o [B, T, heads, D], lse [B, heads, T])`; query row t attends key rows 0..t."""
+    lib = _lib_or_raise("attention")
+    B, T, kv, G, D = _attention_sizes(q, k, v)
+    o, lse = torch.empty_like(q), torch.empty(B, kv * G, T)
+    if B and T:
+        rc = lib.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), B, T, kv,
+                                   G, D, float(D) ** -0.5, torch.get_num_threads())
+        if rc:
+            raise MemoryError("attention_forward: out of memory for its scratch") if rc == -2 else \
+                RuntimeError(f"attention_forward failed ({rc})")
+    return o, lse
+
+
+def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                       do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(dq, dk, dv)` of `attention_forward` from the gradient `do` of its output."""
+    lib = _lib_or_raise("attention")
+    B, T, kv, G, D = _attention_sizes(q, k, v)
+    do = do.float().contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if B and T:
+        rc = lib.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(),
+                                    lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), B, T, kv, G, D,
+                                    float(D) ** -0.5, torch.get_num_threads())
+        if rc:
+            raise MemoryError("attention_backward: out of memory for its scratch") if rc == -2 else \
+                RuntimeError(f"attention_backward failed ({rc})")
+    return dq, dk, dv
 
 
 @dataclass(frozen=True)

@@ -201,14 +201,21 @@ def stacked_linear(x: torch.Tensor, w: torch.Tensor, outs: Sequence[int],
 
 
 def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: Packing) -> torch.Tensor:
+    """Causal attention of every datum over its own rows (`pk.idx_BT`), fp32; each packed row's output taken
+    from the datum that owns it. On the native kernel (`fused_ops.Attention`, AVX-512) in the `[B, T, heads,
+    D]` layout the row gather gives, else torch's SDPA on the transposed layout."""
     B, T = pk.idx_BT.shape
     nh, nkv, hd = q_NhD.shape[1], k_NhD.shape[1], q_NhD.shape[2]
     idx = pk.idx_BT.view(-1)  # index_select: its backward (index_add) beats advanced indexing's
-    q = q_NhD.index_select(0, idx).view(B, T, nh, hd).transpose(1, 2)  # [B, nh, T, hd]
-    k = k_NhD.index_select(0, idx).view(B, T, nkv, hd).transpose(1, 2)  # [B, nkv, T, hd]
-    v = v_NhD.index_select(0, idx).view(B, T, nkv, hd).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
-    return o.transpose(1, 2).reshape(B * T, nh * hd).index_select(0, pk.out_idx)
+    q = q_NhD.index_select(0, idx).view(B, T, nh, hd)
+    k = k_NhD.index_select(0, idx).view(B, T, nkv, hd)
+    v = v_NhD.index_select(0, idx).view(B, T, nkv, hd)
+    if q.dtype == torch.float32 and fused_ops.native_attention(hd, nh, nkv):
+        o = fused_ops.Attention.apply(q, k, v)
+    else:
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=nkv != nh).transpose(1, 2)
+    return o.reshape(B * T, nh * hd).index_select(0, pk.out_idx)
 
 
 def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, lora: Lora,
