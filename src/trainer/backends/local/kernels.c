@@ -674,6 +674,38 @@ static inline void lanes_times_rows(const __m512 *restrict w, const float *base,
     }
 }
 
+/* acc[j][:] += sum_l w[j][l] x[l][:] for j in [0, n) and the m <= 16 rows x[l] = base + l * stride (acc rows of D
+ * floats): four j by four 16-wide d chunks held in registers while the rows x[l] stream past them (two
+ * multiply-adds per load), each sum in l order. */
+static inline void accumulate_rows_nj(const float *restrict wf, int64_t j0, const int nj, const float *base,
+                                      int64_t stride, int64_t m, int64_t D, float *restrict acc) {
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int nc = D - d0 < 64 ? (int)((D - d0) / 16) : 4;
+        __m512 a[4][4];
+        for (int u = 0; u < nj; u++)
+            for (int c = 0; c < nc; c++) a[u][c] = _mm512_loadu_ps(acc + (j0 + u) * D + d0 + 16 * c);
+        for (int64_t l = 0; l < m; l++) {
+            const float *x = base + l * stride + d0;
+            __m512 xr[4];
+            for (int c = 0; c < nc; c++) xr[c] = _mm512_loadu_ps(x + 16 * c);
+            for (int u = 0; u < nj; u++) {
+                const __m512 wl = _mm512_set1_ps(wf[16 * (j0 + u) + l]);
+                for (int c = 0; c < nc; c++) a[u][c] = _mm512_fmadd_ps(wl, xr[c], a[u][c]);
+            }
+        }
+        for (int u = 0; u < nj; u++)
+            for (int c = 0; c < nc; c++) _mm512_storeu_ps(acc + (j0 + u) * D + d0 + 16 * c, a[u][c]);
+    }
+}
+
+static inline void accumulate_rows(const __m512 *restrict w, int64_t n, const float *base, int64_t stride, int64_t m,
+                                   int64_t D, float *restrict acc) {
+    const float *wf = (const float *)w; /* w[j] lane l at wf[16 j + l] */
+    int64_t j0 = 0;
+    for (; j0 + 4 <= n; j0 += 4) accumulate_rows_nj(wf, j0, 4, base, stride, m, D, acc);
+    for (; j0 < n; j0++) accumulate_rows_nj(wf, j0, 1, base, stride, m, D, acc);
+}
+
 /* rows out[t0 + l] (l < m, row stride `stride`) = xT[.][l] * scale[l] */
 static inline void store_block_t(const float *restrict xT, const float *restrict scale, int64_t m, int64_t D, float *base,
                                  int64_t stride, int64_t t0) {
@@ -688,53 +720,61 @@ static inline __mmask16 visible(int64_t j, int64_t t0) {
     return j <= t0 ? (__mmask16)0xFFFFu : (__mmask16)(0xFFFFu << (j - t0));
 }
 
+/* One (sequence, key/value head) task of `attention_forward`; 1 when out of memory. */
+static inline int attention_fwd_task(int64_t task, const float *restrict q, const float *restrict k,
+                                     const float *restrict v, float *restrict o, float *restrict lse, int64_t T,
+                                     int64_t KV, int64_t G, const int64_t D, float scale) {
+    const int64_t H = KV * G;
+    const int64_t b = task / KV, h = task % KV;
+    __m512 *s = (__m512 *)aligned_alloc(64, sizeof(__m512) * (size_t)(T + 16));
+    float *qT = (float *)aligned_alloc(64, sizeof(float) * (size_t)(2 * D * 16));
+    if (!s || !qT) {
+        free(s);
+        free(qT);
+        return 1;
+    }
+    float *oT = qT + D * 16;
+    const float *kb = k + (b * T * KV + h) * D, *vb = v + (b * T * KV + h) * D;
+    for (int64_t i = 0; i < G; i++)
+        for (int64_t t0 = 0; t0 < T; t0 += 16) {
+            const int64_t m = T - t0 < 16 ? T - t0 : 16, n = t0 + m; /* keys 0..t0 + m - 1 */
+            const float *qb = q + (b * T * H + h * G + i) * D;
+            load_block_t(qb, H * D, t0, m, D, qT);
+            rows_dot_lanes(kb, KV * D, n, qT, D, s);
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            const __m512 vs = _mm512_set1_ps(scale);
+            for (int64_t j = 0; j < n; j++) {
+                s[j] = _mm512_mul_ps(s[j], vs);
+                mx = _mm512_mask_max_ps(mx, visible(j, t0), mx, s[j]);
+            }
+            /* hidden keys weigh exactly 0 (e^-87 would leave denormal products, slow on every CPU) */
+            __m512 z = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; j++) {
+                s[j] = _mm512_maskz_mov_ps(visible(j, t0), exp16(_mm512_sub_ps(s[j], mx)));
+                z = _mm512_add_ps(z, s[j]);
+            }
+            lanes_times_rows(s, vb, KV * D, n, D, oT);
+            float zs[16], ms[16], inv[16];
+            _mm512_storeu_ps(zs, z);
+            _mm512_storeu_ps(ms, mx);
+            for (int l = 0; l < 16; l++) inv[l] = 1.0f / zs[l];
+            store_block_t(oT, inv, m, D, o + (b * T * H + h * G + i) * D, H * D, t0);
+            for (int64_t l = 0; l < m; l++) lse[(b * H + h * G + i) * T + t0 + l] = ms[l] + logf(zs[l]);
+        }
+    free(s);
+    free(qT);
+    return 0;
+}
+
 int attention_forward(const float *restrict q, const float *restrict k, const float *restrict v, float *restrict o,
                       float *restrict lse, int64_t B, int64_t T, int64_t KV, int64_t G, int64_t D, float scale,
                       int nthreads) {
     if (D < 16 || D > MAX_D || D % 16 || G < 1 || T < 1 || KV * G * D * 16 > INT32_MAX) return -1;
-    const int64_t H = KV * G;
     int failed = 0;
 #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : failed)
     for (int64_t task = 0; task < B * KV; task++) {
-        const int64_t b = task / KV, h = task % KV;
-        __m512 *s = (__m512 *)aligned_alloc(64, sizeof(__m512) * (size_t)(T + 16));
-        float *qT = (float *)aligned_alloc(64, sizeof(float) * (size_t)(2 * D * 16));
-        if (!s || !qT) {
-            free(s);
-            free(qT);
-            failed = 1;
-            continue;
-        }
-        float *oT = qT + D * 16;
-        const float *kb = k + (b * T * KV + h) * D, *vb = v + (b * T * KV + h) * D;
-        for (int64_t i = 0; i < G; i++)
-            for (int64_t t0 = 0; t0 < T; t0 += 16) {
-                const int64_t m = T - t0 < 16 ? T - t0 : 16, n = t0 + m; /* keys 0..t0 + m - 1 */
-                const float *qb = q + (b * T * H + h * G + i) * D;
-                load_block_t(qb, H * D, t0, m, D, qT);
-                rows_dot_lanes(kb, KV * D, n, qT, D, s);
-                __m512 mx = _mm512_set1_ps(-INFINITY);
-                const __m512 vs = _mm512_set1_ps(scale);
-                for (int64_t j = 0; j < n; j++) {
-                    s[j] = _mm512_mul_ps(s[j], vs);
-                    mx = _mm512_mask_max_ps(mx, visible(j, t0), mx, s[j]);
-                }
-                /* hidden keys weigh exactly 0 (e^-87 would leave denormal products, slow on every CPU) */
-                __m512 z = _mm512_setzero_ps();
-                for (int64_t j = 0; j < n; j++) {
-                    s[j] = _mm512_maskz_mov_ps(visible(j, t0), exp16(_mm512_sub_ps(s[j], mx)));
-                    z = _mm512_add_ps(z, s[j]);
-                }
-                lanes_times_rows(s, vb, KV * D, n, D, oT);
-                float zs[16], ms[16], inv[16];
-                _mm512_storeu_ps(zs, z);
-                _mm512_storeu_ps(ms, mx);
-                for (int l = 0; l < 16; l++) inv[l] = 1.0f / zs[l];
-                store_block_t(oT, inv, m, D, o + (b * T * H + h * G + i) * D, H * D, t0);
-                for (int64_t l = 0; l < m; l++) lse[(b * H + h * G + i) * T + t0 + l] = ms[l] + logf(zs[l]);
-            }
-        free(s);
-        free(qT);
+        failed |= D == 64 ? attention_fwd_task(task, q, k, v, o, lse, T, KV, G, 64, scale)
+                          : attention_fwd_task(task, q, k, v, o, lse, T, KV, G, D, scale);
     }
     return failed ? -2 : 0;
 }
@@ -742,85 +782,71 @@ int attention_forward(const float *restrict q, const float *restrict k, const fl
 /* The backward of `attention_forward` (flash attention's: P recomputed from lse, dP = dO V^T,
  * dS = P (dP - rowsum(dO o)), dq = scale dS K, dk = scale dS^T q, dv = P^T dO), from dO [B, T, KV G, D]
  * into dq (same shape), dk, dv [B, T, KV, D], all written. */
+/* One (sequence, key/value head) task of `attention_backward`; 1 when out of memory. */
+static inline int attention_bwd_task(int64_t task, const float *restrict q, const float *restrict k,
+                                     const float *restrict v, const float *restrict o, const float *restrict dO,
+                                     const float *restrict lse, float *restrict dq, float *restrict dk,
+                                     float *restrict dv, int64_t T, int64_t KV, int64_t G, const int64_t D,
+                                     float scale) {
+    const int64_t H = KV * G;
+    const int64_t b = task / KV, h = task % KV;
+    __m512 *p = (__m512 *)aligned_alloc(64, sizeof(__m512) * (size_t)(2 * (T + 16)));
+    float *buf = (float *)aligned_alloc(64, sizeof(float) * (size_t)(3 * D * 16 + 2 * T * D));
+    if (!p || !buf) {
+        free(p);
+        free(buf);
+        return 1;
+    }
+    __m512 *ds = p + T + 16;
+    float *qT = buf, *doT = qT + D * 16, *dqT = doT + D * 16, *dka = dqT + D * 16, *dva = dka + T * D;
+    memset(dka, 0, sizeof(float) * (size_t)(2 * T * D));
+    const float *kb = k + (b * T * KV + h) * D, *vb = v + (b * T * KV + h) * D;
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < G; i++)
+        for (int64_t t0 = 0; t0 < T; t0 += 16) {
+            const int64_t m = T - t0 < 16 ? T - t0 : 16, n = t0 + m;
+            const int64_t off = (b * T * H + h * G + i) * D, rs = H * D;
+            load_block_t(q + off, rs, t0, m, D, qT);
+            load_block_t(dO + off, rs, t0, m, D, doT);
+            float di[16] = {0}, ls[16] = {0};
+            for (int64_t l = 0; l < m; l++) {
+                di[l] = dot(dO + off + (t0 + l) * rs, o + off + (t0 + l) * rs, D);
+                ls[l] = lse[(b * H + h * G + i) * T + t0 + l];
+            }
+            const __m512 vdi = _mm512_loadu_ps(di), vls = _mm512_loadu_ps(ls);
+            rows_dot_lanes(kb, KV * D, n, qT, D, p);  /* scores */
+            rows_dot_lanes(vb, KV * D, n, doT, D, ds); /* dP */
+            for (int64_t j = 0; j < n; j++) {
+                p[j] = _mm512_maskz_mov_ps(visible(j, t0), exp16(_mm512_sub_ps(_mm512_mul_ps(p[j], vs), vls)));
+                ds[j] = _mm512_mul_ps(_mm512_mul_ps(p[j], _mm512_sub_ps(ds[j], vdi)), vs);
+            }
+            lanes_times_rows(ds, kb, KV * D, n, D, dqT);
+            float one[16];
+            for (int l = 0; l < 16; l++) one[l] = 1.0f;
+            store_block_t(dqT, one, m, D, dq + off, rs, t0);
+            /* dk[j] += sum_l ds[j][l] q[t0 + l], dv[j] += sum_l p[j][l] dO[t0 + l] */
+            accumulate_rows(ds, n, q + off + t0 * rs, rs, m, D, dka);
+            accumulate_rows(p, n, dO + off + t0 * rs, rs, m, D, dva);
+        }
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(dk + ((b * T + t) * KV + h) * D, dka + t * D, sizeof(float) * D);
+        memcpy(dv + ((b * T + t) * KV + h) * D, dva + t * D, sizeof(float) * D);
+    }
+    free(p);
+    free(buf);
+    return 0;
+}
+
 int attention_backward(const float *restrict q, const float *restrict k, const float *restrict v,
                        const float *restrict o, const float *restrict dO, const float *restrict lse,
                        float *restrict dq, float *restrict dk, float *restrict dv, int64_t B, int64_t T, int64_t KV,
                        int64_t G, int64_t D, float scale, int nthreads) {
     if (D < 16 || D > MAX_D || D % 16 || G < 1 || T < 1 || KV * G * D * 16 > INT32_MAX) return -1;
-    const int64_t H = KV * G;
     int failed = 0;
 #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : failed)
     for (int64_t task = 0; task < B * KV; task++) {
-        const int64_t b = task / KV, h = task % KV;
-        __m512 *p = (__m512 *)aligned_alloc(64, sizeof(__m512) * (size_t)(2 * (T + 16)));
-        float *buf = (float *)aligned_alloc(64, sizeof(float) * (size_t)(3 * D * 16 + 2 * T * D));
-        if (!p || !buf) {
-            free(p);
-            free(buf);
-            failed = 1;
-            continue;
-        }
-        __m512 *ds = p + T + 16;
-        float *qT = buf, *doT = qT + D * 16, *dqT = doT + D * 16, *dka = dqT + D * 16, *dva = dka + T * D;
-        memset(dka, 0, sizeof(float) * (size_t)(2 * T * D));
-        const float *kb = k + (b * T * KV + h) * D, *vb = v + (b * T * KV + h) * D;
-        const __m512 vs = _mm512_set1_ps(scale);
-        for (int64_t i = 0; i < G; i++)
-            for (int64_t t0 = 0; t0 < T; t0 += 16) {
-                const int64_t m = T - t0 < 16 ? T - t0 : 16, n = t0 + m;
-                const int64_t off = (b * T * H + h * G + i) * D, rs = H * D;
-                load_block_t(q + off, rs, t0, m, D, qT);
-                load_block_t(dO + off, rs, t0, m, D, doT);
-                float di[16] = {0}, ls[16] = {0};
-                for (int64_t l = 0; l < m; l++) {
-                    di[l] = dot(dO + off + (t0 + l) * rs, o + off + (t0 + l) * rs, D);
-                    ls[l] = lse[(b * H + h * G + i) * T + t0 + l];
-                }
-                const __m512 vdi = _mm512_loadu_ps(di), vls = _mm512_loadu_ps(ls);
-                rows_dot_lanes(kb, KV * D, n, qT, D, p);  /* scores */
-                rows_dot_lanes(vb, KV * D, n, doT, D, ds); /* dP */
-                for (int64_t j = 0; j < n; j++) {
-                    p[j] = _mm512_maskz_mov_ps(visible(j, t0), exp16(_mm512_sub_ps(_mm512_mul_ps(p[j], vs), vls)));
-                    ds[j] = _mm512_mul_ps(_mm512_mul_ps(p[j], _mm512_sub_ps(ds[j], vdi)), vs);
-                }
-                lanes_times_rows(ds, kb, KV * D, n, D, dqT);
-                float one[16];
-                for (int l = 0; l < 16; l++) one[l] = 1.0f;
-                store_block_t(dqT, one, m, D, dq + off, rs, t0);
-                /* dk[j] += sum_l ds[j][l] q[t0 + l], dv[j] += sum_l p[j][l] dO[t0 + l]: rows from the
-                 * transposed blocks, lane l's weights broadcast from memory */
-                for (int64_t j = 0; j < n; j++) {
-                    float wd[16] __attribute__((aligned(64))), wp[16] __attribute__((aligned(64)));
-                    _mm512_store_ps(wd, ds[j]);
-                    _mm512_store_ps(wp, p[j]);
-                    for (int64_t d0 = 0; d0 < D; d0 += 64) { /* up to 4 vectors of dk and of dv: 8 chains */
-                        const int nc = D - d0 < 64 ? (int)((D - d0) / 16) : 4;
-                        __m512 ak[4], av[4];
-                        for (int c = 0; c < nc; c++) {
-                            ak[c] = _mm512_loadu_ps(dka + j * D + d0 + 16 * c);
-                            av[c] = _mm512_loadu_ps(dva + j * D + d0 + 16 * c);
-                        }
-                        for (int64_t l = 0; l < m; l++) {
-                            const float *qr = q + off + (t0 + l) * rs + d0, *dr = dO + off + (t0 + l) * rs + d0;
-                            const __m512 a = _mm512_set1_ps(wd[l]), bb = _mm512_set1_ps(wp[l]);
-                            for (int c = 0; c < nc; c++) {
-                                ak[c] = _mm512_fmadd_ps(a, _mm512_loadu_ps(qr + 16 * c), ak[c]);
-                                av[c] = _mm512_fmadd_ps(bb, _mm512_loadu_ps(dr + 16 * c), av[c]);
-                            }
-                        }
-                        for (int c = 0; c < nc; c++) {
-                            _mm512_storeu_ps(dka + j * D + d0 + 16 * c, ak[c]);
-                            _mm512_storeu_ps(dva + j * D + d0 + 16 * c, av[c]);
-                        }
-                    }
-                }
-            }
-        for (int64_t t = 0; t < T; t++) {
-            memcpy(dk + ((b * T + t) * KV + h) * D, dka + t * D, sizeof(float) * D);
-            memcpy(dv + ((b * T + t) * KV + h) * D, dva + t * D, sizeof(float) * D);
-        }
-        free(p);
-        free(buf);
+        failed |= D == 64 ? attention_bwd_task(task, q, k, v, o, dO, lse, dq, dk, dv, T, KV, G, 64, scale)
+                          : attention_bwd_task(task, q, k, v, o, dO, lse, dq, dk, dv, T, KV, G, D, scale);
     }
     return failed ? -2 : 0;
 }
