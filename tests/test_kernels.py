@@ -344,6 +344,29 @@ def test_native_training_attention_against_float64_sdpa(B, T, nh, kv, D):
         kernels.attention_forward(xs[0].detach().bfloat16(), xs[1].detach(), xs[2].detach())
 
 
+@needs_native
+@pytest.mark.parametrize("probs_dtype", [None, torch.float32, torch.bfloat16])
+def test_softmax_target_against_torch(probs_dtype):
+    """The training unembedding's fused softmax: each row's target logprob and its probabilities (as torch's
+    softmax computes them, then cast) from fp32 logits, a width that is not a multiple of 16 included; a
+    target outside the vocabulary is refused."""
+    g = torch.Generator().manual_seed(4)
+    logits = 6 * torch.randn(9, 1000 + 3, generator=g)
+    y = torch.randint(0, logits.shape[1], (9,), generator=g)
+    ref_lp = torch.log_softmax(logits.double(), -1).gather(1, y[:, None]).squeeze(1)
+    ref_p = torch.softmax(logits, -1)
+    lp, probs = kernels.softmax_target(logits.clone(), y, probs_dtype)
+    assert float((lp.double() - ref_lp).abs().max()) < 2e-6
+    if probs_dtype is None:
+        assert probs is None
+    else:
+        assert probs.dtype == probs_dtype
+        tol = 1e-6 if probs_dtype == torch.float32 else 2 ** -8  # a few fp32 steps; one bf16 rounding
+        assert float(((probs.float() - ref_p).abs() / ref_p.clamp(min=1e-30)).max()) <= tol
+    with pytest.raises(ValueError, match="outside"):
+        kernels.softmax_target(logits.clone(), torch.tensor([0] * 8 + [logits.shape[1]]), None)
+
+
 def test_fused_ops_run_only_where_the_row_kernels_fit():
     """The training forward takes the native element-wise steps only for SiLU, fp32/bf16 and widths the row
     kernels take; anything else keeps torch's ops (a wider model would otherwise fail inside a kernel)."""

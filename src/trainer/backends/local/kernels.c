@@ -589,6 +589,58 @@ int silu_mul_backward(const void *gu, int64_t gu_row_stride, const void *dm, int
     return 0;
 }
 
+/* The training unembedding's softmax, one row of fp32 logits [R, V] at a time (a row stays in L2 across the
+ * passes): lp[r] = logits[r, y[r]] - (max + log z), z = sum_v e^(logits[r, v] - max), and where probs is
+ * given, probs[r, v] = e^(logits[r, v] - max) / z (bf16, rounded to nearest even, where probs_bf16, else fp32;
+ * probs may be the logits themselves),
+ * as `_TargetLogprob`'s torch ops compute them (amax, sub_, exp_, sum, log, div_, a cast) in one read of the
+ * logits and one write of the probabilities instead of about six passes. The logits are overwritten with
+ * the exponentials. Sums in the fixed order of 16 lanes and a tree. Returns 0; -1 for a target outside
+ * [0, V). */
+int softmax_target(float *logits, int64_t R, int64_t V, const int64_t *restrict y, float *restrict lp, void *probs,
+                   int probs_bf16, int nthreads) {
+    for (int64_t r = 0; r < R; r++)
+        if (y[r] < 0 || y[r] >= V) return -1;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < R; r++) {
+        float *row = logits + r * V;
+        const float target = row[y[r]];
+        float mx[LANES];
+        for (int l = 0; l < LANES; l++) mx[l] = -INFINITY;
+        int64_t v = 0;
+        for (; v + LANES <= V; v += LANES)
+            for (int l = 0; l < LANES; l++) mx[l] = row[v + l] > mx[l] ? row[v + l] : mx[l];
+        float m = mx[0];
+        for (int l = 1; l < LANES; l++) m = mx[l] > m ? mx[l] : m;
+        for (int64_t u = v; u < V; u++) m = row[u] > m ? row[u] : m;
+        float acc[LANES] = {0};
+        v = 0;
+        for (; v + LANES <= V; v += LANES)
+            for (int l = 0; l < LANES; l++) {
+                row[v + l] = exp_nonpos(row[v + l] - m);
+                acc[l] += row[v + l];
+            }
+        float tail = 0.0f;
+        for (int64_t u = v; u < V; u++) {
+            row[u] = exp_nonpos(row[u] - m);
+            tail += row[u];
+        }
+        const float z = lane_sum(acc) + tail;
+        lp[r] = target - (m + logf(z));
+        if (probs) { /* times 1/z: within an fp32 step of the division, at a fraction of its cost */
+            const float inv = 1.0f / z;
+            if (probs_bf16) {
+                uint16_t *out = (uint16_t *)probs + r * V;
+                for (int64_t u = 0; u < V; u++) out[u] = f32_to_bf16(row[u] * inv);
+            } else {
+                float *out = (float *)probs + r * V;
+                for (int64_t u = 0; u < V; u++) out[u] = row[u] * inv;
+            }
+        }
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------- the training forward's causal attention
  * fp32, causal, grouped-query attention over right-padded sequences for the training forward, forward and
  * backward, one task per (sequence, key/value head) whose G query heads share its keys and values:

@@ -92,6 +92,7 @@ _SIGNATURES = {
     "attention_forward": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _int],
     "attention_backward": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                            _float, _int],
+    "softmax_target": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
     "attention_available": [],
     "amx_available": [],
 }
@@ -323,6 +324,28 @@ def silu_mul_backward(gu_NC: torch.Tensor, dm_NI: torch.Tensor) -> torch.Tensor:
         lib.silu_mul_backward(gu_NC.data_ptr(), gu_NC.stride(0), dm_NI.data_ptr(), dm_NI.stride(0),
                               int(gu_NC.dtype == torch.bfloat16), out.data_ptr(), N, C // 2, torch.get_num_threads())
     return out
+
+
+def softmax_target(logits_RV: torch.Tensor, y_R: torch.Tensor, probs_dtype: torch.dtype | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(log softmax(logits)[y] per row, softmax(logits) in probs_dtype or None)` of fp32 logits (contiguous;
+    overwritten: with the fp32 probabilities, returned as they are, else with the exponentials), in one pass
+    per row (`kernels.c`)."""
+    lib = _lib_or_raise("softmax")
+    R, V = logits_RV.shape
+    if (logits_RV.dtype != torch.float32 or not logits_RV.is_contiguous() or y_R.shape != (R,)
+            or probs_dtype not in (None, torch.float32, torch.bfloat16)):
+        raise ValueError(f"softmax_target: unexpected inputs {tuple(logits_RV.shape)} {logits_RV.dtype}, targets "
+                         f"{tuple(y_R.shape)}, probabilities {probs_dtype}")
+    y_R = y_R.to(torch.int64).contiguous()
+    lp = torch.empty(R)
+    probs = None if probs_dtype is None else logits_RV if probs_dtype == torch.float32 else \
+        torch.empty(R, V, dtype=probs_dtype)
+    if R and lib.softmax_target(logits_RV.data_ptr(), R, V, y_R.data_ptr(), lp.data_ptr(),
+                                None if probs is None else probs.data_ptr(), int(probs_dtype == torch.bfloat16),
+                                torch.get_num_threads()):
+        raise ValueError(f"softmax_target: a target outside [0, {V})")
+    return lp, probs
 
 
 # the head sizes the training attention takes (kernels.c: a multiple of its 16 lanes, at most MAX_D)

@@ -316,15 +316,19 @@ class _TargetLogprob(torch.autograd.Function):
         N = h_NH.shape[0]
         out_N = h_NH.new_empty(N)
         dh_NH = torch.empty_like(h_NH) if need else None
+        native = kernels.library() is not None
         for a in range(0, N, UNEMBED_ROWS):
             b = min(N, a + UNEMBED_ROWS)
             logits = unembed_block(h_NH[a:b], W_VH, packed)
-            target = logits.gather(1, y_N[a:b, None]).squeeze(1)
-            top = logits.amax(-1, keepdim=True)
-            z = logits.sub_(top).exp_().sum(-1, keepdim=True)  # logits now hold exp(logits - top)
-            out_N[a:b] = target - (top + z.log()).squeeze(1)
+            if native:  # the ops below in one pass per row
+                out_N[a:b], probs = kernels.softmax_target(logits, y_N[a:b], Wg_VH.dtype if need else None)
+            else:
+                target = logits.gather(1, y_N[a:b, None]).squeeze(1)
+                top = logits.amax(-1, keepdim=True)
+                z = logits.sub_(top).exp_().sum(-1, keepdim=True)  # logits now hold exp(logits - top)
+                out_N[a:b] = target - (top + z.log()).squeeze(1)
+                probs = logits.div_(z).to(Wg_VH.dtype) if need else None
             if need:
-                probs = logits.div_(z).to(Wg_VH.dtype)
                 if grad_packed is None:
                     dh_NH[a:b] = torch.addmm(Wg_VH.index_select(0, y_N[a:b]), probs, Wg_VH, alpha=-1)
                 else:  # the product rounded once to the gradient dtype, the difference taken in fp32
