@@ -217,9 +217,10 @@ def test_lora_merge_against_addmm(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_training_ops_match_torch_autograd(dtype):
     """The training forward's fused steps (`fused_ops`) against the torch ops they replace, forward and
-    backward: RoPE of q|k|v to the bit (its gradient computed in fp32 and rounded once), the norm and the SiLU gate up to summation
-    order and the exp (fp32) or within one bf16 rounding step."""
-    from trainer.backends.local.fused_ops import NormCast, RopeQKV, SiluMul
+    backward: RoPE of q|k|v to the bit (its gradient computed in fp32 and rounded once), the norm (with and
+    without the residual add before it) and the SiLU gate up to summation order and the exp (fp32) or within
+    one bf16 rounding step."""
+    from trainer.backends.local.fused_ops import AddNormCast, NormCast, RopeQKV, SiluMul
 
     g = torch.Generator().manual_seed(3)
     N, H, nh, kv, D, I = 11, 48, 6, 2, 8, 40
@@ -238,6 +239,18 @@ def test_fused_training_ops_match_torch_autograd(dtype):
     ref = rms_norm(x, w, 1e-5).to(dtype)
     (dx_ref,) = torch.autograd.grad(ref, x, dy)
     assert out.dtype == dtype and close(out, ref) and torch.allclose(dx, dx_ref, rtol=1e-4, atol=1e-5)
+    # residual add + norm + cast: both outputs used downstream, as the residual stream and the norm are
+    y = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
+    x_in = x.detach().clone()
+    s_out, out = AddNormCast.apply(x, y, w, 1e-5, dtype)
+    ds = torch.randn(N, H, generator=g)
+    dx, dyy = torch.autograd.grad((s_out, out), (x, y), (ds, dy))
+    s_ref = x + y
+    ref = rms_norm(s_ref, w, 1e-5).to(dtype)
+    dx_ref, dy_ref = torch.autograd.grad((s_ref, ref), (x, y), (ds, dy))
+    assert torch.equal(x.detach(), x_in) and torch.equal(s_out, s_ref)  # x itself is left as it was
+    assert close(out, ref) and torch.allclose(dx, dx_ref, rtol=1e-4, atol=1e-5)
+    assert dyy.dtype == dtype and close(dyy, dy_ref)
     # RoPE of q and k, v as fp32
     cos_t, sin_t = torch.randn(32, D, generator=g), torch.randn(32, D, generator=g)
     pos = torch.randint(0, 32, (N,), generator=g)

@@ -55,6 +55,33 @@ class NormCast(torch.autograd.Function):
         return kernels.rms_norm_backward(x_NH, w_H, rstd_N, dy_NH.contiguous()), None, None, None
 
 
+class AddNormCast(torch.autograd.Function):
+    """`(x + y, rms_norm(x + y, w, eps).to(dtype))` for the fp32 residual stream `x_NH`, a layer product's output
+    `y_NH` (bf16 or fp32) and a frozen fp32 `w`: the residual add in the norm's pass, forward, and in the
+    backward the residual's gradient added in the norm gradient's pass."""
+
+    @staticmethod
+    def forward(ctx: Any, x_NH: torch.Tensor, y_NH: torch.Tensor, w_H: torch.Tensor, eps: float, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        x_NH = x_NH.contiguous()
+        s_NH, rstd_N = torch.empty_like(x_NH), torch.empty(x_NH.shape[0])
+        out = kernels.residual_rms_norm(x_NH, y_NH, w_H, eps, dtype, rstd_N, s_NH)
+        ctx.save_for_backward(s_NH, w_H, rstd_N)
+        ctx.y_dtype = y_NH.dtype
+        return s_NH, out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, ds_NH: torch.Tensor | None, dy_NH: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+        s_NH, w_H, rstd_N = ctx.saved_tensors
+        if dy_NH is None:
+            dx = ds_NH.float()
+        else:
+            dx = kernels.rms_norm_backward(s_NH, w_H, rstd_N, dy_NH.contiguous(), ds_NH)
+        return dx, dx.to(ctx.y_dtype), None, None, None
+
+
 class RopeQKV(torch.autograd.Function):
     """fp32 `(rope(q), rope(k), v)`, each `[N, heads, D]`, of a stacked q|k|v product `qkv_NC` at positions
     `pos_N`: `model.rope` on fp32 tables, and `v.float()`. Its backward writes the gradient of the

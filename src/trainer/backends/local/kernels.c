@@ -393,18 +393,22 @@ int decode_layer_attention(const void *qkv, int64_t qkv_row_stride, int bf16, co
  *       computes it in fp32, stored as bf16 (rounded to nearest even, as `.to(torch.bfloat16)`) where
  *       out_bf16, else fp32; rsqrt(mean(x^2) + eps) of each row into rstd_out [B] when given (for the
  *       norm's backward, `rms_norm_backward`).
+ * With x_sum given, x is left as it is and x + y goes to x_sum [B, H] instead (x_sum may be x).
  * The sum of squares runs in the fixed order of `dot`. Returns 0; -1 when H exceeds what it takes. */
 int residual_rms_norm(float *x, const void *y, int64_t y_row_stride, int y_bf16, const float *restrict w, float eps,
-                      void *out, int out_bf16, float *rstd_out, int64_t B, int64_t H, int nthreads) {
+                      void *out, int out_bf16, float *rstd_out, float *x_sum, int64_t B, int64_t H, int nthreads) {
     if (H < 1 || H > MAX_H) return -1;
     const size_t yel = y_bf16 ? 2 : 4, oel = out_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < B; b++) {
-        float *restrict xr = x + b * H;
+        float *restrict xr = (x_sum ? x_sum : x) + b * H;
         float yf[MAX_H], o[MAX_H];
         if (y) {
+            const float *xin = x + b * H;
             load_row((const char *)y + (size_t)(b * y_row_stride) * yel, y_bf16, yf, H);
-            for (int64_t d = 0; d < H; d++) xr[d] += yf[d];
+            for (int64_t d = 0; d < H; d++) xr[d] = xin[d] + yf[d];
+        } else if (x_sum) {
+            memcpy(xr, x + b * H, sizeof(float) * H);
         }
         const float rstd = 1.0f / sqrtf(dot(xr, xr, H) / (float)H + eps);
         if (rstd_out) rstd_out[b] = rstd;
@@ -483,9 +487,11 @@ int lora_merge(const void *w, int bf16, const float *restrict A, const float *re
 /* The backward of `out = (x * rstd) * w` (`residual_rms_norm` without the add, w frozen) for rows x [N, H]
  * fp32 with their rstd [N]: from dy [N, H] (bf16 where dy_bf16, else fp32; row stride dy_row_stride),
  *   dx = rstd * (w dy - xhat * mean(xhat * w dy)),  xhat = x * rstd,
- * into dx [N, H] fp32. The mean runs in the fixed order of `dot`. */
+ * into dx [N, H] fp32, plus add [N, H] where given (the residual stream's own gradient). The mean runs in
+ * the fixed order of `dot`. */
 int rms_norm_backward(const float *restrict x, const float *restrict w, const float *restrict rstd, const void *dy,
-                      int64_t dy_row_stride, int dy_bf16, float *restrict dx, int64_t N, int64_t H, int nthreads) {
+                      int64_t dy_row_stride, int dy_bf16, const float *restrict add, float *restrict dx, int64_t N,
+                      int64_t H, int nthreads) {
     if (H < 1 || H > MAX_H) return -1;
     const size_t el = dy_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -498,7 +504,10 @@ int rms_norm_backward(const float *restrict x, const float *restrict w, const fl
             xh[d] = x[n * H + d] * r;
         }
         const float c = dot(xh, g, H) / (float)H;
-        for (int64_t d = 0; d < H; d++) dx[n * H + d] = r * (g[d] - xh[d] * c);
+        if (add)
+            for (int64_t d = 0; d < H; d++) dx[n * H + d] = r * (g[d] - xh[d] * c) + add[n * H + d];
+        else
+            for (int64_t d = 0; d < H; d++) dx[n * H + d] = r * (g[d] - xh[d] * c);
     }
     return 0;
 }

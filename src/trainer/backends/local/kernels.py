@@ -79,10 +79,10 @@ _i64, _int, _float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.
 _SIGNATURES = {
     "decode_layer_attention": [_ptr, _i64, _int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                _i64, _float, _int, _int],
-    "residual_rms_norm": [_ptr, _ptr, _i64, _int, _ptr, _float, _ptr, _int, _ptr, _i64, _i64, _int],
+    "residual_rms_norm": [_ptr, _ptr, _i64, _int, _ptr, _float, _ptr, _int, _ptr, _ptr, _i64, _i64, _int],
     "silu_mul": [_ptr, _i64, _int, _ptr, _i64, _i64, _int],
     "lora_merge": [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
-    "rms_norm_backward": [_ptr, _ptr, _ptr, _ptr, _i64, _int, _ptr, _i64, _i64, _int],
+    "rms_norm_backward": [_ptr, _ptr, _ptr, _ptr, _i64, _int, _ptr, _ptr, _i64, _i64, _int],
     "rope_qkv": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int],
     "rope_qkv_backward": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _int],
     "silu_mul_backward": [_ptr, _i64, _ptr, _i64, _int, _ptr, _i64, _i64, _int],
@@ -202,11 +202,13 @@ def _lib_or_raise(what: str) -> ctypes.CDLL:
 
 
 def residual_rms_norm(x_BH: torch.Tensor, y_BH: torch.Tensor | None, w_H: torch.Tensor, eps: float,
-                      out_dtype: torch.dtype, rstd_B: torch.Tensor | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype, rstd_B: torch.Tensor | None = None,
+                      x_sum: torch.Tensor | None = None) -> torch.Tensor:
     """`x += y` in place on the fp32 residual stream `x_BH` (contiguous; `y_BH` bf16 or fp32, rows
     contiguous, or None), then `rms_norm(x, w, eps)` (`model.rms_norm` on fp32 `x` and `w`) in `out_dtype`
     (bf16 or fp32): the residual add and the norm between two layer products in one pass per row.
-    `rstd_B` (fp32 `[B]`, contiguous): receives each row's `rsqrt(mean(x^2) + eps)`."""
+    `rstd_B` (fp32 `[B]`, contiguous): receives each row's `rsqrt(mean(x^2) + eps)`. `x_sum` (fp32, contiguous,
+    `x_BH`'s shape): receives `x + y` instead, `x` left as it is (autograd saves it)."""
     lib = _lib_or_raise("row")
     B, H = x_BH.shape
     if (x_BH.dtype != torch.float32 or not x_BH.is_contiguous() or w_H.dtype != torch.float32
@@ -215,7 +217,9 @@ def residual_rms_norm(x_BH: torch.Tensor, y_BH: torch.Tensor | None, w_H: torch.
                                       or y_BH.dtype not in (torch.float32, torch.bfloat16)))
             or not 1 <= H <= MAX_HIDDEN
             or (rstd_B is not None and (rstd_B.shape != (B,) or rstd_B.dtype != torch.float32
-                                        or not rstd_B.is_contiguous()))):
+                                        or not rstd_B.is_contiguous()))
+            or (x_sum is not None and (x_sum.shape != x_BH.shape or x_sum.dtype != torch.float32
+                                       or not x_sum.is_contiguous()))):
         raise ValueError(f"residual_rms_norm: unexpected inputs (x {tuple(x_BH.shape)} {x_BH.dtype}, y "
                          f"{None if y_BH is None else (tuple(y_BH.shape), y_BH.dtype)}, w {tuple(w_H.shape)} "
                          f"{w_H.dtype}, out {out_dtype})")
@@ -224,7 +228,8 @@ def residual_rms_norm(x_BH: torch.Tensor, y_BH: torch.Tensor | None, w_H: torch.
         lib.residual_rms_norm(x_BH.data_ptr(), None if y_BH is None else y_BH.data_ptr(),
                               0 if y_BH is None else y_BH.stride(0), int(y_BH is not None and y_BH.dtype == torch.bfloat16),
                               w_H.data_ptr(), float(eps), out.data_ptr(), int(out_dtype == torch.bfloat16),
-                              None if rstd_B is None else rstd_B.data_ptr(), B, H, torch.get_num_threads())
+                              None if rstd_B is None else rstd_B.data_ptr(), None if x_sum is None else x_sum.data_ptr(),
+                              B, H, torch.get_num_threads())
     return out
 
 
@@ -261,18 +266,23 @@ def lora_merge(w_OI: torch.Tensor, A_RI: torch.Tensor, B_OR: torch.Tensor) -> to
     return out
 
 
-def rms_norm_backward(x_NH: torch.Tensor, w_H: torch.Tensor, rstd_N: torch.Tensor, dy_NH: torch.Tensor
-                      ) -> torch.Tensor:
+def rms_norm_backward(x_NH: torch.Tensor, w_H: torch.Tensor, rstd_N: torch.Tensor, dy_NH: torch.Tensor,
+                      add: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 `dx` of `rms_norm(x, w)` (fp32 `x`, frozen fp32 `w`, the forward's `rstd`) from `dy` (bf16 or
-    fp32, rows contiguous)."""
+    fp32, rows contiguous), plus `add` (fp32 `[N, H]`) where given, in the same pass."""
     lib = _lib_or_raise("row")
     N, H = x_NH.shape
     if dy_NH.shape != (N, H) or dy_NH.stride(-1) != 1 or dy_NH.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"rms_norm_backward: unexpected gradient {tuple(dy_NH.shape)} {dy_NH.dtype}")
+    if add is not None:
+        add = add.float().contiguous()
+        if add.shape != (N, H):
+            raise ValueError(f"rms_norm_backward: unexpected residual gradient {tuple(add.shape)}")
     dx = torch.empty(N, H)
     if N:
         lib.rms_norm_backward(x_NH.data_ptr(), w_H.data_ptr(), rstd_N.data_ptr(), dy_NH.data_ptr(), dy_NH.stride(0),
-                              int(dy_NH.dtype == torch.bfloat16), dx.data_ptr(), N, H, torch.get_num_threads())
+                              int(dy_NH.dtype == torch.bfloat16), None if add is None else add.data_ptr(),
+                              dx.data_ptr(), N, H, torch.get_num_threads())
     return dx
 
 

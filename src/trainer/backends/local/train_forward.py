@@ -245,19 +245,28 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
         base[weight(k)].requires_grad for i in range(d.n_layers)
         for k in (layer_names(i).input_norm, layer_names(i).post_norm))
 
-    def norm(x: torch.Tensor, key: str) -> torch.Tensor:
+    def add_norm(x: torch.Tensor, y: torch.Tensor | None, key: str, dt: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x + y` (the previous product's output added to the fp32 residual stream; None: none yet) and its
+        norm in `dt`; on the native kernels in one pass each way."""
+        w = base[weight(key)]
         if native:
-            return fused_ops.NormCast.apply(x, base[weight(key)], d.eps, dtype)
-        return rms_norm(x, base[weight(key)], d.eps).to(dtype)
+            if y is None:
+                return x, fused_ops.NormCast.apply(x, w, d.eps, dt)
+            return fused_ops.AddNormCast.apply(x, y, w, d.eps, dt)
+        x = x if y is None else x + y
+        return x, rms_norm(x, w, d.eps).to(dt)
 
     if not native:
         cos_N = cos[pk.pos_N].unsqueeze(1)  # [N, 1, hd]
         sin_N = sin[pk.pos_N].unsqueeze(1)
 
     x = F.embedding(pk.ids_N, base[weight(EMBED)])
+    y = None  # the previous product's output, not yet added to x
     for i in range(d.n_layers):
         n = layer_names(i)
-        qkv = lin(norm(x, n.input_norm), n.stacked_qkv, d.qkv_outs, n.qkv)
+        x, h = add_norm(x, y, n.input_norm, dtype)
+        qkv = lin(h, n.stacked_qkv, d.qkv_outs, n.qkv)
         if native:  # fp32 tables: fp32 q and k; v in fp32 for attention
             q, k, v = fused_ops.RopeQKV.apply(qkv, pk.pos_N, cos, sin, nh, nkv)
         else:
@@ -266,15 +275,15 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
             k = rope(k.view(N, nkv, hd), cos_N, sin_N)
             v = v.view(N, nkv, hd).to(q.dtype)
         a = _attend(q, k, v, pk).to(dtype)
-        x = x + lin(a, weight(n.o), (d.hidden,), [n.o])
-        gu = lin(norm(x, n.post_norm), n.stacked_gate_up, (inter, inter), n.gate_up)
+        x, h = add_norm(x, lin(a, weight(n.o), (d.hidden,), [n.o]), n.post_norm, dtype)
+        gu = lin(h, n.stacked_gate_up, (inter, inter), n.gate_up)
         if native:
             m = fused_ops.SiluMul.apply(gu)
         else:
             g, u = gu.split(inter, -1)
             m = d.act(g) * u
-        x = x + lin(m, weight(n.down), (d.hidden,), [n.down])
-    return rms_norm(x, base[weight(FINAL_NORM)], d.eps)
+        y = lin(m, weight(n.down), (d.hidden,), [n.down])
+    return add_norm(x, y, FINAL_NORM, torch.float32)[1]
 
 
 # rows per unembedding block: its [rows, vocab] fp32 logits (25 MB at SmolLM2's 49152) stay below
