@@ -87,6 +87,24 @@ static inline float exp_nonpos(float x) {
     return p * two_n;
 }
 
+/* x[j] = e^(x[j] - m) in place for j in [0, n) (softmax numerators: every x[j] <= m), and their sum in a
+ * fixed order: 16 lanes, their tree, then the tail. */
+static inline float exp_sum(float *restrict x, int64_t n, float m) {
+    float acc[LANES] = {0};
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) {
+            x[j + l] = exp_nonpos(x[j + l] - m);
+            acc[l] += x[j + l];
+        }
+    float tail = 0.0f;
+    for (; j < n; j++) {
+        x[j] = exp_nonpos(x[j] - m);
+        tail += x[j];
+    }
+    return lane_sum(acc) + tail;
+}
+
 /* bf16 (stored as its upper 16 bits) to fp32: exact. */
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -164,19 +182,7 @@ static inline int attention_task(int64_t t, const void *qkv, int64_t qkv_row_str
         float *si = sc + i * n;
         float m = si[0];
         for (int64_t j = 1; j < n; j++) m = si[j] > m ? si[j] : m;
-        float acc[LANES] = {0};
-        int64_t j = 0;
-        for (; j + LANES <= n; j += LANES)
-            for (int l = 0; l < LANES; l++) {
-                si[j + l] = exp_nonpos(si[j + l] - m);
-                acc[l] += si[j + l];
-            }
-        float tail = 0.0f;
-        for (; j < n; j++) {
-            si[j] = exp_nonpos(si[j] - m);
-            tail += si[j];
-        }
-        inv_z[i] = 1.0f / (lane_sum(acc) + tail);
+        inv_z[i] = 1.0f / exp_sum(si, n, m);
     }
     float o[MAX_G * MAX_D];
     memset(o, 0, sizeof(float) * G * D);
@@ -294,19 +300,7 @@ static inline int attention_task_d64(int64_t t, const void *qkv, int64_t qkv_row
         for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(si + j));
         float m = _mm512_reduce_max_ps(mv);
         for (; j < n; j++) m = si[j] > m ? si[j] : m;
-        float acc[LANES] = {0};
-        j = 0;
-        for (; j + LANES <= n; j += LANES)
-            for (int l = 0; l < LANES; l++) {
-                si[j + l] = exp_nonpos(si[j + l] - m);
-                acc[l] += si[j + l];
-            }
-        float tail = 0.0f;
-        for (; j < n; j++) {
-            si[j] = exp_nonpos(si[j] - m);
-            tail += si[j];
-        }
-        inv_z[i] = 1.0f / (lane_sum(acc) + tail);
+        inv_z[i] = 1.0f / exp_sum(si, n, m);
     }
     __m512 o[MAX_G][4];
     for (int64_t i = 0; i < G; i++)
@@ -622,19 +616,7 @@ int softmax_target(float *logits, int64_t R, int64_t V, const int64_t *restrict 
         float m = mx[0];
         for (int l = 1; l < LANES; l++) m = mx[l] > m ? mx[l] : m;
         for (int64_t u = v; u < V; u++) m = row[u] > m ? row[u] : m;
-        float acc[LANES] = {0};
-        v = 0;
-        for (; v + LANES <= V; v += LANES)
-            for (int l = 0; l < LANES; l++) {
-                row[v + l] = exp_nonpos(row[v + l] - m);
-                acc[l] += row[v + l];
-            }
-        float tail = 0.0f;
-        for (int64_t u = v; u < V; u++) {
-            row[u] = exp_nonpos(row[u] - m);
-            tail += row[u];
-        }
-        const float z = lane_sum(acc) + tail;
+        const float z = exp_sum(row, V, m);
         lp[r] = target - (m + logf(z));
         if (probs) { /* times 1/z: within an fp32 step of the division, at a fraction of its cost */
             const float inv = 1.0f / z;
