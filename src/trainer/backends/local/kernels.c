@@ -598,8 +598,9 @@ int silu_mul_backward(const void *gu, int64_t gu_row_stride, const void *dm, int
  * probs may be the logits themselves),
  * as `_TargetLogprob`'s torch ops compute them (amax, sub_, exp_, sum, log, div_, a cast) in one read of the
  * logits and one write of the probabilities instead of about six passes. The logits are overwritten with
- * the exponentials. Sums in the fixed order of 16 lanes and a tree. Returns 0; -1 for a target outside
- * [0, V). */
+ * the exponentials. Sums in the fixed order of 16 lanes and a tree. Used on AVX-512 builds only
+ * (`avx512_available`): compiled for AVX2 its loops run several times slower than torch's. Returns 0; -1 for
+ * a target outside [0, V). */
 int softmax_target(float *logits, int64_t R, int64_t V, const int64_t *restrict y, float *restrict lp, void *probs,
                    int probs_bf16, int nthreads) {
     for (int64_t r = 0; r < R; r++)
@@ -641,10 +642,10 @@ int softmax_target(float *logits, int64_t R, int64_t V, const int64_t *restrict 
  * per-block bookkeeping and small sgemm calls. Here 16 query rows sit in the 16 lanes of a vector: a key's
  * scores for them are D multiply-adds of a broadcast key element into the transposed queries, the softmax
  * runs down the keys lane-wise, and nothing needs a horizontal sum; every sum runs in a fixed order on one
- * thread (deterministic). AVX-512 only (`attention_available`); D % 16 == 0, D <= MAX_D.
+ * thread (deterministic). AVX-512 only (`avx512_available`); D % 16 == 0, D <= MAX_D.
  * Returns 0; -1 for sizes the kernel does not take; -2 when scratch memory ran out; -3 without AVX-512. */
 #if defined(__AVX512F__)
-int attention_available(void) { return 1; }
+int avx512_available(void) { return 1; }
 
 /* e^x lane-wise for x <= 0, the arithmetic of `exp_nonpos`. */
 static inline __m512 exp16(__m512 x) {
@@ -894,7 +895,7 @@ int attention_backward(const float *restrict q, const float *restrict k, const f
     return failed ? -2 : 0;
 }
 #else
-int attention_available(void) { return 0; }
+int avx512_available(void) { return 0; }
 int attention_forward(const float *q, const float *k, const float *v, float *o, float *lse, int64_t B, int64_t T,
                       int64_t KV, int64_t G, int64_t D, float scale, int nthreads) {
     (void)q; (void)k; (void)v; (void)o; (void)lse; (void)B; (void)T; (void)KV; (void)G; (void)D; (void)scale;

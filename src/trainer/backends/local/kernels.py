@@ -93,7 +93,7 @@ _SIGNATURES = {
     "attention_backward": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                            _float, _int],
     "softmax_target": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
-    "attention_available": [],
+    "avx512_available": [],
     "amx_available": [],
 }
 
@@ -362,11 +362,17 @@ def softmax_target(logits_RV: torch.Tensor, y_R: torch.Tensor, probs_dtype: torc
 ATTENTION_LANES = 16
 
 
+def avx512() -> bool:
+    """Whether the native library here was built with AVX-512: the training attention and the unembedding
+    softmax run on it only then (their portable loops, as compiled for AVX2, are slower than torch's ops)."""
+    lib = library()
+    return lib is not None and bool(lib.avx512_available())
+
+
 def native_attention(head_dim: int, n_heads: int, n_kv: int) -> bool:
     """Whether the training forward's attention runs on the native kernel here."""
-    lib = library()
-    return (lib is not None and bool(lib.attention_available()) and head_dim % ATTENTION_LANES == 0
-            and ATTENTION_LANES <= head_dim <= MAX_HEAD_DIM and n_heads % n_kv == 0)
+    return (avx512() and head_dim % ATTENTION_LANES == 0 and ATTENTION_LANES <= head_dim <= MAX_HEAD_DIM
+            and n_heads % n_kv == 0)
 
 
 def _attention_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
