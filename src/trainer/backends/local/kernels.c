@@ -395,7 +395,7 @@ int residual_rms_norm(float *x, const void *y, int64_t y_row_stride, int y_bf16,
     const size_t yel = y_bf16 ? 2 : 4, oel = out_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < B; b++) {
-        float *restrict xr = (x_sum ? x_sum : x) + b * H;
+        float *xr = (x_sum ? x_sum : x) + b * H; /* may be x itself: not restrict */
         float yf[MAX_H], o[MAX_H];
         if (y) {
             const float *xin = x + b * H;
