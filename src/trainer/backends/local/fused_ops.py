@@ -22,14 +22,6 @@ from torch.autograd.function import once_differentiable
 
 from trainer.backends.local import kernels
 
-# the training attention on the native kernel where it runs (`kernels.native_attention`); False: torch's SDPA
-NATIVE_ATTENTION = True
-
-
-def native_attention(head_dim: int, n_heads: int, n_kv: int) -> bool:
-    """Whether the training forward's attention runs on `Attention` here."""
-    return NATIVE_ATTENTION and kernels.native_attention(head_dim, n_heads, n_kv)
-
 
 def usable(act_name: str, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
     """Whether the training forward's element-wise steps run on the native kernels here
@@ -72,13 +64,10 @@ class AddNormCast(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, ds_NH: torch.Tensor | None, dy_NH: torch.Tensor | None
+    def backward(ctx: Any, ds_NH: torch.Tensor, dy_NH: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
-        s_NH, w_H, rstd_N = ctx.saved_tensors
-        if dy_NH is None:
-            dx = ds_NH.float()
-        else:
-            dx = kernels.rms_norm_backward(s_NH, w_H, rstd_N, dy_NH.contiguous(), ds_NH)
+        s_NH, w_H, rstd_N = ctx.saved_tensors  # both output gradients arrive (autograd materializes unused ones)
+        dx = kernels.rms_norm_backward(s_NH, w_H, rstd_N, dy_NH.contiguous(), ds_NH)
         return dx, dx.to(ctx.y_dtype), None, None, None
 
 

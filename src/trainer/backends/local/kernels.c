@@ -152,6 +152,20 @@ static inline void rope_row(const float *restrict x, const float *restrict c, co
     for (int64_t d = 0; d < h; d++) out[d + h] = x[d + h] * c[d + h] + x[d] * s[d + h];
 }
 
+/* The start of decode-attention task (row b, key/value head h): the row's new k and v written into the caches
+ * kt, vt [L, D] of that head at index pos, and its G query heads of group h rotated (fp32) into qf [G, D]. */
+static inline void task_start(const char *row, int bf16, const float *restrict cos, const float *restrict sin, char *kt,
+                              char *vt, int64_t pos, int64_t h, int64_t KV, int64_t G, const int64_t D, float *restrict qf) {
+    const size_t el = bf16 ? 2 : 4;
+    float xf[MAX_D];
+    memcpy(kt + (size_t)(pos * D) * el, row + (size_t)((KV * G + h) * D) * el, D * el);
+    memcpy(vt + (size_t)(pos * D) * el, row + (size_t)((KV * G + KV + h) * D) * el, D * el);
+    for (int64_t i = 0; i < G; i++) {
+        load_row(row + (size_t)((h * G + i) * D) * el, bf16, xf, D);
+        rope_row(xf, cos + pos * D, sin + pos * D, qf + i * D, D);
+    }
+}
+
 /* One (row, key/value head) task of `decode_layer_attention` (see there); returns 1 when out of memory.
  * Inlined with a literal head size at the common sizes, so that every per-key loop over D compiles to
  * straight-line vector code instead of a loop with a run-time trip count. */
@@ -163,15 +177,10 @@ static inline int attention_task(int64_t t, const void *qkv, int64_t qkv_row_str
     const char *row = (const char *)qkv + (size_t)(b * qkv_row_stride) * el;
     char *kt = (char *)kc + (size_t)(t * L * D) * el;
     char *vt = (char *)vc + (size_t)(t * L * D) * el;
-    memcpy(kt + (size_t)(pos * D) * el, row + (size_t)((KV * G + h) * D) * el, D * el);
-    memcpy(vt + (size_t)(pos * D) * el, row + (size_t)((KV * G + KV + h) * D) * el, D * el);
     float *restrict sc = (float *)malloc(sizeof(float) * G * n); /* sc[i * n + j]: query i, position j */
     if (!sc) return 1;
     float qf[MAX_G * MAX_D], xf[MAX_D], kf[MAX_D];
-    for (int64_t i = 0; i < G; i++) {
-        load_row(row + (size_t)((h * G + i) * D) * el, bf16, xf, D);
-        rope_row(xf, cos + pos * D, sin + pos * D, qf + i * D, D);
-    }
+    task_start(row, bf16, cos, sin, kt, vt, pos, h, KV, G, D, qf);
     for (int64_t j = 0; j < n; j++) {
         load_row(kt + (size_t)(j * D) * el, bf16, xf, D);
         rope_row(xf, cos + j * D, sin + j * D, kf, D);
@@ -246,15 +255,10 @@ static inline int attention_task_d64(int64_t t, const void *qkv, int64_t qkv_row
     const char *row = (const char *)qkv + (size_t)(b * qkv_row_stride) * el;
     char *kt = (char *)kc + (size_t)(t * L * D) * el;
     char *vt = (char *)vc + (size_t)(t * L * D) * el;
-    memcpy(kt + (size_t)(pos * D) * el, row + (size_t)((KV * G + h) * D) * el, D * el);
-    memcpy(vt + (size_t)(pos * D) * el, row + (size_t)((KV * G + KV + h) * D) * el, D * el);
     float *restrict sc = (float *)malloc(sizeof(float) * G * npad); /* sc[i * npad + j]: query i, position j */
     if (!sc) return 1;
-    float qf[MAX_G * 64], xf[64];
-    for (int64_t i = 0; i < G; i++) {
-        load_row(row + (size_t)((h * G + i) * D) * el, bf16, xf, D);
-        rope_row(xf, cos + pos * D, sin + pos * D, qf + i * D, D);
-    }
+    float qf[MAX_G * 64];
+    task_start(row, bf16, cos, sin, kt, vt, pos, h, KV, G, D, qf);
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
         const int64_t m = n - j0 < 16 ? n - j0 : 16;
@@ -750,12 +754,15 @@ static inline void accumulate_rows(const __m512 *restrict w, int64_t n, const fl
     for (; j0 < n; j0++) accumulate_rows_nj(wf, j0, 1, base, stride, m, D, acc);
 }
 
-/* rows out[t0 + l] (l < m, row stride `stride`) = xT[.][l] * scale[l] */
+/* rows out[t0 + l] (l < m, row stride `stride`) = xT[.][l], times scale[l] where scale is given */
 static inline void store_block_t(const float *restrict xT, const float *restrict scale, int64_t m, int64_t D, float *base,
                                  int64_t stride, int64_t t0) {
     for (int64_t l = 0; l < m; l++) {
         float *x = base + (t0 + l) * stride;
-        for (int64_t d = 0; d < D; d++) x[d] = xT[d * 16 + l] * scale[l];
+        if (scale)
+            for (int64_t d = 0; d < D; d++) x[d] = xT[d * 16 + l] * scale[l];
+        else
+            for (int64_t d = 0; d < D; d++) x[d] = xT[d * 16 + l];
     }
 }
 
@@ -865,9 +872,7 @@ static inline int attention_bwd_task(int64_t task, const float *restrict q, cons
                 ds[j] = _mm512_mul_ps(_mm512_mul_ps(p[j], _mm512_sub_ps(ds[j], vdi)), vs);
             }
             lanes_times_rows(ds, kb, KV * D, n, D, dqT);
-            float one[16];
-            for (int l = 0; l < 16; l++) one[l] = 1.0f;
-            store_block_t(dqT, one, m, D, dq + off, rs, t0);
+            store_block_t(dqT, NULL, m, D, dq + off, rs, t0);
             /* dk[j] += sum_l ds[j][l] q[t0 + l], dv[j] += sum_l p[j][l] dO[t0 + l] */
             accumulate_rows(ds, n, q + off + t0 * rs, rs, m, D, dka);
             accumulate_rows(p, n, dO + off + t0 * rs, rs, m, D, dva);

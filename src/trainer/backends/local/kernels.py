@@ -381,10 +381,16 @@ def _attention_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     B, T, nh, D = q.shape
     kv = k.shape[2]
-    if (k.shape[:2] != (B, T) or k.shape[3] != D or nh % kv or not native_attention(D, nh, kv)
+    if (k.shape[:2] != (B, T) or k.shape[3] != D or not native_attention(D, nh, kv)
             or any(x.dtype != torch.float32 or not x.is_contiguous() for x in (q, k, v))):
         raise ValueError(f"attention: unexpected inputs q {tuple(q.shape)} {q.dtype}, k/v {tuple(k.shape)} {k.dtype}")
     return B, T, kv, nh // kv, D
+
+
+def _attention_status(rc: int, what: str) -> None:
+    if rc:
+        raise MemoryError(f"{what}: out of memory for its scratch") if rc == -2 else \
+            RuntimeError(f"{what} failed ({rc})")
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -394,11 +400,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
     B, T, kv, G, D = _attention_sizes(q, k, v)
     o, lse = torch.empty_like(q), torch.empty(B, kv * G, T)
     if B and T:
-        rc = lib.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), B, T, kv,
-                                   G, D, float(D) ** -0.5, torch.get_num_threads())
-        if rc:
-            raise MemoryError("attention_forward: out of memory for its scratch") if rc == -2 else \
-                RuntimeError(f"attention_forward failed ({rc})")
+        _attention_status(lib.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                                                B, T, kv, G, D, float(D) ** -0.5, torch.get_num_threads()),
+                          "attention_forward")
     return o, lse
 
 
@@ -410,12 +414,10 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     do = do.float().contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if B and T:
-        rc = lib.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(),
-                                    lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), B, T, kv, G, D,
-                                    float(D) ** -0.5, torch.get_num_threads())
-        if rc:
-            raise MemoryError("attention_backward: out of memory for its scratch") if rc == -2 else \
-                RuntimeError(f"attention_backward failed ({rc})")
+        _attention_status(lib.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(),
+                                                 lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), B, T, kv,
+                                                 G, D, float(D) ** -0.5, torch.get_num_threads()),
+                          "attention_backward")
     return dq, dk, dv
 
 
@@ -435,8 +437,8 @@ class BlockedHead:
         M, K = h_MK.shape
         if K != self.width or h_MK.dtype != torch.float32:
             raise ValueError(f"BlockedHead: inputs {tuple(h_MK.shape)} {h_MK.dtype}, expected [rows, {self.width}] fp32")
-        Mp = -(-M // 16) * 16
-        x = h_MK.contiguous() if Mp == M else torch.cat([h_MK, h_MK.new_zeros(Mp - M, K)])
+        x = _rows16(h_MK.contiguous())
+        Mp = x.shape[0]
         out = torch.empty(Mp, self.vocab)
         if M:
             rc = lib.head_logits(x.data_ptr(), Mp, K, self.packed.data_ptr(), self.vocab, out.data_ptr(),
@@ -464,8 +466,8 @@ class BlockedLinear:
         if K != self.in_features or x_MK.dtype != torch.bfloat16 or x_MK.stride(-1) != 1:
             raise ValueError(f"BlockedLinear: inputs {tuple(x_MK.shape)} {x_MK.dtype}, expected [rows, "
                              f"{self.in_features}] bf16 with unit column stride")
-        Mp = -(-M // 16) * 16
-        x = x_MK if Mp == M else torch.cat([x_MK, x_MK.new_zeros(Mp - M, K)])
+        x = _rows16(x_MK)
+        Mp = x.shape[0]
         out = torch.empty(Mp, self.out_features, dtype=torch.bfloat16)
         if M:
             rc = self.lib.amx_linear(x.data_ptr(), Mp, K, x.stride(0), self.packed.data_ptr(), self.out_features,
@@ -475,17 +477,31 @@ class BlockedLinear:
         return out[:M]
 
 
+def _rows16(x_MK: torch.Tensor) -> torch.Tensor:
+    """`x_MK` with zero rows appended up to a multiple of 16 (the tiles' row count)."""
+    M, K = x_MK.shape
+    pad = -M % 16
+    return x_MK if not pad else torch.cat([x_MK, x_MK.new_zeros(pad, K)])
+
+
+def _tile_pack(W: torch.Tensor) -> torch.Tensor | None:
+    """`W [out, in]` (fp32 or bf16) rounded to bf16 in the tiles' blocked layout (`head_pack`), or None where
+    the AMX kernels do not run here or a size is not a multiple of 32."""
+    O, I = W.shape
+    if O % 32 or I % 32 or not amx_head():
+        return None
+    packed = torch.empty(O * I, dtype=torch.bfloat16)
+    if library().head_pack(W.contiguous().data_ptr(), int(W.dtype == torch.bfloat16), O, I, packed.data_ptr(),
+                           torch.get_num_threads()):
+        return None
+    return packed
+
+
 def blocked_linear(w_OI: torch.Tensor) -> BlockedLinear | None:
     """A bf16 projection weight for `amx_linear`, or None where the AMX kernel does not run here or the
     shape does not fit its tiles (both sizes multiples of 32)."""
-    O, I = w_OI.shape
-    if w_OI.dtype != torch.bfloat16 or O % 32 or I % 32 or not amx_head():
-        return None
-    lib = library()
-    packed = torch.empty(O * I, dtype=torch.bfloat16)
-    if lib.head_pack(w_OI.contiguous().data_ptr(), 1, O, I, packed.data_ptr(), torch.get_num_threads()):
-        return None
-    return BlockedLinear(packed, O, I, lib)
+    packed = _tile_pack(w_OI) if w_OI.dtype == torch.bfloat16 else None
+    return None if packed is None else BlockedLinear(packed, *w_OI.shape, library())
 
 
 def amx_head() -> bool:
@@ -497,11 +513,5 @@ def amx_head() -> bool:
 def blocked_head(W_VK: torch.Tensor) -> BlockedHead | None:
     """`W_VK` (fp32) for the AMX head kernel, or None where it does not run here or the shape does not
     fit its tiles (vocabulary a multiple of 32, width of 32)."""
-    V, K = W_VK.shape
-    if not amx_head() or V % 32 or K % 32 or W_VK.dtype != torch.float32:
-        return None
-    lib = library()
-    packed = torch.empty(V * K, dtype=torch.bfloat16)
-    if lib.head_pack(W_VK.contiguous().data_ptr(), 0, V, K, packed.data_ptr(), torch.get_num_threads()):
-        return None
-    return BlockedHead(packed, V, K, lib)
+    packed = _tile_pack(W_VK) if W_VK.dtype == torch.float32 else None
+    return None if packed is None else BlockedHead(packed, *W_VK.shape, library())

@@ -210,7 +210,7 @@ def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: P
     q = q_NhD.index_select(0, idx).view(B, T, nh, hd)
     k = k_NhD.index_select(0, idx).view(B, T, nkv, hd)
     v = v_NhD.index_select(0, idx).view(B, T, nkv, hd)
-    if q.dtype == torch.float32 and fused_ops.native_attention(hd, nh, nkv):
+    if q.dtype == torch.float32 and kernels.native_attention(hd, nh, nkv):
         o = fused_ops.Attention.apply(q, k, v)
     else:
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
