@@ -1071,10 +1071,59 @@ int amx_linear(const uint16_t *restrict X, int64_t M, int64_t K, int64_t x_row_s
     }
     return 0;
 }
+
+/* Every layer of one bf16 decode step on the AMX path: per layer the residual add fused into the input
+ * norm, the q|k|v product, attention, the o product, the add and post-attention norm, the gate|up product,
+ * the SiLU gate and the down product. The same functions in the same order as the per-kernel path
+ * (`sampler_forward.decode_step`), hence its bits, in one call from Python instead of eight per layer:
+ * at decode's few rows the Python glue around each call (checks, allocations, ctypes) is a sixth of a
+ * decode step, and the second thread spins through all of it.
+ *   x [B, H] fp32 residual stream, updated in place; on return `y` holds the last layer's down product,
+ *       not yet added (the final norm adds it, as on the per-kernel path)
+ *   layer l: wqkv[l] [C, H], wo[l] [H, Q], wgu[l] [2 I, H], wdown[l] [H, I] packed by `head_pack`;
+ *       in_norm[l], post_norm[l] fp32 [H]; kc[l], vc[l] bf16 caches [B, KV, L, D] (`decode_layer_attention`)
+ *   scratch, bf16, Mp rows (B rounded up to 16; rows B.. zero on entry and never written but by the
+ *   products): h [Mp, H], qkv [Mp, C], att [Mp, Q], y [Mp, H], gu [Mp, 2 I], m [Mp, I]
+ * with C = (KV G + 2 KV) D and Q = KV G D. Returns 0, or the first failing kernel's status. */
+int decode_layers_amx(float *x, int64_t B, int64_t Mp, int64_t H, int64_t I, int64_t n_layers,
+                      const uint16_t *const *wqkv, const uint16_t *const *wo, const uint16_t *const *wgu,
+                      const uint16_t *const *wdown, const float *const *in_norm, const float *const *post_norm,
+                      float eps, void *const *kc, void *const *vc, const float *cos, const float *sin, int64_t max_ctx,
+                      const int64_t *pos_B, int64_t KV, int64_t G, int64_t D, int64_t L, float scale, uint16_t *h,
+                      uint16_t *qkv, uint16_t *att, uint16_t *y, uint16_t *gu, uint16_t *m, int nthreads) {
+    const int64_t C = (KV * G + 2 * KV) * D, Q = KV * G * D;
+    if (Mp % 16 || Mp < B) return -1;
+    for (int64_t l = 0; l < n_layers; l++) {
+        int rc;
+        if ((rc = residual_rms_norm(x, l ? y : NULL, H, 1, in_norm[l], eps, h, 1, NULL, NULL, B, H, nthreads))
+            || (rc = amx_linear(h, Mp, H, H, wqkv[l], C, qkv, nthreads))
+            || (rc = decode_layer_attention(qkv, C, 1, cos, sin, max_ctx, kc[l], vc[l], pos_B, att, B, KV, G, D, L,
+                                            scale, 0, nthreads))
+            || (rc = amx_linear(att, Mp, Q, Q, wo[l], H, y, nthreads))
+            || (rc = residual_rms_norm(x, y, H, 1, post_norm[l], eps, h, 1, NULL, NULL, B, H, nthreads))
+            || (rc = amx_linear(h, Mp, H, H, wgu[l], 2 * I, gu, nthreads))
+            || (rc = silu_mul(gu, 2 * I, 1, m, B, I, nthreads))
+            || (rc = amx_linear(m, Mp, I, I, wdown[l], H, y, nthreads)))
+            return rc;
+    }
+    return 0;
+}
 #else
 int amx_linear(const uint16_t *X, int64_t M, int64_t K, int64_t x_row_stride, const uint16_t *Wp, int64_t V,
                uint16_t *out, int nthreads) {
     (void)X; (void)M; (void)K; (void)x_row_stride; (void)Wp; (void)V; (void)out; (void)nthreads;
+    return -3;
+}
+int decode_layers_amx(float *x, int64_t B, int64_t Mp, int64_t H, int64_t I, int64_t n_layers,
+                      const uint16_t *const *wqkv, const uint16_t *const *wo, const uint16_t *const *wgu,
+                      const uint16_t *const *wdown, const float *const *in_norm, const float *const *post_norm,
+                      float eps, void *const *kc, void *const *vc, const float *cos, const float *sin, int64_t max_ctx,
+                      const int64_t *pos_B, int64_t KV, int64_t G, int64_t D, int64_t L, float scale, uint16_t *h,
+                      uint16_t *qkv, uint16_t *att, uint16_t *y, uint16_t *gu, uint16_t *m, int nthreads) {
+    (void)x; (void)B; (void)Mp; (void)H; (void)I; (void)n_layers; (void)wqkv; (void)wo; (void)wgu; (void)wdown;
+    (void)in_norm; (void)post_norm; (void)eps; (void)kc; (void)vc; (void)cos; (void)sin; (void)max_ctx; (void)pos_B;
+    (void)KV; (void)G; (void)D; (void)L; (void)scale; (void)h; (void)qkv; (void)att; (void)y; (void)gu; (void)m;
+    (void)nthreads;
     return -3;
 }
 int amx_available(void) { return 0; }

@@ -93,6 +93,9 @@ _SIGNATURES = {
     "attention_backward": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                            _float, _int],
     "softmax_target": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
+    "decode_layers_amx": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _ptr,
+                          _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _float, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
+                          _int],
     "avx512_available": [],
     "amx_available": [],
 }
@@ -515,3 +518,89 @@ def blocked_head(W_VK: torch.Tensor) -> BlockedHead | None:
     fit its tiles (vocabulary a multiple of 32, width of 32)."""
     packed = _tile_pack(W_VK) if W_VK.dtype == torch.float32 else None
     return None if packed is None else BlockedHead(packed, *W_VK.shape, library())
+
+
+def _pointers(ts: list[torch.Tensor]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(ts))(*(t.data_ptr() for t in ts))
+
+
+@dataclass(frozen=True)
+class DecodeLayers:
+    """A bf16 sampler's layers for `decode_layers_amx`, where every layer projection is on the AMX tiles:
+    all layers of a decode step in one native call, through the per-kernel path's functions in its order
+    (so its bits). The pointer arrays are built once per weight set; the tensors they point into belong
+    to the caller's weights (kept here too, so they cannot be freed under the pointers)."""
+
+    weights: tuple[torch.Tensor, ...]
+    pointers: tuple[ctypes.Array, ...]  # qkv, o, gate_up, down, in_norm, post_norm
+    hidden: int
+    intermediate: int
+    qkv_width: int
+    n_heads: int
+    head_dim: int
+    eps: float
+    lib: ctypes.CDLL
+
+    def __call__(self, x_BH: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]], pos_B: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Runs every layer on `x_BH` (fp32 `[B, H]`, contiguous, updated in place) with the per-layer bf16
+        caches `cache` (`decode_layer_attention`'s layout) at positions `pos_B`; returns the last layer's
+        down product (bf16 `[B, H]`), not yet added to `x_BH`."""
+        B, H = x_BH.shape
+        n = len(self.pointers[0])
+        if len(cache) != n:
+            raise ValueError(f"decode_layers: {len(cache)} cache layers for {n} layers")
+        _, KV, L, D = cache[0][0].shape
+        if (x_BH.dtype != torch.float32 or not x_BH.is_contiguous() or H != self.hidden or D != self.head_dim
+                or self.n_heads % KV or (self.n_heads + 2 * KV) * D != self.qkv_width
+                or any(t.dtype != torch.bfloat16 or t.shape != (B, KV, L, D) or not t.is_contiguous()
+                       for kv in cache for t in kv)
+                or not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+                        and cos.shape == sin.shape and cos.shape[1] == D) or pos_B.shape != (B,)):
+            raise ValueError(f"decode_layers: unexpected inputs (x {tuple(x_BH.shape)} {x_BH.dtype}, caches "
+                             f"{tuple(cache[0][0].shape)} {cache[0][0].dtype}, tables {tuple(cos.shape)}, "
+                             f"positions {tuple(pos_B.shape)})")
+        pos_B = pos_B.to(torch.int64).contiguous()
+        if B and not (0 <= int(pos_B.min()) and int(pos_B.max()) < min(L, cos.shape[0])):
+            raise ValueError(f"decode_layers: a position outside [0, {min(L, cos.shape[0])}): {pos_B.tolist()}")
+        Mp, I = B + (-B % 16), self.intermediate
+        # rows B.. stay zero: only the products write them, from zero inputs
+        h, y = torch.zeros(Mp, H, dtype=torch.bfloat16), torch.zeros(Mp, H, dtype=torch.bfloat16)
+        att = torch.zeros(Mp, self.n_heads * D, dtype=torch.bfloat16)
+        qkv = torch.zeros(Mp, self.qkv_width, dtype=torch.bfloat16)
+        gu, m = torch.zeros(Mp, 2 * I, dtype=torch.bfloat16), torch.zeros(Mp, I, dtype=torch.bfloat16)
+        if not B:
+            return y[:0]
+        rc = self.lib.decode_layers_amx(
+            x_BH.data_ptr(), B, Mp, H, I, n, *self.pointers, float(self.eps),
+            _pointers([k for k, _ in cache]), _pointers([v for _, v in cache]), cos.data_ptr(), sin.data_ptr(),
+            cos.shape[0], pos_B.data_ptr(), KV, self.n_heads // KV, D, L, float(D) ** -0.5, h.data_ptr(),
+            qkv.data_ptr(), att.data_ptr(), y.data_ptr(), gu.data_ptr(), m.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("decode_layers: out of memory for the attention scores")
+        if rc:
+            raise RuntimeError(f"decode_layers failed ({rc})")
+        return y[:B]
+
+
+def decode_layers(qkv: list[BlockedLinear | None], o: list[BlockedLinear | None], gate_up: list[BlockedLinear | None],
+                  down: list[BlockedLinear | None], in_norm: list[torch.Tensor], post_norm: list[torch.Tensor],
+                  n_heads: int, head_dim: int, eps: float) -> DecodeLayers | None:
+    """The layers for `DecodeLayers`, or None where a projection is not on the AMX tiles, the sizes do not
+    chain (o's input is the attention output, gate|up stacks two halves) or the row and decode kernels do
+    not run here."""
+    if not qkv or any(p is None for p in qkv + o + gate_up + down) or not amx_head():
+        return None
+    H, I, Q = qkv[0].in_features, gate_up[0].out_features // 2, n_heads * head_dim
+    C = qkv[0].out_features
+    KV = (C // head_dim - n_heads) // 2
+    if (KV < 1 or (n_heads + 2 * KV) * head_dim != C or not native_decode(n_heads, KV, head_dim)
+            or H > MAX_HIDDEN or I > MAX_INTERMEDIATE
+            or any((a.in_features, a.out_features, b.in_features, b.out_features, c.in_features, c.out_features,
+                    d.in_features, d.out_features) != (H, C, Q, H, H, 2 * I, I, H)
+                   for a, b, c, d in zip(qkv, o, gate_up, down))
+            or any(w.dtype != torch.float32 or w.shape != (H,) or not w.is_contiguous() for w in in_norm + post_norm)):
+        return None
+    groups = [[p.packed for p in ps] for ps in (qkv, o, gate_up, down)] + [list(in_norm), list(post_norm)]
+    return DecodeLayers(tuple(t for g in groups for t in g), tuple(_pointers(g) for g in groups), H, I, C, n_heads,
+                        head_dim, eps, library())

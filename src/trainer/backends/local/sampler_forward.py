@@ -147,7 +147,14 @@ def decode_step(W: SamplerWeights, tok_B: torch.Tensor, pos_B: torch.Tensor, spa
     Batch invariance: projections run in fixed `ROW_BLOCK`-row blocks, and attention runs per row over
     its own cache length (the native kernel: one task per row and key/value head; the torch path: per
     span, with no padding or mask), so a row's numbers depend only on its own tokens (a padded, masked
-    attention over the batch's longest row would change the summation order with the batch)."""
+    attention over the batch's longest row would change the summation order with the batch).
+
+    Where every layer projection is on the AMX tiles (`W.native_layers`), all layers run in one native
+    call through the same kernels in the same order (the same bits as the loop below)."""
+    if W.native_layers is not None and native(W):
+        x = F.embedding(tok_B, W.embed)
+        y = W.native_layers(x, cache, pos_B, W.cos, W.sin)
+        return logits(W, _add_norm(W, x, y, W.final_norm, True, torch.float32)[1])
     if native(W):
         def attend(qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
             return kernels.decode_layer_attention(qkv, W.cos, W.sin, kc, vc, pos_B, W.n_heads)
