@@ -2,7 +2,9 @@
 products: residual add + RMSNorm + cast, SiLU gate) next to its torch path, interleaved in one process.
 The unembedding and the layer products are the same on both sides (on AMX CPUs the AMX head kernel, and in
 bf16 the layer products on the tiles too: `kernels.BlockedLinear`); where those run, a third side times the
-native kernels with the layer products on oneDNN's packed weights instead (what the tiles replace).
+native kernels with the layer products on oneDNN's packed weights instead (what the tiles replace), and a
+fourth the same kernels called one by one from Python instead of all layers in one native call
+(`SamplerWeights.native_layers`).
 
 SmolLM2-135M-Instruct with a rank-8 LoRA merged (as a sampling snapshot is), 32 rows in 8 runs of 4 (a
 GRPO batch of 8 prompts x 4 samples) at cache lengths 107-170, random cache contents (the time does not
@@ -22,6 +24,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +76,11 @@ def main() -> None:
                 kernels.blocked_linear = blocked
             sides = {"native kernels": (W, real), "native kernels, oneDNN layer products": (Wd, real),
                      "torch path": (W, lambda: None)}
+            if W.native_layers is not None:  # the same weights, each layer's kernels called one by one
+                Wk = replace(W)
+                Wk.__dict__["native_layers"] = None  # the cached property, computed as absent
+                sides = {"native kernels": (W, real), "native kernels, one call per kernel": (Wk, real),
+                         **{k: v for k, v in sides.items() if k != "native kernels"}}
         caches = {}
         for side, (Ws, lib) in sides.items():
             kernels.library = lib
