@@ -353,6 +353,8 @@ def test_bf16_projections_on_the_amx_tiles_and_their_merged_lora():
     x = torch.randn(45, lin.w.shape[1], generator=g).bfloat16()
     plain = x.float() @ lin.w.float().T
     assert torch.allclose(lin(x).float(), plain, rtol=2 ** -7, atol=1e-3)
+    # rows over fixed blocks (what batch invariance asks for) take one call here: the same bits
+    assert torch.equal(lin.blocked(x, 16), torch.cat([lin(x[i: i + 16]) for i in range(0, 45, 16)]))
     lora = {n: (torch.randn(3, lin.w.shape[1], generator=g), torch.randn(half, 3, generator=g))
             for n in ("gate", "up")}
     merged = with_factors(lin, ["gate", "up"], [half, half], lora, 0.7, torch.bfloat16)

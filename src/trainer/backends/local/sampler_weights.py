@@ -61,7 +61,10 @@ class Projection:
         """`self(x)` computed over fixed blocks of `block` rows (the last one zero-padded), so every
         GEMM has the same shape whatever the row count: a row's output never depends on how many other
         rows share the batch (oneDNN / MKL pick kernels, and with them the summation order, by row
-        count; see `ROW_BLOCK`)."""
+        count; see `ROW_BLOCK`). On the AMX tiles every row is computed alike whatever the row count
+        (`kernels.amx_linear`), so all rows go in one call: the weight is read once, not once per block."""
+        if self.amx is not None and x.dtype == torch.bfloat16:
+            return self(x)
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         n = x2.shape[0]
