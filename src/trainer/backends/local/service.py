@@ -58,8 +58,9 @@ class LocalServiceClient:
                           "decode_attention": kernels.describe(),
                           # the unembedding on AMX tiles from bf16 weights (bf16 head inputs only): same logits
                           "amx_unembedding": kernels.amx_head(),
-                          # the bf16 sampler's layer products on AMX tiles (kernels.BlockedLinear): at decode's
-                          # 32-row blocks the same bits as oneDNN's packed product
+                          # the bf16 sampler's layer products on AMX tiles (kernels.BlockedLinear; a decode step's
+                          # layers then in one native call, the same bits): at decode's 32-row blocks the same
+                          # bits as oneDNN's packed product
                           "amx_layer_products": kernels.amx_head() and self.sampler_dtype == torch.bfloat16}
         for name, v in (("micro_batch_size", micro_batch_size), ("micro_batch_tokens", micro_batch_tokens),
                         ("max_sample_batch", max_sample_batch)):
