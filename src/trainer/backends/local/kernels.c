@@ -1071,6 +1071,22 @@ int amx_linear(const uint16_t *restrict X, int64_t M, int64_t K, int64_t x_row_s
     }
     return 0;
 }
+#else
+int amx_linear(const uint16_t *X, int64_t M, int64_t K, int64_t x_row_stride, const uint16_t *Wp, int64_t V,
+               uint16_t *out, int nthreads) {
+    (void)X; (void)M; (void)K; (void)x_row_stride; (void)Wp; (void)V; (void)out; (void)nthreads;
+    return -3;
+}
+int amx_available(void) { return 0; }
+int head_pack(const void *W, int bf16, int64_t V, int64_t K, uint16_t *out, int nthreads) {
+    (void)W; (void)bf16; (void)V; (void)K; (void)out; (void)nthreads;
+    return -3;
+}
+int head_logits(const float *X, int64_t M, int64_t K, const uint16_t *Wp, int64_t V, float *out, int nthreads) {
+    (void)X; (void)M; (void)K; (void)Wp; (void)V; (void)out; (void)nthreads;
+    return -3;
+}
+#endif
 
 /* Every layer of one bf16 decode step on the AMX path: per layer the residual add fused into the input
  * norm, the q|k|v product, attention, the o product, the add and post-attention norm, the gate|up product,
@@ -1084,7 +1100,8 @@ int amx_linear(const uint16_t *restrict X, int64_t M, int64_t K, int64_t x_row_s
  *       in_norm[l], post_norm[l] fp32 [H]; kc[l], vc[l] bf16 caches [B, KV, L, D] (`decode_layer_attention`)
  *   scratch, bf16, Mp rows (B rounded up to 16; rows B.. zero on entry and never written but by the
  *   products): h [Mp, H], qkv [Mp, C], att [Mp, Q], y [Mp, H], gu [Mp, 2 I], m [Mp, I]
- * with C = (KV G + 2 KV) D and Q = KV G D. Returns 0, or the first failing kernel's status. */
+ * with C = (KV G + 2 KV) D and Q = KV G D. Returns 0, or the first failing kernel's status (-3 from
+ * `amx_linear` where the build has no AMX). */
 int decode_layers_amx(float *x, int64_t B, int64_t Mp, int64_t H, int64_t I, int64_t n_layers,
                       const uint16_t *const *wqkv, const uint16_t *const *wo, const uint16_t *const *wgu,
                       const uint16_t *const *wdown, const float *const *in_norm, const float *const *post_norm,
@@ -1108,31 +1125,4 @@ int decode_layers_amx(float *x, int64_t B, int64_t Mp, int64_t H, int64_t I, int
     }
     return 0;
 }
-#else
-int amx_linear(const uint16_t *X, int64_t M, int64_t K, int64_t x_row_stride, const uint16_t *Wp, int64_t V,
-               uint16_t *out, int nthreads) {
-    (void)X; (void)M; (void)K; (void)x_row_stride; (void)Wp; (void)V; (void)out; (void)nthreads;
-    return -3;
-}
-int decode_layers_amx(float *x, int64_t B, int64_t Mp, int64_t H, int64_t I, int64_t n_layers,
-                      const uint16_t *const *wqkv, const uint16_t *const *wo, const uint16_t *const *wgu,
-                      const uint16_t *const *wdown, const float *const *in_norm, const float *const *post_norm,
-                      float eps, void *const *kc, void *const *vc, const float *cos, const float *sin, int64_t max_ctx,
-                      const int64_t *pos_B, int64_t KV, int64_t G, int64_t D, int64_t L, float scale, uint16_t *h,
-                      uint16_t *qkv, uint16_t *att, uint16_t *y, uint16_t *gu, uint16_t *m, int nthreads) {
-    (void)x; (void)B; (void)Mp; (void)H; (void)I; (void)n_layers; (void)wqkv; (void)wo; (void)wgu; (void)wdown;
-    (void)in_norm; (void)post_norm; (void)eps; (void)kc; (void)vc; (void)cos; (void)sin; (void)max_ctx; (void)pos_B;
-    (void)KV; (void)G; (void)D; (void)L; (void)scale; (void)h; (void)qkv; (void)att; (void)y; (void)gu; (void)m;
-    (void)nthreads;
-    return -3;
-}
-int amx_available(void) { return 0; }
-int head_pack(const void *W, int bf16, int64_t V, int64_t K, uint16_t *out, int nthreads) {
-    (void)W; (void)bf16; (void)V; (void)K; (void)out; (void)nthreads;
-    return -3;
-}
-int head_logits(const float *X, int64_t M, int64_t K, const uint16_t *Wp, int64_t V, float *out, int nthreads) {
-    (void)X; (void)M; (void)K; (void)Wp; (void)V; (void)out; (void)nthreads;
-    return -3;
-}
-#endif
+

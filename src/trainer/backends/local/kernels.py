@@ -145,6 +145,12 @@ def native_decode(n_heads: int, n_kv: int, head_dim: int) -> bool:
             and 2 <= head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0)
 
 
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor, D: int) -> bool:
+    """Whether `cos`, `sin` are the fp32 `[max_ctx, D]` RoPE tables the decode kernels read."""
+    return (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+            and cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == D)
+
+
 def decode_layer_attention(qkv_BC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, pos_B: torch.Tensor, n_heads: int, portable: bool = False
                            ) -> torch.Tensor:
@@ -163,8 +169,7 @@ def decode_layer_attention(qkv_BC: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if (dt not in (torch.float32, torch.bfloat16) or qkv_BC.dtype != dt or v_cache.dtype != dt
             or v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or qkv_BC.stride(-1) != 1 or qkv_BC.shape != (B, (n_heads + 2 * KV) * D)
-            or not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
-                    and cos.shape == sin.shape and cos.shape[1] == D) or pos_B.shape != (B,)):
+            or not _rope_tables(cos, sin, D) or pos_B.shape != (B,)):
         raise ValueError(f"decode_layer_attention: unexpected inputs (qkv {tuple(qkv_BC.shape)} {qkv_BC.dtype}, "
                          f"caches {tuple(k_cache.shape)} {dt}/{v_cache.dtype}, tables {tuple(cos.shape)}, "
                          f"positions {tuple(pos_B.shape)})")
@@ -555,8 +560,7 @@ class DecodeLayers:
                 or self.n_heads % KV or (self.n_heads + 2 * KV) * D != self.qkv_width
                 or any(t.dtype != torch.bfloat16 or t.shape != (B, KV, L, D) or not t.is_contiguous()
                        for kv in cache for t in kv)
-                or not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
-                        and cos.shape == sin.shape and cos.shape[1] == D) or pos_B.shape != (B,)):
+                or not _rope_tables(cos, sin, D) or pos_B.shape != (B,)):
             raise ValueError(f"decode_layers: unexpected inputs (x {tuple(x_BH.shape)} {x_BH.dtype}, caches "
                              f"{tuple(cache[0][0].shape)} {cache[0][0].dtype}, tables {tuple(cos.shape)}, "
                              f"positions {tuple(pos_B.shape)})")
