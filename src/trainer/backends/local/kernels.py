@@ -580,26 +580,23 @@ class DecodeLayers:
             _pointers([k for k, _ in cache]), _pointers([v for _, v in cache]), cos.data_ptr(), sin.data_ptr(),
             cos.shape[0], pos_B.data_ptr(), KV, self.n_heads // KV, D, L, float(D) ** -0.5, h.data_ptr(),
             qkv.data_ptr(), att.data_ptr(), y.data_ptr(), gu.data_ptr(), m.data_ptr(), torch.get_num_threads())
-        if rc == -2:
-            raise MemoryError("decode_layers: out of memory for the attention scores")
-        if rc:
-            raise RuntimeError(f"decode_layers failed ({rc})")
+        _attention_status(rc, "decode_layers")
         return y[:B]
 
 
 def decode_layers(qkv: list[BlockedLinear | None], o: list[BlockedLinear | None], gate_up: list[BlockedLinear | None],
                   down: list[BlockedLinear | None], in_norm: list[torch.Tensor], post_norm: list[torch.Tensor],
-                  n_heads: int, head_dim: int, eps: float) -> DecodeLayers | None:
+                  n_heads: int, head_dim: int, eps: float, act_name: str) -> DecodeLayers | None:
     """The layers for `DecodeLayers`, or None where a projection is not on the AMX tiles, the sizes do not
-    chain (o's input is the attention output, gate|up stacks two halves) or the row and decode kernels do
-    not run here."""
+    chain (o's input is the attention output, gate|up stacks two halves) or the row kernels (`row_kernels`:
+    activation `act_name`, bf16) and the decode kernel do not run here."""
     if not qkv or any(p is None for p in qkv + o + gate_up + down) or not amx_head():
         return None
     H, I, Q = qkv[0].in_features, gate_up[0].out_features // 2, n_heads * head_dim
     C = qkv[0].out_features
     KV = (C // head_dim - n_heads) // 2
     if (KV < 1 or (n_heads + 2 * KV) * head_dim != C or not native_decode(n_heads, KV, head_dim)
-            or H > MAX_HIDDEN or I > MAX_INTERMEDIATE
+            or not row_kernels(act_name, torch.bfloat16, H, I)
             or any((a.in_features, a.out_features, b.in_features, b.out_features, c.in_features, c.out_features,
                     d.in_features, d.out_features) != (H, C, Q, H, H, 2 * I, I, H)
                    for a, b, c, d in zip(qkv, o, gate_up, down))

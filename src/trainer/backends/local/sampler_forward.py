@@ -151,24 +151,31 @@ def decode_step(W: SamplerWeights, tok_B: torch.Tensor, pos_B: torch.Tensor, spa
 
     Where every layer projection is on the AMX tiles (`W.native_layers`), all layers run in one native
     call through the same kernels in the same order (the same bits as the loop below)."""
+    fused = native_rows(W)
+    x = F.embedding(tok_B, W.embed)  # [B, H], fp32
     if W.native_layers is not None and native(W):
-        x = F.embedding(tok_B, W.embed)
-        y = W.native_layers(x, cache, pos_B, W.cos, W.sin)
-        return logits(W, _add_norm(W, x, y, W.final_norm, True, torch.float32)[1])
+        y = W.native_layers(x, cache, pos_B, W.cos, W.sin)  # x updated in place
+    else:
+        x, y = _decode_layers(W, x, pos_B, spans, cache, fused)
+    return logits(W, _add_norm(W, x, y, W.final_norm, fused, torch.float32)[1])
+
+
+def _decode_layers(W: SamplerWeights, x: torch.Tensor, pos_B: torch.Tensor, spans: Sequence[tuple[int, int, int]],
+                   cache: KVCache, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_step`'s layers one kernel (or torch op) at a time: the residual stream after the last
+    residual add, and the last down product, not yet added to it."""
     if native(W):
         def attend(qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
             return kernels.decode_layer_attention(qkv, W.cos, W.sin, kc, vc, pos_B, W.n_heads)
     else:
         attend = _torch_decode_attention(W, pos_B, spans, cache[0][0].shape[2])
-    fused = native_rows(W)
-    x = F.embedding(tok_B, W.embed)  # [B, H], fp32
     y = None  # the previous product's output, not yet added to x
     for li, L in enumerate(W.layers):
         x, h = _add_norm(W, x, y, L.in_norm, fused, W.dtype)
         y = L.o.blocked(attend(L.qkv.blocked(h), *cache[li]))
         x, h = _add_norm(W, x, y, L.post_norm, fused, W.dtype)
         y = L.down.blocked(_gate(W, L.gate_up.blocked(h), fused))
-    return logits(W, _add_norm(W, x, y, W.final_norm, fused, torch.float32)[1])
+    return x, y
 
 
 def native_rows(W: SamplerWeights) -> bool:

@@ -141,13 +141,12 @@ class SamplerWeights:
     def native_layers(self) -> kernels.DecodeLayers | None:
         """Every layer of a decode step in one native call (`kernels.DecodeLayers`), where every layer
         projection is on the AMX tiles and the row kernels run (bf16); None elsewhere."""
-        if self.dtype != torch.bfloat16 or not kernels.row_kernels(self.act_name, self.dtype, self.embed.shape[1],
-                                                                    self.intermediate):
+        if self.dtype != torch.bfloat16:
             return None
         L = self.layers
         return kernels.decode_layers([x.qkv.amx for x in L], [x.o.amx for x in L], [x.gate_up.amx for x in L],
                                      [x.down.amx for x in L], [x.in_norm for x in L], [x.post_norm for x in L],
-                                     self.n_heads, self.head_dim, self.eps)
+                                     self.n_heads, self.head_dim, self.eps, self.act_name)
 
 
 def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
