@@ -368,3 +368,48 @@ def test_seed_in_one_arm_only_is_refused(tmp_path):
     with pytest.raises(CompareError, match="seed 1 has no 'dppo' run .*one arm only"):
         compare([sweep], make_plots=False)
     assert not (sweep / "compare.json").exists()
+
+
+# ----------------------------------------------------------------------------- McNemar's direction
+def test_mcnemar_direction_comes_from_the_item_counts_with_several_seeds(tmp_path):
+    """3 seeds, 200 items: 30 items right in every treatment seed and wrong in every baseline seed (d_i = +1),
+    60 items right in baseline seed 0 only (d_i = -1/3). The mean gap is (90 - 60) / 600 = +5 pts, but the
+    sign test counts b = 30 items for the treatment and c = 60 against it (two-sided p = 0.0021): more
+    items favour the baseline, so the exact McNemar rule cannot validate the treatment."""
+    S, n = 3, 200
+    arms = {}
+    for s in range(S):
+        t, b = np.zeros(n, bool), np.zeros(n, bool)
+        t[:30] = True
+        if s == 0:
+            b[30:90] = True
+        arms["dppo", s], arms["grpo", s] = t, b
+    sweep = _sweep(tmp_path, arms, overrides=("decision.method=mcnemar_exact",))
+    out = compare([sweep], n_bootstrap=0, make_plots=False)
+    m = out["methods"]["mcnemar_exact"]
+    assert out["diff"] == pytest.approx(0.05)
+    assert (m["b_items"], m["c_items"]) == (30, 60)
+    assert m["p_two_sided"] == pytest.approx(0.00211, abs=5e-5) and m["p"] == 1.0
+    assert out["decision"]["method"] == "mcnemar_exact"
+    assert out["verdict"] == "not_supported" and m["verdict"] == "not_supported"
+
+
+def test_mcnemar_direction_with_the_auc_endpoint(tmp_path):
+    """One seed, per-item AUC over steps 0, 12, 24 (weights 1/4, 1/2, 1/4): 20 items right at every eval for
+    the treatment and never for the baseline (+1 each), 50 items the baseline has at every eval and the
+    treatment from step 12 on (-1/4 each). Mean +(20 - 12.5) / 200 = +3.75 pts, 20 items up, 50 down."""
+    n = 200
+    t0, t12, tf = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
+    b0, b12, bf = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
+    t0[:20] = t12[:20] = tf[:20] = True
+    b0[20:70] = b12[20:70] = bf[20:70] = True
+    t12[20:70] = tf[20:70] = True
+    curves = {("dppo", 0): {0: t0, 12: t12}, ("grpo", 0): {0: b0, 12: b12}}
+    sweep = _sweep(tmp_path, {("dppo", 0): tf, ("grpo", 0): bf}, curves=curves,
+                   overrides=("decision.method=mcnemar_exact", "decision.endpoint=auc"))
+    out = compare([sweep], n_bootstrap=0, make_plots=False)
+    m = out["methods"]["mcnemar_exact"]
+    assert out["decision"]["endpoint"] == "auc"
+    assert out["diff"] == pytest.approx((20 - 50 * 0.25) / n)
+    assert (m["b_items"], m["c_items"]) == (20, 50) and m["p_two_sided"] < 0.001
+    assert out["verdict"] == "not_supported"

@@ -47,6 +47,7 @@ from eval.stats import (
     hoeffding_p,
     holm_adjust,
     interval_verdict,
+    mcnemar_directional_p,
     paired_compare,
     pvalue_verdict,
     seed_t_interval,
@@ -328,10 +329,11 @@ def method_table(t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float
     methods["paired_hoeffding"] = {"estimate": diff, "ci_low": item["ci_low"], "ci_high": item["ci_high"],
                                    "p": hoeffding_p(diff, n_items, margin),
                                    "verdict": interval_verdict(diff, item["ci_low"], item["ci_high"], margin)}
-    p_dir = item["mcnemar_p"] if diff > 0 else 1.0
+    b_items, c_items = item["b_items"], item["c_items"]
+    p_dir = mcnemar_directional_p(b_items, c_items)
     methods["mcnemar_exact"] = {"estimate": diff, "ci_low": None, "ci_high": None, "p": p_dir,
-                                "p_two_sided": item["mcnemar_p"], "b_items": item["b_items"],
-                                "c_items": item["c_items"], "verdict": pvalue_verdict(diff, p_dir, alpha)}
+                                "p_two_sided": item["mcnemar_p"], "b_items": b_items, "c_items": c_items,
+                                "verdict": pvalue_verdict(b_items, c_items, p_dir, alpha)}
     helpers: dict[str, Any] = {"n_items": n_items, "diff": diff}
     if n_bootstrap > 0:
         means = bootstrap_means(d_N, n_bootstrap, seed)
@@ -389,7 +391,7 @@ def decide_all(rows: list[dict[str, Any]], helpers: list[dict[str, Any]], rule: 
         m = row["methods"][rule.method]
         iv = rule_interval(rule.method, helpers[i], level)
         if iv is None:
-            verdict = pvalue_verdict(m["estimate"], m["p"], level)
+            verdict = pvalue_verdict(m["b_items"], m["c_items"], m["p"], level)
         else:
             verdict = interval_verdict(m["estimate"], iv[0], iv[1], rule.margin)
         if verdict == "validated" and not still:

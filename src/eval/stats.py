@@ -364,11 +364,21 @@ def interval_verdict(diff: float, low: float, high: float, margin: float = 0.0) 
     return "inconclusive"
 
 
-def pvalue_verdict(diff: float, p: float, alpha: float) -> str:
-    """The same three verdicts for a test without an interval (exact McNemar)."""
-    if diff > 0 and p < alpha:
+def mcnemar_directional_p(b_items: int, c_items: int) -> float:
+    """The exact McNemar p of "the treatment wins more discordant items": the two-sided p when b > c, 1
+    otherwise. The direction comes from the counts the test is computed on, never from the mean
+    difference: with several seeds (b, c count signs of seed-mean differences) or per-item AUC scores the
+    mean can be positive while significantly more items favour the baseline."""
+    return mcnemar_exact_p(b_items, c_items) if b_items > c_items else 1.0
+
+
+def pvalue_verdict(b_items: int, c_items: int, p: float, alpha: float) -> str:
+    """The three verdicts for the exact McNemar (sign) test, keyed on the discordant item counts it tests:
+    `validated` if more items favour the treatment (b > c) and p < alpha; `inconclusive` if more items
+    favour it but p >= alpha; `not_supported` if they do not (b <= c)."""
+    if b_items > c_items and p < alpha:
         return "validated"
-    return "inconclusive" if diff > 0 else "not_supported"
+    return "inconclusive" if b_items > c_items else "not_supported"
 
 
 def holm_adjust(p_K: Any) -> list[float]:
