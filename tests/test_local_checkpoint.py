@@ -45,8 +45,9 @@ def test_save_state_then_restore_with_optimizer_is_exact(sc):
         tc.optim_step(ADAM).result()
     saved = tc.save_state("step2").result()
     saved_lp = logprobs(tc, data)
-    assert saved.path.startswith("tinker://local/")
-    folder = Path("/" + saved.path[len("tinker://local/"):])
+    assert saved.path == f"tinker://{tc.run_id}/weights/step2"
+    assert types.ParsedCheckpointTinkerPath.from_tinker_path(saved.path).checkpoint_id == "weights/step2"
+    folder = sc.state_dir / tc.run_id / "weights" / "step2"
     assert (folder / "meta.json").is_file() and (folder / "optimizer.pt").is_file()
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temp folders left
     assert json.loads((folder / "meta.json").read_text())["optim_steps"] == 2
@@ -109,13 +110,50 @@ def test_load_state_into_an_existing_client_and_sampler_checkpoints(sc):
 
 def test_bad_paths_and_names(sc, tmp_path):
     tc = sc.create_lora_training_client(TINY, rank=4, seed=0).result()
-    with pytest.raises(ValueError, match="tinker://local/"):
-        sc.create_training_client_from_state("tinker://abc/weights/x")
-    with pytest.raises(ValueError, match="no local-engine checkpoint"):
-        sc.create_sampling_client(model_path=f"tinker://local{tmp_path}/nothing")
-    with pytest.raises(ValueError, match="file name"):
+    with pytest.raises(ValueError, match="tinker://<run_id>/weights/<name>"):
+        sc.create_training_client_from_state("tinker://abc/x")
+    with pytest.raises(ValueError, match="no checkpoint"):
+        sc.create_sampling_client(model_path="tinker://nope/sampler_weights/nothing")
+    with pytest.raises(ValueError, match="letters, digits"):
         tc.save_state("../escape").result()
     assert tc.save_state("ok").result().path.endswith("/weights/ok")  # still usable
+
+
+def test_load_paths_are_confined_to_the_state_dir(sc, tmp_path):
+    """Every way out of the state dir gets the answer a missing checkpoint gets: `..`, an absolute
+    legacy path elsewhere, a symlink inside pointing outside."""
+    import shutil
+
+    from trainer.backends.local.common import CheckpointPathError
+
+    tc = sc.create_lora_training_client(TINY, rank=4, seed=0).result()
+    path = tc.save_state("inside").result().path
+    folder = sc.state_dir / tc.run_id / "weights" / "inside"
+    outside = tmp_path / "outside" / "run" / "weights" / "x"
+    shutil.copytree(folder, outside)
+    (sc.state_dir / tc.run_id / "weights" / "link").symlink_to(outside)
+    refused = {
+        "tinker://../weights/inside": 400, f"tinker://{tc.run_id}/weights/..": 400,
+        f"tinker://{tc.run_id}/weights/link": 404, f"tinker://{tc.run_id}/weights/missing": 404,
+        f"tinker://local{outside}": 404, f"tinker://local{sc.state_dir}/../outside/run/weights/x": 404,
+        "tinker:///etc/passwd/x": 400, "tinker://" + "a" * 2000: 400,
+    }
+    for bad, status in refused.items():
+        with pytest.raises(CheckpointPathError) as e:
+            sc.create_sampling_client(model_path=bad)
+        assert e.value.status == status, bad
+    # the link and a missing name read the same
+    msgs = set()
+    for bad in (f"tinker://{tc.run_id}/weights/link", f"tinker://{tc.run_id}/weights/missing"):
+        with pytest.raises(CheckpointPathError) as e:
+            sc.create_sampling_client(model_path=bad)
+        msgs.add(str(e.value).replace(bad, "P"))
+    assert len(msgs) == 1
+    # the form from before SDK paths: loads from inside the state dir, says how to convert otherwise
+    assert sc.create_sampling_client(model_path=f"tinker://local{folder}").model_path == f"tinker://local{folder}"
+    with pytest.raises(CheckpointPathError, match="copy the checkpoint folder"):
+        sc.create_training_client_from_state(f"tinker://local{outside}")
+    assert sc.create_training_client_from_state(path).result().optim_steps == 0
 
 
 def test_checkpoint_files_and_folders_reach_the_disk_before_the_rename(tmp_path, monkeypatch):
@@ -157,7 +195,9 @@ def test_load_state_refuses_a_checkpoint_of_another_lora_alpha(sc, tmp_path):
     """Same rank and modules but another alpha: the factors would run at another scale (alpha / rank)."""
     from trainer.backends.local import LocalServiceClient
 
-    other = LocalServiceClient(state_dir=tmp_path, sampler_dtype="float32", train_dtype="float32", lora_alpha=32.0)
+    # the same state dir: checkpoint paths name folders under the engine's own state dir
+    other = LocalServiceClient(state_dir=sc.state_dir, sampler_dtype="float32", train_dtype="float32",
+                               lora_alpha=32.0)
     try:
         path = other.create_lora_training_client(TINY, rank=4, seed=0).result().save_state("a32").result().path
         tc = sc.create_lora_training_client(TINY, rank=4, seed=0).result()  # the fixture's alpha is 8

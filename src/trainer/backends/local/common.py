@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -14,7 +16,8 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from trainer.backends.errors import TransientBackendError
 
 T = TypeVar("T")
-PATH_PREFIX = "tinker://local/"
+# checkpoint paths before they took the SDK form: `tinker://local/<absolute dir>`
+LEGACY_PREFIX = "tinker://local/"
 
 
 def done_future(value: Any) -> AwaitableConcurrentFuture:
@@ -98,24 +101,97 @@ class OrderedWorker:
         self._pool.shutdown(wait=False, cancel_futures=False)
 
 
-def tinker_path(folder: Path) -> str:
-    return PATH_PREFIX + str(Path(folder).resolve()).lstrip("/")
+#: checkpoint kind -> the path segment naming it, from the SDK's parser
+#: (`tinker/types/checkpoint.py::ParsedCheckpointTinkerPath.from_tinker_path`, `segment_to_type`)
+SEGMENTS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
+_KIND_OF_SEGMENT = {v: k for k, v in SEGMENTS.items()}
+# run ids and checkpoint names become folder names under the state dir: a short plain name, never
+# `.`/`..`, never a separator, never a leading dot (temp folders start with one)
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:+-]{0,127}")
+MAX_PATH = 1024
 
 
-def parse_path(path: str) -> Path:
-    """`tinker://local/<absolute dir>` -> the folder; anything else is a clear ValueError."""
-    if not isinstance(path, str) or not path.startswith(PATH_PREFIX):
-        raise ValueError(f"local engine checkpoint paths look like {PATH_PREFIX}<absolute dir>, got {path!r}")
-    folder = Path("/" + path[len(PATH_PREFIX):].lstrip("/"))
-    if not (folder / "meta.json").is_file():
-        raise ValueError(f"no local-engine checkpoint at {path!r} ({folder}/meta.json missing)")
-    return folder
+class CheckpointPathError(ValueError):
+    """A checkpoint path the engine will not load; `status` is the HTTP status a server answers with
+    (400 malformed, 404 not found). A path outside the state dir gets the same 404 as a missing one, so
+    the answer says nothing about which files exist."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def check_id(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not _NAME.fullmatch(value) or ".." in value:
+        raise ValueError(f"{what} must be 1-128 characters of letters, digits and ._:+- not starting with "
+                         f"'.' or containing '..', got {str(value)[:200]!r}")
+    return value
 
 
 def check_name(name: str) -> str:
-    if not isinstance(name, str) or not name or "/" in name or name in (".", "..") or name.startswith("."):
-        raise ValueError(f"checkpoint name must be a plain non-empty file name, got {name!r}")
-    return name
+    return check_id(name, "checkpoint name")
+
+
+def tinker_path(run_id: str, kind: str, name: str) -> str:
+    """`tinker://<run_id>/<weights|sampler_weights|external_weights>/<name>`: the SDK's form."""
+    return f"tinker://{run_id}/{SEGMENTS[kind]}/{name}"
+
+
+def checkpoint_folder(state_dir: Path, run_id: str, kind: str, name: str) -> Path:
+    return Path(state_dir) / check_id(run_id, "run id") / SEGMENTS[kind] / check_name(name)
+
+
+def parse_tinker_path(path: Any) -> tuple[str, str, str]:
+    """(run_id, kind, name) of an SDK-form path; CheckpointPathError(400) for anything else."""
+    if not isinstance(path, str) or len(path) > MAX_PATH:
+        raise CheckpointPathError(f"checkpoint path must be a string of at most {MAX_PATH} characters", 400)
+    parts = path[len("tinker://"):].split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in _KIND_OF_SEGMENT:
+        raise CheckpointPathError(f"checkpoint paths look like tinker://<run_id>/weights/<name> or "
+                                  f"tinker://<run_id>/sampler_weights/<name>, got {path[:200]!r}", 400)
+    try:
+        check_id(parts[0], "run id")
+        check_name(parts[2])
+    except ValueError as e:
+        raise CheckpointPathError(f"{path[:200]!r}: {e}", 400) from None
+    return parts[0], _KIND_OF_SEGMENT[parts[1]], parts[2]
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def resolve_path(path: Any, state_dir: Path, kinds: tuple[str, ...] = ("training", "sampler")) -> Path:
+    """The checkpoint folder a path names, confined to `state_dir`.
+
+    SDK form: `tinker://<run_id>/<segment>/<name>` -> `<state_dir>/<run_id>/<segment>/<name>`. The form
+    used before it, `tinker://local/<absolute dir>`, still loads when that folder lies inside the state dir
+    (a resumed run's `checkpoint.json` names one); otherwise it is refused with how to convert it. The
+    folder is resolved (symlinks followed) and must stay inside the state dir; a path that escapes, a
+    missing folder and a folder without `meta.json` all get the same CheckpointPathError(404)."""
+    root = Path(state_dir).resolve()
+    if isinstance(path, str) and path.startswith(LEGACY_PREFIX) and len(path) <= MAX_PATH:
+        lexical = Path(os.path.normpath("/" + path[len(LEGACY_PREFIX):].lstrip("/")))
+        if not _inside(lexical, root) or len(lexical.relative_to(root).parts) != 3:
+            raise CheckpointPathError(
+                f"{path[:200]!r} is a local path from before checkpoint paths took the SDK's form; paths now "
+                "look like tinker://<run_id>/weights/<name> and name a folder under this engine's state dir "
+                "(<state dir>/<run_id>/weights/<name>): copy the checkpoint folder there and use that path", 404)
+        folder = lexical
+        kind = _KIND_OF_SEGMENT.get(folder.parent.name)
+        if kind is None:
+            raise CheckpointPathError(f"no checkpoint {path[:200]!r} on this server", 404)
+    else:
+        run_id, kind, name = parse_tinker_path(path)
+        folder = root / run_id / SEGMENTS[kind] / name
+    if kind not in kinds:
+        raise CheckpointPathError(f"{path[:200]!r} is a {kind} checkpoint; this call loads "
+                                  f"{' or '.join(SEGMENTS[k] for k in kinds)} checkpoints", 400)
+    real = folder.resolve()
+    meta = real / "meta.json"
+    if not (_inside(real, root) and meta.is_file() and _inside(meta.resolve(), root)):
+        raise CheckpointPathError(f"no checkpoint {path[:200]!r} on this server", 404)
+    return real
 
 
 FAULT_KINDS = {"sample": "p_sample", "forward_backward": "p_forward_backward", "optim_step": "p_optim_step",

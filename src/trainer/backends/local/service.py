@@ -19,7 +19,7 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.lib.public_interfaces.custom_loss import trace_loss
 
 from trainer.backends.local import ckpt, kernels
-from trainer.backends.local.common import Faults, done_future, failed_future, parse_path
+from trainer.backends.local.common import Faults, done_future, failed_future, resolve_path
 from trainer.backends.local.engine import BASE_SNAPSHOT, LoraSnapshot, shared_base, target_modules
 from trainer.backends.local.models import SUPPORTED_MODELS
 from trainer.backends.local.precision import auto_precision, dtype_name, training_packing
@@ -53,8 +53,10 @@ class LocalServiceClient:
         self.precision = {"sampler_dtype": dtype_name(self.sampler_dtype), "train_dtype": dtype_name(self.train_dtype),
                           "auto": auto[1] if auto else None,
                           "train_packed_weights": self.train_packed_weights, "train_packing": packing_why,
-                          # the native kernels (decode attention, row kernels, LoRA merge) or torch ops: their
-                          # sums differ in order
+                          # the native kernels (decode attention, row kernels, LoRA merge) or torch ops, and
+                          # why: their sums differ in order
+                          "native_kernels": kernels.describe(),
+                          # the same, under the name run_info.json files written before `native_kernels` carry
                           "decode_attention": kernels.describe(),
                           # the unembedding on AMX tiles from bf16 weights (bf16 head inputs only): same logits
                           "amx_unembedding": kernels.amx_head(),
@@ -96,26 +98,34 @@ class LocalServiceClient:
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
                                     user_metadata: dict[str, str] | None = None,
-                                    optimizer: Any = None) -> LocalTrainingClient:
-        """A new LoRA adapter on `base_model` (returned client doubles as its own future)."""
+                                    optimizer: Any = None, run_id: str | None = None) -> LocalTrainingClient:
+        """A new LoRA adapter on `base_model` (returned client doubles as its own future); `run_id` names
+        its checkpoints' folder and paths (default: the adapter's own name)."""
         if optimizer is not None and getattr(optimizer, "type", "adamw") != "adamw":
             raise ValueError(f"the local engine implements the AdamW optimizer only, got {optimizer!r}")
         targets = target_modules(train_attn, train_mlp, train_unembed)
         base = shared_base(base_model, self.model_cache_dir)
         alpha = self.lora_alpha if self.lora_alpha is not None else DEFAULT_LORA_ALPHA
         tc = LocalTrainingClient(self, base, rank=rank, alpha=alpha, seed=seed, targets=targets,
-                                 user_metadata=user_metadata)
+                                 user_metadata=user_metadata, run_id=run_id)
         self._clients.add(tc)
         return tc
 
-    def _from_state(self, path: str, with_optimizer: bool) -> LocalTrainingClient:
+    def resolve(self, path: str, kinds: tuple[str, ...] = ("training", "sampler")) -> Path:
+        """The folder of a checkpoint path, confined to the state dir (`common.resolve_path`)."""
+        return resolve_path(path, self.state_dir, kinds)
+
+    def _from_state(self, path: str, with_optimizer: bool, run_id: str | None = None,
+                    user_metadata: dict[str, str] | None = None) -> LocalTrainingClient:
         import json
 
-        folder = parse_path(path)
+        folder = self.resolve(path)
         meta = json.loads((folder / "meta.json").read_text())
         base = shared_base(meta["base_model"], self.model_cache_dir)
         tc = LocalTrainingClient(self, base, rank=int(meta["rank"]), alpha=float(meta["alpha"]), seed=meta["seed"],
-                                 targets=list(meta["targets"]), user_metadata=meta.get("user_metadata"))
+                                 targets=list(meta["targets"]),
+                                 user_metadata=user_metadata if user_metadata is not None else meta.get("user_metadata"),
+                                 run_id=run_id)
         tc.load_weights_from(folder, with_optimizer)
         self._clients.add(tc)
         return tc
@@ -123,16 +133,16 @@ class LocalServiceClient:
     def create_training_client_from_state(self, path: str, base_model: str | None = None,
                                           user_metadata: dict[str, str] | None = None,
                                           weights_access_token: str | None = None,
-                                          optimizer: Any = None) -> LocalTrainingClient:
+                                          optimizer: Any = None, run_id: str | None = None) -> LocalTrainingClient:
         """Weights from a checkpoint, fresh optimizer state."""
-        return self._from_state(path, with_optimizer=False)
+        return self._from_state(path, False, run_id, user_metadata)
 
     def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None,
                                                          user_metadata: dict[str, str] | None = None,
-                                                         weights_access_token: str | None = None
-                                                         ) -> LocalTrainingClient:
+                                                         weights_access_token: str | None = None,
+                                                         run_id: str | None = None) -> LocalTrainingClient:
         """Weights + AdamW moments + step count from a `save_state` checkpoint."""
-        return self._from_state(path, with_optimizer=True)
+        return self._from_state(path, True, run_id, user_metadata)
 
     async def create_lora_training_client_async(self, *args: Any, **kwargs: Any) -> LocalTrainingClient:
         return self.create_lora_training_client(*args, **kwargs)
@@ -158,7 +168,7 @@ class LocalServiceClient:
             raise ValueError("create_sampling_client needs model_path or base_model")
         if model_path is None:
             return self._sampling_client(shared_base(base_model, self.model_cache_dir), BASE_SNAPSHOT)
-        folder = parse_path(model_path)
+        folder = self.resolve(model_path)
         meta, tensors, _ = ckpt.read(folder, with_optimizer=False)
         base = shared_base(meta["base_model"], self.model_cache_dir)
         snap = LoraSnapshot(id=f"ckpt-{uuid.uuid4().hex}", tensors=tensors,

@@ -17,6 +17,7 @@ Differences from the service (documented, deliberate):
 from __future__ import annotations
 
 import random
+import time
 import weakref
 from typing import Any, Callable, Mapping
 
@@ -26,8 +27,8 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.lib.public_interfaces.custom_loss import LossHandle
 
 from trainer.backends.local import ckpt
-from trainer.backends.local.common import (COMPUTE, Faults, OrderedWorker, SelfFuture, check_name, parse_path,
-                                           tinker_path)
+from trainer.backends.local.common import (COMPUTE, Faults, OrderedWorker, SelfFuture, check_id,
+                                           checkpoint_folder, tinker_path)
 from trainer.backends.local.engine import LoraSnapshot, SharedBase
 from trainer.backends.local.training_compute import LoraCompute, LossRun
 
@@ -36,7 +37,7 @@ OUTPUT_TYPE = "TorchLossReturn"
 
 class LocalTrainingClient(SelfFuture):
     def __init__(self, service: Any, base: SharedBase, *, rank: int, alpha: float, seed: int | None,
-                 targets: list[str], user_metadata: dict[str, str] | None = None):
+                 targets: list[str], user_metadata: dict[str, str] | None = None, run_id: str | None = None):
         if not isinstance(rank, int) or rank < 1:
             raise ValueError(f"LoRA rank must be a positive int, got {rank!r}")
         self._service = service
@@ -47,7 +48,12 @@ class LocalTrainingClient(SelfFuture):
         self.targets = list(targets)
         self.seed = int(seed) if seed is not None else random.SystemRandom().randrange(2**31)
         self.user_metadata = dict(user_metadata or {})
+        if run_id is not None:
+            check_id(run_id, "run id")
         self.model_id = base.add_adapter(rank, self.alpha, self.targets, self.seed)
+        # the folder under the state dir and the first segment of this client's checkpoint paths: a server
+        # passes its own model id (the SDK's training_run_id), in-process clients use the adapter's name
+        self.run_id = run_id or self.model_id
         weakref.finalize(self, base.release, self.model_id)
         self.compute = LoraCompute(base, self.model_id, self.scale, train_dtype=service.train_dtype,
                                    micro_batch_size=service.micro_batch_size,
@@ -144,30 +150,39 @@ class LocalTrainingClient(SelfFuture):
                                                 "optim_steps:max": float(self.optim_steps)})
 
     # ------------------------------------------------------------------ state
-    def _meta(self, kind: str, name: str) -> dict[str, Any]:
+    def _meta(self, kind: str, name: str, ttl_seconds: int | None,
+              user_metadata: dict[str, str] | None) -> dict[str, Any]:
+        now = time.time()
         return {"kind": kind, "name": name, "base_model": self.base_model, "rank": self.rank, "alpha": self.alpha,
                 "targets": self.targets, "seed": self.seed, "optim_steps": self.optim_steps,
-                "model_id": self.model_id, "user_metadata": self.user_metadata}
+                "model_id": self.model_id, "run_id": self.run_id, "user_metadata": self.user_metadata,
+                "checkpoint_user_metadata": dict(user_metadata or {}), "created_at": now,
+                # a server's sweeper deletes the checkpoint after this (SaveWeightsRequest.ttl_seconds)
+                "expires_at": now + ttl_seconds if ttl_seconds is not None else None}
 
-    def _save(self, name: str, kind: str, overwrite: bool) -> str:
-        check_name(name)
-        sub = "weights" if kind == "state" else "sampler_weights"
-        folder = self._service.state_dir / self.model_id / sub / name
+    def _save(self, name: str, kind: str, overwrite: bool, ttl_seconds: int | None = None,
+              user_metadata: dict[str, str] | None = None) -> str:
+        if ttl_seconds is not None and (not isinstance(ttl_seconds, int) or ttl_seconds < 1):
+            raise ValueError(f"ttl_seconds must be a positive int or None, got {ttl_seconds!r}")
+        folder = checkpoint_folder(self._service.state_dir, self.run_id, kind, name)
         opt = ({"adamw": self.compute.optimizer.state_dict(), "optim_steps": self.optim_steps}
-               if kind == "state" else None)
-        ckpt.write(folder, self._meta(kind, name), self.compute.adapter_tensors(), opt, overwrite)
-        return tinker_path(folder)
+               if kind == "training" else None)
+        ckpt.write(folder, self._meta(kind, name, ttl_seconds, user_metadata), self.compute.adapter_tensors(), opt,
+                   overwrite)
+        return tinker_path(self.run_id, kind, name)
 
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
                    user_metadata: dict[str, str] | None = None) -> AwaitableConcurrentFuture:
-        """Weights + AdamW moments + step count -> `tinker://local/<state_dir>/<model_id>/weights/<name>`."""
-        return self._submit(lambda: types.SaveWeightsResponse(path=self._save(name, "state", overwrite)),
-                            "save_state")
+        """Weights + AdamW moments + step count -> `tinker://<run_id>/weights/<name>`
+        (the folder `<state_dir>/<run_id>/weights/<name>`)."""
+        return self._submit(lambda: types.SaveWeightsResponse(
+            path=self._save(name, "training", overwrite, ttl_seconds, user_metadata)), "save_state")
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
                                  user_metadata: dict[str, str] | None = None) -> AwaitableConcurrentFuture:
+        """Weights only -> `tinker://<run_id>/sampler_weights/<name>` (overwrites, as the service does)."""
         return self._submit(lambda: types.SaveWeightsForSamplerResponse(
-            path=self._save(name, "sampler", overwrite=True)))
+            path=self._save(name, "sampler", True, ttl_seconds, user_metadata)))
 
     def load_weights_from(self, folder: Any, with_optimizer: bool) -> None:
         """Copy a checkpoint's adapter (and optimizer state) into this client (runs on the caller's thread)."""
@@ -184,12 +199,12 @@ class LocalTrainingClient(SelfFuture):
 
     def load_state(self, path: str, weights_access_token: str | None = None) -> AwaitableConcurrentFuture:
         """Deprecated in tinker; loads weights only (fresh optimizer moments are kept as they are)."""
-        return self._submit(lambda: (self.load_weights_from(parse_path(path), False),
+        return self._submit(lambda: (self.load_weights_from(self._service.resolve(path), False),
                                      types.LoadWeightsResponse(path=path))[1])
 
     def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None
                                   ) -> AwaitableConcurrentFuture:
-        return self._submit(lambda: (self.load_weights_from(parse_path(path), True),
+        return self._submit(lambda: (self.load_weights_from(self._service.resolve(path), True),
                                      types.LoadWeightsResponse(path=path))[1])
 
     # ------------------------------------------------------------------ sampling
