@@ -5,6 +5,11 @@ cannot be built."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,7 +176,7 @@ def test_native_kernels_fall_back_where_they_cannot_be_built(monkeypatch, tmp_pa
     monkeypatch.setenv("PAIREDRL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("PAIREDRL_NATIVE_KERNELS", raising=False)
     W = _tiny_weights(None, torch.float32)
-    for env, why in (({"CC": "/bin/false"}, "did not build"), ({"CC": str(tmp_path / "no-such-cc")}, "did not build"),
+    for env, why in (({"CC": "/bin/false"}, "did not build"), ({"CC": str(tmp_path / "no-such-cc")}, "not an executable"),
                      ({"PAIREDRL_NATIVE_KERNELS": "0"}, "PAIREDRL_NATIVE_KERNELS=0")):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
@@ -184,6 +189,36 @@ def test_native_kernels_fall_back_where_they_cannot_be_built(monkeypatch, tmp_pa
     with pytest.raises(RuntimeError, match="does not run here"):
         kernels.decode_layer_attention(torch.zeros(1, 4 * 8), W.cos, W.sin, torch.zeros(1, 1, 4, 8),
                                        torch.zeros(1, 1, 4, 8), torch.tensor([0]), 2)
+
+
+def test_a_missing_compiler_warns_once_and_is_recorded(tmp_path):
+    """A process that cannot build the library says so: one line on stderr naming the cause and the torch
+    path, once however often the library is asked for, and the engine's `precision` record (run_info.json)
+    names the same cause under `native_kernels`. A fresh cache folder, so no earlier build is found."""
+    code = ("from trainer.backends.local import kernels\n"
+            "from trainer.backends.local.service import LocalServiceClient\n"
+            "assert kernels.library() is None and kernels.library() is None\n"
+            "kernels._state.clear()\n"  # a second load in the same process: still one warning
+            "sc = LocalServiceClient(state_dir=r'%s', sampler_dtype='float32', train_dtype='float32')\n"
+            "print(sc.precision['native_kernels'])\n"
+            "assert sc.precision['decode_attention'] == sc.precision['native_kernels']\n") % (tmp_path / "state")
+    env = {k: v for k, v in os.environ.items() if k != kernels.NATIVE_ENV}
+    env.update(CC="/nonexistent", PAIREDRL_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(Path(kernels.__file__).parents[3]), env.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert p.returncode == 0, p.stderr
+    warnings = [line for line in p.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1, p.stderr
+    assert "CC=/nonexistent is not an executable" in warnings[0] and "running the torch path" in warnings[0]
+    assert p.stdout.strip() == "torch path (CC=/nonexistent is not an executable)"
+    assert not (tmp_path / "cache" / "kernels").exists() or not any((tmp_path / "cache" / "kernels").iterdir())
+    # the deliberate choice prints nothing
+    env[kernels.NATIVE_ENV] = "0"
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert p.returncode == 0 and "warning" not in p.stderr, p.stderr
+    assert p.stdout.strip() == f"torch path ({kernels.NATIVE_ENV}=0)"
 
 
 @needs_native

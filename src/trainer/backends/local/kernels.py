@@ -16,7 +16,10 @@ Build: `cc -O3 -march=native -fopenmp -shared -fPIC`, once per (source, compiler
 atomically. The library is opened after torch, so its OpenMP symbols resolve to the runtime torch
 already loaded (same soname): the kernel's threads are torch's own, not a second pool competing for
 the cores. Without a compiler, when the build fails, or with `PAIREDRL_NATIVE_KERNELS=0`, `library()`
-is None and `describe()` says why; the run records which path it used (`run_info.json`, `precision`).
+is None and `describe()` says why; the run records which path it used (`run_info.json`,
+`precision.native_kernels`). The first two also print one warning line on stderr per process: the torch
+path is slower and sums in another order, so the same command follows another trajectory, which a user
+should not learn from a run's numbers alone. `PAIREDRL_NATIVE_KERNELS=0` is a choice and prints nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -101,19 +105,40 @@ _SIGNATURES = {
 }
 
 
+_warned = False
+
+
+def _fall_back(why: str) -> None:
+    """The torch path for this process, and (once per process) one warning line saying why and how to fix it."""
+    global _warned
+    _state.update(lib=None, why=f"torch path ({why})")
+    if not _warned:
+        _warned = True
+        reason = " ".join(why.split())  # a compiler's message spans lines: the warning stays one
+        if len(reason) > 300:
+            reason = reason[:300] + "..."
+        print(f"pairedrl: warning: native CPU kernels unavailable ({reason}); running the torch path (slower, and "
+              f"it sums in another order, so results differ from a native build's). Fix: install gcc or clang, or "
+              f"set CC to a working C compiler; {NATIVE_ENV}=0 chooses the torch path without this warning",
+              file=sys.stderr, flush=True)
+
+
 def _load() -> None:
     if os.environ.get(NATIVE_ENV, "").strip() == "0":
         _state.update(lib=None, why=f"torch path ({NATIVE_ENV}=0)")
         return
     cc = _compiler()
     if cc is None:
-        _state.update(lib=None, why="torch path (no C compiler found: set CC or install gcc/clang)")
+        _fall_back("no C compiler found: CC unset, no cc, gcc or clang on PATH")
+        return
+    if shutil.which(cc) is None:
+        _fall_back(f"CC={cc} is not an executable")
         return
     try:
         path = _build(cc)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _state.update(lib=None, why=f"torch path (native kernels did not build: {e})")
+        _fall_back(f"native kernels did not build: {e}")
         return
     for name, argtypes in _SIGNATURES.items():  # every kernel returns an int status
         f = getattr(lib, name)
