@@ -43,7 +43,7 @@ def start_server(state: Path, latency_s: float) -> tuple[subprocess.Popen, str]:
 def counts(url: str) -> dict[str, int]:
     import httpx
 
-    return httpx.get(url + "/stats", timeout=10).json()["requests"]
+    return httpx.get(url + "/stats", headers={"X-API-Key": "tml-local"}, timeout=10).json()["requests"]
 
 
 def run(url: str, out: Path, pipeline: bool, args: argparse.Namespace) -> dict:

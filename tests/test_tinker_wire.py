@@ -46,7 +46,7 @@ class Server:
     def stats(self) -> dict:
         import httpx
 
-        return httpx.get(self.url + "/stats", timeout=10).json()
+        return httpx.get(self.url + "/stats", headers={"X-API-Key": "tml-local"}, timeout=10).json()
 
     def stop(self) -> str:
         self.proc.send_signal(signal.SIGTERM)

@@ -3,8 +3,11 @@
 Serves the embedded engine over tinker 0.38's HTTP protocol, so that
 `TINKER_API_KEY=tml-local TINKER_BASE_URL=http://HOST:PORT python train.py backend=tinker ...` runs the
 real SDK end to end offline. The first stdout line is exactly `listening on http://HOST:PORT` (with the
-port the OS picked for `--port 0`). Any API key starting with `tml-` is accepted. SIGINT / SIGTERM stop
-it cleanly. The engine options mirror `backend=local` (`conf/backend/local.yaml`); LoRA alpha is not
+port the OS picked for `--port 0`). Access: by default the server listens on loopback and answers
+loopback clients only, with any key of the form `tml-<name>` (each key sees only what it created).
+`--api-key KEY` (repeatable, or `$PAIREDRL_SERVE_API_KEY`, comma-separated) accepts exactly those keys
+and is required for a non-loopback `--host`; `--insecure-allow-remote` lifts that with a warning.
+The `--max-*` flags bound what one request may ask for. SIGINT / SIGTERM stop it cleanly. The engine options mirror `backend=local` (`conf/backend/local.yaml`); LoRA alpha is not
 part of the Tinker protocol, so a rehearsal of a model config with another alpha passes `--lora-alpha`.
 """
 
@@ -12,15 +15,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
 import sys
+from dataclasses import fields
 from pathlib import Path
+
+from trainer.serve.limits import Limits
+
+
+def _loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit code 2 (no usage block)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trainer.serve", description=__doc__.split("\n\n")[1],
+    p = _Parser(prog="python -m trainer.serve", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
     p.add_argument("--port", type=int, default=0, help="port (0 = any free port, printed on the first line)")
@@ -41,7 +63,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 32, the engine's)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="accept only this key (repeatable; also $PAIREDRL_SERVE_API_KEY, comma-separated); "
+                        "required for a non-loopback --host")
+    p.add_argument("--insecure-allow-remote", action="store_true",
+                   help="bind a non-loopback --host without --api-key (anyone who reaches the port can train "
+                        "and sample; a warning is printed)")
+    defaults = Limits()
+    for f in fields(Limits):
+        flag = {"json_body_mb": "max-json-body-mb", "proto_body_mb": "max-proto-body-mb", "max_tokens": "max-tokens"}.get(
+            f.name, "max-" + f.name.replace("_", "-"))
+        p.add_argument(f"--{flag}", dest=f"limit_{f.name}", type=type(getattr(defaults, f.name)),
+                       default=getattr(defaults, f.name), help=f"limit (default {getattr(defaults, f.name)}; see trainer/serve/limits.py)")
     args = p.parse_args(argv)
+    env_keys = [k.strip() for k in os.environ.get("PAIREDRL_SERVE_API_KEY", "").split(",") if k.strip()]
+    args.api_key = [*args.api_key, *env_keys]
+    if any(not k.startswith("tml-") or len(k) < 12 for k in args.api_key):
+        p.error("--api-key must start with 'tml-' (the SDK refuses other keys) and be at least 12 characters")
+    try:
+        args.limits = Limits(**{f.name: getattr(args, f"limit_{f.name}") for f in fields(Limits)})
+    except ValueError as e:
+        p.error(str(e))
+    if not _loopback_host(args.host) and not args.api_key and not args.insecure_allow_remote:
+        p.error(f"--host {args.host} is not a loopback address: start the server with --api-key (or "
+                "$PAIREDRL_SERVE_API_KEY) so that only holders of the key can use it, or pass "
+                "--insecure-allow-remote to accept anyone who can reach the port")
     if not 0 < args.poll_s < 45:
         p.error("--poll-s must be in (0, 45): the SDK reads retrieve_future with a 45 s timeout")
     return args
@@ -60,7 +106,12 @@ async def serve(args: argparse.Namespace) -> None:
                                 micro_batch_tokens=args.micro_batch_tokens, max_sample_batch=args.max_sample_batch,
                                 lora_alpha=args.lora_alpha, num_threads=args.num_threads)
     server = TinkerServer(engine, faults, poll_s=args.poll_s, server_side_loss=not args.client_side_loss,
-                          latency_s=args.latency_s)
+                          latency_s=args.latency_s, api_keys=args.api_key, limits=args.limits,
+                          allow_remote=args.insecure_allow_remote and not args.api_key)
+    if not _loopback_host(args.host) and not args.api_key:
+        print(f"WARNING: --insecure-allow-remote: {args.host}:{args.port} accepts any 'tml-' key from any client "
+              "that can reach it; custom losses and checkpoints run and load on this machine", file=sys.stderr,
+              flush=True)
     runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

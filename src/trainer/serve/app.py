@@ -12,6 +12,21 @@ handing each one to the engine's per-client ordered worker inside its POST handl
 A resend of a request the server already took (a reply lost to a dropped connection or a timeout) is
 answered with the first one's future, by `(model_id, seq_id)`, so it is never applied twice.
 
+Access: every request carries the API key it was made with (`X-API-Key`). With `--api-key` only the
+listed keys are accepted; without one the server answers loopback clients only (any `tml-` key,
+which then only separates clients from each other). Every id handed out (session, model, sampler,
+loss, future) is random per boot and bound to the key that created it: another key is answered 404,
+the same answer as for an id that never existed, so ids cannot be probed. Sessions, models,
+samplers and losses are only created under a session this boot issued to the same key.
+
+De-duplication of resends is keyed by `(key, model or session, seq_id)` and checks a digest of the
+body: an identical resend gets the first reply; a different request with a taken `seq_id` is refused
+(409, marked not to be retried), so one request can never receive another's future.
+
+Limits (`trainer.serve.limits`): body size per endpoint (413 before the body is read), and each size
+and number a request names, checked before anything is queued; a `forward_backward` protobuf is
+decoded off the event loop, after the model id it names (read from the first bytes) is checked.
+
 Futures: each accepted request gets an id; `retrieve_future` long-polls it for up to `poll_s` seconds
 (under the SDK's 45 s read timeout) and answers `{"type": "try_again"}` while it runs, the result
 (JSON, or protobuf for forward/backward and sampling), or `{"error", "category"}` when it failed:
@@ -21,10 +36,14 @@ category `user` for a request the engine refused (ValueError), `server` otherwis
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import ipaddress
 import itertools
 import logging
+import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +53,18 @@ from tinker import types
 from tinker.lib.public_interfaces.custom_loss import LossHandle
 
 from trainer.serve.faults import FaultPlan
+from trainer.serve.limits import (
+    LimitExceeded,
+    Limits,
+    check_adam,
+    check_batch,
+    check_checkpoint_name,
+    check_lora,
+    check_sample,
+)
 from trainer.serve.wire import (
     decode_forward_backward,
+    peek_model_id,
     encode_forward_backward_output,
     encode_sample_response,
     rebuild_graph,
@@ -99,30 +128,68 @@ def _session_of(model_id: str) -> str:
     return model_id.split(":train:")[0]
 
 
+class Refused(Exception):
+    """A request answered with a 4xx before any work: status, and a message for the SDK's `detail`."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+def error_response(status: int, detail: str) -> web.Response:
+    """The SDK's error shape (`{"detail": ...}`); a 4xx is marked not to be retried (the SDK obeys
+    `x-should-retry`, `_base_client.py::_should_retry`, and would otherwise retry a 409)."""
+    headers = {"x-should-retry": "false"} if 400 <= status < 500 else None
+    return web.json_response({"detail": detail}, status=status, headers=headers)
+
+
+def _digest(*parts: bytes | str) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode() if isinstance(p, str) else p)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _is_loopback(remote: str | None) -> bool:
+    try:
+        return remote is not None and ipaddress.ip_address(remote.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
 class TinkerServer:
     def __init__(self, engine: Any, faults: FaultPlan | None = None, poll_s: float = 20.0,
-                 server_side_loss: bool = True, latency_s: float = 0.0):
+                 server_side_loss: bool = True, latency_s: float = 0.0, api_keys: Iterable[str] = (),
+                 limits: Limits | None = None, allow_remote: bool = False):
         self.engine = engine
+        self.allow_remote = allow_remote  # --insecure-allow-remote: any tml- key from anywhere
         self.faults = faults or FaultPlan()
         self.poll_s = poll_s
         self.server_side_loss = server_side_loss
         self.latency_s = latency_s
+        self.limits = limits or Limits()
+        # the accepted keys, as digests (compared in constant time); empty = loopback clients, any tml- key
+        self.api_keys = tuple(_digest(k) for k in api_keys)
+        self.sessions: dict[str, str] = {}  # session id -> owner
+        self.owner: dict[str, str] = {}  # model / sampler / loss / future id -> owner (the key's digest)
         self.models: dict[str, Any] = {}
         self.poisoned: set[str] = set()
         self.samplers: dict[str, Any] = {}
         self.losses: dict[str, LossHandle] = {}
         self.futures: dict[str, _Pending] = {}
         self.expired: set[str] = set()
-        self.taken: dict[tuple, dict] = {}  # (kind, id, seq) -> the UntypedAPIFuture reply already given
+        self.taken: dict[tuple, tuple[str, dict]] = {}  # (owner, kind, id, seq) -> (body digest, reply given)
         self.counts: dict[str, int] = {}  # requests per endpoint (benchmarks read them from /stats)
-        self._ids = itertools.count(1)
-        self._sessions = itertools.count(1)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="serve-load")
 
     # ------------------------------------------------------------------ app
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=512 * 2**20)
+        # aiohttp's own cap is the largest per-endpoint limit; `_read` applies the endpoint's own
+        app = web.Application(middlewares=[self._middleware],
+                              client_max_size=max(self.limits.body_bytes(True), self.limits.body_bytes(False)))
         r = app.router
         post = {
             "client/config": self.client_config, "client/dynamic_config": self.dynamic_config,
@@ -132,7 +199,7 @@ class TinkerServer:
             "save_weights": self.save_weights, "save_weights_for_sampler": self.save_weights_for_sampler,
             "load_weights": self.load_weights, "create_sampling_session": self.create_sampling_session,
             "asample": self.asample, "retrieve_future": self.retrieve_future,
-            "create_custom_loss": self.create_custom_loss, "sessions/{session_id}/finish": self.ok(None),
+            "create_custom_loss": self.create_custom_loss, "sessions/{session_id}/finish": self.finish_session,
         }
         for path, handler in post.items():
             r.add_post(f"/api/v1/{path}", handler)
@@ -142,37 +209,67 @@ class TinkerServer:
         r.add_get("/stats", self.stats)
         return app
 
+    def _authorize(self, request: web.Request) -> str:
+        """The owner (the key's digest) of a request, or Refused(401/403)."""
+        key = request.headers.get("X-API-Key", "")
+        if self.api_keys:
+            d = _digest(key)
+            if not any(hmac.compare_digest(d, k) for k in self.api_keys):
+                raise Refused(401, "invalid API key: this server accepts only the key(s) it was started with "
+                                   "(--api-key / $PAIREDRL_SERVE_API_KEY)")
+            return d
+        if not (self.allow_remote or _is_loopback(request.remote)):
+            raise Refused(403, "this server was started without --api-key and answers loopback clients only")
+        if not key.startswith("tml-") or len(key) < 5:
+            raise Refused(401, "invalid API key: a key of the form 'tml-<name>' is needed (without --api-key the "
+                               "key only separates clients on this machine)")
+        return _digest(key)
+
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         endpoint = request.path.removeprefix("/api/v1/")
-        if request.path.startswith("/api/"):
-            key = request.headers.get("X-API-Key", "")
-            if not key.startswith("tml-"):
-                return web.json_response({"detail": "invalid API key: this server accepts any key starting "
-                                                    "with 'tml-'"}, status=401)
-        self.counts[endpoint] = self.counts.get(endpoint, 0) + 1
-        if self.latency_s > 0 and endpoint not in ("telemetry", "session_heartbeat", "client/config",
-                                                   "client/dynamic_config"):
-            await asyncio.sleep(self.latency_s)
-        kind = self.faults.draw(endpoint)
-        if kind is None:
-            return await handler(request)
-        log.info("fault %s on %s", kind, endpoint)
-        if kind in ("500", "429", "408", "410"):
-            body = {"type": "try_again"} if kind == "408" else {"detail": f"injected fault {kind}"}
-            return web.json_response(body, status=int(kind))
-        request["fault"] = kind
-        if kind == "delay":
-            await asyncio.sleep(self.faults.delay_s)
-        resp = await handler(request)
-        if kind == "drop":  # the work was taken; the reply is lost with the connection
-            if request.transport is not None:
-                request.transport.abort()
-            raise asyncio.CancelledError()
-        return resp
+        try:
+            if request.path.startswith("/api/") or request.path == "/stats":
+                request["owner"] = self._authorize(request)
+            limit = self.limits.body_bytes(proto=endpoint == "forward_backward")
+            if request.content_length is not None and request.content_length > limit:
+                flag = "--max-proto-body-mb" if endpoint == "forward_backward" else "--max-json-body-mb"
+                raise Refused(413, f"request body of {request.content_length} bytes exceeds this server's limit of "
+                                   f"{limit} bytes for {endpoint} ({flag})")
+            self.counts[endpoint] = self.counts.get(endpoint, 0) + 1
+            if self.latency_s > 0 and endpoint not in ("telemetry", "session_heartbeat", "client/config",
+                                                       "client/dynamic_config"):
+                await asyncio.sleep(self.latency_s)
+            kind = self.faults.draw(endpoint)
+            if kind is None:
+                return await handler(request)
+            log.info("fault %s on %s", kind, endpoint)
+            if kind in ("500", "429", "408", "410"):
+                body = {"type": "try_again"} if kind == "408" else {"detail": f"injected fault {kind}"}
+                return web.json_response(body, status=int(kind))
+            request["fault"] = kind
+            if kind == "delay":
+                await asyncio.sleep(self.faults.delay_s)
+            resp = await handler(request)
+            if kind == "drop":  # the work was taken; the reply is lost with the connection
+                if request.transport is not None:
+                    request.transport.abort()
+                raise asyncio.CancelledError()
+            return resp
+        except Refused as e:
+            return error_response(e.status, e.detail)
+        except LimitExceeded as e:
+            return error_response(413, str(e))
+        except ValueError as e:  # a check of the request's fields (limits.*) before any work
+            return error_response(400, str(e))
+        except web.HTTPException as e:
+            if e.status == 404 and request.match_info.route.resource is None:
+                return error_response(404, f"no endpoint {request.method} {request.path} on this server")
+            if e.status == 413:
+                return error_response(413, f"request body exceeds this server's limit for {endpoint}")
+            raise
 
-    @staticmethod
-    def ok(body: Any) -> Callable:
+    def ok(self, body: Any) -> Callable:
         async def handler(request: web.Request) -> web.Response:
             return web.json_response(body)
 
@@ -182,33 +279,57 @@ class TinkerServer:
         return web.json_response({"requests": self.counts, "faults": self.faults.injected})
 
     # ------------------------------------------------------------------ helpers
-    def _register(self, future: Future, encode: Callable[[Any], tuple[bytes, str]], **extra: Any) -> dict:
-        rid = f"req-{next(self._ids)}"
+    def _register(self, request: web.Request, future: Future, encode: Callable[[Any], tuple[bytes, str]],
+                  **extra: Any) -> dict:
+        rid = f"req-{secrets.token_hex(12)}"
         self.futures[rid] = _Pending(future, encode)
+        self.owner[rid] = request["owner"]
         if len(self.futures) > MAX_FUTURES:  # the oldest finished results expire, as promises do on the service
             for old in [k for k, p in itertools.islice(self.futures.items(), len(self.futures) // 4)
                         if p.future.done()]:
                 del self.futures[old]
+                self.owner.pop(old, None)
                 self.expired.add(old)
+            if len(self.taken) > 2 * MAX_FUTURES:
+                for k in list(itertools.islice(self.taken, len(self.taken) // 2)):
+                    del self.taken[k]
         return {"request_id": rid, **{k: v for k, v in extra.items() if v is not None}}
 
-    def _once(self, key: tuple, make: Callable[[], dict]) -> web.Response:
-        """The future reply of a request; a resend of the same key gets the first reply again."""
+    def _once(self, request: web.Request, key: tuple, digest: str, make: Callable[[], dict]) -> web.Response:
+        """The future reply of a request; a resend of the same request gets the first reply again, and a
+        different request under a key already taken is refused."""
+        key = (request["owner"], *key)
         with self._lock:
-            reply = self.taken.get(key)
-            if reply is None:
-                reply = self.taken[key] = make()
-        return web.json_response(reply)
+            seen = self.taken.get(key)
+            if seen is None:
+                reply = make()
+                self.taken[key] = (digest, reply)
+                return web.json_response(reply)
+        if seen[0] != digest:
+            raise Refused(409, f"{key[1]} request {key[2:]} was already taken with a different body; a resend must "
+                               "be identical, and a new request needs a new seq_id")
+        return web.json_response(seen[1])
 
-    def _model(self, model_id: str) -> Any:
-        tc = self.models.get(model_id)
-        if tc is None:
-            raise web.HTTPNotFound(text=f'{{"detail": "unknown model_id {model_id}"}}', content_type="application/json")
-        return tc
+    def _owned(self, table: dict[str, Any], ident: str | None, request: web.Request, what: str) -> Any:
+        """`table[ident]` when this request's key created it; otherwise the same 404 as an unknown id."""
+        obj = table.get(ident or "")
+        if obj is None or self.owner.get(ident or "") != request["owner"]:
+            raise Refused(404, f"unknown {what} {str(ident)[:100]}")
+        return obj
+
+    def _session(self, session_id: str | None, request: web.Request) -> str:
+        """A session this boot issued to the request's key (ids from another boot or key are refused)."""
+        if not session_id or self.sessions.get(session_id) != request["owner"]:
+            raise Refused(404, f"unknown session_id {str(session_id)[:100]}: create a session on this server first "
+                               "(ids from before a restart are not valid)")
+        return session_id
+
+    def _model(self, model_id: str, request: web.Request) -> Any:
+        return self._owned(self.models, model_id, request, "model_id")
 
     def _train(self, model_id: str, request: web.Request, submit: Callable[[Any], Any]) -> Future:
         """Hand a training request to the model's ordered worker (or fail it if the model was lost)."""
-        tc = self._model(model_id)
+        tc = self._model(model_id, request)
         if request.get("fault") == "poison":
             self.poisoned.add(model_id)
         if model_id in self.poisoned:
@@ -223,13 +344,31 @@ class TinkerServer:
     def _in_thread(self, fn: Callable[[], Any]) -> Future:
         return self._pool.submit(fn)
 
-    @staticmethod
-    async def _body(request: web.Request, cls: Any) -> Any:
+    async def _read(self, request: web.Request) -> bytes:
+        """The body, read up to the endpoint's limit (a chunked body has no Content-Length to check first)."""
+        endpoint = request.path.removeprefix("/api/v1/")
+        limit = self.limits.body_bytes(proto=endpoint == "forward_backward")
+        chunks, size = [], 0
+        while chunk := await request.content.read(1 << 16):
+            size += len(chunk)
+            if size > limit:
+                raise Refused(413, f"request body exceeds this server's limit of {limit} bytes for {endpoint}")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _body(self, request: web.Request, cls: Any) -> tuple[Any, str]:
+        """The request parsed with the SDK's type, and a digest of it for de-duplication."""
+        raw = await self._read(request)
         try:
-            return cls.model_validate(await request.json())
+            return cls.model_validate_json(raw), _digest(raw)
         except Exception as e:  # noqa: BLE001 - a malformed body is the client's fault
-            raise web.HTTPBadRequest(text=f'{{"detail": "bad {cls.__name__}: {str(e)[:300]!r}"}}',
-                                     content_type="application/json") from None
+            raise Refused(400, f"bad {cls.__name__}: {str(e)[:300]}") from None
+
+    def _new_model_slot(self, request: web.Request, model_id: str) -> None:
+        live = sum(1 for m in self.models if self.owner.get(m) == request["owner"])
+        if model_id not in self.models and live >= self.limits.models_per_key:
+            raise LimitExceeded(f"this key already has {live} live models, this server's limit (--max-models-per-key); "
+                                "finish a session to free its models")
 
     # ------------------------------------------------------------------ session
     async def client_config(self, request: web.Request) -> web.Response:
@@ -243,16 +382,31 @@ class TinkerServer:
 
     async def create_session(self, request: web.Request) -> web.Response:
         await self._body(request, types.CreateSessionRequest)
-        return web.json_response({"type": "create_session", "session_id": f"s{next(self._sessions)}"})
+        sid = f"s-{secrets.token_hex(12)}"
+        self.sessions[sid] = request["owner"]
+        return web.json_response({"type": "create_session", "session_id": sid})
+
+    async def finish_session(self, request: web.Request) -> web.Response:
+        """The session's models, samplers and losses are dropped (frees the key's model slots)."""
+        sid = self._session(request.match_info["session_id"], request)
+        for table in (self.models, self.samplers, self.losses):
+            for ident in [i for i in table if i.startswith(sid + ":")]:
+                obj = table.pop(ident)
+                self.owner.pop(ident, None)
+                if table is self.models and hasattr(obj, "close"):
+                    obj.close()
+        return web.json_response(None)
 
     async def capabilities(self, request: web.Request) -> web.Response:
         return web.json_response(self.engine.get_server_capabilities().model_dump(mode="json"))
 
     # ------------------------------------------------------------------ models
     async def create_model(self, request: web.Request) -> web.Response:
-        req = await self._body(request, types.CreateModelRequest)
-        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        req, digest = await self._body(request, types.CreateModelRequest)
+        model_id = f"{self._session(req.session_id, request)}:train:{req.model_seq_id}"
         lc = req.lora_config or types.LoraConfig(rank=32)
+        check_lora(lc.rank, self.limits)
+        self._new_model_slot(request, model_id)
 
         def create() -> types.CreateModelResponse:
             self.models[model_id] = self.engine.create_lora_training_client(
@@ -260,16 +414,19 @@ class TinkerServer:
                 train_unembed=lc.train_unembed, optimizer=req.optimizer_config)
             return types.CreateModelResponse(model_id=model_id)
 
-        return self._once(("create", model_id), lambda: self._register(self._in_thread(create), _json,
-                                                                        model_id=model_id))
+        def make() -> dict:
+            self.owner[model_id] = request["owner"]
+            return self._register(request, self._in_thread(create), _json, model_id=model_id)
+
+        return self._once(request, ("create", model_id), digest, make)
 
     async def load_weights(self, request: web.Request) -> web.Response:
-        req = await self._body(request, types.LoadWeightsRequest)
+        req, digest = await self._body(request, types.LoadWeightsRequest)
         if req.model_id is None:  # 0.38: a new training client created from a checkpoint
             if req.session_id is None or req.model_seq_id is None:
-                raise web.HTTPBadRequest(text='{"detail": "load_weights needs model_id, or session_id and '
-                                              'model_seq_id"}', content_type="application/json")
-            model_id = f"{req.session_id}:train:{req.model_seq_id}"
+                raise Refused(400, "load_weights needs model_id, or session_id and model_seq_id")
+            model_id = f"{self._session(req.session_id, request)}:train:{req.model_seq_id}"
+            self._new_model_slot(request, model_id)
             make = (self.engine.create_training_client_from_state_with_optimizer if req.optimizer
                     else self.engine.create_training_client_from_state)
 
@@ -277,61 +434,85 @@ class TinkerServer:
                 self.models[model_id] = make(req.path)
                 return types.LoadWeightsResponse(path=req.path, model_id=model_id)
 
-            return self._once(("create", model_id), lambda: self._register(self._in_thread(load), _json,
-                                                                            model_id=model_id))
+            def make_new() -> dict:
+                self.owner[model_id] = request["owner"]
+                return self._register(request, self._in_thread(load), _json, model_id=model_id)
+
+            return self._once(request, ("create", model_id), digest, make_new)
         model_id = req.model_id
+        self._model(model_id, request)
 
         def submit(tc: Any) -> Any:
             return tc.load_state_with_optimizer(req.path) if req.optimizer else tc.load_state(req.path)
 
-        return self._once(("train", model_id, req.seq_id), lambda: self._register(
-            self._train(model_id, request, submit), _json, model_id=model_id))
+        return self._once(request, ("train", model_id, req.seq_id), digest, lambda: self._register(
+            request, self._train(model_id, request, submit), _json, model_id=model_id))
 
     async def get_info(self, request: web.Request) -> web.Response:
-        req = await self._body(request, types.GetInfoRequest)
-        info = self._model(req.model_id).get_info()
+        req, _ = await self._body(request, types.GetInfoRequest)
+        info = self._model(req.model_id, request).get_info()
         return web.json_response(info.model_copy(update={"model_id": req.model_id}).model_dump(mode="json",
                                                                                                exclude_none=True))
 
     # ------------------------------------------------------------------ training
     async def forward_backward(self, request: web.Request) -> web.Response:
+        body = await self._read(request)
         try:
-            model_id, seq_id, data, loss_fn, config, forward_only = decode_forward_backward(await request.read())
-        except Exception as e:  # noqa: BLE001
-            raise web.HTTPBadRequest(text=f'{{"detail": "bad ForwardBackwardRequest: {str(e)[:300]!r}"}}',
-                                     content_type="application/json") from None
+            model_id = peek_model_id(body)
+        except ValueError as e:
+            raise Refused(400, f"bad ForwardBackwardRequest: {e}") from None
+        self._model(model_id, request)  # before the (possibly large) body is decoded
+
+        def decode() -> tuple:
+            try:
+                out = decode_forward_backward(body)
+            except Exception as e:  # noqa: BLE001 - a malformed body is the client's fault
+                raise Refused(400, f"bad ForwardBackwardRequest: {str(e)[:300]}") from None
+            if out[0] != model_id:  # a second model_id field would win in the full decode
+                raise Refused(400, "bad ForwardBackwardRequest: model_id appears more than once")
+            check_batch(out[2], out[4], self.limits)
+            return out
+
+        _, seq_id, data, loss_fn, config, forward_only = await asyncio.get_running_loop().run_in_executor(
+            self._pool, decode)
 
         def submit(tc: Any) -> Any:
             if loss_fn == "custom":
-                handle = self.losses.get(str(config.get("loss_id")))
-                if handle is None:
-                    raise ValueError(f"unknown custom loss id {config.get('loss_id')!r}")
+                loss_id = str(config.get("loss_id"))
+                handle = self.losses.get(loss_id)
+                if handle is None or self.owner.get(loss_id) != request["owner"]:
+                    raise ValueError(f"unknown custom loss id {loss_id[:100]!r}")
                 return tc.forward_backward_custom(data, handle)
             cfg = config or None
             return tc.forward(data, loss_fn, cfg) if forward_only else tc.forward_backward(data, loss_fn, cfg)
 
-        return self._once(("train", model_id, seq_id), lambda: self._register(
-            self._train(model_id, request, submit), _fb, model_id=model_id))
+        return self._once(request, ("train", model_id, seq_id), _digest(body), lambda: self._register(
+            request, self._train(model_id, request, submit), _fb, model_id=model_id))
 
     async def optim_step(self, request: web.Request) -> web.Response:
-        req = await self._body(request, types.OptimStepRequest)
-        return self._once(("train", req.model_id, req.seq_id), lambda: self._register(
-            self._train(req.model_id, request, lambda tc: tc.optim_step(req.optim_params)), _json,
+        req, digest = await self._body(request, types.OptimStepRequest)
+        self._model(req.model_id, request)
+        check_adam(req.optim_params)
+        return self._once(request, ("train", req.model_id, req.seq_id), digest, lambda: self._register(
+            request, self._train(req.model_id, request, lambda tc: tc.optim_step(req.optim_params)), _json,
             model_id=req.model_id))
 
     async def save_weights(self, request: web.Request) -> web.Response:
-        req = await self._body(request, types.SaveWeightsRequest)
-        name = req.path or f"seq{req.seq_id}"
-        return self._once(("train", req.model_id, req.seq_id), lambda: self._register(
-            self._train(req.model_id, request, lambda tc: tc.save_state(name, overwrite=req.overwrite)), _json,
-            model_id=req.model_id))
+        req, digest = await self._body(request, types.SaveWeightsRequest)
+        self._model(req.model_id, request)
+        name = check_checkpoint_name(req.path or f"seq{req.seq_id}")
+        return self._once(request, ("train", req.model_id, req.seq_id), digest, lambda: self._register(
+            request, self._train(req.model_id, request, lambda tc: tc.save_state(name, overwrite=req.overwrite)),
+            _json, model_id=req.model_id))
 
     async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
-        req = await self._body(request, types.SaveWeightsForSamplerRequest)
+        req, digest = await self._body(request, types.SaveWeightsForSamplerRequest)
         model_id = req.model_id
+        self._model(model_id, request)
         if req.path is not None:
-            return self._once(("train", model_id, req.seq_id), lambda: self._register(
-                self._train(model_id, request, lambda tc: tc.save_weights_for_sampler(req.path)), _json,
+            name = check_checkpoint_name(req.path)
+            return self._once(request, ("train", model_id, req.seq_id), digest, lambda: self._register(
+                request, self._train(model_id, request, lambda tc: tc.save_weights_for_sampler(name)), _json,
                 model_id=model_id))
         sid = f"{_session_of(model_id)}:sample:{req.sampling_session_seq_id}"
 
@@ -346,57 +527,54 @@ class TinkerServer:
             fut = self._train(model_id, request, submit)
 
             def publish(_: Any) -> types.SaveWeightsForSamplerResponseInternal:
+                self.owner[sid] = request["owner"]
                 self.samplers[sid] = holder["sc"]
                 return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sid)
 
-            return self._register(_then(fut, publish), _json, model_id=model_id)
+            return self._register(request, _then(fut, publish), _json, model_id=model_id)
 
-        return self._once(("train", model_id, req.seq_id), make)
+        return self._once(request, ("train", model_id, req.seq_id), digest, make)
 
     async def create_custom_loss(self, request: web.Request) -> web.Response:
-        req = await self._body(request, types.CreateCustomLossRequest)
-        loss_id = f"{req.session_id}:loss:{req.custom_loss_seq_id}"
+        req, digest = await self._body(request, types.CreateCustomLossRequest)
+        loss_id = f"{self._session(req.session_id, request)}:loss:{req.custom_loss_seq_id}"
 
         def make() -> dict:
             try:
                 graph = rebuild_graph(req.graph)
-                self.losses[loss_id] = LossHandle(name=req.name, inputs=tuple(req.inputs),
-                                                  session_id=self.engine.session_id, graph=graph, loss_id=loss_id)
-                fut = _done(types.CreateCustomLossResponse(loss_id=loss_id))
-            except ValueError as e:
-                fut = _failed(e)
-            return self._register(fut, _json)
+            except ValueError as e:  # refused before it is stored: nothing of it ever runs
+                raise Refused(400, str(e)) from None
+            self.losses[loss_id] = LossHandle(name=req.name, inputs=tuple(req.inputs),
+                                              session_id=self.engine.session_id, graph=graph, loss_id=loss_id)
+            self.owner[loss_id] = request["owner"]
+            return self._register(request, _done(types.CreateCustomLossResponse(loss_id=loss_id)), _json)
 
-        return self._once(("loss", loss_id), make)
+        return self._once(request, ("loss", loss_id), digest, make)
 
     # ------------------------------------------------------------------ sampling
     async def create_sampling_session(self, request: web.Request) -> web.Response:
-        req = await self._body(request, types.CreateSamplingSessionRequest)
-        sid = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
+        req, _ = await self._body(request, types.CreateSamplingSessionRequest)
+        sid = f"{self._session(req.session_id, request)}:sample:{req.sampling_session_seq_id}"
         if sid not in self.samplers:
             try:
                 sc = await asyncio.get_running_loop().run_in_executor(self._pool, lambda: self.engine.create_sampling_client(
                     model_path=req.model_path, base_model=req.base_model))
             except (ValueError, KeyError, FileNotFoundError) as e:
-                raise web.HTTPBadRequest(text=f'{{"detail": {str(e)[:300]!r}}}'.replace("'", '"'),
-                                         content_type="application/json") from None
+                raise Refused(400, str(e)[:300]) from None
             self.samplers[sid] = sc
+            self.owner[sid] = request["owner"]
         return web.json_response({"type": "create_sampling_session", "sampling_session_id": sid})
 
     async def get_sampler(self, request: web.Request) -> web.Response:
         sid = request.match_info["sampler_id"]
-        sc = self.samplers.get(sid)
-        if sc is None:
-            raise web.HTTPNotFound(text=f'{{"detail": "unknown sampler {sid}"}}', content_type="application/json")
+        sc = self._owned(self.samplers, sid, request, "sampler")
         return web.json_response(types.GetSamplerResponse(sampler_id=sid, base_model=sc.get_base_model(),
                                                           model_path=sc.model_path).model_dump(mode="json"))
 
     async def asample(self, request: web.Request) -> web.Response:
-        req = await self._body(request, types.SampleRequest)
-        sc = self.samplers.get(req.sampling_session_id or "")
-        if sc is None:
-            raise web.HTTPNotFound(text=f'{{"detail": "unknown sampling session {req.sampling_session_id}"}}',
-                                   content_type="application/json")
+        req, digest = await self._body(request, types.SampleRequest)
+        sc = self._owned(self.samplers, req.sampling_session_id, request, "sampling session")
+        check_sample(req, self.limits)
 
         def make() -> dict:
             fut = sc.sample(req.prompt, req.num_samples, req.sampling_params,
@@ -406,19 +584,16 @@ class TinkerServer:
                             prompt_logprobs_last_n=req.prompt_logprobs_last_n).future()
             # one id per sample, fixed at submission (the SDK stamps them onto the sequences)
             ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(req.num_samples)]
-            return self._register(fut, _sample, sample_sequence_ids=ids)
+            return self._register(request, fut, _sample, sample_sequence_ids=ids)
 
-        return self._once(("sample", req.sampling_session_id, req.seq_id), make)
+        return self._once(request, ("sample", req.sampling_session_id, req.seq_id), digest, make)
 
     # ------------------------------------------------------------------ futures
     async def retrieve_future(self, request: web.Request) -> web.Response:
-        req = await self._body(request, types.FutureRetrieveRequest)
-        pending = self.futures.get(req.request_id)
-        if pending is None and req.request_id in self.expired:  # the SDK resubmits on 410 where it can
+        req, _ = await self._body(request, types.FutureRetrieveRequest)
+        if req.request_id in self.expired:  # the SDK resubmits on 410 where it can
             return web.json_response({"detail": f"promise {req.request_id} expired"}, status=410)
-        if pending is None:
-            raise web.HTTPNotFound(text=f'{{"detail": "unknown request_id {req.request_id}"}}',
-                                   content_type="application/json")
+        pending = self._owned(self.futures, req.request_id, request, "request_id")
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending.future)), timeout=self.poll_s)
         except TimeoutError:

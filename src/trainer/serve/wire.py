@@ -10,16 +10,14 @@ inverses of the SDK's `response_conv` decoders; tensors are decoded with the SDK
 
 A custom loss uploaded with `create_custom_loss` (client config `custom_loss_server_side=True`) arrives
 as `CustomLossGraph` nodes (`lib/public_interfaces/custom_loss.py::encode_graph`); `rebuild_graph`
-turns them back into a `torch.fx.GraphModule`, resolving each function against an allow-list (torch,
-math, operator) and refusing the same operations the SDK's tracer refuses (`_check_graph`).
+turns them back into a `torch.fx.GraphModule`, each target looked up in the closed tables of
+`graph_ops` (function objects, never names walked), so a graph can only call what is listed there.
 """
 
 from __future__ import annotations
 
-import builtins
-import importlib
 import math
-import operator
+import re
 from typing import Any
 
 import numpy as np
@@ -28,11 +26,56 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.response_conv import _tensor_data_from_proto
 
+from trainer.serve.graph_ops import FUNCTIONS, METHODS
+
 _NP = {"float32": (np.float32, pb.DTYPE_FLOAT32), "int64": (np.int64, pb.DTYPE_INT64)}
 _STOP = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
 
 # ----------------------------------------------------------------------------- forward_backward
+_MODEL_ID_FIELD = pb.ForwardBackwardRequest.DESCRIPTOR.fields_by_name["model_id"].number
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise ValueError("truncated protobuf")
+        b = buf[i]
+        value |= (b & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if not b & 0x80:
+            return value, i
+
+
+def peek_model_id(body: bytes, max_fields: int = 16) -> str:
+    """The `model_id` of a `ForwardBackwardRequest` from its first fields, without decoding the data.
+
+    The server checks the id (and its owner) before paying for the full decode of a body that may be
+    tens of MB. Protobuf encoders write fields in number order (`model_id` is field 1), so it is within
+    the first few fields of any SDK request; the caller still compares it with the full decode's,
+    because a repeated singular field takes its last value there.
+    """
+    i = 0
+    for _ in range(max_fields):
+        if i >= len(body):
+            break
+        tag, i = _varint(body, i)
+        field, wire_type = tag >> 3, tag & 7
+        if wire_type == 0:
+            _, i = _varint(body, i)
+        elif wire_type == 2:
+            n, i = _varint(body, i)
+            if field == _MODEL_ID_FIELD:
+                return body[i:i + n].decode("utf-8", errors="strict")[:256]
+            i += n
+        elif wire_type in (1, 5):
+            i += 8 if wire_type == 1 else 4
+        else:
+            raise ValueError(f"unexpected protobuf wire type {wire_type}")
+    raise ValueError("no model_id in the first fields of the request")
+
+
 def decode_forward_backward(body: bytes) -> tuple[str, int, list[types.Datum], str, dict[str, Any], bool]:
     """(model_id, seq_id, data, loss_fn, loss_fn_config, forward_only) of a protobuf request body."""
     msg = pb.ForwardBackwardRequest()
@@ -96,93 +139,104 @@ def encode_sample_response(resp: types.SampleResponse) -> bytes:
 
 
 # ----------------------------------------------------------------------------- custom losses
-_ALLOWED_MODULES = ("torch", "math", "operator")
-_REFUSED_METHODS = frozenset({"backward", "item", "numpy", "tolist"})
+# bounds on an uploaded graph, checked before anything is built from it
+MAX_GRAPH_NODES = 2048
+MAX_ARG_DEPTH = 8
+MAX_ARG_ITEMS = 4096
+_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.float16,
+                                                          torch.bfloat16, torch.int64, torch.int32, torch.bool)}
+_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
+_LAYOUTS = {"strided": torch.strided}
+_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "preserve_format": torch.preserve_format}
 
 
 def _resolve_function(target: str) -> Any:
-    """`torch.exp`, `operator.mul`, `math.log`, `getattr`... -> the function, from allowed modules only."""
-    if target in ("getattr", "builtins.getattr"):
-        return builtins.getattr
-    root = target.split(".")[0]
-    if root not in _ALLOWED_MODULES:
-        raise ValueError(f"custom loss calls {target!r}; only torch, math and operator functions are allowed")
-    parts = target.split(".")
-    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix, then attributes
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for p in parts[cut:]:
-            obj = getattr(obj, p)
-        if not callable(obj):
-            raise ValueError(f"custom loss target {target!r} is not a function")
-        return obj
-    raise ValueError(f"custom loss target {target!r} cannot be resolved")
+    """The function an uploaded node names, from `graph_ops.FUNCTIONS` only (no import, no attribute walk)."""
+    fn = FUNCTIONS.get(target)
+    if fn is None:
+        raise ValueError(f"custom loss calls {target!r}, which this server does not allow "
+                         "(see trainer/serve/graph_ops.py for the functions a custom loss may call)")
+    return fn
 
 
-def _decode_arg(arg: Any, env: dict[str, Any]) -> Any:
+def _decode_arg(arg: Any, env: dict[str, Any], depth: int = 0) -> Any:
+    if depth > MAX_ARG_DEPTH:
+        raise ValueError(f"custom loss argument nests deeper than {MAX_ARG_DEPTH} levels")
     if isinstance(arg, list):
-        return [_decode_arg(a, env) for a in arg]
-    if not isinstance(arg, dict):
+        if len(arg) > MAX_ARG_ITEMS:
+            raise ValueError(f"custom loss argument list has {len(arg)} items (at most {MAX_ARG_ITEMS})")
+        return [_decode_arg(a, env, depth + 1) for a in arg]
+    if isinstance(arg, float) and not math.isfinite(arg):
+        raise ValueError("custom loss argument is not a finite number")
+    if arg is None or isinstance(arg, (bool, int, float, str)):
         return arg
-    if len(arg) != 1:
-        raise ValueError(f"custom loss argument {arg!r} is not a one-key object")
+    if not isinstance(arg, dict) or len(arg) != 1:
+        raise ValueError(f"custom loss argument {str(arg)[:80]!r} is not a one-key object")
     (kind, v), = arg.items()
     if kind == "ref":
-        if v not in env:
-            raise ValueError(f"custom loss refers to node {v!r} before defining it")
+        if not isinstance(v, str) or v not in env:
+            raise ValueError(f"custom loss refers to node {str(v)[:80]!r} before defining it")
         return env[v]
-    if kind == "tuple":
-        return tuple(_decode_arg(a, env) for a in v)
+    if kind in ("tuple", "slice"):
+        if not isinstance(v, list) or len(v) > MAX_ARG_ITEMS or (kind == "slice" and len(v) != 3):
+            raise ValueError(f"custom loss {kind} argument is malformed")
+        items = tuple(_decode_arg(a, env, depth + 1) for a in v)
+        return items if kind == "tuple" else slice(*items)
     if kind == "dict":
-        return {k: _decode_arg(a, env) for k, a in v.items()}
-    if kind == "slice":
-        return slice(*(_decode_arg(a, env) for a in v))
+        if not isinstance(v, dict) or len(v) > MAX_ARG_ITEMS or not all(isinstance(k, str) for k in v):
+            raise ValueError("custom loss dict argument is malformed")
+        return {k: _decode_arg(a, env, depth + 1) for k, a in v.items()}
     if kind == "ellipsis":
         return Ellipsis
-    if kind == "float":
+    if kind == "float":  # non-finite constants (e.g. -inf as a mask fill) arrive as strings
+        if v not in ("inf", "-inf"):
+            raise ValueError(f"custom loss float argument {str(v)[:20]!r} is not inf or -inf")
         return float(v)
-    if kind == "dtype":
-        dt = getattr(torch, v, None)
-        if not isinstance(dt, torch.dtype):
-            raise ValueError(f"custom loss names an unknown dtype {v!r}")
-        return dt
-    if kind == "device":
-        return torch.device(v)
-    if kind == "layout":
-        return getattr(torch, v)
-    if kind == "memory_format":
-        return getattr(torch, v)
-    raise ValueError(f"custom loss argument kind {kind!r} is not part of the wire format")
+    tables = {"dtype": _DTYPE_NAMES, "layout": _LAYOUTS, "memory_format": _MEMORY_FORMATS,
+              "device": {"cpu": torch.device("cpu")}}
+    if kind in tables:
+        value = tables[kind].get(v) if isinstance(v, str) else None
+        if value is None:
+            raise ValueError(f"custom loss names {kind} {str(v)[:40]!r}; allowed: {sorted(tables[kind])}")
+        return value
+    raise ValueError(f"custom loss argument kind {str(kind)[:40]!r} is not part of the wire format")
 
 
 def rebuild_graph(graph: types.CustomLossGraph) -> torch.fx.GraphModule:
-    """A `torch.fx.GraphModule` from the uploaded nodes, resolving only allowed operations."""
+    """A `torch.fx.GraphModule` from the uploaded nodes; every target from the explicit tables.
+
+    The whole graph is checked while it is built, so a graph with one refused node is refused
+    before it is stored or run (the server answers 400, category user).
+    """
     import torch.fx
 
+    if len(graph.nodes) > MAX_GRAPH_NODES:
+        raise ValueError(f"custom loss graph has {len(graph.nodes)} nodes (at most {MAX_GRAPH_NODES})")
     g = torch.fx.Graph()
     env: dict[str, Any] = {}
     for node in graph.nodes:
+        if node.name in env:
+            raise ValueError(f"custom loss defines node {node.name[:80]!r} twice")
+        if not all(_NAME.fullmatch(k) for k in node.kwargs):  # fx writes keyword names into generated code
+            raise ValueError(f"custom loss node {node.name[:80]!r} passes a keyword that is not a plain name")
         args = tuple(_decode_arg(a, env) for a in node.args)
         kwargs = {k: _decode_arg(a, env) for k, a in node.kwargs.items()}
         if node.op == "placeholder":
+            if not _NAME.fullmatch(node.target):  # and placeholder names into the generated signature
+                raise ValueError(f"custom loss input name {node.target[:80]!r} is not a plain name")
             out = g.placeholder(node.target)
         elif node.op == "call_function":
             out = g.call_function(_resolve_function(node.target), args, kwargs)
         elif node.op == "call_method":
-            if node.target in _REFUSED_METHODS or not hasattr(torch.Tensor, node.target):
-                raise ValueError(f"custom loss calls method {node.target!r}, which is not allowed")
+            if node.target not in METHODS:
+                raise ValueError(f"custom loss calls method {node.target[:80]!r}, which this server does not "
+                                 "allow (see trainer/serve/graph_ops.py)")
             out = g.call_method(node.target, args, kwargs)
         elif node.op == "output":
             out = g.output(args[0] if args else None)
         else:
-            raise ValueError(f"custom loss node {node.name!r} has op {node.op!r}; only placeholder, "
+            raise ValueError(f"custom loss node {node.name[:80]!r} has op {node.op!r}; only placeholder, "
                              "call_function, call_method and output are allowed")
         env[node.name] = out
     g.lint()
     return torch.fx.GraphModule(torch.nn.Module(), g)
-
-
-# math and operator are imported so an allowed target resolves without a fresh import at request time
-_ = (math, operator)

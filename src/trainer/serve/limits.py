@@ -1,0 +1,127 @@
+"""Bounds on what one request may ask of the server, checked before any work starts.
+
+The server shares one process (and one machine's memory) among every client, so a single
+request must not be able to exhaust it or stall the others: each size a client chooses (body
+bytes, samples, tokens, LoRA rank, live models) has a ceiling here, and each number it sends is
+checked for NaN / inf and for its range (`x < 0` is false for NaN, so every check below is
+written as "inside the range", which NaN never is). A refused request gets a 4xx naming the
+field, its value and the bound; nothing has been queued when that happens.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+from tinker import types
+
+MiB = 2**20
+# a checkpoint name becomes a folder name under the state dir: a plain word, never a path
+CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
+class LimitExceeded(ValueError):
+    """A request asks for more than a configured bound (answered 413)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request ceilings; each is a `python -m trainer.serve --max-...` flag."""
+
+    json_body_mb: float = 8.0
+    proto_body_mb: float = 64.0
+    num_samples: int = 128
+    max_tokens: int = 4096
+    prompt_tokens: int = 8192
+    sample_tokens: int = 1_000_000  # num_samples x (prompt + max_tokens): the decode work of one request
+    batch_tokens: int = 262_144  # tokens of all datums in one forward / forward_backward
+    batch_datums: int = 4096
+    lora_rank: int = 128
+    models_per_key: int = 8
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"limit {f.name} must be a positive number, got {v!r}")
+
+    def body_bytes(self, proto: bool) -> int:
+        return int((self.proto_body_mb if proto else self.json_body_mb) * MiB)
+
+
+def finite_in(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    """`value` as a float inside [lo, hi] (or (lo, hi]); NaN and inf are outside every range."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    inside = (lo < v if lo_open else lo <= v) and v <= hi
+    if not (math.isfinite(v) and inside):
+        bracket = "(" if lo_open else "["
+        raise ValueError(f"{name} must be a finite number in {bracket}{lo:g}, {hi:g}], got {value!r}")
+    return v
+
+
+def at_most(name: str, value: int, bound: int, flag: str) -> None:
+    if value > bound:
+        raise LimitExceeded(f"{name} = {value} exceeds this server's limit {bound} (--{flag})")
+
+
+def check_sample(req: types.SampleRequest, limits: Limits) -> None:
+    at_most("num_samples", req.num_samples, limits.num_samples, "max-num-samples")
+    if req.num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {req.num_samples}")
+    p = req.sampling_params
+    finite_in("sampling_params.temperature", p.temperature, 0.0, 100.0)
+    finite_in("sampling_params.top_p", p.top_p, 0.0, 1.0, lo_open=True)
+    max_tokens = limits.max_tokens if p.max_tokens is None else int(p.max_tokens)
+    at_most("sampling_params.max_tokens", max_tokens, limits.max_tokens, "max-tokens")
+    prompt = req.prompt.length
+    at_most("prompt length", prompt, limits.prompt_tokens, "max-prompt-tokens")
+    at_most("num_samples x (prompt + max_tokens)", req.num_samples * (prompt + max_tokens), limits.sample_tokens,
+            "max-sample-tokens")
+    for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        at_most(k, int(getattr(req, k) or 0), 64, "(fixed)")
+
+
+def check_adam(p: types.AdamParams | None) -> None:
+    """AdamW's hyper-parameters inside the ranges where an update is defined (NaN would destroy the adapter)."""
+    if p is None:
+        return
+    finite_in("learning_rate", p.learning_rate, 0.0, 1.0)
+    finite_in("beta1", p.beta1, 0.0, 1.0)
+    finite_in("beta2", p.beta2, 0.0, 1.0)
+    finite_in("eps", p.eps, 0.0, 1.0)
+    finite_in("weight_decay", p.weight_decay, 0.0, 1.0)
+    finite_in("grad_clip_norm", p.grad_clip_norm, 0.0, 1e6)
+
+
+def check_lora(rank: int, limits: Limits) -> None:
+    at_most("lora_config.rank", rank, limits.lora_rank, "max-lora-rank")
+    if rank < 1:
+        raise ValueError(f"lora_config.rank must be >= 1, got {rank}")
+
+
+def check_checkpoint_name(name: str) -> str:
+    if not CHECKPOINT_NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"checkpoint name {name[:80]!r} must be a plain name ([A-Za-z0-9_.-], <= 128 "
+                         "characters, no path separators)")
+    return name
+
+
+def check_batch(data: list[types.Datum], config: dict[str, Any], limits: Limits) -> None:
+    """A forward / forward_backward batch: its size, and every number in its config and inputs finite."""
+    at_most("datums in one request", len(data), limits.batch_datums, "max-batch-datums")
+    tokens = sum(d.model_input.length for d in data)
+    at_most("tokens in one request", tokens, limits.batch_tokens, "max-batch-tokens")
+    for k, v in config.items():
+        if not isinstance(v, str):
+            finite_in(f"loss_fn_config[{k!r}]", v, -1e6, 1e6)
+    for i, d in enumerate(data):
+        for name, td in d.loss_fn_inputs.items():
+            arr = np.asarray(td.to_numpy())
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                raise ValueError(f"datum[{i}].loss_fn_inputs[{name!r}] holds NaN or inf")
