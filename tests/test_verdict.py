@@ -129,11 +129,15 @@ def test_large_between_seed_variance_item_level_significant_seed_level_not(tmp_p
     arms = {}
     for s, g in gaps.items():
         arms["dppo", s], arms["grpo", s] = _with_gap(n, 400, g, rng)
-    sweep = _sweep(tmp_path, arms)
+    sweep = _sweep(tmp_path, arms, overrides=("decision.method=paired_hoeffding",))
     item = compare([sweep], n_bootstrap=400, make_plots=False, out=tmp_path / "item")
     assert item["verdict"] == "validated" and item["verdict_scope"] == "fixed_checkpoints"
-    assert item["diff"] == pytest.approx(0.14) and item["half_width"] == pytest.approx(
+    assert item["headline"].startswith("validated (these checkpoints): dppo vs grpo")
+    assert item["verdicts"][0]["verdict_about"] == "these checkpoints"
+    assert item["diff"] == pytest.approx(0.14) and item["hoeffding_half_width"] == pytest.approx(
         math.sqrt(2 * math.log(40) / n))
+    assert (item["ci_low"], item["ci_high"]) == pytest.approx((0.14 - item["hoeffding_half_width"],
+                                                              0.14 + item["hoeffding_half_width"]))
     assert item["mcnemar_p"] < 1e-20
     d = np.array([0.24, -0.04, 0.22])
     sl = item["seed_level"]
@@ -146,16 +150,27 @@ def test_large_between_seed_variance_item_level_significant_seed_level_not(tmp_p
     md = (tmp_path / "item" / "compare.md").read_text()
     assert "Scope: these fixed checkpoints" in md and "this training procedure" in md
 
-    # the same runs with the seed-level rule pre-registered
-    for run in sweep.iterdir():
-        if run.is_dir():
-            cfg = yaml.safe_load((run / "config.yaml").read_text())
-            cfg["decision"]["method"] = "seed_t"
-            (run / "config.yaml").write_text(yaml.safe_dump(cfg))
-    seedv = compare([sweep], n_bootstrap=400, make_plots=False, out=tmp_path / "seed")
-    assert seedv["verdict"] == "inconclusive" and seedv["verdict_scope"] == "across_seeds"
-    assert seedv["decision"]["method"] == "seed_t" and seedv["decision"]["overridden"] == []
-    assert "Scope: this training procedure" in (tmp_path / "seed" / "compare.md").read_text()
+    # the same runs with the default rule (auto: seed_t at >= 2 seeds per arm) and with seed_t pre-registered
+    for method in ("auto", "seed_t"):
+        for run in sweep.iterdir():
+            if run.is_dir():
+                cfg = yaml.safe_load((run / "config.yaml").read_text())
+                cfg["decision"]["method"] = method
+                (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+        seedv = compare([sweep], n_bootstrap=400, make_plots=False, out=tmp_path / method)
+        assert seedv["verdict"] == "inconclusive" and seedv["verdict_scope"] == "across_seeds"
+        assert seedv["decision"]["method"] == "seed_t" and seedv["decision"]["overridden"] == []
+        assert seedv["decision"]["requested"] == method
+        # the top-level interval and p are the rule's: the t interval over seeds, computed here independently
+        assert (seedv["ci_low"], seedv["ci_high"]) == pytest.approx((d.mean() - half, d.mean() + half), rel=1e-9)
+        t = d.mean() / (d.std(ddof=1) / math.sqrt(3))
+        assert seedv["p"] == pytest.approx(2 * (0.5 - t / (2 * math.sqrt(t * t + 2))), rel=1e-9)
+        assert seedv["estimate"] == pytest.approx(d.mean()) and seedv["hoeffding_ci_low"] == item["ci_low"]
+        assert seedv["verdicts"][0]["headline"].startswith("inconclusive (this training procedure): dppo vs grpo")
+        # a one-seed verdict has no seed-level counterpart: the per-seed rows carry no verdict under seed_t
+        assert all(r["verdict"] is None and r["method"] is None for r in seedv["per_seed"])
+        md = (tmp_path / method / "compare.md").read_text()
+        assert "Scope: this training procedure" in md and "**inconclusive** (this training procedure)" in md
 
 
 def test_one_seed_says_the_verdict_is_about_two_checkpoints(tmp_path):
@@ -165,7 +180,14 @@ def test_one_seed_says_the_verdict_is_about_two_checkpoints(tmp_path):
     out = compare([sweep], n_bootstrap=0, make_plots=False)
     assert out["verdict_scope"] == "fixed_checkpoints" and out["seed_level"] is None
     assert "seed_t" not in out["methods"]
+    # auto with one seed per arm: paired Hoeffding, a verdict about these two checkpoints, said in the headline
+    assert out["decision"]["requested"] == "auto" and out["decision"]["method"] == "paired_hoeffding"
+    assert out["verdict"] == "validated" and out["diff"] == pytest.approx(0.25)
+    assert out["headline"].startswith("validated (these checkpoints): dppo vs grpo: the treatment's checkpoints")
+    assert "not a finding about the training procedure" in out["headline"]
+    assert out["verdicts"] == [{k: out[k] for k in out["verdicts"][0]}]
     md = (sweep / "compare.md").read_text()
+    assert "## Verdict: **validated** (these checkpoints)" in md and out["headline"] in md
     assert "the verdict concerns the two trained checkpoints and cannot separate the loss from training noise" in md
     # a seed-level rule cannot decide with one seed: refused, nothing written
     (sweep / "compare.json").unlink()
@@ -249,10 +271,12 @@ def test_several_treatments_are_holm_adjusted(tmp_path):
     assert rows["dppo"]["p_holm"] == pytest.approx(2 * p["dppo"])
     assert rows["cispo"]["p_holm"] == pytest.approx(max(2 * p["dppo"], p["cispo"]))
     assert rows["dppo"]["holm_level"] == pytest.approx(0.025) and rows["cispo"]["holm_level"] == pytest.approx(0.05)
-    assert out["verdicts"] == {"dppo": "inconclusive", "cispo": "inconclusive"}
+    assert {v["treatment"]: v["verdict"] for v in out["verdicts"]} == {"dppo": "inconclusive", "cispo": "inconclusive"}
+    assert all(v["verdict_about"] == "these checkpoints" and v["p"] <= 1 for v in out["verdicts"])
+    assert {v["treatment"]: v["p"] for v in out["verdicts"]} == {k: rows[k]["p_holm"] for k in rows}
     assert "verdict" not in out  # no single verdict with several treatments
     md = (sweep / "compare.md").read_text()
-    assert "Holm-adjusted" in md and md.count("| **inconclusive** |") == 2
+    assert "Holm-adjusted" in md and md.count("| **inconclusive** (these checkpoints) |") == 2
     # one treatment alone is decided at the full alpha
     alone = compare([sweep], treatment="dppo", n_bootstrap=0, make_plots=False, out=tmp_path / "one")
     assert alone["verdict"] == "validated" and any("left out" in x and "cispo_seed0" in x for x in alone["notes"])
@@ -267,7 +291,7 @@ def test_decision_rule_is_read_from_config_and_overriding_it_is_explicit(tmp_pat
     assert main([str(sweep), "--method", "mcnemar_exact", "--margin", "0", "--no-plots", "--bootstrap", "0"]) == 1
     err = capsys.readouterr().err
     assert "another decision rule than the pre-registered one" in err and "--override-decision" in err
-    assert "method: 'paired_hoeffding' -> 'mcnemar_exact'" in err
+    assert "method: 'auto' -> 'mcnemar_exact'" in err
     assert (sweep / "compare.json").read_bytes() == old
     # the same value as the config is not an override
     assert main([str(sweep), "--margin", "0.01", "--no-plots", "--bootstrap", "0"]) == 0
@@ -284,7 +308,7 @@ def test_decision_rule_is_read_from_config_and_overriding_it_is_explicit(tmp_pat
     # a margin: validated needs the bound above it
     r = compare([sweep], n_bootstrap=0, make_plots=False)
     m = r["methods"]["paired_hoeffding"]
-    assert m["ci_low"] == pytest.approx(r["diff"] - r["half_width"])
+    assert m["ci_low"] == pytest.approx(r["diff"] - r["hoeffding_half_width"]) == r["ci_low"]
     assert r["verdict"] == ("validated" if m["ci_low"] > 0.01 else "inconclusive")
 
 

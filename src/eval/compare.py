@@ -39,6 +39,8 @@ from eval.endpoints import (
 from eval.records import read_item_records, summarize, wilson_interval
 from eval.stats import (
     ESTIMANDS,
+    METHOD_SCOPE,
+    SCOPE_TEXT,
     RULE_METHODS,
     RULE_TEXT,
     bootstrap_means,
@@ -50,7 +52,9 @@ from eval.stats import (
     mcnemar_directional_p,
     paired_compare,
     pvalue_verdict,
+    resolve_method,
     seed_t_interval,
+    seed_t_verdict,
     t_quantile,
     two_level_bootstrap_ci,
 )
@@ -276,6 +280,12 @@ class Rule:
     baseline: str
     source: str  # "config" | "default (runs predate decision config)"
     overridden: list[str] = field(default_factory=list)  # "key: config value -> used value"
+    requested: str = ""  # decision.method as written (`auto` resolves by the seeds per arm)
+    resolution: str = ""  # how `method` was chosen
+
+    @property
+    def scope(self) -> str:
+        return METHOD_SCOPE[self.method]
 
     def text(self) -> str:
         where = {"final": "final accuracy", "step": f"accuracy at step {self.step}",
@@ -284,9 +294,10 @@ class Rule:
                 + f", endpoint {where}, margin {self.margin:g}")
 
 
-def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool) -> Rule:
+def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool, n_seeds: int = 1) -> Rule:
     """The runs' pre-registered `decision` config, and the command line's changes to it (only with
-    --override-decision)."""
+    --override-decision). `auto` resolves by the seeds per arm on both sides before they are compared, so
+    `--method seed_t` on a 3-seed sweep whose config says auto is not an override."""
     from trainer.config.schema import ConfigError, DecisionConfig
 
     raw = runs[0].config.get("decision")
@@ -303,6 +314,8 @@ def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool) -> Rule:
         # the threshold only sets a secondary (reported) endpoint: changing it decides nothing
         if value is None or value == getattr(cfg, key) or key == "threshold":
             continue
+        if key == "method" and resolve_method(value, n_seeds)[0] == resolve_method(cfg.method, n_seeds)[0]:
+            continue
         changed.append(f"{key}: {getattr(cfg, key)!r} -> {value!r}")
     if changed and not override:
         raise CompareError("the command line asks for another decision rule than the pre-registered one ("
@@ -313,8 +326,10 @@ def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool) -> Rule:
         cfg = DecisionConfig(**merged)
     except ConfigError as e:
         raise CompareError(f"decision rule: {e}") from None
-    return Rule(method=cfg.method, alpha=cfg.alpha, margin=cfg.margin, endpoint=cfg.endpoint, step=cfg.step,
-                threshold=cfg.threshold, baseline=cfg.baseline, source=source, overridden=changed)
+    method, resolution = resolve_method(cfg.method, n_seeds)
+    return Rule(method=method, alpha=cfg.alpha, margin=cfg.margin, endpoint=cfg.endpoint, step=cfg.step,
+                threshold=cfg.threshold, baseline=cfg.baseline, source=source, overridden=changed,
+                requested=cfg.method, resolution=resolution)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -348,16 +363,22 @@ def method_table(t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float
         D_S = d_SN.mean(axis=1)
         st = seed_t_interval(D_S, alpha, margin)
         methods["seed_t"] = {"estimate": st["mean"], "ci_low": st["ci_low"], "ci_high": st["ci_high"],
-                             "p": st["p"], "verdict": interval_verdict(st["mean"], st["ci_low"], st["ci_high"],
-                                                                         margin)}
+                             "p": st["p"], "verdict": seed_t_verdict(st["mean"], st["ci_low"], st["ci_high"],
+                                                                     st["se"], margin)}
+        if st["degenerate"]:
+            methods["seed_t"]["note"] = ("every seed pair gave the same gap (sd 0): the t interval has no width "
+                                         "to read, so the verdict is at best inconclusive")
         helpers["per_seed_diff"] = D_S
         seed_level = {"per_seed_diff": st["per_seed"], "mean": st["mean"], "sd": st["sd"], "se": st["se"],
                       "df": st["df"], "t_crit": st["t_crit"], "t_ci_low": st["ci_low"], "t_ci_high": st["ci_high"],
                       "t_p": st["p"]}
         if n_bootstrap > 0:
+            # descriptive only: its percentile interval uses z-like quantiles of S resampled seeds and the
+            # plug-in between-seed sd (biased by (S - 1) / S), so at few seeds it is too narrow and a verdict
+            # read from it would not hold alpha; the seed-level verdict is the t interval's
             lo, hi, _ = two_level_bootstrap_ci(d_SN, alpha, n_bootstrap, seed)
             methods["two_level_bootstrap"] = {"estimate": diff, "ci_low": lo, "ci_high": hi, "p": None,
-                                              "verdict": interval_verdict(diff, lo, hi, margin)}
+                                              "verdict": None, "note": "descriptive: not calibrated, no verdict"}
             seed_level.update(two_level_low=lo, two_level_high=hi)
     for name, m in methods.items():
         m["estimand"] = ESTIMANDS[name]
@@ -392,13 +413,54 @@ def decide_all(rows: list[dict[str, Any]], helpers: list[dict[str, Any]], rule: 
         iv = rule_interval(rule.method, helpers[i], level)
         if iv is None:
             verdict = pvalue_verdict(m["b_items"], m["c_items"], m["p"], level)
+        elif rule.method == "seed_t":
+            verdict = seed_t_verdict(m["estimate"], iv[0], iv[1], seed_t_interval(helpers[i]["per_seed_diff"])["se"],
+                                     rule.margin)
         else:
             verdict = interval_verdict(m["estimate"], iv[0], iv[1], rule.margin)
         if verdict == "validated" and not still:
             verdict = "inconclusive"  # Holm stops at the first treatment that fails
         still = still and verdict == "validated"
+        # the top-level numbers of a comparison are the rule's: its estimate, its interval at this
+        # treatment's Holm level (None for the exact test) and its Holm-adjusted p (the rule's p when K = 1)
         row.update(p_rule=m["p"], p_holm=adj[i], holm_level=level, rule_ci=list(iv) if iv else None,
-                   verdict=verdict)
+                   method=rule.method, estimate=m["estimate"], ci_low=iv[0] if iv else None,
+                   ci_high=iv[1] if iv else None, p=adj[i])
+        set_verdict(row, verdict, rule.scope)
+
+
+def set_verdict(row: dict[str, Any], verdict: str, scope: str) -> None:
+    """The verdict with its scope, in every form compare shows it (the token, the scope key, the scope in
+    words and the headline sentence)."""
+    from eval.report import headline
+
+    row.update(verdict=verdict, verdict_scope=scope, verdict_about=SCOPE_TEXT[scope],
+               headline=headline(verdict, scope, row["treatment"], row["baseline"]))
+
+
+# the item-level Hoeffding numbers every comparison carries, under names that say so: the top-level
+# ci_low / ci_high / p / verdict of a comparison are the decision rule's
+_ITEM_RENAMES = {"ci_low": "hoeffding_ci_low", "ci_high": "hoeffding_ci_high", "half_width": "hoeffding_half_width",
+                 "verdict": "hoeffding_verdict"}
+
+
+def item_level(pc: dict[str, Any]) -> dict[str, Any]:
+    """paired_compare's dict with its Hoeffding interval and verdict renamed (see _ITEM_RENAMES)."""
+    return {_ITEM_RENAMES.get(k, k): v for k, v in pc.items() if k != "method"}
+
+
+def per_seed_row(t_N: np.ndarray, b_N: np.ndarray, rule: Rule, n_bootstrap: int, seed: int) -> dict[str, Any]:
+    """One seed pair's item-level numbers and, when the rule is item-level, the rule's own interval, p and
+    verdict on that pair (about these two checkpoints). A seed-level rule has no verdict on one seed pair:
+    `method` and `verdict` are None there."""
+    item, methods, _ = method_table(t_N[None, :], b_N[None, :], rule.alpha, rule.margin, n_bootstrap, seed)
+    row = item_level(item)
+    row.pop("seed_level", None)
+    m = methods.get(rule.method) if METHOD_SCOPE[rule.method] == "fixed_checkpoints" else None
+    row.update(method=rule.method if m else None, estimate=m["estimate"] if m else None,
+               ci_low=m["ci_low"] if m else None, ci_high=m["ci_high"] if m else None, p=m["p"] if m else None,
+               verdict=m["verdict"] if m else None, verdict_scope="fixed_checkpoints" if m else None)
+    return row
 
 
 def aa_spread(endpoint_by_seed: dict[int, np.ndarray], alpha: float) -> dict[str, Any]:
@@ -606,7 +668,8 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
         raise CompareError("runs have different eval names: "
                            + ", ".join(f"{r.path.name}={r.eval_name}" for r in runs) + " (pass --eval-name)")
     rule = resolve_rule(runs, {"method": method, "alpha": alpha, "margin": margin, "endpoint": endpoint,
-                               "step": step, "threshold": threshold, "baseline": baseline}, override_decision)
+                               "step": step, "threshold": threshold, "baseline": baseline}, override_decision,
+                        n_seeds=len({r.seed for r in runs}))
     losses = sorted({r.loss for r in runs})
     notes: list[str] = []
     if len(losses) == 1:
@@ -672,10 +735,10 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
         item, methods, h = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
         per_seed = []
         for i, s in enumerate(seeds):
-            r = paired_compare(t_SN[i], b_SN[i], alpha=rule.alpha, n_bootstrap=n_bootstrap, seed=seed)
+            r = per_seed_row(t_SN[i], b_SN[i], rule, n_bootstrap, seed)
             r.update(seed=s, treatment_arm=pairs[s][loss].arm, baseline_arm=pairs[s][base].arm)
             per_seed.append(r)
-        row = {"treatment": loss, "baseline": base, **item, "per_seed": per_seed, "methods": methods,
+        row = {"treatment": loss, "baseline": base, **item_level(item), "per_seed": per_seed, "methods": methods,
                "bootstrap_resamples": int(n_bootstrap), "bootstrap_seed": int(seed)}
         if aa_spread_ is not None:
             row["aa_calibration"] = aa_calibration(aa_spread_, list(h.get("per_seed_diff", [item["diff"]])),
@@ -694,25 +757,32 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
     notes += _run_notes(ordered)
     result: dict[str, Any] = {
         "mode": "ab", "treatments": treatments, "baseline": base, "eval_name": names[0],
-        "verdict_scope": "across_seeds" if rule.method == "seed_t" else "fixed_checkpoints",
+        "verdict_scope": rule.scope, "verdict_about": SCOPE_TEXT[rule.scope],
         "n_seeds": len(seeds), "seeds": seeds, "decision": _rule_dict(rule), "comparisons": rows,
-        "verdicts": {r["treatment"]: r["verdict"] for r in rows}, "curve": curve, "aa": aa_spread_,
+        "verdicts": [{k: r[k] for k in _VERDICT_KEYS} for r in rows], "curve": curve, "aa": aa_spread_,
         "arms": arms, "config_diff": config_diff, "ignored_config_keys": list(IGNORED_CONFIG_KEYS),
         "item_set_sha256": item_sha, "inputs": [str(p) for p in paths], "output_dir": str(out_dir), "plots": {},
         "notes": notes,
         # kept from the one-treatment report: the alpha, method and decision-rule text at the top level
         "alpha": rule.alpha, "method": rule.method, "decision_rule": rule.text(),
     }
-    if len(rows) == 1:  # one treatment: its numbers at the top level too, as before
-        result.update({k: v for k, v in rows[0].items() if k not in result or k in ("verdict",)},
+    if len(rows) == 1:  # one treatment: its numbers (the rule's estimate, interval, p, verdict) at the top level
+        result.update({k: v for k, v in rows[0].items() if k not in result or k in ("verdict", "method")},
                       treatment=treatments[0])
     return _write(result, ordered, roles, out_dir, make_plots, f" ({', '.join(treatments)} vs {base})")
 
 
+#: one entry of compare.json's `verdicts`: what the verdict is about, and the rule's numbers behind it
+_VERDICT_KEYS = ("treatment", "baseline", "verdict", "verdict_scope", "verdict_about", "headline", "method",
+                 "estimate", "ci_low", "ci_high", "p", "holm_level")
+
+
 def _rule_dict(rule: Rule) -> dict[str, Any]:
-    return {"method": rule.method, "alpha": rule.alpha, "margin": rule.margin, "endpoint": rule.endpoint,
+    return {"method": rule.method, "requested": rule.requested, "resolution": rule.resolution,
+            "alpha": rule.alpha, "margin": rule.margin, "endpoint": rule.endpoint,
             "step": rule.step, "threshold": rule.threshold, "baseline": rule.baseline, "source": rule.source,
-            "overridden": rule.overridden, "text": rule.text(), "estimand": ESTIMANDS[rule.method]}
+            "overridden": rule.overridden, "text": rule.text(), "estimand": ESTIMANDS[rule.method],
+            "scope": rule.scope}
 
 
 def _compare_aa(runs: list[Run], rule: Rule, eval_name: str, paths: list[Path], out_dir: Path,
@@ -837,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="compare even if the runs computed their loss on different paths (loss/path)")
     rule = p.add_argument_group("decision rule (default: the runs' pre-registered `decision` config; a "
                                 "different value needs --override-decision)")
-    rule.add_argument("--method", default=None, choices=RULE_METHODS)
+    rule.add_argument("--method", default=None, choices=("auto", *RULE_METHODS))
     rule.add_argument("--alpha", type=float, default=None, help="two-sided error rate")
     rule.add_argument("--margin", type=float, default=None, help="gain the lower bound must exceed")
     rule.add_argument("--endpoint", default=None, choices=ENDPOINTS)

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from eval.stats import hoeffding_half_width, t_quantile
+from eval.stats import hoeffding_half_width, resolve_method, t_quantile
 from trainer.config.enums import DECISION_METHODS
 
 METHODS = DECISION_METHODS  # decision.method: the config states the list once
@@ -458,8 +458,11 @@ def plan_from_config(cfg: Any, n_seeds: int, discordance: float | None = None, s
         (seed_sd, "--seed-sd"), (est.get("seed_sd"), est.get("source")), (d.get("seed_sd"), "decision.seed_sd"),
         (0.0, "assumed 0 (no training noise: a lower bound on every MDE; pass --seed-sd or --from an A/A sweep)"))
     target = target_effect if target_effect is not None else d.get("target_effect")
+    # `auto` resolves here, at plan time, by the plan's seeds per arm; compare resolves it the same way from
+    # the sweep and the gate's record holds the resolution
+    method, sources["method"] = resolve_method(str(d.method), n_seeds)
     return Plan(n_items=n_items_of(cfg), n_seeds=n_seeds, alpha=float(d.alpha), power=float(d.power),
-                margin=float(d.margin), discordance=float(P), seed_sd=float(sd), method=str(d.method),
+                margin=float(d.margin), discordance=float(P), seed_sd=float(sd), method=method,
                 target_effect=None if target is None else float(target), sources=sources)
 
 

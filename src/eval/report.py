@@ -10,12 +10,28 @@ import math
 from pathlib import Path
 from typing import Any
 
+# what each verdict says, by scope: an item-level rule holds the trained checkpoints fixed (training noise is
+# not counted), a seed-level rule is about the training procedure; `inert` says nothing about the switch
 _VERDICT_TEXT = {
-    "validated": "the treatment is better: the decision rule's bound is above the margin",
+    ("validated", "fixed_checkpoints"): "the treatment's checkpoints scored higher than the baseline's: the rule's "
+                                        "bound is above the margin; training noise is not counted, so this is "
+                                        "not a finding about the training procedure",
+    ("validated", "across_seeds"): "the treatment trains better: the rule's bound over seeds is above the margin",
     "inconclusive": "the treatment scored higher, but the decision rule's bound is not above the margin",
     "not_supported": "the treatment did not score higher than the baseline, or the interval rules out a gain "
                      "above the margin",
+    "inert": "the switch never acted in these runs (the arms trained identically); nothing is said about it",
 }
+_SCOPE_TEXT = {"fixed_checkpoints": "these checkpoints", "across_seeds": "this training procedure"}
+
+
+def verdict_text(verdict: str, scope: str) -> str:
+    return _VERDICT_TEXT.get((verdict, scope)) or _VERDICT_TEXT[verdict]
+
+
+def headline(verdict: str, scope: str, treatment: str, baseline: str) -> str:
+    """`<verdict> (<scope>): <treatment> vs <baseline>: <what it means>`, the line a reader sees first."""
+    return f"{verdict} ({_SCOPE_TEXT[scope]}): {treatment} vs {baseline}: {verdict_text(verdict, scope)}"
 _PLOT_TITLES = {
     "reward": "Training reward (env/reward_mean) per rollout step",
     "masked_frac": "DPPO masked fraction (loss/dppo_masked_frac) per update",
@@ -52,7 +68,7 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
              (f"Eval: `{result['eval_name']}`, {first['n_items']} items x {result['n_seeds']} seed(s) "
               f"= {first['n']} paired (seed, item) results per arm; endpoint: {_endpoint(rule)}."), ""]
     if len(rows) == 1:
-        lines += [f"## Verdict: **{first['verdict']}**", ""]
+        lines += [f"## Verdict: **{first['verdict']}** ({first['verdict_about']})", ""]
     else:
         lines += ["## Verdicts (Holm-adjusted over the treatments)", "",
                   "| treatment | diff | rule interval at its Holm level | rule p | Holm p | verdict |",
@@ -60,14 +76,10 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
         for r in rows:
             lines.append(f"| {r['treatment']} | {_pts(r['methods'][rule['method']]['estimate'])} | "
                          f"{_ci(r['rule_ci'])} (alpha {r['holm_level']:.4g}) | {_p(r['p_rule'])} | "
-                         f"{_p(r['p_holm'])} | **{r['verdict']}** |")
+                         f"{_p(r['p_holm'])} | **{r['verdict']}** ({r['verdict_about']}) |")
         lines.append("")
     for r in rows:
-        m = r["methods"][rule["method"]]
-        interval = (f"{conf:g}% interval [{_pts(m['ci_low'])}, {_pts(m['ci_high'])}]" if m["ci_low"] is not None
-                    else f"p = {_p(m['p'])}")
-        lines.append(f"- {r['treatment']}: {_VERDICT_TEXT[r['verdict']]}: {_METHOD_NAMES[rule['method']]} "
-                     f"estimate {_pts(m['estimate'])} ({interval}).")
+        lines.append(f"- {verdict_line(r, rule)}")
     lines += ["", _scope_sentence(result), ""]
     lines += ["## Decision rule (pre-registered)" if not rule["overridden"] else
               "## Decision rule (OVERRIDDEN on the command line with --override-decision)", "",
@@ -81,10 +93,12 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
                "alpha and a positive difference); `not_supported`: the treatment did not score higher, or the "
                "interval's upper bound is at or below the margin; otherwise `inconclusive`. The other methods "
                "below are secondary: they do not change the verdict."), ""]
+    if rule.get("requested") == "auto":
+        lines += [f"The rule's method was resolved from the sweep: {rule['resolution']}.", ""]
     if rule["method"] == "paired_hoeffding" and rule["endpoint"] != "auc":
         lines += [(f"At n = {first['n_items']} items and alpha = {rule['alpha']:g} the Hoeffding half-width is "
-                   f"{first['half_width']:.4f}, so `validated` needs a gap above "
-                   f"{_pts(first['half_width'] + rule['margin'])}."), ""]
+                   f"{first['hoeffding_half_width']:.4f}, so `validated` needs a gap above "
+                   f"{_pts(first['hoeffding_half_width'] + rule['margin'])}."), ""]
     for r in rows:
         lines += _methods_section(r, rule, len(rows) > 1)
         lines += _seeds_section(r, result)
@@ -94,6 +108,14 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
         lines += _curve_section(result)
     lines += _arms_section(result, conf)
     return lines
+
+
+def verdict_line(r: dict[str, Any], rule: dict[str, Any]) -> str:
+    """The headline with the rule's estimate and its interval (or p), as compare.md and the terminal show it."""
+    conf = 100.0 * (1.0 - r.get("holm_level", rule["alpha"]))
+    interval = (f"{conf:.4g}% interval [{_pts(r['ci_low'])}, {_pts(r['ci_high'])}]" if r.get("ci_low") is not None
+                else f"p = {_p(r['p'])}")
+    return f"{r['headline']}: {_METHOD_NAMES[rule['method']]} estimate {_pts(r['estimate'])} ({interval})."
 
 
 def _scope_sentence(result: dict[str, Any]) -> str:
@@ -118,20 +140,29 @@ def _methods_section(r: dict[str, Any], rule: dict[str, Any], several: bool) -> 
              "|---|---|---:|---|---:|---|---|"]
     for name, m in r["methods"].items():
         iv = "-" if m["ci_low"] is None else f"[{_pts(m['ci_low'])}, {_pts(m['ci_high'])}]"
-        role = "**decision**" if name == rule["method"] else "secondary"
+        role = ("**decision**" if name == rule["method"] else "descriptive" if m["verdict"] is None
+                else "secondary")
         lines.append(f"| {_METHOD_NAMES[name]} | {m['estimand']} | {_pts(m['estimate'])} | {iv} | "
-                     f"{'-' if m['p'] is None else _p(m['p'])} | {m['verdict']} | {role} |")
+                     f"{'-' if m['p'] is None else _p(m['p'])} | {m['verdict'] or '-'} | {role} |")
+    notes = [f"{_METHOD_NAMES[name]}: {m['note']}" for name, m in r["methods"].items() if m.get("note")]
+    if notes:
+        lines += [""] + [f"- {x}" for x in notes]
+    item_rule = r["per_seed"] and r["per_seed"][0].get("method")
     lines += ["", "## Results per seed" if not several else f"### Per seed: {r['treatment']}", "",
               "| scope | n | acc " + r["treatment"] + " | acc " + r["baseline"] + " | diff | Hoeffding CI | b | c "
-              "| McNemar p | bootstrap CI |", "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+              "| McNemar p | bootstrap CI | rule's verdict on this pair |",
+              "|---|---:|---:|---:|---:|---|---:|---:|---:|---|---|"]
     rows = [(f"seed {s['seed']}", s) for s in r["per_seed"]]
     rows = rows + [("**combined**", r)] if len(rows) != 1 else [(f"seed {r['per_seed'][0]['seed']}", r)]
     for label, x in rows:
         boot = ("-" if x.get("bootstrap_low") is None
                 else f"[{_pts(x['bootstrap_low'])}, {_pts(x['bootstrap_high'])}]")
         lines.append(f"| {label} | {x['n']} | {x['acc_treatment']:.4f} | {x['acc_baseline']:.4f} | {_pts(x['diff'])} "
-                     f"| [{_pts(x['ci_low'])}, {_pts(x['ci_high'])}] | {x['b_items']} | {x['c_items']} "
-                     f"| {_p(x['mcnemar_p'])} | {boot} |")
+                     f"| [{_pts(x['hoeffding_ci_low'])}, {_pts(x['hoeffding_ci_high'])}] | {x['b_items']} "
+                     f"| {x['c_items']} | {_p(x['mcnemar_p'])} | {boot} | {x.get('verdict') or '-'} |")
+    lines += ["", (f"Per seed pair, the rule's verdict is {_METHOD_NAMES[item_rule]}'s on that pair alone (these "
+                   "two checkpoints)." if item_rule else
+                   "The rule is seed-level: one seed pair has no verdict of its own.")]
     lines += ["", ("b = items the treatment got right and the baseline wrong; c = the reverse. Bootstrap: "
                    f"{r['bootstrap_resamples']} percentile resamples of items (seed {r['bootstrap_seed']}).")]
     if r["n_seeds"] > 1:

@@ -280,18 +280,33 @@ def seed_t_interval(diff_S: Any, alpha: float = 0.05, margin: float = 0.0) -> di
     if S < 2:
         raise ValueError(f"seed_t_interval: needs >= 2 seeds, got {S}")
     mean = float(d.mean())
-    sd = float(d.std(ddof=1))
+    sd = 0.0 if np.ptp(d) == 0 else float(d.std(ddof=1))  # identical gaps: exactly 0, not rounding noise
     se = sd / math.sqrt(S)
     t_crit = t_quantile(1.0 - alpha / 2.0, S - 1)
     if se > 0:
         t_stat = (mean - margin) / se
         p = min(1.0, 2.0 * (1.0 - t_cdf(t_stat, S - 1))) if mean > margin else 1.0
-    else:  # every seed gave the same difference
-        t_stat = math.inf if mean > margin else (-math.inf if mean < margin else 0.0)
-        p = 0.0 if mean > margin else 1.0
+    else:
+        # every seed gave the same difference: the sample sd is 0, the t statistic is undefined and the
+        # zero-width interval says nothing about the spread the seeds would show with more of them (with
+        # discrete per-seed gaps, few items and 2 seeds, ties happen often under no effect). p = 1 and the
+        # verdict is at best inconclusive (seed_t_verdict): no evidence is read from a spread never seen.
+        t_stat = math.nan
+        p = 1.0
     return {"n_seeds": S, "mean": mean, "sd": sd, "se": se, "df": S - 1, "t_crit": t_crit,
             "ci_low": mean - t_crit * se, "ci_high": mean + t_crit * se, "t": t_stat, "p": p,
-            "per_seed": [float(x) for x in d]}
+            "degenerate": se == 0, "per_seed": [float(x) for x in d]}
+
+
+def seed_t_verdict(mean: float, low: float, high: float, se: float, margin: float = 0.0) -> str:
+    """interval_verdict for the seed-level t, except that a zero spread over seeds (se = 0) is never
+    `validated`: the interval [mean, mean] is an artefact of identical per-seed gaps, not a precise estimate."""
+    verdict = interval_verdict(mean, low, high, margin)
+    if se == 0 and verdict == "validated":
+        return "inconclusive"
+    if se == 0 and verdict == "not_supported" and mean > 0:
+        return "inconclusive"
+    return verdict
 
 
 def two_level_bootstrap_ci(diff_SN: Any, alpha: float = 0.05, n_resamples: int = 10000, seed: int = 0,
@@ -320,6 +335,25 @@ def two_level_bootstrap_ci(diff_SN: Any, alpha: float = 0.05, n_resamples: int =
 
 # ----------------------------------------------------------------------------- decision rules
 RULE_METHODS = DECISION_METHODS  # decision.method: the config states the list once
+AUTO_METHOD = "auto"
+#: what a verdict is about, by the rule's unit: the item (the trained checkpoints held fixed) or the seed
+#: (a fresh training run of each arm: the procedure, training noise counted)
+SCOPE_TEXT = {"fixed_checkpoints": "these checkpoints", "across_seeds": "this training procedure"}
+METHOD_SCOPE = {"paired_hoeffding": "fixed_checkpoints", "mcnemar_exact": "fixed_checkpoints",
+                "paired_bootstrap": "fixed_checkpoints", "seed_t": "across_seeds",
+                "two_level_bootstrap": "across_seeds"}
+
+
+def resolve_method(method: str, n_seeds: int) -> tuple[str, str]:
+    """(the test that decides, why): `auto` is seed_t with >= 2 seeds per arm, the only default test whose
+    false-positive rate stays at alpha / 2 when training noise moves whole checkpoints (item-level tests
+    treat the checkpoints as fixed), and paired Hoeffding with one seed, where no seed-level test exists."""
+    if method != AUTO_METHOD:
+        return method, f"decision.method = {method} (pre-registered)"
+    if n_seeds >= 2:
+        return "seed_t", f"decision.method = auto -> seed_t ({n_seeds} seeds per arm)"
+    return "paired_hoeffding", f"decision.method = auto -> paired_hoeffding ({n_seeds} seed per arm)"
+
 ESTIMANDS = {
     "paired_hoeffding": "these fixed checkpoints",
     "mcnemar_exact": "these fixed checkpoints",

@@ -2,7 +2,8 @@
 
 `python -m eval.compare` calls `log_compare(result)` after writing compare.json when the arms logged to
 wandb (their config.yaml has `logger.name: wandb`); `--no-wandb` opts out. The run holds the verdict
-table (one row per seed plus the combined row), the arms table, the statistics in its summary and the
+table (one row per seed plus the combined row, each with the verdict's scope), the arms table, each
+treatment's headline (verdict and scope), the statistics in its summary and the
 comparison's plots as images, so a dashboard grouped by the sweep shows the arms' curves and the
 verdict side by side. It reads only compare's result dict and the arms' config.yaml, so it follows
 whatever statistics compare reports: every scalar of the result goes to the summary.
@@ -99,6 +100,10 @@ def log_compare(result: dict[str, Any], out_dir: str | Path | None = None) -> st
         for k, v in result.items():
             if is_scalar(v) or isinstance(v, str):
                 run.summary[f"compare/{k}"] = v
+        # each treatment's verdict with its scope ("these checkpoints" / "this training procedure")
+        for v in result.get("verdicts") or []:
+            run.summary[f"compare/headline/{v['treatment']}"] = v["headline"]
+            run.summary[f"compare/verdict_scope/{v['treatment']}"] = v["verdict_scope"]
         folder = run.dir
     finally:
         run.finish()

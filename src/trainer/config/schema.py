@@ -22,7 +22,8 @@ from trainer.config.checks import positive_int as _positive_int
 from trainer.config.checks import require as _require
 from trainer.config.enums import (
     ADVANTAGES,
-    DECISION_METHODS,
+    DECISION_METHOD_CHOICES,
+    DECISION_METHODS,  # noqa: F401 - re-exported: the tests check every module shares one list
     DPPO_DEFAULT_DELTA,
     ENDPOINTS,
     ENGINE_DTYPES,
@@ -310,6 +311,10 @@ class TinkerBackendConfig:
     loss_path: str = "auto"
     # seconds to wait for the service to answer before failing (an unreachable or wrong TINKER_BASE_URL)
     connect_timeout_s: float = 10.0
+    # seconds a call may wait while no call of the run gets a successful reply; past it the step is redone
+    # from the last checkpoint with a new client (at most retry.max_attempts times in a row), then the run
+    # ends with an error. Keep it above the longest single call (a queued forward_backward)
+    call_deadline_s: float = 600.0
     # restoration gate: max |logprob diff| between fresh clients and across save -> restore (bf16 GPUs
     # serving separate clients agree to ~1e-2, not to the embedded engine's 1e-6)
     restore_tolerance: float = 0.02
@@ -320,6 +325,8 @@ class TinkerBackendConfig:
     def __post_init__(self) -> None:
         _in_set("loss_path", self.loss_path, LOSS_PATHS)
         _require(0 < self.connect_timeout_s <= 25, "connect_timeout_s", "must be in (0, 25]", self.connect_timeout_s)
+        _require(1 <= self.call_deadline_s <= 86400, "call_deadline_s", "must be in [1, 86400] seconds",
+                 self.call_deadline_s)
         _require(self.restore_tolerance > 0, "restore_tolerance", "must be > 0", self.restore_tolerance)
 
 
@@ -412,8 +419,9 @@ class PreflightConfig:
 
 @dataclass
 class DecisionConfig:
-    # the pre-registered test: paired_hoeffding | mcnemar_exact | paired_bootstrap | seed_t (over seeds)
-    method: str = "paired_hoeffding"
+    # the pre-registered test: auto | paired_hoeffding | mcnemar_exact | paired_bootstrap | seed_t (over seeds);
+    # auto = seed_t with >= 2 seeds per arm (a verdict about the training procedure), paired_hoeffding with one
+    method: str = "auto"
     # two-sided error rate of the rule's interval / test (Holm-adjusted over several treatments)
     alpha: float = 0.05
     # `validated` needs the interval's lower bound above this gain (accuracy points as a fraction)
@@ -437,7 +445,7 @@ class DecisionConfig:
     seed_sd: Optional[float] = None
 
     def __post_init__(self) -> None:
-        _in_set("method", self.method, DECISION_METHODS)
+        _in_set("method", self.method, DECISION_METHOD_CHOICES)
         _require(0 < self.alpha < 1, "alpha", "must be in (0, 1)", self.alpha)
         _require(0 <= self.margin < 1, "margin", "must be in [0, 1)", self.margin)
         _in_set("endpoint", self.endpoint, ENDPOINTS)
