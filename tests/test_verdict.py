@@ -437,3 +437,72 @@ def test_mcnemar_direction_with_the_auc_endpoint(tmp_path):
     assert out["diff"] == pytest.approx((20 - 50 * 0.25) / n)
     assert (m["b_items"], m["c_items"]) == (20, 50) and m["p_two_sided"] < 0.001
     assert out["verdict"] == "not_supported"
+
+
+# ----------------------------------------------------------------------------- degenerate and secondary statistics
+def test_seed_t_with_identical_per_seed_gaps_is_not_validated(tmp_path):
+    """Two seeds, each with a gap of exactly +10 pts on 40 items: the sd over seeds is 0, the t interval
+    has no width and p is undefined. The verdict is inconclusive, never validated."""
+    r = seed_t_interval([0.1, 0.1, 0.1])
+    assert r["se"] == 0 and r["p"] == 1.0 and r["degenerate"]
+    arms = {}
+    for s in (0, 1):
+        b = np.zeros(40, bool)
+        b[:10] = True
+        t = b.copy()
+        t[10:14] = True
+        arms["dppo", s], arms["grpo", s] = t, b
+    out = compare([_sweep(tmp_path, arms)], n_bootstrap=0, make_plots=False)
+    assert out["decision"]["method"] == "seed_t" and out["estimate"] == pytest.approx(0.1)
+    assert out["seed_level"]["sd"] == 0
+    assert out["verdict"] == "inconclusive" and out["methods"]["seed_t"]["verdict"] == "inconclusive"
+    assert out["p"] == 1.0 and "sd 0" in out["methods"]["seed_t"]["note"]
+
+
+def test_holm_adjusted_p_values_never_exceed_one():
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        p = rng.uniform(0.3, 1.0, size=rng.integers(2, 8))
+        adj = holm_adjust(p)
+        assert max(adj) <= 1.0 and all(a >= x for a, x in zip(adj, p))
+    assert holm_adjust([0.6, 0.9]) == [1.0, 1.0]
+
+
+def test_two_level_bootstrap_is_descriptive_and_per_step_tests_are_labelled(tmp_path):
+    rng = np.random.default_rng(12)
+    curves, finals = _curve_runs(rng)
+    sweep = _sweep(tmp_path, finals, curves=curves)
+    out = compare([sweep], n_bootstrap=200, make_plots=False)
+    tl = out["methods"]["two_level_bootstrap"]
+    assert tl["verdict"] is None and tl["p"] is None and tl["ci_low"] <= tl["ci_high"]
+    assert out["curve"]["per_step_tests"].startswith("unadjusted, exploratory")
+    md = (sweep / "compare.md").read_text()
+    assert "| two-level bootstrap (seeds, then items) | this training procedure |" in md
+    assert "| - | descriptive |" in md and "per step (paired on the same items; unadjusted, exploratory)" in md
+
+
+def test_auc_on_unevenly_spaced_eval_steps_equals_a_hand_computation(tmp_path):
+    """Evals at steps 0, 4 and the final 24 (gaps 4 and 20): the trapezoid gives an item right at 0, 4
+    and 24 an area of 1; right at 4 and 24 only, (4 x 1/2 + 20 x 1) / 24 = 22 / 24; right at 24 only,
+    20 x 1/2 / 24 = 10 / 24; right at 0 only, 4 x 1/2 / 24 = 2 / 24; right at 0 and 4 only,
+    (4 + 20 x 1/2) / 24 = 14 / 24."""
+    pattern = {  # (at 0, at 4, at 24) -> hand-computed area
+        (1, 1, 1): 24 / 24, (0, 1, 1): 22 / 24, (0, 0, 1): 10 / 24, (1, 0, 0): 2 / 24, (1, 1, 0): 14 / 24,
+        (0, 0, 0): 0.0, (0, 1, 0): 12 / 24, (1, 0, 1): 12 / 24}
+    keys = list(pattern)
+    t_pat = [keys[i % len(keys)] for i in range(48)]
+    b_pat = [keys[(3 * i + 1) % len(keys)] for i in range(48)]
+    def arm(pat):
+        return {0: np.array([p[0] for p in pat], bool), 4: np.array([p[1] for p in pat], bool)}, \
+            np.array([p[2] for p in pat], bool)
+    (tc, tf), (bc, bf) = arm(t_pat), arm(b_pat)
+    sweep = _sweep(tmp_path, {("dppo", 0): tf, ("grpo", 0): bf}, curves={("dppo", 0): tc, ("grpo", 0): bc},
+                   overrides=("decision.endpoint=auc",))
+    out = compare([sweep], n_bootstrap=0, make_plots=False)
+    want_t = np.array([pattern[p] for p in t_pat])
+    want_b = np.array([pattern[p] for p in b_pat])
+    assert out["curve"]["steps"] == [0, 4, FINAL]
+    assert out["diff"] == pytest.approx(float((want_t - want_b).mean()), abs=1e-12)
+    assert out["acc_treatment"] == pytest.approx(float(want_t.mean()), abs=1e-12)
+    auc = out["curve"]["treatments"]["dppo"]["auc"]
+    assert auc["items_higher"] == int((want_t > want_b).sum()) and auc["items_lower"] == int((want_t < want_b).sum())

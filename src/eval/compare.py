@@ -606,7 +606,13 @@ def _curve_table(curves: dict, steps: list[int], pairs: dict[int, dict[str, Run]
                                "steps_to_threshold_diff": gaps,
                                "steps_to_threshold_mean_diff": float(np.mean(gaps)) if gaps else None}
     return {"steps": steps, "arms": arms, "threshold": threshold, "steps_to_threshold": reach,
-            "treatments": per_treatment}
+            "treatments": per_treatment, "per_step_tests": PER_STEP_NOTE}
+
+
+# the curve's per-step intervals and p-values are many looks at one comparison: none of them is adjusted
+PER_STEP_NOTE = ("unadjusted, exploratory: one interval and one p per eval step and for the area under the "
+                 "curve, with no correction for the number of steps; they decide nothing (the verdict is the "
+                 "decision rule's on its pre-registered endpoint)")
 
 
 def _load_aa(aa: str | Path, eval_name: str, item_sha: str, ref: Run, rule: Rule, order: list[int],
