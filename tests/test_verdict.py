@@ -506,3 +506,54 @@ def test_auc_on_unevenly_spaced_eval_steps_equals_a_hand_computation(tmp_path):
     assert out["acc_treatment"] == pytest.approx(float(want_t.mean()), abs=1e-12)
     auc = out["curve"]["treatments"]["dppo"]["auc"]
     assert auc["items_higher"] == int((want_t > want_b).sum()) and auc["items_lower"] == int((want_t < want_b).sum())
+
+
+# ----------------------------------------------------------------------------- inert arms
+def _rewrite_metrics(run, frac: float, shift: float = 0.0, updates: int = 2, steps: int = 4):
+    with (run / "metrics.jsonl").open("w") as f:
+        for step in range(steps):
+            for u in range(updates):
+                f.write(json.dumps({"step": step, "update": u, "env/reward_mean": 0.1 * step + shift,
+                                    "loss/dppo_masked_frac": frac, "loss/grpo_clip_frac": frac,
+                                    "loss/dppo_masked_frac_adv_pos": frac, "time/step_s": 1.0 + u + shift * 7,
+                                    "drift/abs_p_q90": 0.01 * u}) + "\n")
+
+
+def test_arms_whose_rule_never_acted_read_inert_with_the_evidence(tmp_path):
+    """The rehearsal's case: no token masked or clipped in any update of either arm, the arms' training rows
+    identical (only the wall-clock differs). A gap in the eval (here +25 pts) is then not about the loss."""
+    rng = np.random.default_rng(13)
+    arms = {}
+    for s in (0, 1, 2):
+        arms["dppo", s], arms["grpo", s] = _with_gap(200, 60, 50, rng)
+    sweep = _sweep(tmp_path, arms)
+    for run in sweep.iterdir():
+        if run.is_dir():
+            _rewrite_metrics(run, 0.0)
+            # wall-clock differs between any two runs: it is not part of "trained identically"
+            cfg = yaml.safe_load((run / "config.yaml").read_text())
+            if cfg["loss"]["name"] == "dppo":
+                rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+                (run / "metrics.jsonl").write_text("".join(json.dumps({**r, "time/step_s": 9.0}) + "\n" for r in rows))
+    out = compare([sweep], n_bootstrap=0, make_plots=False)
+    assert out["verdict"] == "inert" and out["verdicts"][0]["verdict"] == "inert"
+    assert out["headline"].startswith("inert (this training procedure): dppo vs grpo: the switch never acted")
+    ev = out["activity"]
+    assert ev["inert"] and [x["seed"] for x in ev["per_seed"]] == [0, 1, 2]
+    assert all(x["identical_training_rows"] and x["rule_fractions_all_zero"] and x["updates"] == 8
+               for x in ev["per_seed"])
+    assert out["methods"]["seed_t"]["estimate"] == pytest.approx(0.25)  # the numbers stay, the verdict does not use them
+    md = (sweep / "compare.md").read_text()
+    assert "## Verdict: **inert**" in md and "## The switch never acted: dppo vs grpo" in md
+
+    # the rule acted in one update of one seed (rows differ, a fraction > 0): not inert
+    dppo0 = next(r for r in sweep.iterdir() if r.is_dir() and json.loads((r / "run_info.json").read_text())["arm"]
+                 == "dppo_seed0")
+    rows = [json.loads(x) for x in (dppo0 / "metrics.jsonl").read_text().splitlines()]
+    rows[5]["loss/dppo_masked_frac"] = 0.01
+    rows[5]["env/reward_mean"] += 0.02
+    (dppo0 / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = compare([sweep], n_bootstrap=0, make_plots=False, out=tmp_path / "acted")
+    assert out["verdict"] != "inert" and not out["activity"]["inert"]
+    seed0 = out["activity"]["per_seed"][0]
+    assert seed0["identical_training_rows"] is False and seed0["max_rule_fraction"]["loss/dppo_masked_frac"] == 0.01

@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -463,6 +464,46 @@ def per_seed_row(t_N: np.ndarray, b_N: np.ndarray, rule: Rule, n_bootstrap: int,
     return row
 
 
+# a rule's share of tokens per update (loss/<rule>_frac): every loss logs every rule's fraction, its own and
+# the counterfactual ones (what another loss's rule would have done to the same tokens)
+_RULE_FRACTION = re.compile(r"^loss/\w+_frac$")
+# metric families that describe the training itself (wall-clock, fault and eval keys differ between any two runs)
+_TRAINING_FAMILIES = ("loss/", "env/", "drift/", "entropy/", "mismatch/", "ratio/", "optim/", "tokens/")
+
+
+def switch_activity(pairs: dict[int, tuple[Run, Run]]) -> tuple[dict[str, Any], list[str]]:
+    """Did the switch that tells the arms apart act at all? Per seed pair (treatment, baseline): the largest
+    rule fraction either arm logged at any update, and whether the two runs' training rows (the metric
+    families in _TRAINING_FAMILIES, update by update) are identical. The comparison is `inert` when every seed
+    pair shows one of the two: every rule fraction 0 at every update (no token was masked or clipped, so
+    the losses computed the same gradients), or identical training rows (the arms trained identically).
+    Then the verdict says nothing about the switch: the runs never exercised it."""
+    from eval.plots import load_metrics
+
+    per_seed, notes = [], []
+    for seed, (t, b) in pairs.items():
+        t_rows, t_notes = load_metrics(t.path / "metrics.jsonl")
+        b_rows, b_notes = load_metrics(b.path / "metrics.jsonl")
+        if not t_rows or not b_rows:
+            notes.append(f"seed {seed}: no training metrics in {t.arm} or {b.arm}: whether the switch acted is "
+                         "unknown (not called inert)")
+            per_seed.append({"seed": seed, "updates": 0, "identical_training_rows": None,
+                             "max_rule_fraction": None, "rule_fractions_all_zero": None})
+            continue
+        fracs = {k: max(float(r[k]) for r in t_rows + b_rows if isinstance(r.get(k), (int, float)))
+                 for k in {k for r in t_rows + b_rows for k in r if _RULE_FRACTION.match(k)}}
+        identical = len(t_rows) == len(b_rows) and all(_training_part(x) == _training_part(y)
+                                                       for x, y in zip(t_rows, b_rows))
+        per_seed.append({"seed": seed, "updates": len(t_rows), "identical_training_rows": identical,
+                         "max_rule_fraction": fracs, "rule_fractions_all_zero": bool(fracs) and not any(fracs.values())})
+    inert = bool(per_seed) and all(x["identical_training_rows"] or x["rule_fractions_all_zero"] for x in per_seed)
+    return {"inert": inert, "per_seed": per_seed}, notes
+
+
+def _training_part(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k in ("step", "update") or k.startswith(_TRAINING_FAMILIES)}
+
+
 def aa_spread(endpoint_by_seed: dict[int, np.ndarray], alpha: float) -> dict[str, Any]:
     """Between-seed spread of one arm: per-seed mean endpoint, its sd, and every seed pair's item-level test
     (what an A/B report would have said had the two seeds been the two arms)."""
@@ -752,6 +793,11 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
         rows.append(row)
         helpers.append(h)
     decide_all(rows, helpers, rule)
+    for row, loss in zip(rows, treatments):
+        row["activity"], act_notes = switch_activity({s: (pairs[s][loss], pairs[s][base]) for s in seeds})
+        notes += act_notes
+        if row["activity"]["inert"]:
+            set_verdict(row, "inert", rule.scope)
     curve = _curve_table(curves, steps, pairs, base, treatments, rule.alpha, rule.threshold)
 
     arms = []

@@ -100,6 +100,9 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
                    f"{first['hoeffding_half_width']:.4f}, so `validated` needs a gap above "
                    f"{_pts(first['hoeffding_half_width'] + rule['margin'])}."), ""]
     for r in rows:
+        if r.get("activity", {}).get("inert"):
+            lines += _inert_section(r)
+    for r in rows:
         lines += _methods_section(r, rule, len(rows) > 1)
         lines += _seeds_section(r, result)
         if r.get("aa_calibration"):
@@ -116,6 +119,21 @@ def verdict_line(r: dict[str, Any], rule: dict[str, Any]) -> str:
     interval = (f"{conf:.4g}% interval [{_pts(r['ci_low'])}, {_pts(r['ci_high'])}]" if r.get("ci_low") is not None
                 else f"p = {_p(r['p'])}")
     return f"{r['headline']}: {_METHOD_NAMES[rule['method']]} estimate {_pts(r['estimate'])} ({interval})."
+
+
+def _inert_section(r: dict[str, Any]) -> list[str]:
+    lines = [f"## The switch never acted: {r['treatment']} vs {r['baseline']}", "",
+             ("Every seed pair trained identically or with every rule fraction at 0 (no token masked or clipped by "
+              "either arm's rule, nor by the counterfactual ones), so the arms computed the same updates: the "
+              "numbers below measure nothing about the switch. Run the regime where the rule acts (the activation "
+              "gate says where, e.g. `+experiment=local_dppo_mask`)."), "",
+             "| seed | updates | identical training rows | largest rule fraction |", "|---:|---:|---|---|"]
+    for x in r["activity"]["per_seed"]:
+        fr = x["max_rule_fraction"] or {}
+        top = max(fr.items(), key=lambda kv: kv[1]) if fr else None
+        lines.append(f"| {x['seed']} | {x['updates']} | {x['identical_training_rows']} | "
+                     f"{'-' if top is None else f'{top[1]:g} ({top[0]})'} |")
+    return lines + [""]
 
 
 def _scope_sentence(result: dict[str, Any]) -> str:
