@@ -175,6 +175,7 @@ def test_native_kernels_fall_back_where_they_cannot_be_built(monkeypatch, tmp_pa
     sampler on its torch path (fp32 cache of rotated keys); nothing is left in the cache folder."""
     monkeypatch.setenv("PAIREDRL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("PAIREDRL_NATIVE_KERNELS", raising=False)
+    monkeypatch.delenv(kernels.LIBRARY_ENV, raising=False)
     W = _tiny_weights(None, torch.float32)
     for env, why in (({"CC": "/bin/false"}, "did not build"), ({"CC": str(tmp_path / "no-such-cc")}, "not an executable"),
                      ({"PAIREDRL_NATIVE_KERNELS": "0"}, "PAIREDRL_NATIVE_KERNELS=0")):
@@ -202,7 +203,7 @@ def test_a_missing_compiler_warns_once_and_is_recorded(tmp_path):
             "sc = LocalServiceClient(state_dir=r'%s', sampler_dtype='float32', train_dtype='float32')\n"
             "print(sc.precision['native_kernels'])\n"
             "assert sc.precision['decode_attention'] == sc.precision['native_kernels']\n") % (tmp_path / "state")
-    env = {k: v for k, v in os.environ.items() if k != kernels.NATIVE_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in (kernels.NATIVE_ENV, kernels.LIBRARY_ENV)}
     env.update(CC="/nonexistent", PAIREDRL_CACHE_DIR=str(tmp_path / "cache"),
                PYTHONPATH=os.pathsep.join([str(Path(kernels.__file__).parents[3]), env.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,

@@ -41,6 +41,9 @@ from trainer.backends.local.precision import cache_path
 from trainer.utils.machine import cpu_flags_line
 
 NATIVE_ENV = "PAIREDRL_NATIVE_KERNELS"
+# a library built from kernels.c elsewhere, loaded instead of the cached build: the sanitizer test
+# (tests/test_sanitizer.py) points the kernel tests at an -fsanitize=address,undefined build this way
+LIBRARY_ENV = "PAIREDRL_KERNELS_LIBRARY"
 SOURCE = Path(__file__).with_name("kernels.c")
 # -ffp-contract=off: no fused multiply-adds where the source writes a product and a sum (RoPE must
 # round as torch does)
@@ -127,6 +130,10 @@ def _load() -> None:
     if os.environ.get(NATIVE_ENV, "").strip() == "0":
         _state.update(lib=None, why=f"torch path ({NATIVE_ENV}=0)")
         return
+    prebuilt = os.environ.get(LIBRARY_ENV, "").strip()
+    if prebuilt:  # named on purpose: a library that does not load is an error, not the torch path
+        _bind(ctypes.CDLL(prebuilt), Path(prebuilt))
+        return
     cc = _compiler()
     if cc is None:
         _fall_back("no C compiler found: CC unset, no cc, gcc or clang on PATH")
@@ -140,6 +147,10 @@ def _load() -> None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _fall_back(f"native kernels did not build: {e}")
         return
+    _bind(lib, path)
+
+
+def _bind(lib: ctypes.CDLL, path: Path) -> None:
     for name, argtypes in _SIGNATURES.items():  # every kernel returns an int status
         f = getattr(lib, name)
         f.argtypes, f.restype = argtypes, ctypes.c_int
