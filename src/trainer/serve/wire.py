@@ -26,7 +26,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.response_conv import _tensor_data_from_proto
 
-from trainer.serve.graph_ops import FUNCTIONS, METHODS
+from trainer.serve.graph_ops import ATTRIBUTES, FUNCTIONS, METHODS, tensor_attribute
 
 _NP = {"float32": (np.float32, pb.DTYPE_FLOAT32), "int64": (np.int64, pb.DTYPE_INT64)}
 _STOP = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
@@ -226,7 +226,11 @@ def rebuild_graph(graph: types.CustomLossGraph) -> torch.fx.GraphModule:
                 raise ValueError(f"custom loss input name {node.target[:80]!r} is not a plain name")
             out = g.placeholder(node.target)
         elif node.op == "call_function":
-            out = g.call_function(_resolve_function(node.target), args, kwargs)
+            fn = _resolve_function(node.target)
+            if fn is tensor_attribute and (len(args) != 2 or kwargs or args[1] not in ATTRIBUTES):
+                raise ValueError(f"custom loss reads attribute {str(args[1:])[:80]}; only {sorted(ATTRIBUTES)} "
+                                 "of a tensor may be read")
+            out = g.call_function(fn, args, kwargs)
         elif node.op == "call_method":
             if node.target not in METHODS:
                 raise ValueError(f"custom loss calls method {node.target[:80]!r}, which this server does not "
