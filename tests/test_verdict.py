@@ -278,8 +278,19 @@ def test_several_treatments_are_holm_adjusted(tmp_path):
     md = (sweep / "compare.md").read_text()
     assert "Holm-adjusted" in md and md.count("| **inconclusive** (these checkpoints) |") == 2
     # one treatment alone is decided at the full alpha
-    alone = compare([sweep], treatment="dppo", n_bootstrap=0, make_plots=False, out=tmp_path / "one")
+    # keeping one of the two treatments shrinks Holm's family: refused, or recorded as an override
+    with pytest.raises(CompareError, match=r"treatments: the runs hold \['cispo', 'dppo'\], --treatment keeps "
+                                           r"\['dppo'\].*--override-decision"):
+        compare([sweep], treatment="dppo", n_bootstrap=0, make_plots=False, out=tmp_path / "one")
+    assert not (tmp_path / "one").exists()
+    alone = compare([sweep], treatment="dppo", n_bootstrap=0, make_plots=False, out=tmp_path / "one",
+                    override_decision=True)
     assert alone["verdict"] == "validated" and any("left out" in x and "cispo_seed0" in x for x in alone["notes"])
+    assert any(x.startswith("treatments:") for x in alone["decision"]["overridden"])
+    assert "OVERRIDDEN" in (tmp_path / "one" / "compare.md").read_text()
+    # naming every treatment is the pre-registered comparison
+    both = compare([sweep], treatment="cispo,dppo", n_bootstrap=0, make_plots=False, out=tmp_path / "both")
+    assert both["decision"]["overridden"] == []
 
 
 # ----------------------------------------------------------------------------- decision rule
@@ -557,3 +568,96 @@ def test_arms_whose_rule_never_acted_read_inert_with_the_evidence(tmp_path):
     assert out["verdict"] != "inert" and not out["activity"]["inert"]
     seed0 = out["activity"]["per_seed"][0]
     assert seed0["identical_training_rows"] is False and seed0["max_rule_fraction"]["loss/dppo_masked_frac"] == 0.01
+
+
+# ----------------------------------------------------------------------------- quiet paths to `validated`
+def _three_seed_sweep(tmp_path, overrides=(), name="sweep"):
+    rng = np.random.default_rng(14)
+    arms = {}
+    for s, g in {0: 50, 1: 2, 2: -6}.items():  # one lucky seed pair
+        arms["dppo", s], arms["grpo", s] = _with_gap(200, 60, g, rng)
+    return _sweep(tmp_path, arms, overrides=overrides, name=name)
+
+
+def test_two_run_folders_of_a_larger_sweep_are_an_override(tmp_path):
+    sweep = _three_seed_sweep(tmp_path)
+    whole = compare([sweep], n_bootstrap=0, make_plots=False)
+    assert whole["verdict"] == "inconclusive" and whole["decision"]["overridden"] == []
+    runs = {json.loads((p / "run_info.json").read_text())["arm"]: p for p in sweep.iterdir() if p.is_dir()}
+    two = [runs["dppo_seed0"], runs["grpo_seed0"]]
+    with pytest.raises(CompareError, match=r"inputs: two run folders of the sweep .*6 runs.*--override-decision"):
+        compare(two, n_bootstrap=0, make_plots=False, out=tmp_path / "pick")
+    assert not (tmp_path / "pick").exists()
+    picked = compare(two, n_bootstrap=0, make_plots=False, out=tmp_path / "pick", override_decision=True)
+    assert picked["verdict"] == "validated" and picked["verdict_scope"] == "fixed_checkpoints"
+    assert any(x.startswith("inputs: two run folders") for x in picked["decision"]["overridden"])
+
+
+def test_bootstrap_settings_are_part_of_the_rule_when_the_bootstrap_decides(tmp_path):
+    sweep = _three_seed_sweep(tmp_path, overrides=("decision.method=paired_bootstrap",))
+    base = compare([sweep], n_bootstrap=2000, seed=0, make_plots=False, out=tmp_path / "a", override_decision=True)
+    assert base["decision"]["overridden"] == ["bootstrap: 10000 resamples, seed 0 -> 2000 resamples, seed 0 (the "
+                                              "bootstrap decides)"]
+    with pytest.raises(CompareError, match="bootstrap: 10000 resamples, seed 0 -> 10000 resamples, seed 7"):
+        compare([sweep], seed=7, make_plots=False, out=tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+    # when the bootstrap only reports, its settings change nothing that decides
+    other = _three_seed_sweep(tmp_path, name="other")
+    assert compare([other], n_bootstrap=300, seed=7, make_plots=False)["decision"]["overridden"] == []
+
+
+def test_a_decision_block_edited_after_the_preflight_record_is_an_override(tmp_path):
+    from trainer.config.compose import compose_config
+    from trainer.preflight.gates import design as design_gate
+
+    pre = tmp_path / "pre"
+    overrides = (f"preflight.dir={pre}", "decision.seed_sd=0.05")
+    design_gate(compose_config(list(overrides)), pre, n_seeds=3, n_sims=30).write(pre)
+    sweep = _three_seed_sweep(tmp_path, overrides=overrides)
+    assert compare([sweep], n_bootstrap=0, make_plots=False)["decision"]["overridden"] == []
+    for run in sweep.iterdir():  # the rule edited in the runs' config after the plan was recorded
+        if run.is_dir():
+            cfg = yaml.safe_load((run / "config.yaml").read_text())
+            cfg["decision"]["method"] = "mcnemar_exact"
+            (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(CompareError, match=r"decision: the runs' config differs from the preflight record .*"
+                                           r"design.json \(method: 'auto' -> 'mcnemar_exact'\)"):
+        compare([sweep], n_bootstrap=0, make_plots=False, out=tmp_path / "edited")
+    # one run's block differs from the others'
+    cfg = yaml.safe_load((sweep / "0" / "config.yaml").read_text())
+    cfg["decision"]["alpha"] = 0.1
+    (sweep / "0" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(CompareError, match=r"decision.alpha: 0.05 .* vs 0.1"):
+        compare([sweep], n_bootstrap=0, make_plots=False, out=tmp_path / "edited")
+    with pytest.raises(CompareError, match=r"decision: the runs' `decision` blocks differ"):
+        compare([sweep], n_bootstrap=0, make_plots=False, out=tmp_path / "edited", allow_config_diff=True)
+    assert not (tmp_path / "edited").exists()
+
+
+def test_fewer_seeds_than_planned_and_repeated_looks_are_recorded(tmp_path):
+    from trainer.config.compose import compose_config
+    from trainer.preflight.gates import design as design_gate
+
+    pre = tmp_path / "pre"
+    overrides = (f"preflight.dir={pre}", "decision.seed_sd=0.05")
+    design_gate(compose_config(list(overrides)), pre, n_seeds=3, n_sims=30).write(pre)
+    rng = np.random.default_rng(15)
+    arms = {}
+    for s in (0, 1, 2):
+        arms["dppo", s], arms["grpo", s] = _with_gap(200, 60, 20, rng)
+    two = {k: v for k, v in arms.items() if k[1] < 2}
+    sweep2 = _sweep(tmp_path, two, overrides=overrides, name="s2")
+    with pytest.raises(CompareError, match=r"seeds: the plan .* has 3 seeds per arm, this comparison 2"):
+        compare([sweep2], n_bootstrap=0, make_plots=False, out=tmp_path / "looks")
+    first = compare([sweep2], n_bootstrap=0, make_plots=False, out=tmp_path / "looks", override_decision=True)
+    assert first["looks"] == []
+    # the third seed arrives; compare again into the same folder: a second look, listed and noted
+    sweep3 = _sweep(tmp_path, arms, overrides=overrides, name="s3")
+    second = compare([sweep3], n_bootstrap=0, make_plots=False, out=tmp_path / "looks")
+    assert second["decision"]["overridden"] == []
+    assert second["looks"] == [{"n_seeds": 2, "seeds": [0, 1], "verdicts": {"dppo": first["verdict"]}}]
+    assert any(x.startswith("look 2 at this comparison") for x in second["notes"])
+    assert "look 2 at this comparison" in (tmp_path / "looks" / "compare.md").read_text()
+    # the same data again is not another look
+    again = compare([sweep3], n_bootstrap=0, make_plots=False, out=tmp_path / "looks")
+    assert again["looks"] == second["looks"]

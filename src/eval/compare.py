@@ -539,6 +539,106 @@ def aa_calibration(aa: dict[str, Any], gap_S: list[float], alpha: float) -> dict
             "exceeds_aa_noise": bool(abs(gap) > t_crit * se),
             "exceeds_every_aa_pair": bool(abs(gap) > (aa["max_abs_pair_diff"] or 0.0))}
 
+# ----------------------------------------------------------------------------- quiet paths to a verdict
+#: the bootstrap's resamples and RNG seed are part of the rule when the bootstrap decides (its verdict on a
+#: borderline sweep depends on them): other values are an override
+DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED = 10000, 0
+
+
+def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses: list[str], base: str,
+                treatments: list[str], rule: Rule, n_bootstrap: int, seed: int,
+                n_seeds: int) -> tuple[list[str], list[str]]:
+    """(departures from the pre-registered comparison, notes). Each departure can turn a verdict into
+    `validated` without changing a rule key: fewer treatments shrink Holm's family, two run folders of a
+    larger sweep pick one seed pair, the bootstrap's RNG and resamples move a borderline interval, a runs'
+    `decision` block edited after the preflight record (or differing between runs), fewer seeds than the
+    plan. They are refused unless --override-decision, which records them like any other rule change."""
+    found: list[str] = []
+    notes: list[str] = []
+    all_treatments = [x for x in losses if x != base]
+    if sorted(treatments) != sorted(all_treatments):
+        found.append(f"treatments: the runs hold {all_treatments}, --treatment keeps {treatments} (Holm's family "
+                     f"shrinks from {len(all_treatments)} to {len(treatments)})")
+    if len(paths) == 2 and paths[0].parent == paths[1].parent:
+        others = sorted(p for p in paths[0].parent.iterdir()
+                        if p.is_dir() and p.name.isdigit() and p not in paths and (p / "config.yaml").is_file())
+        if others:
+            found.append(f"inputs: two run folders of the sweep {paths[0].parent}, which holds "
+                         f"{len(others) + 2} runs ({', '.join(p.name for p in others)} left out)")
+    if rule.method == "paired_bootstrap" and (n_bootstrap, seed) != (DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED):
+        found.append(f"bootstrap: {DEFAULT_BOOTSTRAP} resamples, seed {DEFAULT_BOOTSTRAP_SEED} -> {n_bootstrap} "
+                     f"resamples, seed {seed} (the bootstrap decides)")
+    decisions = {json.dumps(r.config.get("decision"), sort_keys=True, default=str): r for r in used}
+    if len(decisions) > 1:
+        arms = [f"{r.arm} ({r.path})" for r in decisions.values()]
+        found.append(f"decision: the runs' `decision` blocks differ ({', '.join(arms)})")
+    rec, where = preflight_record(used[0])
+    if rec is not None:
+        planned = rec.get("decision")
+        have = used[0].config.get("decision") or {}
+        if planned is not None:
+            diff = [f"{k}: {planned.get(k)!r} -> {have.get(k)!r}" for k in sorted(set(planned) | set(have))
+                    if planned.get(k) != have.get(k)]
+            if diff:
+                found.append(f"decision: the runs' config differs from the preflight record {where} ("
+                             + ", ".join(diff) + ")")
+        n_plan = (rec.get("design") or {}).get("n_seeds")
+        if isinstance(n_plan, int) and n_seeds < n_plan:
+            found.append(f"seeds: the plan ({where}) has {n_plan} seeds per arm, this comparison {n_seeds}")
+    elif where:
+        notes.append(f"no preflight design record at {where}: the decision rule was not checked against a plan")
+    return found, notes
+
+
+def preflight_record(run: Run) -> tuple[dict[str, Any] | None, str | None]:
+    """(the design gate's meta, its path) for the run's experiment, when the run required the gates or the
+    record exists. The folder is the run's preflight.dir (default preflight_runs/<experiment>), relative to the
+    folder training ran from: the current directory, else the folder above the sweep's multirun/ tree."""
+    pre = run.config.get("preflight") or {}
+    rel = pre.get("dir") or (f"preflight_runs/{run.config.get('experiment')}" if run.config.get("experiment") else None)
+    if not rel:
+        return None, None
+    cands = [Path(rel)] if Path(rel).is_absolute() else [Path.cwd() / rel] + [
+        a / rel for a in run.path.parents if (a / "multirun").is_dir() or (a / "conf").is_dir()]
+    for c in cands:
+        f = c / "preflight" / "design.json"
+        if f.is_file():
+            try:
+                return (json.loads(f.read_text()).get("meta") or {}), str(f)
+            except (OSError, ValueError):
+                raise CompareError(f"run {run.path}: the preflight record {f} is not valid JSON") from None
+    return None, (str(cands[0] / "preflight" / "design.json") if pre.get("skip") is False else None)
+
+
+def record_looks(result: dict[str, Any], out_dir: Path) -> None:
+    """Repeated looks: an earlier compare.json in the output folder of the same comparison (items, arms,
+    endpoint) with fewer seeds is an earlier look at data that grew. The rule holds alpha for one look; every
+    look is listed, and the report says how many there were."""
+    prev_file = out_dir / "compare.json"
+    looks: list[dict[str, Any]] = []
+    if prev_file.is_file():
+        try:
+            prev = json.loads(prev_file.read_text())
+        except (OSError, ValueError):
+            prev = {}
+        same = (prev.get("mode") == "ab" and prev.get("item_set_sha256") == result["item_set_sha256"]
+                and prev.get("baseline") == result["baseline"] and prev.get("treatments") == result["treatments"]
+                and (prev.get("decision") or {}).get("endpoint") == result["decision"]["endpoint"])
+        if same:
+            looks = [x for x in prev.get("looks") or [] if x["n_seeds"] < result["n_seeds"]]
+            if prev.get("n_seeds", result["n_seeds"]) < result["n_seeds"]:
+                looks.append({"n_seeds": prev["n_seeds"], "seeds": prev.get("seeds"),
+                              "verdicts": {v["treatment"]: v["verdict"] for v in prev.get("verdicts") or []
+                                           if isinstance(v, dict)}})
+    result["looks"] = looks
+    if looks:
+        result["notes"].append(
+            f"look {len(looks) + 1} at this comparison: earlier compare.json at "
+            + ", ".join(f"{x['n_seeds']} seed(s) ({x['verdicts']})" for x in looks)
+            + f"; the rule's alpha = {result['alpha']:g} holds for one pre-planned look, so re-deciding as seeds are "
+            "added raises the false-positive rate above it")
+
+
 # ----------------------------------------------------------------------------- main entry
 def _final_step(run: Run) -> int:
     return int(((run.config.get("schedule") or {}).get("num_steps")) or 0)
@@ -692,7 +792,8 @@ def _load_aa(aa: str | Path, eval_name: str, item_sha: str, ref: Run, rule: Rule
 
 def compare(paths: list[str | Path], treatment: str | list[str] | None = None, baseline: str | None = None,
             alpha: float | None = None, eval_name: str | None = None, allow_config_diff: bool = False,
-            n_bootstrap: int = 10000, seed: int = 0, out: str | Path | None = None, make_plots: bool = True,
+            n_bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = DEFAULT_BOOTSTRAP_SEED, out: str | Path | None = None,
+            make_plots: bool = True,
             method: str | None = None, margin: float | None = None, endpoint: str | None = None,
             step: int | None = None, threshold: float | None = None, override_decision: bool = False,
             aa: str | Path | None = None, allow_mixed_loss_paths: bool = False) -> dict[str, Any]:
@@ -740,6 +841,7 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
             raise CompareError(f"no run has the treatment loss '{t}': the runs' losses are {losses} (set "
                                "--treatment/--baseline)")
     treatments = treatments_given or [x for x in losses if x != base]
+    runs_all = list(runs)
     left_out = [r for r in runs if r.loss not in treatments and r.loss != base]
     if left_out:
         notes.append("runs left out by --treatment: " + ", ".join(r.arm for r in left_out))
@@ -770,6 +872,14 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
                            "(--method paired_hoeffding --override-decision)")
     if rule.method == "paired_bootstrap" and n_bootstrap == 0:
         raise CompareError("the decision rule is paired_bootstrap, but --bootstrap 0 turns the bootstrap off")
+    quiet, quiet_notes = quiet_paths(runs_all, ordered, paths, losses, base, treatments, rule, n_bootstrap, seed,
+                                     len(seeds))
+    notes += quiet_notes
+    if quiet and not override_decision:
+        raise CompareError("this comparison departs from the pre-registered one (" + "; ".join(quiet) + "); pass "
+                           "--override-decision to decide anyway (the report then says so), or compare the whole "
+                           "sweep under its own rule")
+    rule.overridden += quiet
     aa_spread_, aa_notes = (None, [])
     if aa is not None:
         aa_spread_, aa_notes = _load_aa(aa, names[0], item_sha, ordered[0], rule, order, allow_config_diff)
@@ -818,6 +928,7 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
         # kept from the one-treatment report: the alpha, method and decision-rule text at the top level
         "alpha": rule.alpha, "method": rule.method, "decision_rule": rule.text(),
     }
+    record_looks(result, out_dir)
     if len(rows) == 1:  # one treatment: its numbers (the rule's estimate, interval, p, verdict) at the top level
         result.update({k: v for k, v in rows[0].items() if k not in result or k in ("verdict", "method")},
                       treatment=treatments[0])
@@ -834,7 +945,7 @@ def _rule_dict(rule: Rule) -> dict[str, Any]:
             "alpha": rule.alpha, "margin": rule.margin, "endpoint": rule.endpoint,
             "step": rule.step, "threshold": rule.threshold, "baseline": rule.baseline, "source": rule.source,
             "overridden": rule.overridden, "text": rule.text(), "estimand": ESTIMANDS[rule.method],
-            "scope": rule.scope}
+            "scope": rule.scope, "bootstrap_resamples": DEFAULT_BOOTSTRAP, "bootstrap_seed": DEFAULT_BOOTSTRAP_SEED}
 
 
 def _compare_aa(runs: list[Run], rule: Rule, eval_name: str, paths: list[Path], out_dir: Path,
@@ -968,8 +1079,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="accuracy of the steps-to-threshold endpoint (reported only: no override needed)")
     rule.add_argument("--override-decision", action="store_true",
                       help="decide with the rule given here instead of the pre-registered one (the report says so)")
-    p.add_argument("--bootstrap", type=int, default=10000, help="bootstrap resamples (0 = off)")
-    p.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed")
+    p.add_argument("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP,
+                   help="bootstrap resamples (0 = off; another value is an override when the bootstrap decides)")
+    p.add_argument("--seed", type=int, default=DEFAULT_BOOTSTRAP_SEED,
+                   help="bootstrap RNG seed (another value is an override when the bootstrap decides)")
     p.add_argument("--out", default=None,
                    help="output folder (default: the sweep, or the runs' common parent)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")

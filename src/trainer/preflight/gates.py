@@ -338,7 +338,9 @@ def design(cfg: DictConfig, out_dir: Path, n_seeds: int = 1, n_sims: int = 400) 
                                    f"{plan.method} at {plan.n_items} items x {plan.n_seeds} seed(s); items needed "
                                    f"{res['items_needed'][plan.method]}, seeds needed {res['seeds_needed'][plan.method]}"))
     summary = {k: v for k, v in res.items() if k != "power_curve"}
-    report.meta = _meta(cfg, design=summary)
+    # the pre-registered rule as planned: eval.compare refuses (or records as an override) a sweep whose
+    # `decision` block differs from it, or that has fewer seeds than planned
+    report.meta = _meta(cfg, design=summary, decision=OmegaConf.to_container(cfg.decision, resolve=True))
     return report
 
 
