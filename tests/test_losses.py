@@ -206,6 +206,63 @@ def test_dppo_binary_kl_hand_computed_branches():
         )
 
 
+@pytest.mark.parametrize("anchored", [False, True])
+def test_grpo_asymmetric_clip_bounds_hand_computed(anchored):
+    """clip-higher (eps_low 0.1, eps_high 0.3) and its mirror (0.3, 0.1) give different, hand-computed
+    losses and gradients: a swap of the two bounds anywhere in the rule cannot pass both. `anchored`: the
+    recomputed-anchor form with the anchor at the sampler (r_a = r, w = 1), whose clip is written apart."""
+    # p_sampler 0.5, r = 2p:   1.25  1.4   0.85   0.95   1.25  0.8   1.2
+    p_s = [0.5] * 7
+    p = [0.625, 0.7, 0.425, 0.475, 0.625, 0.4, 0.6]
+    a = [1.0, 1.0, -1.0, -1.0, -1.0, 1.0, 1.0]
+    cases = {
+        # [0.9, 1.3]: A>0 r=1.25 unclipped; A>0 r=1.4 clipped at 1.3; A<0 r=0.85 clipped at 0.9 (grad 0);
+        # A<0 r=0.95 and r=1.25 unclipped; A>0 r=0.8 unclipped (the low bound never binds for A>0); A>0 r=1.2
+        # unclipped
+        (0.1, 0.3): ([-1.25, -1.3, 0.9, 0.95, 1.25, -0.8, -1.2], [-1.25, 0.0, 0.0, 0.95, 1.25, -0.8, -1.2], 2 / 7),
+        # [0.7, 1.1]: A>0 r=1.25 and r=1.2 now clipped at 1.1; A<0 r=0.85 now unclipped
+        (0.3, 0.1): ([-1.1, -1.1, 0.85, 0.95, 1.25, -0.8, -1.1], [0.0, 0.0, 0.85, 0.95, 1.25, -0.8, 0.0], 3 / 7),
+    }
+    for (lo, hi), (loss_tok, grad, clip_frac) in cases.items():
+        logp, slp = tokens(p_s, p)
+        loss = GRPOLoss(clip_eps_low=lo, clip_eps_high=hi)
+        assert (loss.eps_low, loss.eps_high) == (lo, hi)
+        value, metrics = loss(logp, slp, torch.tensor(a, dtype=F64), torch.ones(7, dtype=F64),
+                              anchor_logp=slp.clone() if anchored else None)
+        value.backward()
+        assert value.item() == pytest.approx(sum(loss_tok), rel=1e-12)
+        torch.testing.assert_close(logp.grad, torch.tensor(grad, dtype=F64), rtol=1e-10, atol=1e-12)
+        assert metrics["loss/grpo_clip_frac"] == pytest.approx(clip_frac)
+
+
+def test_dppo_asymmetric_deltas_hand_computed():
+    """delta_low (A <= 0) and delta_high (A > 0) set apart, in both modes, with their mirror: each token
+    sits between the two thresholds, so a swap of the roles flips which ones are dropped."""
+    # binary_tv, p_s 0.5: dp = +0.2 (A>0), +0.3 (A>0), -0.1 (A<0), -0.03 (A<0)
+    tv = ([0.5] * 4, [0.7, 0.8, 0.4, 0.47], [1.0, 1.0, -1.0, -1.0])
+    # binary_kl (the sampler first): tokens 0 and 1 of test_dppo_binary_kl_hand_computed_branches,
+    # KL 0.0530 each, one rising with A > 0, one falling with A < 0
+    kl = ([0.9, 0.1], [0.97, 0.03], [1.0, -1.0])
+    cases = [
+        ("binary_tv", tv, 0.05, 0.25, [1, 0, 0, 1]),  # +0.2 <= 0.25 kept; -0.1 < -0.05 dropped
+        ("binary_tv", tv, 0.25, 0.05, [0, 0, 1, 1]),  # +0.2 > 0.05 dropped; -0.1 >= -0.25 kept
+        ("binary_kl", kl, 0.04, 0.06, [1, 0]),  # 0.053 <= 0.06 kept (A>0); 0.053 > 0.04 dropped (A<0)
+        ("binary_kl", kl, 0.06, 0.04, [0, 1]),
+    ]
+    for mode, (p_s, p, a), lo, hi, keep in cases:
+        logp, slp = tokens(p_s, p)
+        n = len(p)
+        loss = DPPOLoss(mode=mode, delta_low=lo, delta_high=hi)
+        assert (loss.delta_low, loss.delta_high) == (lo, hi)
+        value, metrics = loss(logp, slp, torch.tensor(a, dtype=F64), torch.ones(n, dtype=F64))
+        value.backward()
+        # kept tokens: gradient -A * r (r = p / p_s, below the IS cap); dropped: 0
+        grad = [-a[i] * p[i] / p_s[i] * keep[i] for i in range(n)]
+        torch.testing.assert_close(logp.grad, torch.tensor(grad, dtype=F64), rtol=1e-10, atol=1e-12)
+        assert value.item() == pytest.approx(sum(g * math.log(q) for g, q in zip(grad, p)), rel=1e-12)
+        assert metrics["loss/dppo_masked_frac"] == pytest.approx(keep.count(0) / n)
+
+
 def test_dppo_log_ratio_clamped_at_20_before_exp():
     logp, slp = torch.tensor([-0.5], dtype=F64, requires_grad=True), torch.tensor([-30.0], dtype=F64)
     # delta = inf: the TV rule would drop this token (dp = 0.61 > 0.15).
