@@ -149,7 +149,7 @@ def test_metrics_dedup_by_step_and_global_update_index(tmp_path):
 # ----------------------------------------------------------------------------- end to end
 def test_cli_on_one_seed_sweep_writes_report_and_plots(tmp_path):
     sweep, correct = make_sweep(tmp_path)
-    proc = _cli(str(sweep), "--bootstrap", "2000")
+    proc = _cli(str(sweep), "--bootstrap", "2000", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out == json.loads((sweep / "compare.json").read_text())
@@ -256,7 +256,7 @@ def test_cli_other_experiment_refused_unless_allowed(tmp_path, capsys):
     assert "optimizer.lr" in proc.stderr
     assert not (base / "compare.json").exists()
 
-    assert main([str(dppo), str(grpo), "--allow-config-diff", "--bootstrap", "0", "--no-plots"]) == 0
+    assert main([str(dppo), str(grpo), "--allow-config-diff", "--bootstrap", "0", "--no-plots", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert any(d.startswith("experiment:") for d in out["config_diff"])
     assert "--allow-config-diff" in (base / "compare.md").read_text()
@@ -274,7 +274,7 @@ def test_mismatched_item_sets_refused(tmp_path, capsys, problem):
     dppo = make_run(base / "a", "dppo", 0, t, records=recs)
     grpo = make_run(base / "b", "grpo", 0, b)
     old = _sentinel(base)
-    assert main([str(dppo), str(grpo)]) == 1
+    assert main([str(dppo), str(grpo)]) == 2
     err = capsys.readouterr().err
     assert "item sets differ" in err
     assert ("indices only in grpo_seed0: [199]" in err) if problem == "missing_index" else ("[17]" in err)
@@ -354,3 +354,53 @@ def test_arms_run_with_different_thread_counts_are_named(tmp_path):
     (dppo / "run_info.json").write_text(json.dumps({**info, "torch_threads": info["torch_threads"] + 1}))
     out = compare([dppo, grpo], make_plots=False, out=tmp_path / "differ")
     assert any("different torch thread counts" in n and "backend.num_threads" in n for n in out["notes"])
+
+
+def test_arms_at_different_precision_cpu_or_torch_are_noted_and_precision_refused(tmp_path, capsys):
+    """run_info.json records the engine's resolved precision, the CPU model and the torch version. One arm
+    in bf16 on an AMX CPU, the other in fp32 on an AVX2 one: refused (the arithmetic differs beyond the last
+    bits); allowed with --allow-config-diff, with a note naming each difference."""
+    rng = np.random.default_rng(7)
+    t, b = _arms(rng, 0.6, 0.5)
+    dppo = make_run(tmp_path / "d", "dppo", 0, t)
+    grpo = make_run(tmp_path / "g", "grpo", 0, b)
+    for run, prec, cpu, torch_v in ((dppo, "bf16", "AMD EPYC 9R14", "2.13.0"), (grpo, "fp32", "Intel Xeon", "2.12.1")):
+        info = json.loads((run / "run_info.json").read_text())
+        info.update(precision=prec, cpu=cpu, versions={**info.get("versions", {}), "torch": torch_v})
+        (run / "run_info.json").write_text(json.dumps(info))
+    assert main([str(dppo), str(grpo), "--no-plots", "--no-wandb", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "different resolved precisions" in err and "dppo_seed0" in err and "grpo_seed0" in err
+    assert not (tmp_path / "x").exists()
+    out = compare([dppo, grpo], make_plots=False, out=tmp_path / "allowed", allow_config_diff=True)
+    for what, a, b in (("precision", "bf16", "fp32"), ("cpu", "AMD EPYC 9R14", "Intel Xeon"),
+                       ("torch", "2.13.0", "2.12.1")):
+        assert any(f"different {what}" in n and a in n and b in n for n in out["notes"]), what
+    # the same precision, another CPU: compared, with the note
+    info = json.loads((grpo / "run_info.json").read_text())
+    (grpo / "run_info.json").write_text(json.dumps({**info, "precision": "bf16"}))
+    out = compare([dppo, grpo], make_plots=False, out=tmp_path / "cpu")
+    assert any("different cpu" in n for n in out["notes"]) and not any("different precision" in n for n in out["notes"])
+
+
+def test_cli_prints_the_verdict_lines_notes_and_paths(tmp_path, capsys):
+    """What a person reads first: the verdict with its scope, estimate and the rule's interval, the rule,
+    notes, the paths; --json prints compare.json; bad input exits with 2 and writes nothing."""
+    sweep, _ = make_sweep(tmp_path, seeds=(0, 1))
+    assert main([str(sweep), "--no-plots", "--no-wandb", "--bootstrap", "0"]) == 0
+    text = capsys.readouterr().out
+    res = json.loads((sweep / "compare.json").read_text())
+    lines = text.splitlines()
+    assert lines[0].startswith(f"{res['verdict']} (this training procedure): dppo vs grpo: ")
+    assert f"t over seeds estimate {100 * res['estimate']:+.2f} pts (95% interval [{100 * res['ci_low']:+.2f} pts, " \
+           f"{100 * res['ci_high']:+.2f} pts])" in lines[0]
+    assert lines[1].startswith("rule: Student t 95% interval over seeds") and "auto -> seed_t (2 seeds per arm)" in lines[1]
+    assert f"compare.md: {sweep / 'compare.md'}" in lines and f"compare.json: {sweep / 'compare.json'}" in lines
+    assert len(text) < 2000 and "{" not in text
+    assert main([str(sweep), "--no-plots", "--no-wandb", "--bootstrap", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdicts"] == res["verdicts"]
+    old = _sentinel(sweep)
+    assert main([str(sweep), "--baseline", "cispo", "--override-decision", "--no-plots", "--no-wandb"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the baseline 'cispo'" in err and "['dppo', 'grpo']" in err
+    assert (sweep / "compare.json").read_bytes() == old

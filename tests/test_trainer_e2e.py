@@ -118,7 +118,7 @@ def test_multirun_pair_then_compare(tmp_path):
         write_item_records(f, [{**r, "correct": r["index"] < n_right[a["loss"]]} for r in recs])
 
     def compare(*extra):
-        c = subprocess.run([sys.executable, "-m", "eval.compare", str(sweep), *extra], capture_output=True,
+        c = subprocess.run([sys.executable, "-m", "eval.compare", str(sweep), "--json", *extra], capture_output=True,
                            text=True, check=False, timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
         assert c.returncode == 0, c.stderr[-3000:]
         return json.loads(c.stdout[c.stdout.index("{"):])

@@ -299,18 +299,18 @@ def test_decision_rule_is_read_from_config_and_overriding_it_is_explicit(tmp_pat
     t, b = _with_gap(300, 100, 25, rng)
     sweep = _sweep(tmp_path, {("dppo", 0): t, ("grpo", 0): b}, overrides=("decision.margin=0.01",))
     old = _sentinel(sweep)
-    assert main([str(sweep), "--method", "mcnemar_exact", "--margin", "0", "--no-plots", "--bootstrap", "0"]) == 1
+    assert main([str(sweep), "--method", "mcnemar_exact", "--margin", "0", "--no-plots", "--bootstrap", "0"]) == 2
     err = capsys.readouterr().err
     assert "another decision rule than the pre-registered one" in err and "--override-decision" in err
     assert "method: 'auto' -> 'mcnemar_exact'" in err
     assert (sweep / "compare.json").read_bytes() == old
     # the same value as the config is not an override
-    assert main([str(sweep), "--margin", "0.01", "--no-plots", "--bootstrap", "0"]) == 0
+    assert main([str(sweep), "--margin", "0.01", "--no-plots", "--bootstrap", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["decision"]["margin"] == 0.01 and out["decision"]["overridden"] == []
     assert out["verdict"] == out["methods"]["paired_hoeffding"]["verdict"]
     assert main([str(sweep), "--method", "mcnemar_exact", "--margin", "0", "--override-decision", "--no-plots",
-                 "--bootstrap", "0"]) == 0
+                 "--bootstrap", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["decision"]["method"] == "mcnemar_exact" and len(out["decision"]["overridden"]) == 2
     b_items, c_items = out["b_items"], out["c_items"]

@@ -5,7 +5,8 @@ paired experiment (same items, configs equal outside the `loss` group and the pe
 IGNORED_CONFIG_KEYS), pairs each treatment with the baseline by seed and by item index, decides
 with the runs' pre-registered `decision` rule (Holm-adjusted over several treatments; the other
 methods are reported as secondary), and writes `compare.json`, `compare.md` and
-`compare_plots/*.png` into the output folder. compare.json is also printed on stdout.
+`compare_plots/*.png` into the output folder, and prints the verdict lines (scope, estimate, the rule's
+interval), notes and those paths (`--json`: compare.json itself). Bad input exits with status 2.
 A sweep of one loss at several seeds (A/A) gets the between-seed spread instead of a verdict; given
 as `--aa` beside an A/B sweep it says whether the A/B gap exceeds that spread.
 Every check runs before anything is written, so a refused comparison leaves an existing
@@ -854,6 +855,7 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
         shown = "\n  ".join(config_diff[:20]) + ("\n  ..." if len(config_diff) > 20 else "")
         raise CompareError("configs differ outside the `loss` group (a different experiment or setting?); "
                            f"pass --allow-config-diff to compare anyway:\n  {shown}")
+    check_precision(ordered, allow_config_diff)
     mixed = _mixed_loss_paths(ordered)
     if mixed and not (allow_mixed_loss_paths or allow_config_diff):
         raise CompareError(f"the runs computed their loss on different paths {mixed} (backend.loss_path=auto fell "
@@ -963,6 +965,7 @@ def _compare_aa(runs: list[Run], rule: Rule, eval_name: str, paths: list[Path], 
     if config_diff and not allow_config_diff:
         raise CompareError("configs differ outside the `loss` group; pass --allow-config-diff to compare anyway:\n  "
                            + "\n  ".join(config_diff[:20]))
+    check_precision(runs, allow_config_diff)
     for r in runs:
         load_records(r)
     item_sha = check_item_sets(runs)
@@ -1032,7 +1035,32 @@ def _run_notes(runs: list[Run]) -> list[str]:
     if len(set(paths.values())) > 1:
         notes.append("the arms computed their loss on different paths (same gradients, different speed and "
                      f"metric rounding): {paths}")
+    for what, why in (("precision", "the arms' arithmetic differs beyond the last bits, a difference the verdict "
+                                    "cannot tell apart from the switch (refused unless --allow-config-diff)"),
+                      ("cpu", "the same thread count and code give other numbers on another CPU"),
+                      ("torch", "kernels and their rounding differ between torch versions")):
+        seen = _run_info_values(runs, what)
+        if len(set(seen.values())) > 1:
+            notes.append(f"the arms ran with different {what} ({why}): {seen}")
     return notes
+
+
+def _run_info_values(runs: list[Run], what: str) -> dict[str, str]:
+    """{arm: value} of run_info.json's resolved `precision`, `cpu` model or torch version."""
+    def get(r: Run) -> Any:
+        if what == "torch":
+            return (r.info.get("versions") or {}).get("torch")
+        return r.info.get(what)
+    return {r.arm: str(get(r)) for r in runs}
+
+
+def check_precision(runs: list[Run], allow: bool) -> None:
+    """Arms trained at different resolved precisions (backend dtype `auto` resolves per machine) are not one
+    experiment: refused unless --allow-config-diff (then a note says so)."""
+    seen = _run_info_values(runs, "precision")
+    if len(set(seen.values())) > 1 and not allow:
+        raise CompareError(f"the runs trained at different resolved precisions {seen} (run_info.json `precision`): "
+                           "pin the backend dtypes, or pass --allow-config-diff to compare anyway")
 
 
 def _mixed_loss_paths(runs: list[Run]) -> dict[str, str | None]:
@@ -1088,6 +1116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-wandb", action="store_true",
                    help="do not log the comparison to wandb (default: logged when the arms logged to wandb)")
+    p.add_argument("--json", action="store_true",
+                   help="print compare.json on stdout (default: the verdict lines, notes and the report's paths)")
     args = p.parse_args(argv)
     try:
         result = compare(args.paths, treatment=args.treatment, baseline=args.baseline, alpha=args.alpha,
@@ -1099,7 +1129,7 @@ def main(argv: list[str] | None = None) -> int:
                          allow_mixed_loss_paths=args.allow_mixed_loss_paths)
     except (CompareError, ValueError, FileNotFoundError) as e:
         print(f"eval.compare: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     if not args.no_wandb:
         from eval.wandb_log import log_compare
 
@@ -1108,8 +1138,33 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - compare.json/compare.md are written; say what failed
             print(f"eval.compare: the comparison was not logged to wandb: {type(e).__name__}: {e}",
                   file=sys.stderr)
-    print(json.dumps(result, indent=2, sort_keys=True))
+    print(json.dumps(result, indent=2, sort_keys=True) if args.json else summary(result))
     return 0
+
+
+def summary(result: dict[str, Any]) -> str:
+    """What a person reads first: each verdict with its scope, the rule's estimate and interval, the rule and
+    any override, the notes, and where the report, the JSON and the plots are."""
+    from eval.report import verdict_line
+
+    out_dir = Path(result["output_dir"])
+    rule = result["decision"]
+    if result["mode"] == "aa":
+        aa = result["aa"]
+        sd = aa["between_seed_sd"]
+        lines = [f"A/A: {aa['loss']} at seeds {aa['seeds']}: between-seed sd of the endpoint "
+                 f"{100 * sd:.2f} pts, largest seed-pair gap {100 * aa['max_abs_pair_diff']:.2f} pts "
+                 f"({aa['pairs_item_level_significant']} of {len(aa['pairs'])} seed pairs item-level 'significant')"]
+    else:
+        lines = [verdict_line(r, rule) for r in result["comparisons"]]
+    lines.append(f"rule: {rule['text']}" + (f" ({rule['resolution']})" if rule.get("requested") == "auto" else ""))
+    if rule["overridden"]:
+        lines.append("OVERRIDDEN (not the pre-registered comparison): " + "; ".join(rule["overridden"]))
+    lines += [f"note: {n}" for n in result["notes"]]
+    lines += [f"compare.md: {out_dir / 'compare.md'}", f"compare.json: {out_dir / 'compare.json'}"]
+    if result.get("plots"):
+        lines.append(f"plots: {out_dir / PLOTS_DIR} ({', '.join(sorted(result['plots']))})")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
