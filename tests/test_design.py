@@ -185,3 +185,51 @@ def test_the_decision_rule_is_part_of_the_plan_hash_not_of_the_resume_hash():
     assert plan_hash(a) == plan_hash(compose_config(["seed=3"]))
     ra, rb = (config_hash(OmegaConf.to_container(c, resolve=True)) for c in (a, b))
     assert ra == rb  # a run resumes whatever rule its verdict will be read with
+
+
+def test_design_gate_fails_a_plan_whose_rule_validates_seed_noise(tmp_path):
+    """3 seeds per arm, the item bootstrap deciding, seed sd 5 pts, target +6 pts: the bootstrap's MDE is below
+    the target, so "MDE <= target" alone passed it, but at zero effect it validates about 31% of sweeps (the
+    item-level interval counts no training noise). The gate fails it; with decision.design_problems=warn it
+    passes with the problem stated; auto (seed_t over the 3 seeds) holds alpha and passes the same check."""
+    from trainer.config.compose import compose_config
+    from trainer.preflight.gates import design as design_gate
+
+    base = ["eval.n_examples=1319", "decision.discordance=0.3", "decision.seed_sd=0.05", "decision.target_effect=0.06"]
+    rep = design_gate(compose_config(base + ["decision.method=paired_bootstrap"]), tmp_path, n_seeds=3, n_sims=200)
+    fp = rep.meta["design"]["false_positive_rate"]["paired_bootstrap"]
+    assert 0.2 < fp < 0.45 and rep.meta["design"]["mde"]["paired_bootstrap"] < 0.06
+    assert not rep.passed
+    bad = [c for c in rep.checks if c.status == "fail"]
+    assert any(c.name == "decision rule calibrated for the plan" and "validates" in c.detail and "above alpha" in c.detail
+               for c in bad)
+    warn = design_gate(compose_config(base + ["decision.method=paired_bootstrap", "decision.design_problems=warn"]),
+                       tmp_path, n_seeds=3, n_sims=200)
+    assert any(c.detail.startswith("WARNING (not enforced)") for c in warn.checks)
+    assert all(c.name != "decision rule calibrated for the plan" or c.status == "pass" for c in warn.checks)
+    auto = design_gate(compose_config(base), tmp_path, n_seeds=3, n_sims=200)
+    assert auto.meta["design"]["decision_method"] == "seed_t"
+    assert auto.meta["design"]["false_positive_rate"]["seed_t"] <= 0.05
+    assert auto.meta["design"]["problems"] == []
+    assert "auto -> seed_t (3 seeds per arm)" in auto.meta["design"]["assumptions"]["method"]
+
+
+def test_design_problems_scope_unstated_seed_sd_and_clipping():
+    from eval.design import clipped_share, plan_problems
+
+    # an item-level method for a target stated as a gain of the training procedure
+    p = Plan(n_items=500, n_seeds=1, method="paired_hoeffding", target_effect=0.1, target_scope="procedure")
+    assert any("target_scope = procedure" in x for x in plan_problems(p, 0.0)[0])
+    assert plan_problems(Plan(n_items=500, n_seeds=3, method="seed_t", target_scope="procedure", seed_sd=0.05,
+                              sources={"seed_sd": "decision.seed_sd"}), 0.02) == ([], [])
+    # the seed sd left at the default 0 on a 3-seed plan
+    p = Plan(n_items=500, n_seeds=3, method="seed_t", sources={"seed_sd": "assumed 0 (no training noise ...)"})
+    assert any(x.startswith("seed sd not stated for a 3-seed plan") for x in plan_problems(p, 0.0)[0])
+    # discordance 0.15 and seed sd 0.10 (tau 0.141): 2 (1 - Phi(0.15 / 0.141)) = 29% of seed gaps clipped
+    p = Plan(n_items=1319, n_seeds=3, discordance=0.15, seed_sd=0.10, method="seed_t")
+    tau = math.sqrt(2 * 0.01 - 0.15 / 1319)
+    assert clipped_share(p) == pytest.approx(2 * (1 - NormalDist().cdf(0.15 / tau)), rel=1e-12)
+    assert 0.27 < clipped_share(p) < 0.31
+    problems, warnings = plan_problems(p, 0.03)
+    assert problems == [] and len(warnings) == 1 and "force clipping: 28" in warnings[0]
+    assert plan_problems(Plan(n_items=1319, n_seeds=3, discordance=0.3, seed_sd=0.05, method="seed_t"), 0.03) == ([], [])

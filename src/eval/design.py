@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from eval.stats import hoeffding_half_width, resolve_method, t_quantile
+from eval.stats import METHOD_SCOPE, hoeffding_half_width, resolve_method, t_quantile
 from trainer.config.enums import DECISION_METHODS
 
 METHODS = DECISION_METHODS  # decision.method: the config states the list once
@@ -60,6 +60,7 @@ class Plan:
     seed_sd: float = 0.0
     method: str = "paired_hoeffding"
     target_effect: float | None = None
+    target_scope: str | None = None  # procedure | checkpoints | None (the method's own scope)
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -314,9 +315,15 @@ def design(plan: Plan, n_sims: int = 1000, n_bootstrap: int = 400, grid: int = 3
         "power_curve": {"effect": [float(x) for x in deltas], **curves},
         "false_positive_rate": {k: v[0] for k, v in curves.items()},
     }
+    out["notes"] = []
     if plan.n_seeds < 2:
-        out["notes"] = [("seed_t needs >= 2 seeds per arm: no seed-level MDE with one seed (the verdict would "
-                        "concern two fixed checkpoints)")]
+        out["notes"].append("seed_t needs >= 2 seeds per arm: no seed-level MDE with one seed (the verdict would "
+                            "concern two fixed checkpoints)")
+    if plan.seed_sd > 0:
+        out["notes"].append(f"tau = sqrt(2 seed_sd^2 - P / n) = {plan.tau:.4f} assumes the A/A sweep's seed-pair "
+                            f"discordance equals the arms' discordance P = {plan.discordance:g}")
+    out["scope"] = METHOD_SCOPE[plan.method]
+    out["problems"], out["warnings"] = plan_problems(plan, out["false_positive_rate"].get(plan.method))
     if plan.target_effect is not None:
         at = sim.decisions(plan.target_effect, methods)
         out["power_at_target"] = {k: float(v.mean()) for k, v in at.items()}
@@ -327,6 +334,45 @@ def design(plan: Plan, n_sims: int = 1000, n_bootstrap: int = 400, grid: int = 3
     if plot is not None:
         out["plot"] = str(plot_power(out, Path(plot)))
     return out
+
+
+def clipped_share(plan: Plan) -> float:
+    """Share of seeds whose gap delta_s = tau z_s (no effect) falls outside [-P, P]: two checkpoints cannot
+    differ by more than the share of items they disagree on, so the simulator clips those gaps, and its
+    power curves (and false-positive rates) no longer follow the stated seed sd. 2 (1 - Phi(P / tau))."""
+    if plan.tau == 0:
+        return 0.0
+    return 2.0 * (1.0 - _N.cdf(plan.discordance / plan.tau))
+
+
+def plan_problems(plan: Plan, false_positive_rate: float | None) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of the plan's rule; the design gate fails on a problem (or warns, with
+    decision.design_problems=warn).
+
+    Problems: the decision method validates more than alpha of simulated sweeps at zero effect under the stated
+    seed sd (a calibrated rule validates alpha / 2: the bound is twice that, leaving room for the Monte Carlo
+    error of a few hundred sweeps, se ~ 0.008 at 400); an item-level method for a target stated as a gain of the
+    training procedure (it counts no training noise); the seed sd left at its default 0 with several seeds per
+    arm (every MDE and false-positive rate is then a best case). Warning: more than 1% of seeds clipped."""
+    problems, warnings = [], []
+    if false_positive_rate is not None and false_positive_rate > plan.alpha:
+        problems.append(f"{plan.method} validates {100 * false_positive_rate:.1f}% of simulated sweeps with no effect "
+                        f"(seed sd {plan.seed_sd:g}, {plan.n_seeds} seed(s) per arm), above alpha = {plan.alpha:g}: "
+                        "its verdicts would be mostly training noise; decide with seed_t (decision.method=auto) "
+                        "over >= 2 seeds")
+    if plan.target_scope == "procedure" and METHOD_SCOPE[plan.method] == "fixed_checkpoints":
+        problems.append(f"decision.target_scope = procedure but {plan.method} is item-level (its verdict is about these "
+                        "checkpoints, training noise not counted): use seed_t over >= 2 seeds per arm")
+    if plan.n_seeds >= 2 and plan.sources.get("seed_sd", "").startswith("assumed"):
+        problems.append(f"seed sd not stated for a {plan.n_seeds}-seed plan (assumed 0: no training noise, a best case "
+                        "for every MDE and false-positive rate): set decision.seed_sd, --seed-sd, or --from an A/A sweep")
+    share = clipped_share(plan)
+    if share > 0.01:
+        warnings.append(f"discordance {plan.discordance:g} and seed sd {plan.seed_sd:g} (tau {plan.tau:.4f}) "
+                        f"force clipping: {100 * share:.1f}% of simulated seed gaps exceed +-{plan.discordance:g} and "
+                        "are clipped, so the simulated MDEs and false-positive rates understate the seed noise; "
+                        f"two seeds {2 * plan.tau:.3f} apart need a discordance of at least that")
+    return problems, warnings
 
 
 def plot_power(result: dict[str, Any], path: Path) -> Path:
@@ -463,6 +509,7 @@ def plan_from_config(cfg: Any, n_seeds: int, discordance: float | None = None, s
     method, sources["method"] = resolve_method(str(d.method), n_seeds)
     return Plan(n_items=n_items_of(cfg), n_seeds=n_seeds, alpha=float(d.alpha), power=float(d.power),
                 margin=float(d.margin), discordance=float(P), seed_sd=float(sd), method=method,
+                target_scope=d.get("target_scope"),
                 target_effect=None if target is None else float(target), sources=sources)
 
 
@@ -494,6 +541,10 @@ def render(result: dict[str, Any]) -> str:
                      "seed noise, as their false-positive rate at 0 shows; only seed_t's MDE is about the loss)")
     for n in result.get("notes", []):
         lines.append(f"note: {n}")
+    for n in result.get("problems", []):
+        lines.append(f"PROBLEM: {n}")
+    for n in result.get("warnings", []):
+        lines.append(f"warning: {n}")
     if result.get("plot"):
         lines += ["", f"power curve: {result['plot']}"]
     return "\n".join(lines)

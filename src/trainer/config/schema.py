@@ -443,6 +443,13 @@ class DecisionConfig:
     discordance: Optional[float] = None
     # design assumption: between-seed sd of one arm's accuracy, as an A/A sweep measures it (null = 0)
     seed_sd: Optional[float] = None
+    # what target_effect is a gain of: procedure (the loss, across training runs; needs a seed-level method)
+    # | checkpoints (the trained checkpoints) | null (the decision method's own scope)
+    target_scope: Optional[str] = None
+    # what the design gate does with a plan whose rule is miscalibrated (false positives above alpha under the
+    # stated seed sd, an item-level method for a procedure-level target, seed sd left at 0 with several seeds):
+    # fail | warn
+    design_problems: str = "fail"
 
     def __post_init__(self) -> None:
         _in_set("method", self.method, DECISION_METHOD_CHOICES)
@@ -467,6 +474,9 @@ class DecisionConfig:
             _require(0 < self.discordance <= 1, "discordance", "must be in (0, 1] or null", self.discordance)
         if self.seed_sd is not None:
             _require(0 <= self.seed_sd < 1, "seed_sd", "must be in [0, 1) or null", self.seed_sd)
+        if self.target_scope is not None:
+            _in_set("target_scope", self.target_scope, ("procedure", "checkpoints"))
+        _in_set("design_problems", self.design_problems, ("fail", "warn"))
 @dataclass
 class ReportConfig:
     # write report.md with PNG plots into the run folder at the end of a run (python -m eval.report)

@@ -316,8 +316,10 @@ def feasibility(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None 
 # ----------------------------------------------------------------------------- design
 def design(cfg: DictConfig, out_dir: Path, n_seeds: int = 1, n_sims: int = 400) -> GateReport:
     """What the plan can detect (eval.design with the config's decision group and design assumptions).
-    It reports every method's minimum detectable effect; it fails only when decision.target_effect is set
-    and the plan's own decision method cannot detect it at decision.power."""
+    It reports every method's minimum detectable effect; it fails when decision.target_effect is set and the
+    plan's own decision method cannot detect it at decision.power, and on eval.design's problems of the rule
+    (plan_problems: false positives above alpha under the seed sd, an item-level method for a procedure-level
+    target, the seed sd unstated on a multi-seed plan), unless decision.design_problems=warn."""
     from eval.design import METHODS, plan_from_config
     from eval.design import design as run_design
 
@@ -337,6 +339,16 @@ def design(cfg: DictConfig, out_dir: Path, n_seeds: int = 1, n_sims: int = 400) 
                                    _status(bool(res["detectable"])),
                                    f"{plan.method} at {plan.n_items} items x {plan.n_seeds} seed(s); items needed "
                                    f"{res['items_needed'][plan.method]}, seeds needed {res['seeds_needed'][plan.method]}"))
+    # a rule that cannot hold its own error rate under the stated seed noise, or that answers another question
+    # than the target asks, fails (decision.design_problems=warn: reported, not enforced)
+    strict = cfg.decision.get("design_problems", "fail") == "fail"
+    for problem in res["problems"]:
+        report.checks.append(Check("decision rule calibrated for the plan", plan.method,
+                                   "false positives <= alpha, scope matches the target, seed sd stated",
+                                   _status(not strict), problem if strict else f"WARNING (not enforced): {problem}"))
+    for warning in res["warnings"]:
+        report.checks.append(Check("design assumptions consistent", plan.method, "<= 1% of seed gaps clipped",
+                                   "pass", f"WARNING: {warning}"))
     summary = {k: v for k, v in res.items() if k != "power_curve"}
     # the pre-registered rule as planned: eval.compare refuses (or records as an override) a sweep whose
     # `decision` block differs from it, or that has fewer seeds than planned
