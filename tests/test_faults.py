@@ -87,7 +87,7 @@ def test_a_failed_final_save_is_recovered_like_a_step(tmp_path):
     loop.retry, loop.recoveries, loop.info, loop.on_step_end = RetryPolicy(), 0, {}, None
     calls = {"start": 0, "steps": 0, "final_saves": 0}
 
-    def start():
+    def start(renew=False):
         calls["start"] += 1
         return LoopState()
 

@@ -147,6 +147,88 @@ def test_sigkill_and_resume_over_the_wire(tmp_path, server, local_ref):
     assert eval_records(local_ref) == eval_records(run)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_run(run: Path, tmp_path: Path, srv: Server, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *WIRE, *args, f"hydra.run.dir={run}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **srv.env()})
+
+
+def _kill_after_step(proc: subprocess.Popen, run: Path, srv: Server, step: int) -> None:
+    """SIGKILL the server once the run logged `step` (its checkpoint is taken: save_every=1), mid-run."""
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").exists() and any(r.get("step", 0) >= step for r in safe_rows(run)):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before the server was killed"
+    srv.proc.kill()
+    srv.proc.wait()
+
+
+@pytest.mark.slow
+def test_server_sigkilled_and_restarted_mid_run_leaves_a_complete_run(tmp_path, local_ref):
+    """The server dies (SIGKILL) in the middle of a run and comes back on the same port and state dir, with
+    none of the run's session, model, sampler or future ids: the run itself redoes the step from its last
+    checkpoint with a new client and ends complete, each (step, update) once, with the values and the eval
+    of the uninterrupted in-process run."""
+    port, state, run = _free_port(), tmp_path / "state", tmp_path / "run"
+    srv = Server(state, "--port", str(port))
+    proc = _start_run(run, tmp_path, srv, *REF_ARGS, "schedule.save_every=1", "backend.call_deadline_s=30")
+    try:
+        _kill_after_step(proc, run, srv, 1)
+        time.sleep(2.0)
+        srv = Server(state, "--port", str(port))
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        srv.stop()
+    assert proc.returncode == 0, err[-3000:]
+    assert "recovering from the last checkpoint" in out + err, (out + err)[-3000:]
+    assert json.loads((run / "result.json").read_text())["recoveries"] >= 1
+    rows = read_metrics(run)
+    assert [(r["step"], r["update"]) for r in rows] == [(s, u) for s in range(3) for u in range(2)]
+    assert [r["global_update"] for r in rows] == list(range(6))
+    assert_same_rows(read_metrics(local_ref), rows)
+    assert eval_records(local_ref) == eval_records(run)
+
+
+@pytest.mark.slow
+def test_server_that_stays_down_ends_the_run_within_the_deadline(tmp_path):
+    """The server dies and does not come back: the pending call is given up after backend.call_deadline_s
+    without a successful reply, each new client is refused within connect_timeout_s, and after
+    retry.max_attempts tries the run ends with one line and exit code 2 (not the SDK's retries without
+    end), its finished steps kept for a resume."""
+    run = tmp_path / "run"
+    srv = Server(tmp_path / "state")
+    proc = _start_run(run, tmp_path, srv, "schedule.num_steps=3", "schedule.save_every=1", "eval=none",
+                      "backend.call_deadline_s=5", "backend.connect_timeout_s=2", "retry.max_attempts=2",
+                      "retry.backoff_s=0.1")
+    try:
+        _kill_after_step(proc, run, srv, 1)
+        t_kill = time.time()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.time() - t_kill < 60, time.time() - t_kill
+    assert proc.returncode == 2, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: backend: giving up") and "resumes from its last checkpoint" in last, last
+    assert "backend.call_deadline_s" in out, out[-3000:]  # the deadline, not an error, ended the call
+    steps = {r["step"] for r in read_metrics(run)}
+    assert {0, 1} <= steps and json.loads((run / "checkpoint.json").read_text())["step"] >= 1
+
+
 @pytest.mark.parametrize("url, needle", [
     ("http://127.0.0.1:9", "did not answer within"),  # nothing listens on the discard port
 ])

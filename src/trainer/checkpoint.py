@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,19 +85,67 @@ def load_checkpoint(run_dir: Path) -> CheckpointInfo | None:
     return CheckpointInfo(**{k: d[k] for k in CheckpointInfo.__dataclass_fields__ if k in d})
 
 
-def check_resumable(run_dir: Path, cfg_hash: str) -> CheckpointInfo | None:
-    """Validate a run folder's saved state before anything is written to it."""
+def check_resumable(run_dir: Path, cfg_hash: str, rollouts_per_step: int = 0) -> CheckpointInfo | None:
+    """Validate a run folder's saved state before anything is written to it.
+
+    A resume redoes only the steps after the checkpoint, so the logs must hold every row of the steps
+    before it: a row lost there (a deleted or truncated log) would be missing for good. Such a folder is
+    refused; rows after the checkpoint, a torn last one included, are repaired by `truncate_log`.
+    `rollouts_per_step`: the run's `logger.rollouts_per_step` (0: rollouts.jsonl is not expected to hold
+    rows)."""
     ckpt = load_checkpoint(run_dir)
     if ckpt is not None and ckpt.config_hash != cfg_hash:
         raise ResumeError(
             f"{run_dir / CHECKPOINT_FILE} was written by a different config (hash {ckpt.config_hash} != "
             f"{cfg_hash}); refusing to resume into it. Use a new run folder.")
+    logs = {}
     for name in ("metrics.jsonl", "rollouts.jsonl"):
         try:
-            read_jsonl_lenient(run_dir / name)
+            logs[name] = read_jsonl_lenient(run_dir / name)
         except ValueError as e:
             raise ResumeError(str(e)) from None
+    if ckpt is not None:
+        _check_rows_before(run_dir / "metrics.jsonl", *logs["metrics.jsonl"], ckpt, per_update=True)
+        if rollouts_per_step > 0 or logs["rollouts.jsonl"][0]:
+            _check_rows_before(run_dir / "rollouts.jsonl", *logs["rollouts.jsonl"], ckpt, per_update=False)
     return ckpt
+
+
+_STEP_FIELD = re.compile(r'"step":\s*(\d+)')
+
+
+def _check_rows_before(path: Path, rows: list[dict], torn: int, ckpt: CheckpointInfo, per_update: bool) -> None:
+    """ResumeError unless `path` holds the rows of every step before the checkpoint: each update's row
+    (metrics: `global_update` 0 .. optim_steps - 1), or at least one row per step (rollouts, whose count per
+    step follows the resume-ignored `logger.rollouts_per_step`), and no torn last row of such a step."""
+    before = [r for r in rows if isinstance(r.get("step"), int) and r["step"] < ckpt.step]
+    refuse = (f"; refusing to resume: the steps before the checkpoint are not redone, so these rows would be "
+              f"missing for good. Restore {path.name} from a copy, or start the run in a new folder")
+    if per_update:
+        have = {r.get("global_update") for r in before}
+        missing = [u for u in range(ckpt.optim_steps) if u not in have]
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+            raise ResumeError(f"{path} holds {ckpt.optim_steps - len(missing)} of the {ckpt.optim_steps} update "
+                              f"rows of the {ckpt.step} steps before the checkpoint (missing global_update "
+                              f"{shown})" + refuse)
+    else:
+        missing = sorted(set(range(ckpt.step)) - {r["step"] for r in before})
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+            raise ResumeError(f"{path} holds no row of step(s) {shown} of the {ckpt.step} steps before the "
+                              "checkpoint (a run that started with logger.rollouts_per_step=0 resumes with the "
+                              "same)" + refuse)
+    if torn and not per_update:  # (a torn metrics row before the checkpoint leaves a global_update missing)
+        # the torn row follows the last complete one; it belongs to a step after the checkpoint only if
+        # that row already does, or if its own fragment says so
+        last = rows[-1].get("step", -1) if rows else -1
+        frag = path.read_text().rstrip("\n").rsplit("\n", 1)[-1]
+        m = _STEP_FIELD.search(frag)
+        step = int(m.group(1)) if m else last
+        if step < ckpt.step:
+            raise ResumeError(f"{path}: its last line is torn and may be a row of step {step}, before the "
+                              f"checkpoint (step {ckpt.step})" + refuse)
 
 
 def truncate_log(path: Path, keep_steps_below: int) -> tuple[int, int]:

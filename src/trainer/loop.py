@@ -3,9 +3,12 @@
 Per rollout step: a sampling client from the current weights; every group sampled concurrently;
 rewards from the env; advantages; datums; `updates_per_batch` minibatches, each one
 `forward_backward_custom` on what `loss_path.prepare(minibatch)` gives, then `optim_step`.
-Checkpoints are taken at step boundaries; resume (or recovery from a poisoned client) reloads the last
-one, drops the log rows of the steps after it and redoes them, so no optimizer step is ever skipped or
-applied twice.
+Checkpoints are taken at step boundaries; resume (or recovery from a poisoned or lost client) reloads the
+last one, drops the log rows of the steps after it and redoes them, so no optimizer step is ever skipped or
+applied twice. Every backend call, sampling included, goes through one wrapper (`_backend_call`): a
+transient or ambiguous failure, a lost client (`errors.is_lost`: a 404 on an object the run created, or no
+successful reply within `backend.call_deadline_s`) redoes the step from the checkpoint; on `backend=tinker`
+with a new service client, since a restarted server knows neither the old session nor its ids.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import tinker
 from omegaconf import DictConfig
 
 from trainer.advantages import compute_advantages
-from trainer.backends.errors import RECOVER, RESEND, USER, BackendRequestError, classify, is_not_applied, is_retryable
+from trainer.backends.errors import (RECOVER, RESEND, USER, BackendRequestError, classify, is_lost, is_not_applied,
+                                     is_retryable)
 from trainer.config.schema import arm_name
 from trainer.checkpoint import (CheckpointInfo, ResumeError, check_resumable, config_hash, rng_state,
                                 save_checkpoint, truncate_log)
@@ -98,7 +102,7 @@ class RLLoop:
     def __init__(self, cfg: DictConfig, run_dir: Path, service_client: Any, task: Any, loss_path: LossPath,
                  config_dict: dict, sweep_dir: Path | None = None,
                  progress: bool | str = True, on_step_end: Callable[[int], None] | None = None,
-                 wandb_run: Any = None) -> None:
+                 wandb_run: Any = None, new_service_client: Callable[[], Any] | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.sc = service_client
@@ -110,7 +114,9 @@ class RLLoop:
         self.progress = "bar" if progress is True else (progress or None)
         self.wandb_run = wandb_run
         self.on_step_end = on_step_end
-        self.retry = RetryPolicy.from_config(cfg.retry)
+        # a fresh service client for a recovery (backend=tinker; None: recoveries reuse `service_client`)
+        self.new_service_client = new_service_client
+        self.retry = RetryPolicy.from_config(cfg.retry, cfg.backend.get("call_deadline_s"))
         self.train_problems = task.train_problems()
         if len(self.train_problems) == 0:
             raise ValueError(f"env {cfg.env.name}: empty train set")
@@ -141,8 +147,25 @@ class RLLoop:
             self.info = {"served_model": None, "error": str(e)}
 
     # ------------------------------------------------------------------ resume
-    def _start(self) -> LoopState:
-        ckpt = check_resumable(self.run_dir, self.cfg_hash)
+    def _renew_service_client(self) -> None:
+        """Replace the service client (and what hangs off its session: the registered loss, the reference
+        sampler) before a recovery, closing the old one's connections so that its pending retries end
+        instead of reaching a restarted server. A service that does not answer is a failed attempt."""
+        from trainer.backends import BackendConfigError, close_service_client
+
+        close_service_client(self.sc)
+        self._ref_sampler = None
+        try:
+            self.sc = self.new_service_client()
+        except BackendConfigError as e:
+            raise _ClientFailure(f"new service client: {e}") from e
+        sc = self.sc
+        self._train_call("create_custom_loss", lambda: self.loss_path.rebind(sc))
+
+    def _start(self, renew: bool = False) -> LoopState:
+        ckpt = check_resumable(self.run_dir, self.cfg_hash, self.cfg.logger.rollouts_per_step)
+        if renew and self.new_service_client is not None:
+            self._renew_service_client()
         if ckpt is not None:
             try:
                 self.tc = self._restore_training_client(ckpt.tinker_path)
@@ -186,15 +209,18 @@ class RLLoop:
                                      f"{type(exc).__name__}: {exc}") from exc
         log.warning("training client failed (%s: %s); recovering from the last checkpoint",
                     type(exc).__name__, exc)
+        tries = 0
         while True:
             try:
-                return self._start()
+                return self._start(renew=True)
             except _ClientFailure as again:  # creating the new client failed too: counts as another try
                 self._stuck += 1
                 if self._stuck > self.cfg.retry.max_attempts:
                     raise TrainingClientLost(f"giving up: no training client after {self._stuck - 1} tries: "
                                              f"{again}") from again
                 log.warning("recreating the training client failed (%s); trying again", again)
+                time.sleep(self.retry.delay(tries))  # a restarting server needs a moment to listen again
+                tries += 1
 
     # ------------------------------------------------------------------ main
     def run(self) -> dict[str, Any]:
@@ -211,36 +237,39 @@ class RLLoop:
             bar = tqdm(total=s.num_steps, initial=state.step, desc=arm_name(self.cfg), unit="step",
                        dynamic_ncols=True)
         last_reward = None
+        # a run killed after its checkpoint but during that step's end-of-step work (a periodic eval)
+        # redoes it, as does a recovery to that checkpoint; the hook skips what already finished
+        hook_pending = state.step > 0
         try:
-            if state.step > 0 and self.on_step_end is not None:
-                # a run killed after its checkpoint but during that step's end-of-step work (a periodic
-                # eval) redoes it; the hook skips what already finished
-                self.on_step_end(state.step)
-            while state.step < s.num_steps or (state.last_checkpoint is None
-                                                or state.last_checkpoint.step != state.step):
+            while hook_pending or state.step < s.num_steps or (state.last_checkpoint is None
+                                                               or state.last_checkpoint.step != state.step):
                 try:
+                    if hook_pending:
+                        hook_pending = False
+                        self._step_end(state.step)
+                        continue
                     if state.step == s.num_steps:  # the final save, recovered like any step if it fails
                         self._save(state, final=True)
                         continue
                     last_reward = self._do_step(state, sink)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(reward=f"{last_reward:.3f}")
+                    if lines is not None:
+                        lines.step_done(state.step, self.last_rows)
+                    self._step_end(state.step)
                 except TrainingClientLost:
                     raise
                 except Exception as exc:  # noqa: BLE001
                     if not _is_client_failure(exc):
                         raise
                     state = self._recover(state, exc)
+                    hook_pending = state.step > 0
                     sink.reopen()  # the logs were rewritten by the truncation
                     if bar is not None:
                         bar.n = state.step
                         bar.refresh()
                     continue
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{last_reward:.3f}")
-                if lines is not None:
-                    lines.step_done(state.step, self.last_rows)
-                if self.on_step_end is not None:
-                    self.on_step_end(state.step)
         finally:
             if bar is not None:
                 bar.close()
@@ -248,6 +277,20 @@ class RLLoop:
         return {"steps": state.step, "optim_steps": state.optim_steps, "last_reward": last_reward,
                 "checkpoint": state.last_checkpoint.tinker_path if state.last_checkpoint else None,
                 "retries": self.retry.total, "recoveries": self.recoveries, **self.info}
+
+    def _step_end(self, step: int) -> None:
+        """The step-end hook (a periodic eval), its backend failures recovered like a step's."""
+        if self.on_step_end is None:
+            return
+        try:
+            self.on_step_end(step)
+        except _ClientFailure:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the eval's sampling calls, not wrapped by the loop
+            failure = self._backend_failure(f"step-end eval at step {step}", exc)
+            if failure is exc:
+                raise
+            raise failure from exc
 
     def _start_with_retries(self) -> LoopState:
         for attempt in range(self.cfg.retry.max_attempts):
@@ -277,10 +320,11 @@ class RLLoop:
                 self.task, problems, sampling_client, sampling_params(cfg.sampling), seed=cfg.seed, step=step,
                 group_size=s.group_size, max_seq_len=cfg.model.max_seq_len, concurrency=cfg.sampling.concurrency,
                 retry=self.retry, per_sample=self.per_sample_requests))
-        except Exception as exc:  # noqa: BLE001 - sampling retried in place already; now a new client
-            if classify(exc) != RECOVER and classify(exc) != RESEND:
+        except Exception as exc:  # noqa: BLE001 - sampling retried in place already; now the loop's answer
+            failure = self._backend_failure("sample", exc)
+            if failure is exc:
                 raise
-            raise _ClientFailure(f"sample: {type(exc).__name__}: {exc}") from exc
+            raise failure from exc
         t_sample = time.time() - t0
 
         rollouts: list[Rollout] = []
@@ -378,12 +422,16 @@ class RLLoop:
         if float(getattr(self.loss_path.loss, "kl_coef", 0.0)) > 0:
             t0 = time.time()
             if self._ref_sampler is None:
-                self._ref_sampler = self.retry.call("create_sampling_client", lambda: self.sc.create_sampling_client(
+                self._ref_sampler = self._train_call("create_sampling_client", lambda: self.sc.create_sampling_client(
                     base_model=self.cfg.model.base_model))
-            futures = [self._ref_sampler.compute_logprobs(tinker.ModelInput.from_ints(r.prompt_tokens + r.tokens))
-                       for r in rollouts]
-            for e, f in zip(extra, futures):
-                lps = f.result()[1:]  # position i of a datum predicts token i + 1 of the sequence
+
+            def ref_logprobs() -> list:
+                futures = [self._ref_sampler.compute_logprobs(tinker.ModelInput.from_ints(r.prompt_tokens + r.tokens))
+                           for r in rollouts]
+                return [f.result() for f in futures]
+
+            for e, lps in zip(extra, self._train_call("compute_logprobs", ref_logprobs)):
+                lps = lps[1:]  # position i of a datum predicts token i + 1 of the sequence
                 e[REF_KEY] = tinker.TensorData.from_numpy(np.asarray([0.0 if v is None else v for v in lps],
                                                                      dtype=np.float32))
             timings["time/ref_logprobs"] = time.time() - t0
@@ -417,14 +465,25 @@ class RLLoop:
         try:
             return self.retry.call(what, fn, retryable)
         except Exception as exc:  # noqa: BLE001 - classified: recover, the user's fault, or a bug
-            kind = classify(exc)
-            if kind in (RESEND, RECOVER):  # failed at the backend, maybe applied: redo from a checkpoint
-                raise _ClientFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
-            if kind == USER and isinstance(exc, tinker.APIStatusError):
-                raise BackendRequestError(f"{what}: the backend refused the request: {exc}") from exc
-            # our own ValueError (bad input, a failing loss) or an error no backend raises: ends the run
-            # with its traceback. A RuntimeError (also torch's, inside the local engine) was RECOVER above
-            raise
+            failure = self._backend_failure(what, exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    def _backend_failure(self, what: str, exc: Exception) -> Exception:
+        """What a failed call on the run's own clients (training, sampling, the evals' samplers) ends in,
+        once its retries in place are spent: `_ClientFailure` (the step is redone from the last checkpoint)
+        for a failure at the backend that may have been applied, or a lost client (`is_lost`: a 404 here is
+        about a model, sampler or future this run created); `BackendRequestError` (the run ends with one
+        line) for a request the backend refused; else the error itself, with its traceback: our own
+        ValueError (bad input, a failing loss) or an error no backend raises. A RuntimeError (also torch's,
+        inside the local engine) is RECOVER."""
+        kind = classify(exc)
+        if kind in (RESEND, RECOVER) or is_lost(exc):
+            return _ClientFailure(f"{what}: {type(exc).__name__}: {exc}")
+        if kind == USER and isinstance(exc, tinker.APIStatusError):
+            return BackendRequestError(f"{what}: the backend refused the request: {exc}")
+        return exc
 
     def _save(self, state: LoopState, final: bool = False) -> None:
         name = f"step{state.step:06d}" + ("_final" if final else "")

@@ -28,8 +28,8 @@ from trainer.checkpoint import ResumeError, check_resumable, config_hash
 from trainer.config.schema import ConfigError, arm_name, validate
 from trainer.loop import RLLoop, TrainingClientLost
 from trainer.preflight.gates import require_passed
-from trainer.run_info import (batch_arithmetic, format_batch_arithmetic, git_revision, resolved_config_dict,
-                              write_run_files)
+from trainer.run_info import (batch_arithmetic, config_secrets, format_batch_arithmetic, git_revision,
+                              redact_hydra_record, resolved_config_dict, write_run_files)
 from trainer.setup import build_components, eval_task, fail, make_loss
 from trainer.utils.io import atomic_write_json, read_json
 from trainer.wandb_run import WandbRun
@@ -60,6 +60,39 @@ def check_output_dir(run_dir: Path, cfg: DictConfig) -> None:
         fail(f"not enough disk in {run_dir}: {free_mb:.0f} MiB free, the planned checkpoints need ~{need_mb} MiB")
 
 
+def read_run_info(run_dir: Path) -> dict[str, Any]:
+    """The run_info.json of a folder being resumed (its arm, seed and precision are needed), or ResumeError."""
+    path = run_dir / "run_info.json"
+    try:
+        info = read_json(path, "run info")
+    except FileNotFoundError:
+        raise ResumeError(f"{path} is missing, though {run_dir / 'checkpoint.json'} is there: the folder was "
+                          "damaged; restore run_info.json from a copy, or start the run in a new folder") from None
+    except ValueError as e:
+        raise ResumeError(str(e)) from None
+    if not isinstance(info, dict):
+        raise ResumeError(f"{path} is not a JSON object")
+    return info
+
+
+def check_precision(info: dict[str, Any], now: dict[str, Any] | None) -> None:
+    """ResumeError when the engine's resolved precision differs from the one the run started with: `auto`
+    is measured per machine, so a resume on another CPU (or with PAIREDRL_AUTO_PRECISION set) would run
+    its remaining steps at another precision under the same config hash."""
+    was = info.get("precision")
+    if not isinstance(was, dict) or not isinstance(now, dict):  # a service that decides (backend=tinker)
+        return
+    keys = ("sampler_dtype", "train_dtype")
+    a, b = ({k: d.get(k) for k in keys} for d in (was, now))
+    if a != b:
+        def fmt(d: dict[str, Any]) -> str:
+            return f"sampler {d['sampler_dtype']}, training {d['train_dtype']}"
+        differs = next(k for k in keys if a[k] != b[k])
+        raise ResumeError(f"the run started at {fmt(a)} (run_info.json), but the engine now resolves to {fmt(b)}; "
+                          "refusing to resume at another precision. Resume where `auto` resolves as it did (or "
+                          f"with PAIREDRL_AUTO_PRECISION={a[differs]}), or start the run in a new folder")
+
+
 def record_arm(sweep_dir: Path, job_num: int, info: dict[str, Any]) -> None:
     """Add this job to <sweep>/arms.json (job number -> arm), safe under parallel launchers."""
     path = sweep_dir / "arms.json"
@@ -77,11 +110,13 @@ def record_arm(sweep_dir: Path, job_num: int, info: dict[str, Any]) -> None:
 def run_training(cfg: DictConfig) -> float | None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
     t_setup = time.time()
+    run_dir, sweep_dir = hydra_dirs()
+    # first: Hydra has just written the overrides as given (a key among them) into .hydra/
+    redact_hydra_record(run_dir, sweep_dir, config_secrets(cfg))
     try:
         validate(cfg)
     except ConfigError as e:
         fail(f"config: {e}")
-    run_dir, sweep_dir = hydra_dirs()
     check_output_dir(run_dir, cfg)
     if cfg.backend.name == "tinker":  # a missing key or an unreachable service fails before any other work
         try:
@@ -99,13 +134,16 @@ def run_training(cfg: DictConfig) -> float | None:
         etask = eval_task(cfg, renderer, task)
         if etask is not None:  # an eval that cannot run must fail now, not after training
             etask.test_problems(cfg.eval.n_examples)
+        if len(task.train_problems()) == 0:
+            raise ValueError(f"env {cfg.env.name}: the train set is empty (env.source={cfg.env.get('source')!r})")
     except (FileNotFoundError, ValueError, KeyError) as e:
         fail(f"data/env: {e}")
 
     config_dict = resolved_config_dict(cfg)
     batch = batch_arithmetic(cfg)
     try:
-        resuming = check_resumable(run_dir, config_hash(config_dict)) is not None
+        resuming = check_resumable(run_dir, config_hash(config_dict), cfg.logger.rollouts_per_step) is not None
+        info = read_run_info(run_dir) if resuming else None
     except ResumeError as e:
         fail(f"resume: {e}")
     if cfg.resume and not resuming:  # resuming is automatic; resume=true asks for it to be guaranteed
@@ -118,7 +156,10 @@ def run_training(cfg: DictConfig) -> float | None:
     except BackendConfigError as e:
         fail(str(e))
     if resuming:  # the folder's config.yaml / run_info.json stay as the run first wrote them
-        info = read_json(run_dir / "run_info.json", "run info")
+        try:
+            check_precision(info, getattr(service_client, "precision", None))
+        except ResumeError as e:
+            fail(f"resume: {e}")
         print(f"resuming the run in {run_dir}", flush=True)
         # code is not part of the config hash (a fix may be why the run is resumed), but it is said
         was, now = (info.get("git") or {}), git_revision()
@@ -167,8 +208,11 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
     loss_path = make_loss(cfg, service_client)
     # a tqdm bar on a terminal; one log line per step (stdout and train.log) without one
     bar = sys.stderr.isatty() or bool(os.environ.get("PAIREDRL_PROGRESS"))
+    # a recovery on backend=tinker starts a new session: a restarted server knows neither the old one nor
+    # its ids
+    renew = (lambda: build_service_client(cfg, run_dir)) if cfg.backend.name == "tinker" else None
     loop = RLLoop(cfg, run_dir, service_client, task, loss_path, config_dict, sweep_dir,
-                  progress=True if bar else "lines", wandb_run=wandb_run)
+                  progress=True if bar else "lines", wandb_run=wandb_run, new_service_client=renew)
     if etask is not None and cfg.eval.every:
         loop.on_step_end = on_step_end
     setup_s = time.time() - t_setup

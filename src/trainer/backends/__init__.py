@@ -36,6 +36,21 @@ def build_service_client(cfg: DictConfig, run_dir: Path) -> Any:
     raise BackendConfigError(f"backend.name: unknown backend {b.name!r} (local | tinker)")
 
 
+def close_service_client(sc: Any) -> None:
+    """Release a Tinker service client the trainer replaces after losing it (nothing for the local engine).
+
+    tinker 0.38's `ServiceClient.close()` first asks the service to finish the session, retrying for
+    minutes when the server is gone, and closes the connections only after that; meanwhile the old
+    client's pending calls keep retrying and would reach a restarted server. Its holders' `close()`
+    cancels the session heartbeat and the futures' pollers and closes the connection pools at once, which
+    ends those retries (a closed pool refuses every request). An abandoned session expires on the service
+    when its heartbeats stop."""
+    for name in ("_session_holder", "_rest_holder"):
+        holder = getattr(sc, name, None)
+        if holder is not None:
+            holder.close()
+
+
 def check_tinker(b: DictConfig) -> tuple[str, str]:
     """(base URL, API key) of a Tinker service that answers; BackendConfigError naming the problem otherwise."""
     key = os.environ.get(b.api_key_env)

@@ -20,6 +20,13 @@ RuntimeError and a lost connection can surface as an OSError. A torch error insi
 the last checkpoint, at most `retry.max_attempts` times at one step, then ends the run with
 `TrainingClientLost` chained to the original error and its traceback. A deterministic engine bug
 costs those redone attempts before it surfaces.
+
+Lost (`is_lost`): the backend no longer knows a model, sampler or future the run created (HTTP 404 on
+it: the server restarted, or the service dropped the model), or no call got a successful reply within
+`backend.call_deadline_s` (`ClientLostError`). No resend on the same client can succeed, so the trainer
+redoes the step from its last checkpoint with a new client. A 404 on something the user named (a base
+model, a checkpoint path) stays USER: only the caller knows which object a request was about, so the
+trainer's own wrapper asks `is_lost` for calls on objects it created.
 """
 
 from __future__ import annotations
@@ -30,6 +37,10 @@ from tinker.lib.retryable_exception import RetryableException
 
 class TransientBackendError(RuntimeError):
     """A call failed before changing any server state; retrying it is safe."""
+
+
+class ClientLostError(RuntimeError):
+    """The backend lost a client the run created, or stopped answering it for longer than the call deadline."""
 
 
 class BackendRequestError(RuntimeError):
@@ -78,14 +89,30 @@ def classify(exc: BaseException) -> str | None:
     return None
 
 
+def _status(exc: BaseException | None) -> int | None:
+    return exc.status_code if isinstance(exc, tinker.APIStatusError) else None
+
+
+def is_lost(exc: BaseException) -> bool:
+    """A call on an object the run created cannot succeed on this client (see the module docstring): a
+    `ClientLostError`, a 404 at submission, or the SDK's ValueError for a future the server no longer knows
+    (`api_future_impl.py`, FATAL branch, chained to the 404)."""
+    if isinstance(exc, ClientLostError):
+        return True
+    if _status(exc) == 404:
+        return True
+    return isinstance(exc, ValueError) and _status(exc.__cause__) == 404
+
+
 def is_poisoned(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "poisoned" in str(exc)
 
 
 def is_retryable(exc: BaseException) -> bool:
     """Whether an idempotent request (sampling, save_state with overwrite, creating a client) may be sent
-    again in place: any backend failure except one that says the client itself is unusable."""
-    return classify(exc) in (RESEND, RECOVER) and not is_poisoned(exc)
+    again in place: any backend failure except one that says the client itself is unusable (poisoned, or
+    lost: `is_lost`)."""
+    return classify(exc) in (RESEND, RECOVER) and not is_poisoned(exc) and not is_lost(exc)
 
 
 def is_not_applied(exc: BaseException) -> bool:

@@ -13,7 +13,8 @@ The keys on which they differ, and why (ignored = may differ, hashed = must be e
 |-------------------|---------|---------|---------|--------------------------------------------------------------|
 | loss, seed        | hashed  | ignored | ignored | a resume continues one arm; plan and comparison span arms    |
 | run_name          | hashed  | ignored | ignored | a label: a resumed run keeps the label it started with       |
-| retry             | ignored | ignored | hashed  | changes no number, but compare reports arms run differently  |
+| retry,            | ignored | ignored | hashed  | changes no number, but compare reports arms run differently  |
+| backend.call_deadline_s |   |         |         |                                                              |
 | preflight.skip    | ignored | ignored | hashed  | compare reports arms of which only some were gated           |
 | preflight.dir     | ignored | ignored | ignored | only where the preflight results are read from               |
 | preflight.*       | ignored | hashed  | hashed  | the gates' budget and pilot sizes are the plan               |
@@ -41,9 +42,9 @@ from __future__ import annotations
 #: is computed: a resume continues the same arm, so the loss, the seed and every setting that shapes
 #: training or the final eval stay hashed. eval.every only adds or drops intermediate evals, the
 #: decision rule is read by eval.compare alone, the report settings only shape the report, retries
-#: and injected faults are recovered from checkpoints.
+#: the call deadline and injected faults are recovered from checkpoints.
 RESUME_IGNORED_KEYS: tuple[str, ...] = ("resume", "checkpoint", "logger", "preflight", "retry", "backend.faults",
-                                        "eval.every", "decision", "report")
+                                        "backend.call_deadline_s", "eval.every", "decision", "report")
 
 #: What does not change what the preflight gates measured (trainer.preflight.gates.plan_hash; Hydra's
 #: own section is dropped as well). The loss is the swept switch: each gate records both arms' loss
@@ -52,8 +53,8 @@ RESUME_IGNORED_KEYS: tuple[str, ...] = ("resume", "checkpoint", "logger", "prefl
 #: only say whether and where to look. Unlike a resume, the plan keeps eval.every, decision,
 #: backend.faults and the other preflight settings: the feasibility gate times the evals and the
 #: pilot, and the design gate reads the decision rule.
-PLAN_IGNORED_KEYS: tuple[str, ...] = ("loss", "seed", "logger", "retry", "resume", "checkpoint", "run_name",
-                                      "preflight.skip", "preflight.dir")
+PLAN_IGNORED_KEYS: tuple[str, ...] = ("loss", "seed", "logger", "retry", "backend.call_deadline_s", "resume",
+                                      "checkpoint", "run_name", "preflight.skip", "preflight.dir")
 
 #: What may differ between the runs of one paired experiment (eval.compare.config_differences).
 #: Unlike the two hashes above, compare sees the runs' recorded configs, which hold per-run paths

@@ -311,6 +311,10 @@ class TinkerBackendConfig:
     loss_path: str = "auto"
     # seconds to wait for the service to answer before failing (an unreachable or wrong TINKER_BASE_URL)
     connect_timeout_s: float = 10.0
+    # seconds a call may wait while no call of the run gets a successful reply; past it the step is redone
+    # from the last checkpoint with a new client (at most retry.max_attempts times in a row), then the run
+    # ends with an error. Keep it above the longest single call (a queued forward_backward)
+    call_deadline_s: float = 600.0
     # restoration gate: max |logprob diff| between fresh clients and across save -> restore (bf16 GPUs
     # serving separate clients agree to ~1e-2, not to the embedded engine's 1e-6)
     restore_tolerance: float = 0.02
@@ -321,6 +325,8 @@ class TinkerBackendConfig:
     def __post_init__(self) -> None:
         _in_set("loss_path", self.loss_path, LOSS_PATHS)
         _require(0 < self.connect_timeout_s <= 25, "connect_timeout_s", "must be in (0, 25]", self.connect_timeout_s)
+        _require(1 <= self.call_deadline_s <= 86400, "call_deadline_s", "must be in [1, 86400] seconds",
+                 self.call_deadline_s)
         _require(self.restore_tolerance > 0, "restore_tolerance", "must be > 0", self.restore_tolerance)
 
 
@@ -577,4 +583,14 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         except ConfigError as e:
             raise ConfigError(f"{key}.{e}") from None
     _check_top_level(cfg.advantage, cfg.seed)
+    _check_group_advantage(cfg.advantage, objects["schedule"].group_size)
     return objects
+
+
+def _check_group_advantage(advantage: str, group_size: int) -> None:
+    """A group-relative advantage subtracts the group's mean: a group of one sample gets advantage 0 on
+    every rollout, and the run would train nothing."""
+    if advantage != "none" and group_size < 2:
+        raise ConfigError(f"schedule.group_size={group_size} with advantage={advantage}: every advantage is the "
+                          "reward minus its group's mean, 0 for a group of one, so the run would train nothing; "
+                          "use schedule.group_size >= 2 (or advantage=none)")

@@ -47,6 +47,10 @@ class LossPath(ABC):
         #: the loss plugin (a `PolicyLoss`): its `anchor` and `kl_coef` say which extra inputs the datums need
         self.loss = loss
 
+    def rebind(self, service_client: Any) -> None:
+        """Bind the path to a new service client (the trainer's recovery replaces a lost one): nothing to do
+        for a loss that runs client-side."""
+
     @abstractmethod
     def prepare(self, minibatch: list) -> CustomLossCall:
         """What `forward_backward_custom` receives for this minibatch of datums (the input is not changed)."""
@@ -103,6 +107,10 @@ class OnePassLossPath(LossPath):
         if handle is None:
             raise ValueError(f"{type(service_client).__name__} has no create_custom_loss")
         return cls(loss, handle)
+
+    def rebind(self, service_client: Any) -> None:
+        """Register the loss again with the new client: a registered loss lives in its client's session."""
+        self.handle = type(self).register(self.loss, service_client).handle
 
     def prepare(self, minibatch: list) -> CustomLossCall:
         """tinker names the per-datum function's first argument `logprobs` (the current logprobs), the
