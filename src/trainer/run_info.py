@@ -64,6 +64,60 @@ def current_secrets() -> list[str]:
     return [v for k in SECRET_ENV_VARS if (v := os.environ.get(k)) and len(v) >= 4]
 
 
+def config_secrets(cfg: DictConfig) -> list[str]:
+    """The secrets a run must not write anywhere: the environment's (`current_secrets`) and the values under
+    secret-looking keys of the config (an override such as `+backend.api_key=...`), 4 characters or more
+    (a shorter value would be replaced inside unrelated text)."""
+    try:
+        d = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # noqa: BLE001 - a broken interpolation is reported by validation; read it as written
+        d = OmegaConf.to_container(cfg, resolve=False)
+    found: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if _is_secret_key(str(k)) and isinstance(v, (str, int)) and len(str(v)) >= 4:
+                    found.append(str(v))
+                else:
+                    walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(d)
+    return sorted(set(found + current_secrets()), key=len, reverse=True)
+
+
+def redact_argv(argv: list[str], secrets: list[str]) -> list[str]:
+    """Command-line arguments with secret values replaced: `key=value` overrides whose key looks secret,
+    and any known secret inside an argument."""
+    out = []
+    for a in argv:
+        key, eq, _ = a.partition("=")
+        if eq and _is_secret_key(key.lstrip("+~").rsplit(".", 1)[-1]):
+            a = f"{key}=<redacted>"
+        out.append(redact(a, secrets))
+    return out
+
+
+def redact_hydra_record(run_dir: Path, sweep_dir: Path | None, secrets: list[str]) -> None:
+    """Rewrite Hydra's own record of the invocation (`<run>/.hydra/*.yaml`, `<sweep>/multirun.yaml`) with the
+    secrets replaced, as config.yaml has them: Hydra writes the composed config and the overrides as given
+    before the task runs."""
+    if not secrets:
+        return
+    files = sorted((run_dir / ".hydra").glob("*.yaml")) + ([sweep_dir / "multirun.yaml"] if sweep_dir else [])
+    for f in files:
+        try:
+            text = f.read_text()
+        except OSError:
+            continue
+        clean = redact(text, secrets)
+        if clean != text:
+            atomic_write_text(f, clean)
+
+
 def resolved_config_dict(cfg: DictConfig) -> dict:
     d = OmegaConf.to_container(cfg, resolve=True)
     d.pop("hydra", None)

@@ -19,9 +19,11 @@ import json
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
+from trainer.run_info import current_secrets, redact_argv
 from trainer.utils.io import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,18 @@ def run_id(run_dir: Path, prefix: str = "pairedrl") -> str:
 
 
 def resolve_mode(mode: str) -> str:
+    """The mode passed to `wandb.init`. `WANDB_MODE=offline` (or `disabled`) in the environment wins over
+    any configured mode: wandb.init's own `mode` argument would otherwise override it, and a key in
+    `WANDB_API_KEY` would take `auto` online on a machine the user meant to keep offline. Otherwise `auto`
+    follows `WANDB_MODE` when set, else goes online only with a key."""
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if env in ("offline", "dryrun"):
+        return "offline"
+    if env == "disabled":
+        return "disabled"
     if mode == "auto":
+        if env == "online":
+            return "online"
         return "online" if os.environ.get("WANDB_API_KEY") else "offline"
     return mode
 
@@ -59,13 +72,20 @@ class WandbRun:
         loss = (config_dict.get("loss") or {}).get("name")
         # arm / loss / seed at the top level, so wandb's grouping and filters can use them directly
         config = {**config_dict, "arm": run_name, "loss_name": loss, "seed": config_dict.get("seed")}
-        self.run = wandb.init(project=lc.project, entity=lc.entity, group=group, name=run_name,
-                              id=run_id(self.run_dir), dir=str(self.run_dir), mode=resolve_mode(lc.mode),
-                              config=config, job_type="train", tags=[f"loss:{loss}"],
-                              resume="allow" if resume else None,
-                              # several runs may live in one process (the preflight pilot, tests):
-                              # each init makes its own run and leaves the others alone
-                              reinit="create_new")
+        # wandb records the command line (sys.argv, read during init) in the run's metadata, which `wandb
+        # sync` uploads: it sees the arguments with their secrets redacted, as config.yaml holds them
+        argv = sys.argv
+        sys.argv = [argv[0], *redact_argv(argv[1:], current_secrets())] if argv else argv
+        try:
+            self.run = wandb.init(project=lc.project, entity=lc.entity, group=group, name=run_name,
+                                  id=run_id(self.run_dir), dir=str(self.run_dir), mode=resolve_mode(lc.mode),
+                                  config=config, job_type="train", tags=[f"loss:{loss}"],
+                                  resume="allow" if resume else None,
+                                  # several runs may live in one process (the preflight pilot, tests):
+                                  # each init makes its own run and leaves the others alone
+                                  reinit="create_new")
+        finally:
+            sys.argv = argv
         self.run.define_metric("step")
         for pattern in _STEP_AXIS_KEYS:
             self.run.define_metric(pattern, step_metric="step")
