@@ -16,16 +16,37 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.parametrize(("bf16", "speedup", "choice"), [
+    ({"decode": 0.5, "train": 2.0}, 2.0, "bfloat16"),
+    # at the threshold, and each precision's faster training product (packed for fp32, plain here)
+    ({"decode": 1.0, "train": 3.0, "train_packed": 3.5}, 1.25, "bfloat16"),
+    # faster, but not by MIN_SPEEDUP (with fp32's slower plain product it would have been 7 / 4.25 = 1.65)
+    ({"decode": 1.0, "train": 3.25}, 5.0 / 4.25, "float32"),
+    ({"decode": 2.0, "train": 8.0}, 0.5, "float32"),
+])
+def test_choice_picks_bf16_only_where_it_is_clearly_faster(bf16, speedup, choice):
+    """`choose` on hand-made timings (seconds per sample, lower is faster): the decode product plus the
+    faster training product of each precision, bf16 where fp32 takes MIN_SPEEDUP times as long or more.
+    Checked here and not on a measurement, whose outcome is fixed by the CPU the suite runs on."""
+    fp32 = {"decode": 1.0, "train": 6.0, "train_packed": 4.0}  # 1 + 4 = 5
+    assert precision.MIN_SPEEDUP == 1.25
+    got_choice, got_speedup = precision.choose({"float32": fp32, "bfloat16": bf16})
+    assert got_choice == choice and got_speedup == pytest.approx(speedup, rel=1e-12)
+
+
 def test_measured_choice_follows_the_cpus_bf16_instructions(cache_dir):
-    """Where the CPU has AMX, bf16 GEMMs are several times faster and `auto` must pick them; where it has
-    neither AVX512_BF16 nor AMX, torch's bf16 fallback is slower than fp32 and `auto` must not."""
+    """A real measurement: where the CPU has AMX, bf16 GEMMs are several times faster and `auto` must pick
+    them; with AVX512_BF16 (its bf16 dot products do twice fp32's multiply-adds per instruction) bf16 is
+    faster than fp32; with neither, torch's bf16 fallback is slower than fp32 and `auto` must not pick it."""
     seconds = precision.measure()
     choice, speedup = precision.choose(seconds)
     assert all(t > 0 for kinds in seconds.values() for t in kinds.values())
     flags = precision.cpu_flags()
     if "amx_bf16" in flags:
         assert (choice, speedup > 2) == ("bfloat16", True), seconds  # ~4.5-5x measured
-    elif not flags:
+    elif "avx512_bf16" in flags:
+        assert speedup > 1, seconds  # ~1.9-2x measured (AMD Zen 4)
+    else:
         assert (choice, speedup < 1) == ("float32", True), seconds
 
 
