@@ -404,3 +404,25 @@ def test_cli_prints_the_verdict_lines_notes_and_paths(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the baseline 'cispo'" in err and "['dppo', 'grpo']" in err
     assert (sweep / "compare.json").read_bytes() == old
+
+
+def test_wandb_compare_run_carries_each_verdict_with_its_scope(tmp_path, monkeypatch):
+    """The compare run (wandb offline, the real library) holds the headline and the scope of each verdict in
+    its summary, and the verdict table's rows carry the scope column of the rule."""
+    from wandb_records import offline_runs
+
+    from eval.wandb_log import log_compare
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    sweep, _ = make_sweep(tmp_path, seeds=(0, 1), overrides=("logger=wandb", "logger.mode=offline"))
+    res = compare([sweep], n_bootstrap=0, make_plots=False)
+    log_compare(res)
+    (cr,) = offline_runs(sweep)
+    assert cr.summary["compare/headline/dppo"] == res["headline"]
+    assert cr.summary["compare/headline/dppo"].startswith(f"{res['verdict']} (this training procedure): dppo vs grpo")
+    assert cr.summary["compare/verdict_scope/dppo"] == "across_seeds" == cr.summary["compare/verdict_scope"]
+    (row,) = [h for h in cr.history if "compare/verdict" in h]
+    table = cr.table(row["compare/verdict"])
+    assert [v["scope"] for v in table] == ["seed 0", "seed 1", "combined"]
+    assert table[-1]["verdict_scope"] == "across_seeds" and table[-1]["verdict"] == res["verdict"]
+    assert table[0]["verdict"] is None  # one seed pair has no verdict under a seed-level rule

@@ -50,6 +50,10 @@ def arms_wandb_settings(result: dict[str, Any]) -> dict[str, Any] | None:
     return found[0]
 
 
+# the verdict's columns even where a row has none (one seed pair under a seed-level rule has no verdict)
+_ALWAYS = ("verdict", "method", "verdict_scope", "verdict_about")
+
+
 def verdict_rows(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     """The verdict table: one row per seed, then the combined result; columns are the scalars they have."""
     per_seed = list(result.get("per_seed", []))
@@ -60,7 +64,7 @@ def verdict_rows(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     cols: list[str] = []
     # the per-seed rows' statistics (the combined result also holds run-level strings: paths, the rule)
     for r in per_seed or [result]:
-        cols += [k for k, v in r.items() if (is_scalar(v) or k in ("verdict", "method")) and k not in cols]
+        cols += [k for k, v in r.items() if (is_scalar(v) or k in _ALWAYS) and k not in cols]
     return ["scope", *cols], [[label, *[table_cell(r.get(c)) for c in cols]] for label, r in scopes]
 
 
