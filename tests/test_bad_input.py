@@ -60,7 +60,12 @@ CASES = [
      None, "train.jsonl:1"),
     ("eval larger than test set", ["eval.n_examples=100000"], None, "100000"),
     ("resume=true without a checkpoint", ["resume=true"], None, "holds no checkpoint.json"),
+    ("empty train set", lambda t: ["env=gsm8k", f"env.source={_gsm_dir(t, '')}"], None, "the train set is empty"),
+    ("group of one with a group advantage", ["advantage=group_mean", "schedule.group_size=1"], None,
+     "schedule.group_size=1 with advantage=group_mean"),
 ]
+# the cases refused by the project's own checks: one line on stderr, exit code 2, no traceback
+ONE_LINE = {"empty train set", "group of one with a group advantage", "resume=true without a checkpoint"}
 RUN_CASES = [
     ("corrupt checkpoint json", lambda r: (r / "checkpoint.json").write_text("{not json"), "checkpoint"),
     ("truncated checkpoint json", lambda r: (r / "checkpoint.json").write_text(
@@ -72,6 +77,18 @@ RUN_CASES = [
     ("corrupt metrics mid-file", lambda r: (r / "metrics.jsonl").write_text(
         "garbage\n" + (r / "metrics.jsonl").read_text()), "metrics.jsonl:1"),
     ("checkpoint of another config", None, "different config"),
+    # a resume redoes only the steps after the checkpoint: rows of the steps before it must all be there
+    ("metrics.jsonl deleted", lambda r: (r / "metrics.jsonl").unlink(), "holds 0 of the 2 update rows"),
+    ("metrics row of a checkpointed step torn", lambda r: (r / "metrics.jsonl").write_bytes(
+        (r / "metrics.jsonl").read_bytes()[:-40]), "missing global_update 1"),
+    ("rollouts.jsonl deleted", lambda r: (r / "rollouts.jsonl").unlink(), "rollouts.jsonl holds no row of step(s) 0"),
+    ("run_info.json missing", lambda r: (r / "run_info.json").unlink(), "run_info.json is missing"),
+    # what a run started where `auto` resolved to bf16 records (the config pins nothing else here)
+    ("precision resolves differently", lambda r: (r / "run_info.json").write_text(json.dumps({
+        **json.loads((r / "run_info.json").read_text()),
+        "precision": {"sampler_dtype": "bfloat16", "train_dtype": "bfloat16"}})),
+     "the run started at sampler bfloat16, training bfloat16 (run_info.json), but the engine now resolves to "
+     "sampler float32, training float32"),
 ]
 
 
@@ -91,6 +108,9 @@ def test_bad_input_fails_clearly(tmp_path, monkeypatch, train_in_process, name, 
     assert code != 0, name
     assert needle in out, (name, out[-2000:])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    if name in ONE_LINE:
+        assert code == 2 and "Traceback" not in out, (name, out[-2000:])
+        assert out.strip().splitlines()[-1].startswith("error: "), (name, out[-2000:])
 
 
 @pytest.mark.parametrize("name,setup,needle", RUN_CASES, ids=[c[0] for c in RUN_CASES])
@@ -104,8 +124,9 @@ def test_bad_run_folder_fails_and_is_untouched(tmp_path, train_in_process, done_
         extra.append("optimizer.lr=0.5")  # a different config than the one that wrote the checkpoint
     before = _snapshot(run)
     code, out = train_in_process([*TINY, "eval=none", *extra, f"hydra.run.dir={run}"], tmp_path)
-    assert code != 0, name
+    assert code == 2, (name, out[-2000:])
     assert needle in out, (name, out[-2000:])
+    assert "Traceback" not in out, (name, out[-2000:])
     assert _snapshot(run) == before
 
 

@@ -157,3 +157,92 @@ def test_an_error_after_the_call_was_applied_is_recovered_from_the_checkpoint(
     assert [(r["step"], r["update"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [r["global_update"] for r in rows] == [0, 1, 2, 3]
     assert_same_run(ref, run)
+
+
+def test_a_call_past_the_deadline_is_given_up_as_a_lost_client():
+    """backend.call_deadline_s: a call that gets no reply (a server that died: the SDK would retry without
+    end) is given up once no call of the run has had a successful reply for the deadline, raising
+    ClientLostError, which is not resent in place; a call waiting behind others while replies keep
+    arriving is not given up; an awaited request given up is cancelled."""
+    import asyncio
+    import threading
+    import time
+
+    from trainer.backends.errors import ClientLostError, is_retryable
+    from trainer.retry import RetryPolicy
+
+    retry = RetryPolicy(max_attempts=3, backoff_s=0.0, deadline_s=0.6, tick_s=0.05)
+    calls, hang = [], threading.Event()
+
+    def dead_server():
+        calls.append(1)
+        hang.wait(30)  # released at the end of the test
+
+    t0 = time.monotonic()
+    with pytest.raises(ClientLostError, match="backend.call_deadline_s"):
+        retry.call("optim_step", dead_server)
+    assert 0.5 < time.monotonic() - t0 < 5 and len(calls) == 1
+    assert not is_retryable(ClientLostError("x"))
+    assert retry.call("get_info", lambda: "ok") == "ok"  # a live server: no deadline in the way
+
+    async def batch():
+        """A slow request (1.5 s, past the deadline) among fast ones that keep succeeding, then a dead one."""
+        async def fast():
+            await asyncio.sleep(0.1)
+            return "fast"
+
+        async def slow():
+            await asyncio.sleep(1.5)
+            return "slow"
+
+        async def keep_replying():
+            for _ in range(20):
+                await retry.acall("sample", fast)
+
+        got = await asyncio.gather(retry.acall("sample", slow), keep_replying())
+        assert got[0] == "slow"
+        never = asyncio.get_running_loop().create_future()
+        with pytest.raises(ClientLostError):
+            await retry.acall("sample", lambda: never)
+        await asyncio.sleep(0)
+        assert never.cancelled()
+
+    asyncio.run(batch())
+    hang.set()
+
+
+def test_a_lost_client_is_recovered_from_the_checkpoint_not_refused():
+    """A 404 on a model, sampler or future the run created (the server restarted or dropped it) and a call
+    past the deadline are a lost client: the loop's one wrapper, for training and sampling calls alike,
+    redoes the step from the checkpoint; a request the backend refuses ends the run with one line; an
+    error of our own propagates as it is."""
+    import httpx
+    import tinker
+
+    from trainer.backends.errors import BackendRequestError, ClientLostError, USER, classify, is_lost, is_retryable
+    from trainer.loop import RLLoop, _ClientFailure
+
+    req = httpx.Request("POST", "http://127.0.0.1:1/api/v1/asample")
+
+    def status(code: int) -> Exception:
+        return tinker.APIStatusError("x", response=httpx.Response(code, request=req), body=None)
+
+    def future_gone() -> Exception:  # the SDK's error for a future the server no longer knows
+        try:
+            raise ValueError("Error retrieving result: unknown request_id with status 404") from status(404)
+        except ValueError as e:
+            return e
+
+    lost = [status(404), future_gone(), ClientLostError("no successful reply")]
+    for exc in lost:
+        assert is_lost(exc) and not is_retryable(exc), exc
+    assert classify(status(404)) == USER  # a 404 on what the user named (a base model, a path) stays USER
+    for exc in (status(400), status(401), status(500), ValueError("datum[0] has no target_tokens")):
+        assert not is_lost(exc), exc
+    loop = RLLoop.__new__(RLLoop)
+    for what in ("sample", "forward_backward", "step-end eval at step 2"):
+        for exc in lost:
+            assert isinstance(loop._backend_failure(what, exc), _ClientFailure), (what, exc)
+        assert isinstance(loop._backend_failure(what, status(400)), BackendRequestError)
+        own = ValueError("bad datum")
+        assert loop._backend_failure(what, own) is own

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -133,3 +134,41 @@ def test_resume_redoes_a_periodic_eval_killed_after_its_checkpoint_and_a_foreign
     assert [(r["step"], r["update"]) for r in rows] == [(s, u) for s in range(3) for u in range(2)]
 
 
+def test_logs_missing_rows_of_checkpointed_steps_are_refused(tmp_path):
+    """A resume redoes only the steps after the checkpoint: a log missing a row of a step before it (a deleted
+    file, a lost or torn row) is refused, naming what is missing, and nothing is modified; a torn row of a
+    step after it is repaired by the resume as before."""
+    from dataclasses import asdict
+
+    from trainer.checkpoint import CheckpointInfo, ResumeError, check_resumable
+
+    def write(metrics: list[dict], rollouts_text: str) -> None:
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+        (tmp_path / "rollouts.jsonl").write_text(rollouts_text)
+
+    ck = CheckpointInfo(tinker_path="tinker://x/step000002", step=2, optim_steps=4, data_cursor=4, config_hash="h")
+    (tmp_path / "checkpoint.json").write_text(json.dumps(asdict(ck)))
+    metrics = [{"step": s, "update": u, "global_update": 2 * s + u} for s in range(3) for u in range(2)]
+    roll = "".join(json.dumps({"step": s, "group": g, "completion": '"step": 0'}) + "\n"
+                   for s in range(3) for g in range(2))
+    write(metrics, roll)
+    assert check_resumable(tmp_path, "h", rollouts_per_step=2).step == 2
+    write(metrics, roll + '{"step": 2, "gro')  # torn row after the checkpoint: repaired on resume
+    assert check_resumable(tmp_path, "h", rollouts_per_step=2).step == 2
+
+    cases = [
+        (metrics[:2] + metrics[3:], roll, "holds 3 of the 4 update rows of the 2 steps before the checkpoint "
+                                          "(missing global_update 2)"),
+        ([], roll, "holds 0 of the 4 update rows"),
+        (metrics, "", "rollouts.jsonl holds no row of step(s) 0, 1"),
+        (metrics, "".join(line + "\n" for line in roll.splitlines()[:3]) + '{"step": 1, "group": 1, "compl',
+         "may be a row of step 1, before the checkpoint (step 2)"),
+    ]
+    for m, r, needle in cases:
+        write(m, r)
+        before = ((tmp_path / "metrics.jsonl").read_bytes(), (tmp_path / "rollouts.jsonl").read_bytes())
+        with pytest.raises(ResumeError, match=re.escape(needle)):
+            check_resumable(tmp_path, "h", rollouts_per_step=2)
+        assert ((tmp_path / "metrics.jsonl").read_bytes(), (tmp_path / "rollouts.jsonl").read_bytes()) == before
+    write(metrics, "")  # a run that logs no rollouts: nothing expected there
+    assert check_resumable(tmp_path, "h", rollouts_per_step=0).step == 2
