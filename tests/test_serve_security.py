@@ -133,6 +133,22 @@ def test_graph_with_a_refused_method_argument_or_op_is_refused(node):
         wire.rebuild_graph(_graph(node["target"], node["args"], op=node["op"], kwargs=node.get("kwargs")))
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "conf" / "loss").glob("*.yaml")))
+@pytest.mark.parametrize("extra", [[], ["loss.kl_coef=0.1"]], ids=["", "kl"])
+def test_every_project_loss_traced_by_the_sdk_is_accepted(name, extra):
+    """The tables are closed, so they must hold what the project's own one-pass losses call."""
+    from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
+
+    from trainer.config.compose import compose_config
+    from trainer.losses.build import build_loss
+    from trainer.losses.per_datum import make_per_datum_fn
+
+    cfg = compose_config([f"loss={name}", "loss.aggregation=sum", *extra])
+    per_datum = make_per_datum_fn(build_loss(cfg.loss))
+    graph = encode_graph(trace_loss(per_datum.fn, per_datum.input_ranks, "s"))
+    wire.rebuild_graph(graph)
+
+
 def test_the_tables_hold_function_objects_of_allowed_modules_only():
     for name, fn in FUNCTIONS.items():
         assert callable(fn), name

@@ -72,7 +72,8 @@ _TORCH = (
 
 METHODS: frozenset[str] = frozenset({
     "abs", "add", "all", "amax", "amin", "any", "argmax", "argmin", "bool", "ceil", "clamp", "clamp_max",
-    "clamp_min", "clip", "cumsum", "detach", "dim", "div", "double", "eq", "exp", "expm1", "flatten",
+    "clamp_min", "clip", "cumsum", "detach", "dim", "div", "double", "eq", "exp", "expand_as", "expm1", "flatten",
+    "maximum", "minimum", "logaddexp", "masked_select",
     "flip", "float", "floor", "gather", "ge", "gt", "half", "bfloat16", "index_select", "int", "isfinite",
     "isnan", "le", "log", "log1p", "log_softmax", "logsumexp", "long", "lt", "masked_fill", "max", "mean",
     "min", "mul", "ne", "neg", "nelement", "numel", "permute", "pow", "prod", "reciprocal", "reshape",
