@@ -46,25 +46,30 @@ def smol(request, tmp_path_factory):
     sc.close()
 
 
-SEEDED = types.SamplingParams(max_tokens=48, temperature=1.0, seed=1234, stop=[])
-GREEDY = types.SamplingParams(max_tokens=48, temperature=0.0, stop=[])
+def _params(T: int) -> tuple[types.SamplingParams, types.SamplingParams]:
+    """The two probes' settings at T tokens each: seeded sampling and greedy."""
+    return (types.SamplingParams(max_tokens=T, temperature=1.0, seed=1234, stop=[]),
+            types.SamplingParams(max_tokens=T, temperature=0.0, stop=[]))
 
 
-def _crowd(scl, prompts):
-    """The two probe requests (seeded x4 and greedy x1, at positions 3 and 6) among six others of other
-    lengths and settings: seeded, unseeded, top-p / top-k, prompt logprobs, and 32 short samples, so the
-    batch starts at 56 rows and shrinks to 24 after 6 tokens."""
-    others = [(2, types.SamplingParams(max_tokens=20, temperature=0.8, seed=7, stop=[], top_p=0.9)),
-              (3, types.SamplingParams(max_tokens=48, temperature=1.0, stop=[])),
-              (1, types.SamplingParams(max_tokens=30, temperature=1.0, seed=5, top_k=20, stop=[])),
-              (32, types.SamplingParams(max_tokens=6, temperature=1.0, seed=9, stop=[])),
-              (1, GREEDY),
-              (5, types.SamplingParams(max_tokens=40, temperature=0.7, seed=3, stop=[]))]
+def _crowd(scl, prompts, T: int):
+    """The two probe requests (seeded x4 and greedy x1, T tokens, at positions 3 and 6) among six others of
+    other lengths and settings: seeded, unseeded, top-p / top-k, prompt logprobs, and a burst of short
+    samples, so the batch changes its rows five times before the probes end (at T = 48: starts at 56 rows,
+    24 after 6 tokens)."""
+    seeded, greedy = _params(T)
+    short = 32 if T >= 48 else 16
+    others = [(2, types.SamplingParams(max_tokens=T * 5 // 12, temperature=0.8, seed=7, stop=[], top_p=0.9)),
+              (3, types.SamplingParams(max_tokens=T, temperature=1.0, stop=[])),
+              (1, types.SamplingParams(max_tokens=T * 5 // 8, temperature=1.0, seed=5, top_k=20, stop=[])),
+              (short, types.SamplingParams(max_tokens=max(2, T // 8), temperature=1.0, seed=9, stop=[])),
+              (1, greedy),
+              (5, types.SamplingParams(max_tokens=T * 5 // 6, temperature=0.7, seed=3, stop=[]))]
 
     async def go():
         calls = [scl.sample(prompts[i + 1], n, p, include_prompt_logprobs=i == 4) for i, (n, p) in enumerate(others)]
-        calls.insert(3, scl.sample(prompts[0], 4, SEEDED))
-        calls.insert(6, scl.sample(prompts[1], 1, GREEDY))
+        calls.insert(3, scl.sample(prompts[0], 4, seeded))
+        calls.insert(6, scl.sample(prompts[1], 1, greedy))
         return await asyncio.gather(*calls)
 
     out = asyncio.run(go())
@@ -79,12 +84,16 @@ def _same(a: types.SampleResponse, b: types.SampleResponse) -> None:
 
 
 @needs_smollm2
-def test_seeded_and_greedy_requests_are_batch_invariant(smol):
+# the quick suite runs a shorter crowd (12 tokens, 16 short samples: the same five changes of the batch's
+# rows, a third of the decode steps); the slow suite the full one
+@pytest.mark.parametrize("T", [12, pytest.param(48, marks=pytest.mark.slow)])
+def test_seeded_and_greedy_requests_are_batch_invariant(smol, T):
     sc, scl, prompts = smol
-    alone = scl.sample(prompts[0], 4, SEEDED).result()
-    alone_greedy = scl.sample(prompts[1], 1, GREEDY).result()
+    seeded, greedy = _params(T)
+    alone = scl.sample(prompts[0], 4, seeded).result()
+    alone_greedy = scl.sample(prompts[1], 1, greedy).result()
     before = sc.sample_batches_run
-    crowd_seeded, crowd_greedy = _crowd(scl, prompts)
+    crowd_seeded, crowd_greedy = _crowd(scl, prompts, T)
     assert sc.sample_batches_run - before == 1  # all eight requests really ran as one batch
     _same(alone, crowd_seeded)
     _same(alone_greedy, crowd_greedy)
