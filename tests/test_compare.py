@@ -321,7 +321,7 @@ def test_sweep_structure_errors(tmp_path):
     # treatment == baseline, and a run of a third loss name
     with pytest.raises(CompareError, match="both 'grpo'"):
         compare([sweep], treatment="grpo", baseline="grpo", make_plots=False)
-    with pytest.raises(CompareError, match="no run has the treatment loss 'ppo'"):
+    with pytest.raises(CompareError, match="no run has the treatment arm 'ppo'"):
         compare([sweep / "0", sweep / "2"], treatment="ppo", make_plots=False)
     assert not (sweep / "compare.json").exists()
 

@@ -700,3 +700,69 @@ def test_false_positive_rates_under_seed_noise_and_the_default_rule_holds_alpha(
     assert rate[default] <= 0.025 + 3 * se, rate
     assert rate["mcnemar_exact"] > 0.15 and rate["paired_bootstrap"] > 0.15, rate  # item-level: seed luck
     assert excl_two_level / n_sweeps > 0.025 + 3 * se  # why the two-level bootstrap has no verdict
+
+
+# ----------------------------------------------------------------------------- arms differing in one other switch
+def _switch_sweep(root, key: str, values: dict[str, np.ndarray], baseline: str | None, name="sweep",
+                  extra=()):
+    """One run per (value of `key`, seed), the loss grpo everywhere: `python train.py --multirun key=a,b
+    seed=...` with decision.baseline='key=a' (quoted: the value holds an '=')."""
+    sweep = root / name
+    sweep.mkdir()
+    base = (f"decision.baseline='{baseline}'",) if baseline else ()
+    for job, ((value, seed), correct) in enumerate(sorted(values.items())):
+        run = make_run(sweep / str(job), "grpo", seed, correct, overrides=(f"{key}={value}", *base, *extra))
+        _rewrite_metrics(run, 0.0, shift=float(value))  # the arms trained differently (no rule fired)
+    return sweep
+
+
+def test_arms_may_differ_in_one_other_config_switch(tmp_path, capsys):
+    """`--multirun schedule.updates_per_batch=2,8 seed=0,1,2`: the arms are the two values, the baseline is
+    named `schedule.updates_per_batch=2`, and the verdict reads like a loss comparison's."""
+    rng = np.random.default_rng(16)
+    arms = {}
+    for s in (0, 1, 2):
+        arms["8", s], arms["2", s] = _with_gap(200, 60, 30 + 2 * s, rng)
+    key = "schedule.updates_per_batch"
+    sweep = _switch_sweep(tmp_path, key, arms, f"{key}=2")
+    out = compare([sweep], n_bootstrap=0, make_plots=False)
+    assert out["switch"] == key and out["baseline"] == f"{key}=2" and out["treatments"] == [f"{key}=8"]
+    assert out["decision"]["method"] == "seed_t" and out["verdict"] == "validated"
+    assert out["estimate"] == pytest.approx(np.mean([0.15, 0.16, 0.17]))
+    assert out["headline"].startswith(f"validated (this training procedure): {key}=8 vs {key}=2")
+    assert {a["arm"] for a in out["arms"]} == {f"{key}={v}_seed{s}" for v in ("2", "8") for s in (0, 1, 2)}
+    # a switch other than the loss acts without any rule firing: fractions at 0 do not make it inert,
+    # identical training rows do
+    assert not out["activity"]["inert"] and all(x["rule_fractions_all_zero"] for x in out["activity"]["per_seed"])
+    same = _switch_sweep(tmp_path, key, arms, f"{key}=2", name="same")
+    for run in same.iterdir():
+        if run.is_dir():
+            _rewrite_metrics(run, 0.0)
+    assert compare([same], n_bootstrap=0, make_plots=False)["verdict"] == "inert"
+    # the baseline may be named by its value, matched as a number (2e-4 names 0.0002)
+    lr = {("0.0002", 0): arms["2", 0], ("0.0002", 1): arms["2", 1], ("0.001", 0): arms["8", 0],
+          ("0.001", 1): arms["8", 1]}
+    lr_sweep = _switch_sweep(tmp_path, "optimizer.lr", lr, "optimizer.lr=2e-4", name="lr")
+    res = compare([lr_sweep], n_bootstrap=0, make_plots=False)
+    assert res["switch"] == "optimizer.lr" and res["baseline"] == "optimizer.lr=0.0002"
+
+    # bad input, one line each, exit 2, nothing written: a baseline naming no arm, two switches at once,
+    # an A/A sweep of another value of the switch
+    nobase = _switch_sweep(tmp_path, key, arms, None, name="nobase")
+    assert main([str(nobase), "--no-plots", "--no-wandb"]) == 2
+    err = capsys.readouterr().err
+    assert "the baseline 'grpo' (decision.baseline / --baseline) names no arm" in err and str(nobase / "0") in err
+    assert f"decision.baseline='{key}=<value>'" in err and err.count("\n") == 1
+    two = _switch_sweep(tmp_path, key, {("2", 0): arms["2", 0], ("8", 0): arms["8", 0]}, f"{key}=2", name="two")
+    cfg = yaml.safe_load((two / "1" / "config.yaml").read_text())
+    cfg["optimizer"]["lr"] = 0.5
+    (two / "1" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert main([str(two), "--no-plots", "--no-wandb"]) == 2
+    err = capsys.readouterr().err
+    assert "the runs differ in 2 config keys, not one switch" in err and "optimizer.lr" in err and key in err
+    aa = _switch_sweep(tmp_path, key, {("4", s): arms["2", s] for s in (0, 1, 2)}, f"{key}=2", name="aa")
+    assert compare([aa], n_bootstrap=0, make_plots=False)["mode"] == "aa"
+    with pytest.raises(CompareError, match=rf"--aa .*aa: its runs \(0, 1, 2\) are the arm '{key}=4', none of"):
+        compare([sweep], aa=aa, n_bootstrap=0, make_plots=False, out=tmp_path / "with_aa")
+    assert not (nobase / "compare.json").exists() and not (two / "compare.json").exists()
+    assert not (tmp_path / "with_aa").exists()

@@ -1,8 +1,10 @@
 """`python -m eval.compare <sweep> | <run_a> <run_b> [--aa <A/A sweep>]`: the paired verdict of the arms.
 
 Finds the runs (numbered subfolders of a sweep, or two run folders), checks that they are one
-paired experiment (same items, configs equal outside the `loss` group and the per-run keys in
-IGNORED_CONFIG_KEYS), pairs each treatment with the baseline by seed and by item index, decides
+paired experiment (same items, configs equal outside the arms' switch and the per-run keys in
+IGNORED_CONFIG_KEYS; the switch is the loss, or the one other key whose value differs, e.g.
+`schedule.updates_per_batch`, with the baseline named `key=value`), pairs each treatment with the
+baseline by seed and by item index, decides
 with the runs' pre-registered `decision` rule (Holm-adjusted over several treatments; the other
 methods are reported as secondary), and writes `compare.json`, `compare.md` and
 `compare_plots/*.png` into the output folder, and prints the verdict lines (scope, estimate, the rule's
@@ -81,10 +83,16 @@ class Run:
     eval_name: str
     job: str | None = None
     records: list[dict[str, Any]] = field(default_factory=list)
+    switch_value: str | None = None  # `key=value` when the arms differ in a switch other than the loss
+
+    @property
+    def key(self) -> str:
+        """The arm this run belongs to: its loss, or `key=value` of the sweep's switch (find_switch)."""
+        return self.switch_value or self.loss
 
     @property
     def arm(self) -> str:
-        return f"{self.loss}_seed{self.seed}"
+        return f"{self.key}_seed{self.seed}"
 
     @property
     def eval_file(self) -> Path:
@@ -196,24 +204,26 @@ def config_differences(a: dict[str, Any], b: dict[str, Any],
     return diffs
 
 
-def check_configs(runs: list[Run], roles: dict[str, str]) -> list[str]:
-    """Differences outside the ignore list, and between the loss groups of one arm's seeds."""
+def check_configs(runs: list[Run], roles: dict[str, str], switch: str = "loss") -> list[str]:
+    """Differences outside the ignore list (and the sweep's switch), and between the loss groups of one arm's
+    seeds."""
     ref = runs[0]
     found: list[str] = []
+    ignore = IGNORED_CONFIG_KEYS + (() if switch == "loss" else (switch,))
     for r in runs[1:]:
-        for key, va, vb in config_differences(ref.config, r.config):
+        for key, va, vb in config_differences(ref.config, r.config, ignore):
             found.append(f"{key}: {va!r} ({ref.arm}, {ref.path}) vs {vb!r} ({r.arm}, {r.path})")
     for loss, role in roles.items():
-        same = [r for r in runs if r.loss == loss]
+        same = [r for r in runs if r.key == loss]
         for r in same[1:]:
             for key, va, vb in config_differences(same[0].config["loss"], r.config["loss"], ignore=()):
                 found.append(f"loss.{key}: {va!r} ({same[0].arm}) vs {vb!r} ({r.arm}): the {role} arm's "
                              "loss differs between seeds")
     # keys both loss configs have, other than the loss's identity, are settings the arms must share (the
     # token aggregation also decides the one-pass vs two-pass path): only the loss function may differ
-    b = next((r for r in runs if roles[r.loss] == "baseline"), None)
+    b = next((r for r in runs if roles[r.key] == "baseline"), None)
     for loss in (x for x in roles if roles[x] == "treatment" and b is not None):
-        t = next(r for r in runs if r.loss == loss)
+        t = next(r for r in runs if r.key == loss)
         shared = (set(t.config["loss"]) & set(b.config["loss"])) - {"name", "_target_"}
         for key, va, vb in config_differences({k: t.config["loss"][k] for k in shared},
                                               {k: b.config["loss"][k] for k in shared}, ignore=()):
@@ -249,13 +259,13 @@ def pair_by_seed(runs: list[Run], losses: list[str]) -> dict[int, dict[str, Run]
     """{seed: {loss: run}} for the arms `losses`; exactly one run per (arm, seed), every arm at every seed."""
     by_key: dict[tuple[str, int], Run] = {}
     for r in runs:
-        if r.loss not in losses:
-            raise CompareError(f"run {r.path} has loss '{r.loss}', neither the treatment "
+        if r.key not in losses:
+            raise CompareError(f"run {r.path} is arm '{r.key}', neither the treatment "
                                f"'{'/'.join(losses[1:])}' nor the baseline '{losses[0]}' (set --treatment/--baseline)")
-        if (r.loss, r.seed) in by_key:
-            raise CompareError(f"two runs of arm {r.arm}: {by_key[(r.loss, r.seed)].path} and {r.path}; "
-                               "compare needs exactly one run per (loss, seed)")
-        by_key[(r.loss, r.seed)] = r
+        if (r.key, r.seed) in by_key:
+            raise CompareError(f"two runs of arm {r.arm}: {by_key[(r.key, r.seed)].path} and {r.path}; "
+                               "compare needs exactly one run per (arm, seed)")
+        by_key[(r.key, r.seed)] = r
     pairs: dict[int, dict[str, Run]] = {}
     for seed in sorted({r.seed for r in runs}):
         have = {loss: by_key[(loss, seed)] for loss in losses if (loss, seed) in by_key}
@@ -266,6 +276,66 @@ def pair_by_seed(runs: list[Run], losses: list[str]) -> dict[int, dict[str, Run]
                                    "a seed present in one arm only cannot be paired")
         pairs[seed] = have
     return pairs
+
+
+# ----------------------------------------------------------------------------- the arms' switch
+def find_switch(runs: list[Run]) -> str | None:
+    """What tells the arms apart: `loss` when the runs have several losses (the default switch), else the one
+    config key whose value differs between them (e.g. `schedule.updates_per_batch`, `optimizer.lr`), whose
+    runs then get `switch_value` = `key=value`; None when no key differs (an A/A sweep). Two differing keys
+    with one loss are two switches at once: refused, naming the keys and runs (a comparison answers one
+    question)."""
+    if len({r.loss for r in runs}) > 1:
+        return "loss"
+    ref = runs[0]
+    keys: dict[str, list[Run]] = {}
+    for r in runs[1:]:
+        for key, _, _ in config_differences(ref.config, r.config):
+            keys.setdefault(key, []).append(r)
+    if not keys:
+        return None
+    if len(keys) > 1:
+        shown = "; ".join(f"{k} ({ref.path.name}: {flatten(ref.config).get(k)!r}, "
+                          + ", ".join(f"{r.path.name}: {flatten(r.config).get(k)!r}" for r in rs[:3]) + ")"
+                          for k, rs in sorted(keys.items())[:6])
+        raise CompareError(f"the runs differ in {len(keys)} config keys, not one switch: {shown}: a comparison has "
+                           "one switch between its arms (the loss, or one other key)")
+    (switch,) = keys
+    for r in runs:
+        r.switch_value = f"{switch}={_value_text(flatten(r.config).get(switch))}"
+    return switch
+
+
+def _value_text(v: Any) -> str:
+    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def _arm_named(name: str, switch: str, arms: list[str]) -> str | None:
+    """The arm `name` refers to: a loss name for the loss switch; for another switch `key=value` (or the value
+    alone), matched by value, so `optimizer.lr=2e-4` names the arm whose config holds 0.0002."""
+    if switch == "loss":
+        return name if name in arms else None
+    key, _, text = name.rpartition("=") if "=" in name else (switch, "=", name)
+    if key != switch:
+        return None
+    want = _parse_value(text)
+    for arm in arms:
+        if _parse_value(arm.split("=", 1)[1]) == want:
+            return arm
+    return None
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        v = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(v, str):
+        try:
+            return float(v)  # YAML 1.1 reads 2e-4 as a string
+        except ValueError:
+            return v
+    return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
 
 # ----------------------------------------------------------------------------- decision rule
@@ -472,13 +542,14 @@ _RULE_FRACTION = re.compile(r"^loss/\w+_frac$")
 _TRAINING_FAMILIES = ("loss/", "env/", "drift/", "entropy/", "mismatch/", "ratio/", "optim/", "tokens/")
 
 
-def switch_activity(pairs: dict[int, tuple[Run, Run]]) -> tuple[dict[str, Any], list[str]]:
+def switch_activity(pairs: dict[int, tuple[Run, Run]], loss_switch: bool = True) -> tuple[dict[str, Any], list[str]]:
     """Did the switch that tells the arms apart act at all? Per seed pair (treatment, baseline): the largest
     rule fraction either arm logged at any update, and whether the two runs' training rows (the metric
     families in _TRAINING_FAMILIES, update by update) are identical. The comparison is `inert` when every seed
     pair shows one of the two: every rule fraction 0 at every update (no token was masked or clipped, so
     the losses computed the same gradients), or identical training rows (the arms trained identically).
-    Then the verdict says nothing about the switch: the runs never exercised it."""
+    Then the verdict says nothing about the switch: the runs never exercised it. A switch other than the loss
+    (a learning rate, updates per batch) acts without any rule firing: only identical rows count there."""
     from eval.plots import load_metrics
 
     per_seed, notes = [], []
@@ -497,7 +568,8 @@ def switch_activity(pairs: dict[int, tuple[Run, Run]]) -> tuple[dict[str, Any], 
                                                        for x, y in zip(t_rows, b_rows))
         per_seed.append({"seed": seed, "updates": len(t_rows), "identical_training_rows": identical,
                          "max_rule_fraction": fracs, "rule_fractions_all_zero": bool(fracs) and not any(fracs.values())})
-    inert = bool(per_seed) and all(x["identical_training_rows"] or x["rule_fractions_all_zero"] for x in per_seed)
+    inert = bool(per_seed) and all(x["identical_training_rows"] or (loss_switch and x["rule_fractions_all_zero"])
+                                   for x in per_seed)
     return {"inert": inert, "per_seed": per_seed}, notes
 
 
@@ -656,7 +728,7 @@ def _load_inputs(paths: list[Path], eval_name: str | None, out: str | Path | Non
             raise CompareError(f"the two run folders are the same: {paths[0]}")
         runs = [load_run(p, eval_name) for p in paths]
         a, b = runs
-        if a.loss != b.loss and a.seed != b.seed:
+        if a.seed != b.seed and (a.loss != b.loss or config_differences(a.config, b.config)):
             raise CompareError(f"the two runs have different seeds ({a.arm}: {a.path}, {b.arm}: {b.path}); "
                                "arms are paired within one seed")
         return runs, Path(out).resolve() if out else Path(os.path.commonpath([str(p) for p in paths]))
@@ -758,23 +830,32 @@ PER_STEP_NOTE = ("unadjusted, exploratory: one interval and one p per eval step 
 
 
 def _load_aa(aa: str | Path, eval_name: str, item_sha: str, ref: Run, rule: Rule, order: list[int],
-             allow_config_diff: bool) -> tuple[dict[str, Any], list[str]]:
+             allow_config_diff: bool, switch: str = "loss", arms: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[str]]:
     """The A/A sweep's between-seed spread on the same endpoint and items; refuses a sweep that is not an
-    A/A of this experiment."""
+    A/A of this experiment: several arms, or one arm whose switch value is none of the A/B arms'."""
     path = Path(aa).resolve()
     runs = [load_run(p, eval_name, job) for job, p in discover_runs(path)]
     losses = sorted({r.loss for r in runs})
-    if len(losses) != 1:
-        raise CompareError(f"--aa {path}: not an A/A sweep: its runs have losses {losses} (an A/A sweep runs one "
-                           "loss at several seeds: python train.py --multirun loss=grpo seed=0,1,2)")
+    try:
+        aa_switch = find_switch(runs)
+    except CompareError as e:
+        raise CompareError(f"--aa {path}: not an A/A sweep: {e}") from None
+    if len(losses) != 1 or aa_switch is not None:
+        raise CompareError(f"--aa {path}: not an A/A sweep: its runs differ in {aa_switch} (an A/A sweep runs one "
+                           "arm at several seeds: python train.py --multirun loss=grpo seed=0,1,2)")
+    value = losses[0] if switch == "loss" else f"{switch}={_value_text(flatten(runs[0].config).get(switch))}"
+    if arms and _arm_named(value, switch, list(arms)) is None:
+        raise CompareError(f"--aa {path}: its runs ({', '.join(r.path.name for r in runs)}) are the arm "
+                           f"'{value}', none of this comparison's arms {list(arms)}")
     seeds = sorted(r.seed for r in runs)
     if len(set(seeds)) != len(seeds):
         raise CompareError(f"--aa {path}: two runs share a seed ({seeds})")
     if len(seeds) < 2:
         raise CompareError(f"--aa {path}: an A/A sweep needs >= 2 seeds, it has {seeds}")
     # the decision group only says how to read the runs: an A/A made under another rule still measures the noise
+    skip = IGNORED_CONFIG_KEYS + ("decision",) + (() if switch == "loss" else (switch,))
     diffs = [f"{k}: {va!r} (A/B {ref.arm}) vs {vb!r} (A/A {r.arm})" for r in runs
-             for k, va, vb in config_differences(ref.config, r.config, IGNORED_CONFIG_KEYS + ("decision",))]
+             for k, va, vb in config_differences(ref.config, r.config, skip)]
     if diffs and not allow_config_diff:
         raise CompareError(f"--aa {path}: the A/A runs' configs differ from the A/B runs' outside the loss group "
                            "(another experiment or setting?); pass --allow-config-diff to use it anyway:\n  "
@@ -819,9 +900,10 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
     rule = resolve_rule(runs, {"method": method, "alpha": alpha, "margin": margin, "endpoint": endpoint,
                                "step": step, "threshold": threshold, "baseline": baseline}, override_decision,
                         n_seeds=len({r.seed for r in runs}))
-    losses = sorted({r.loss for r in runs})
+    switch = find_switch(runs)
+    losses = sorted({r.key for r in runs})
     notes: list[str] = []
-    if len(losses) == 1:
+    if switch is None:
         if treatments_given:
             raise CompareError(f"A/A sweep passed as A/B: every run has loss '{losses[0]}' (seeds "
                                f"{sorted(r.seed for r in runs)}), so there is no treatment arm to compare; "
@@ -831,29 +913,37 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
             raise CompareError("--aa calibrates an A/B comparison, but the runs given are themselves an A/A "
                                f"sweep (loss '{losses[0]}' only)")
         return _compare_aa(runs, rule, names[0], paths, out_dir, allow_config_diff, make_plots)
-    base = rule.baseline
-    if base not in losses:
-        raise CompareError(f"the baseline '{base}' (decision.baseline / --baseline) has no run; the runs' losses "
-                           f"are {losses}")
+    base = _arm_named(rule.baseline, switch, losses)
+    if base is None:
+        how = ("" if switch == "loss" else f"; the arms differ in {switch}, so name the baseline as "
+               f"decision.baseline='{switch}=<value>' (or --baseline {losses[0]} --override-decision)")
+        raise CompareError(f"the baseline '{rule.baseline}' (decision.baseline / --baseline) names no arm; the runs' "
+                           f"arms are {losses} ({', '.join(str(r.path) for r in runs[:4])}"
+                           f"{', ...' if len(runs) > 4 else ''}){how}")
+    named = []
     for t in treatments_given:
-        if t == base:
-            raise CompareError(f"--treatment and --baseline are both '{t}'")
-        if t not in losses:
-            raise CompareError(f"no run has the treatment loss '{t}': the runs' losses are {losses} (set "
+        arm = _arm_named(t, switch, losses)
+        if arm is None:
+            raise CompareError(f"no run has the treatment arm '{t}': the runs' arms are {losses} (set "
                                "--treatment/--baseline)")
+        if arm == base:
+            raise CompareError(f"--treatment and --baseline are both '{t}'")
+        named.append(arm)
+    treatments_given = named
     treatments = treatments_given or [x for x in losses if x != base]
     runs_all = list(runs)
-    left_out = [r for r in runs if r.loss not in treatments and r.loss != base]
+    left_out = [r for r in runs if r.key not in treatments and r.key != base]
     if left_out:
         notes.append("runs left out by --treatment: " + ", ".join(r.arm for r in left_out))
         runs = [r for r in runs if r not in left_out]
     pairs = pair_by_seed(runs, [base] + treatments)
     roles = {base: "baseline", **{t: "treatment" for t in treatments}}
     ordered = [pairs[s][loss] for s in pairs for loss in [base] + treatments]  # baseline first: the reference
-    config_diff = check_configs(ordered, roles)
+    config_diff = check_configs(ordered, roles, switch)
     if config_diff and not allow_config_diff:
         shown = "\n  ".join(config_diff[:20]) + ("\n  ..." if len(config_diff) > 20 else "")
-        raise CompareError("configs differ outside the `loss` group (a different experiment or setting?); "
+        where = "the `loss` group" if switch == "loss" else f"the arms' switch `{switch}`"
+        raise CompareError(f"configs differ outside {where} (a different experiment or setting?); "
                            f"pass --allow-config-diff to compare anyway:\n  {shown}")
     check_precision(ordered, allow_config_diff)
     mixed = _mixed_loss_paths(ordered)
@@ -884,7 +974,8 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
     rule.overridden += quiet
     aa_spread_, aa_notes = (None, [])
     if aa is not None:
-        aa_spread_, aa_notes = _load_aa(aa, names[0], item_sha, ordered[0], rule, order, allow_config_diff)
+        aa_spread_, aa_notes = _load_aa(aa, names[0], item_sha, ordered[0], rule, order, allow_config_diff,
+                                        switch, tuple([base] + treatments))
         notes += aa_notes
 
     rows, helpers = [], []
@@ -906,7 +997,8 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
         helpers.append(h)
     decide_all(rows, helpers, rule)
     for row, loss in zip(rows, treatments):
-        row["activity"], act_notes = switch_activity({s: (pairs[s][loss], pairs[s][base]) for s in seeds})
+        row["activity"], act_notes = switch_activity({s: (pairs[s][loss], pairs[s][base]) for s in seeds},
+                                                     loss_switch=switch == "loss")
         notes += act_notes
         if row["activity"]["inert"]:
             set_verdict(row, "inert", rule.scope)
@@ -915,12 +1007,13 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
     arms = []
     for r in ordered:
         summ = summarize(r.records, alpha=rule.alpha)
-        arms.append({"arm": r.arm, "role": roles[r.loss], "loss": r.loss, "seed": r.seed, "run": str(r.path),
+        arms.append({"arm": r.arm, "role": roles[r.key], "loss": r.loss, "value": r.key, "seed": r.seed,
+                     "run": str(r.path),
                      "job": r.job, "run_name": r.info.get("arm", r.config.get("run_name")),
                      "eval_file": str(r.eval_file), "endpoint_mean": float(np.mean(scores[r.arm])), **summ})
     notes += _run_notes(ordered)
     result: dict[str, Any] = {
-        "mode": "ab", "treatments": treatments, "baseline": base, "eval_name": names[0],
+        "mode": "ab", "switch": switch, "treatments": treatments, "baseline": base, "eval_name": names[0],
         "verdict_scope": rule.scope, "verdict_about": SCOPE_TEXT[rule.scope],
         "n_seeds": len(seeds), "seeds": seeds, "decision": _rule_dict(rule), "comparisons": rows,
         "verdicts": [{k: r[k] for k in _VERDICT_KEYS} for r in rows], "curve": curve, "aa": aa_spread_,
@@ -999,7 +1092,7 @@ def _write(result: dict[str, Any], runs: list[Run], roles: dict[str, str], out_d
         for r, a in zip(runs, result["arms"]):
             rows, metric_notes = load_metrics(r.path / "metrics.jsonl")
             notes += metric_notes
-            plot_runs.append(PlotRun(label=r.arm, role=roles.get(r.loss, "baseline"), seed=r.seed, metrics=rows,
+            plot_runs.append(PlotRun(label=r.arm, role=roles.get(r.key, "baseline"), seed=r.seed, metrics=rows,
                                      accuracy=a["accuracy"], wilson_low=a["wilson_low"],
                                      wilson_high=a["wilson_high"]))
         files, plot_notes = _make_plots(plot_runs, out_dir / PLOTS_DIR, title_suffix)
