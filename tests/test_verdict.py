@@ -596,8 +596,8 @@ def test_two_run_folders_of_a_larger_sweep_are_an_override(tmp_path):
 def test_bootstrap_settings_are_part_of_the_rule_when_the_bootstrap_decides(tmp_path):
     sweep = _three_seed_sweep(tmp_path, overrides=("decision.method=paired_bootstrap",))
     base = compare([sweep], n_bootstrap=2000, seed=0, make_plots=False, out=tmp_path / "a", override_decision=True)
-    assert base["decision"]["overridden"] == ["bootstrap: 10000 resamples, seed 0 -> 2000 resamples, seed 0 (the "
-                                              "bootstrap decides)"]
+    assert base["decision"]["overridden"] == [("bootstrap: 10000 resamples, seed 0 -> 2000 resamples, seed 0 (the "
+                                               "bootstrap decides)")]
     with pytest.raises(CompareError, match="bootstrap: 10000 resamples, seed 0 -> 10000 resamples, seed 7"):
         compare([sweep], seed=7, make_plots=False, out=tmp_path / "b")
     assert not (tmp_path / "b").exists()

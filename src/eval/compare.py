@@ -44,9 +44,9 @@ from eval.records import read_item_records, summarize, wilson_interval
 from eval.stats import (
     ESTIMANDS,
     METHOD_SCOPE,
-    SCOPE_TEXT,
     RULE_METHODS,
     RULE_TEXT,
+    SCOPE_TEXT,
     bootstrap_means,
     bootstrap_p,
     hoeffding_half_width,
@@ -556,6 +556,7 @@ def switch_activity(pairs: dict[int, tuple[Run, Run]], loss_switch: bool = True)
     for seed, (t, b) in pairs.items():
         t_rows, t_notes = load_metrics(t.path / "metrics.jsonl")
         b_rows, b_notes = load_metrics(b.path / "metrics.jsonl")
+        notes += [f"activity check: {n}" for n in t_notes + b_notes if "not found" not in n]
         if not t_rows or not b_rows:
             notes.append(f"seed {seed}: no training metrics in {t.arm} or {b.arm}: whether the switch acted is "
                          "unknown (not called inert)")
@@ -1128,8 +1129,8 @@ def _run_notes(runs: list[Run]) -> list[str]:
     if len(set(paths.values())) > 1:
         notes.append("the arms computed their loss on different paths (same gradients, different speed and "
                      f"metric rounding): {paths}")
-    for what, why in (("precision", "the arms' arithmetic differs beyond the last bits, a difference the verdict "
-                                    "cannot tell apart from the switch (refused unless --allow-config-diff)"),
+    for what, why in (("precision", ("the arms' arithmetic differs beyond the last bits, a difference the verdict "
+                                     "cannot tell apart from the switch (refused unless --allow-config-diff)")),
                       ("cpu", "the same thread count and code give other numbers on another CPU"),
                       ("torch", "kernels and their rounding differ between torch versions")):
         seen = _run_info_values(runs, what)
@@ -1245,9 +1246,9 @@ def summary(result: dict[str, Any]) -> str:
     if result["mode"] == "aa":
         aa = result["aa"]
         sd = aa["between_seed_sd"]
-        lines = [f"A/A: {aa['loss']} at seeds {aa['seeds']}: between-seed sd of the endpoint "
-                 f"{100 * sd:.2f} pts, largest seed-pair gap {100 * aa['max_abs_pair_diff']:.2f} pts "
-                 f"({aa['pairs_item_level_significant']} of {len(aa['pairs'])} seed pairs item-level 'significant')"]
+        lines = [(f"A/A: {aa['loss']} at seeds {aa['seeds']}: between-seed sd of the endpoint "
+                  f"{100 * sd:.2f} pts, largest seed-pair gap {100 * aa['max_abs_pair_diff']:.2f} pts "
+                  f"({aa['pairs_item_level_significant']} of {len(aa['pairs'])} seed pairs item-level 'significant')")]
     else:
         lines = [verdict_line(r, rule) for r in result["comparisons"]]
     lines.append(f"rule: {rule['text']}" + (f" ({rule['resolution']})" if rule.get("requested") == "auto" else ""))

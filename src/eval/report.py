@@ -240,11 +240,11 @@ def _curve_section(result: dict[str, Any]) -> list[str]:
         a = t["auc"]
         seed_iv = (f", t over seeds [{_pts(a['seed_t_low'])}, {_pts(a['seed_t_high'])}]"
                    if "seed_t_low" in a else "")
-        lines += ["", f"### {loss} vs {result['baseline']} per step (paired on the same items; unadjusted, "
-                  "exploratory)", "",
+        lines += ["", (f"### {loss} vs {result['baseline']} per step (paired on the same items; unadjusted, "
+                       "exploratory)"), "",
                   f"Per-step tests: {cv.get('per_step_tests', 'unadjusted, exploratory')}.", "",
-                  "| step | diff | Hoeffding CI (fixed checkpoints, unadjusted) | McNemar p (unadjusted) "
-                  "| t over seeds (unadjusted) |",
+                  ("| step | diff | Hoeffding CI (fixed checkpoints, unadjusted) | McNemar p (unadjusted) "
+                   "| t over seeds (unadjusted) |"),
                   "|---:|---:|---|---:|---|"]
         for row in t["by_step"]:
             st = (f"[{_pts(row['seed_t_low'])}, {_pts(row['seed_t_high'])}]" if "seed_t_low" in row else "-")
