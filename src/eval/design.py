@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from eval.stats import METHOD_SCOPE, hoeffding_half_width, resolve_method, t_quantile
+from eval.stats import METHOD_SCOPE, SCOPE_TEXT, hoeffding_half_width, resolve_method, t_quantile
 from trainer.config.enums import DECISION_METHODS
 
 METHODS = DECISION_METHODS  # decision.method: the config states the list once
@@ -520,6 +520,8 @@ def render(result: dict[str, Any]) -> str:
              f"  discordance {result['discordance']:.3f} ({result['assumptions'].get('discordance')})",
              (f"  seed sd {result['seed_sd']:.4f} ({result['assumptions'].get('seed_sd')}); training-noise sd of a "
              f"seed pair's gap tau = {result['tau']:.4f}"),
+             (f"  decision method {result['decision_method']} ({result['assumptions'].get('method', 'given')}; "
+              f"scope: {SCOPE_TEXT[METHOD_SCOPE[result['decision_method']]]})"),
              "", f"{'method':18s} {'MDE (sim)':>11s} {'MDE (closed)':>13s} {'false pos. at 0':>16s}"]
     for k in METHODS:
         mark = " <- decision" if k == result["decision_method"] else ""
