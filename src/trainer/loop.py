@@ -362,7 +362,7 @@ class RLLoop:
             lr = lr_at(state.optim_steps, s.num_steps * s.updates_per_batch, cfg.optimizer.lr, s.lr_schedule,
                        s.warmup_steps, s.min_lr_ratio)
             params = adam_params(cfg.optimizer, lr)
-            if cfg.backend.get("pipeline_optim_step", False):
+            if cfg.backend.pipeline_optim_step:
                 fb, opt = self._train_call(_PIPELINED, lambda call=call: self._fb_then_optim(call, params))
             else:
                 fb = self._train_call("forward_backward", lambda call=call: self.tc.forward_backward_custom(
