@@ -341,7 +341,8 @@ class LoggerConfig:
     entity: Optional[str] = None
     # wandb group; runs of one sweep share it (null = the sweep folder name)
     group: Optional[str] = None
-    # wandb mode: online | offline | auto (offline when WANDB_API_KEY is unset)
+    # wandb mode: online | offline | auto (WANDB_MODE if set, else offline when WANDB_API_KEY is unset);
+    # WANDB_MODE=offline|disabled in the environment wins over any mode
     mode: str = "auto"
     # rollouts written to rollouts.jsonl per step
     rollouts_per_step: int = 4
