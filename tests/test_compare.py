@@ -426,3 +426,19 @@ def test_wandb_compare_run_carries_each_verdict_with_its_scope(tmp_path, monkeyp
     assert [v["scope"] for v in table] == ["seed 0", "seed 1", "combined"]
     assert table[-1]["verdict_scope"] == "across_seeds" and table[-1]["verdict"] == res["verdict"]
     assert table[0]["verdict"] is None  # one seed pair has no verdict under a seed-level rule
+
+
+def test_run_report_states_the_scope_of_the_start_vs_final_verdict(tmp_path):
+    """eval.report's paired start-vs-final result is an item-level verdict about one run's two checkpoints
+    (initial and final weights): the report and the record say so."""
+    from eval.run_report import render_run_markdown
+
+    final = np.zeros(N, bool)
+    final[:120] = True
+    start = np.zeros(N, bool)
+    start[:40] = True
+    paired = paired_compare(final, start, n_bootstrap=0)
+    assert paired["verdict"] == "validated" and paired["verdict_scope"] == "fixed_checkpoints"
+    md = render_run_markdown(tmp_path, {"arm": "grpo_seed0"}, {"eval_vs_start": paired}, [], [], {}, [])
+    assert "Paired Hoeffding verdict: **validated** (these checkpoints: the final weights against the initial" \
+        in md

@@ -196,6 +196,10 @@ def render_run_markdown(run_dir: Path, info: dict, result: dict, evals: list[dic
                      else "")
                   + (f" (fixed {paired['b']}, broke {paired['c']})" if "b" in paired and "c" in paired else "")
                   + "."]
+        if paired.get("verdict"):
+            lines += ["", (f"Paired Hoeffding verdict: **{paired['verdict']}** (these checkpoints: the final weights "
+                           "against the initial ones on these items; one run says nothing about the loss apart "
+                           "from training noise).")]
     times = [(k, v) for k, v in result.items() if k.startswith("time/") and isinstance(v, (int, float))]
     if times:
         lines += ["", "## Wall time", "", "| phase | seconds |", "|---|---:|"]

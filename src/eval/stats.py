@@ -176,6 +176,8 @@ def paired_compare(correct_T: Any, correct_B: Any, alpha: float = 0.05, n_bootst
         "method": METHOD,
         "alpha": alpha,
         "verdict": decide(diff, ci_low),
+        # an item-level test: about these two checkpoints (or evals), never about a training procedure
+        "verdict_scope": "fixed_checkpoints",
         "b": int((t_SN > b_SN).sum()),
         "c": int((t_SN < b_SN).sum()),
         "b_items": b_items,
