@@ -89,9 +89,10 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
                   + ". This verdict is not the pre-registered one.", ""]
     if rule["source"] != "config":
         lines += [f"Rule source: {rule['source']}.", ""]
-    lines += [("`validated` needs the rule's lower bound above the margin (a test without an interval: p < "
-               "alpha and a positive difference); `not_supported`: the treatment did not score higher, or the "
-               "interval's upper bound is at or below the margin; otherwise `inconclusive`. The other methods "
+    lines += [("`validated` needs the rule's lower bound above the margin (exact McNemar, a test without an "
+               "interval: more discordant items favour the treatment, b > c, and p < alpha); `not_supported`: the "
+               "treatment did not score higher (McNemar: b <= c), or the interval's upper bound is at or below the "
+               "margin; `inert`: the switch never acted in these runs; otherwise `inconclusive`. The other methods "
                "below are secondary: they do not change the verdict."), ""]
     if rule.get("requested") == "auto":
         lines += [f"The rule's method was resolved from the sweep: {rule['resolution']}.", ""]
