@@ -63,9 +63,14 @@ CASES = [
     ("empty train set", lambda t: ["env=gsm8k", f"env.source={_gsm_dir(t, '')}"], None, "the train set is empty"),
     ("group of one with a group advantage", ["advantage=group_mean", "schedule.group_size=1"], None,
      "schedule.group_size=1 with advantage=group_mean"),
+    ("call deadline of zero", ["backend=tinker", "backend.call_deadline_s=0"], None,
+     "backend.call_deadline_s must be in [1, 86400] seconds"),
+    ("call deadline NaN", ["backend=tinker", "backend.call_deadline_s=nan"], None,
+     "backend.call_deadline_s must be in [1, 86400] seconds"),
 ]
 # the cases refused by the project's own checks: one line on stderr, exit code 2, no traceback
-ONE_LINE = {"empty train set", "group of one with a group advantage", "resume=true without a checkpoint"}
+ONE_LINE = {"empty train set", "group of one with a group advantage", "resume=true without a checkpoint",
+            "call deadline of zero", "call deadline NaN"}
 RUN_CASES = [
     ("corrupt checkpoint json", lambda r: (r / "checkpoint.json").write_text("{not json"), "checkpoint"),
     ("truncated checkpoint json", lambda r: (r / "checkpoint.json").write_text(
