@@ -45,7 +45,8 @@ def prompts(tok, n: int) -> list[list[int]]:
 
 
 def bench_local(ps: list[list[int]], new: int, dtype: str) -> tuple[float, int, str]:
-    sc = LocalServiceClient(state_dir=tempfile.mkdtemp(), sampler_dtype=dtype, max_sample_batch=len(ps))
+    sc = LocalServiceClient(state_dir=tempfile.mkdtemp(), sampler_dtype=dtype, train_dtype="float32",
+                            max_sample_batch=len(ps))
     scl = sc.create_sampling_client(base_model=SMOLLM2)
     params = types.SamplingParams(max_tokens=new, temperature=1.0, seed=0, stop=[])
     # warm-up: builds the sampler weights once (the trainer pays this once per snapshot)

@@ -260,6 +260,23 @@ def test_runtime_enumerations_are_the_config_ones():
         validate(compose_config(["model.tokenizer=sentencepiece"]))
 
 
+def test_the_local_engines_defaults_are_the_schemas():
+    """`LocalServiceClient` built in code (bench/, a notebook) runs with
+    `backend=local`'s defaults: every keyword it shares with `LocalBackendConfig` defaults to the schema's
+    value (`auto` precision included), so the two cannot drift apart."""
+    import inspect
+
+    from trainer.backends.local import LocalServiceClient
+    from trainer.config.schema import LocalBackendConfig
+
+    schema = LocalBackendConfig()
+    params = inspect.signature(LocalServiceClient.__init__).parameters
+    shared = [n for n in params if n in LocalBackendConfig.__dataclass_fields__ and n not in ("state_dir", "faults")]
+    assert {"sampler_dtype", "train_dtype", "micro_batch_size", "max_sample_batch"} <= set(shared)
+    assert {n: params[n].default for n in shared} == {n: getattr(schema, n) for n in shared}
+    assert schema.sampler_dtype == schema.train_dtype == "auto"
+
+
 def test_every_arm_reports_the_same_rules_at_default_settings():
     """The counterfactual rules an arm logs default to the other losses' own defaults, so at default
     settings the GRPO, DPPO, IS, CISPO and GSPO arms report the same four rules."""

@@ -26,8 +26,12 @@ from trainer.backends.local.precision import auto_precision, dtype_name, trainin
 from trainer.backends.local.precision import DTYPES as _DTYPES
 from trainer.backends.local.sampling import LocalSamplingClient, SampleScheduler
 from trainer.backends.local.training import LocalTrainingClient
+from trainer.config.schema import LocalBackendConfig
 
 DEFAULT_LORA_ALPHA = 32.0
+# the engine's defaults are `backend=local`'s, read from its schema: a client built in code (bench/, a
+# notebook) runs as a run with the default config does, not with a second set of defaults
+_CONFIG = LocalBackendConfig()
 
 
 def _dtype(name: str, what: str, auto: tuple[torch.dtype, str] | None) -> torch.dtype:
@@ -39,9 +43,11 @@ def _dtype(name: str, what: str, auto: tuple[torch.dtype, str] | None) -> torch.
 
 
 class LocalServiceClient:
-    def __init__(self, *, state_dir: str | Path, sampler_dtype: str = "bfloat16", train_dtype: str = "float32",
-                 micro_batch_size: int = 16, micro_batch_tokens: int = 2048, max_sample_batch: int = 128,
-                 sample_batch_wait_s: float = 0.01, lora_alpha: float | None = None,
+    def __init__(self, *, state_dir: str | Path, sampler_dtype: str = _CONFIG.sampler_dtype,
+                 train_dtype: str = _CONFIG.train_dtype, micro_batch_size: int = _CONFIG.micro_batch_size,
+                 micro_batch_tokens: int = _CONFIG.micro_batch_tokens,
+                 max_sample_batch: int = _CONFIG.max_sample_batch,
+                 sample_batch_wait_s: float = _CONFIG.sample_batch_wait_s, lora_alpha: float | None = None,
                  num_threads: int | None = None, model_cache_dir: str | Path | None = None,
                  faults: dict[str, Any] | None = None, **_tinker_kwargs: Any):
         self.state_dir = Path(state_dir).expanduser().resolve()
