@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(e.g. 'rate=0.1 seed=0' or 'at=optim_step#2:410')")
     p.add_argument("--latency-s", type=float, default=0.0, help="delay added to every API request (seconds)")
     p.add_argument("--poll-s", type=float, default=20.0, help="long-poll of retrieve_future (seconds, < 45)")
+    p.add_argument("--ttl-sweep-s", type=float, default=60.0,
+                   help="how often expired checkpoints (save calls' ttl_seconds, set_checkpoint_ttl) are deleted")
     p.add_argument("--client-side-loss", action="store_true",
                    help="tell the SDK to run registered custom losses client-side (two passes), as the "
                         "service does when its config has custom_loss_server_side=false")
@@ -88,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--host {args.host} is not a loopback address: start the server with --api-key (or "
                 "$PAIREDRL_SERVE_API_KEY) so that only holders of the key can use it, or pass "
                 "--insecure-allow-remote to accept anyone who can reach the port")
+    if not args.ttl_sweep_s > 0:
+        p.error("--ttl-sweep-s must be > 0")
     if not 0 < args.poll_s < 45:
         p.error("--poll-s must be in (0, 45): the SDK reads retrieve_future with a 45 s timeout")
     return args
@@ -107,7 +111,8 @@ async def serve(args: argparse.Namespace) -> None:
                                 lora_alpha=args.lora_alpha, num_threads=args.num_threads)
     server = TinkerServer(engine, faults, poll_s=args.poll_s, server_side_loss=not args.client_side_loss,
                           latency_s=args.latency_s, api_keys=args.api_key, limits=args.limits,
-                          allow_remote=args.insecure_allow_remote and not args.api_key)
+                          allow_remote=args.insecure_allow_remote and not args.api_key,
+                          ttl_sweep_s=args.ttl_sweep_s)
     if not _loopback_host(args.host) and not args.api_key:
         print(f"WARNING: --insecure-allow-remote: {args.host}:{args.port} accepts any 'tml-' key from any client "
               "that can reach it; custom losses and checkpoints run and load on this machine", file=sys.stderr,

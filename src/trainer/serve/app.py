@@ -53,6 +53,7 @@ from tinker import types
 from tinker.lib.public_interfaces.custom_loss import LossHandle
 
 from trainer.serve.faults import FaultPlan
+from trainer.serve.rest import RestSurface, add_rest_routes
 from trainer.serve.limits import (
     LimitExceeded,
     Limits,
@@ -162,7 +163,7 @@ def _is_loopback(remote: str | None) -> bool:
 class TinkerServer:
     def __init__(self, engine: Any, faults: FaultPlan | None = None, poll_s: float = 20.0,
                  server_side_loss: bool = True, latency_s: float = 0.0, api_keys: Iterable[str] = (),
-                 limits: Limits | None = None, allow_remote: bool = False):
+                 limits: Limits | None = None, allow_remote: bool = False, ttl_sweep_s: float = 60.0):
         self.engine = engine
         self.allow_remote = allow_remote  # --insecure-allow-remote: any tml- key from anywhere
         self.faults = faults or FaultPlan()
@@ -184,6 +185,8 @@ class TinkerServer:
         self.counts: dict[str, int] = {}  # requests per endpoint (benchmarks read them from /stats)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="serve-load")
+        # runs, checkpoints, sessions, downloads (trainer.serve.rest); told of each session, run and sampler
+        self.rest = RestSurface(self, engine.state_dir, sweep_s=ttl_sweep_s)
 
     # ------------------------------------------------------------------ app
     def app(self) -> web.Application:
@@ -207,6 +210,7 @@ class TinkerServer:
         r.add_get("/api/v1/get_server_capabilities", self.capabilities)
         r.add_get("/api/v1/samplers/{sampler_id}", self.get_sampler)
         r.add_get("/stats", self.stats)
+        add_rest_routes(app, self.rest)
         return app
 
     def _authorize(self, request: web.Request) -> str:
@@ -381,14 +385,20 @@ class TinkerServer:
         return web.json_response(types.ClientDynamicConfigResponse().model_dump(mode="json"))
 
     async def create_session(self, request: web.Request) -> web.Response:
-        await self._body(request, types.CreateSessionRequest)
+        req, _ = await self._body(request, types.CreateSessionRequest)
         sid = f"s-{secrets.token_hex(12)}"
         self.sessions[sid] = request["owner"]
+        self.rest.on_session(sid, request["owner"], req.user_metadata)
         return web.json_response({"type": "create_session", "session_id": sid})
 
     async def finish_session(self, request: web.Request) -> web.Response:
-        """The session's models, samplers and losses are dropped (frees the key's model slots)."""
-        sid = self._session(request.match_info["session_id"], request)
+        """The session ends: its models, samplers and losses are dropped (frees the key's model slots) and
+        nothing more is created under it (the SDK documents a finished session as terminal). Finishing a
+        session this key does not hold is a no-op, as a client closing after a restart does."""
+        sid = request.match_info["session_id"]
+        if self.sessions.get(sid) != request["owner"]:
+            return web.json_response(None)
+        del self.sessions[sid]
         for table in (self.models, self.samplers, self.losses):
             for ident in [i for i in table if i.startswith(sid + ":")]:
                 obj = table.pop(ident)
@@ -411,7 +421,9 @@ class TinkerServer:
         def create() -> types.CreateModelResponse:
             self.models[model_id] = self.engine.create_lora_training_client(
                 req.base_model, rank=lc.rank, seed=lc.seed, train_mlp=lc.train_mlp, train_attn=lc.train_attn,
-                train_unembed=lc.train_unembed, optimizer=req.optimizer_config)
+                train_unembed=lc.train_unembed, optimizer=req.optimizer_config, run_id=model_id,
+                user_metadata=req.user_metadata)
+            self.rest.on_run(model_id, request["owner"], req.session_id, req.base_model, lc, req.user_metadata)
             return types.CreateModelResponse(model_id=model_id)
 
         def make() -> dict:
@@ -422,6 +434,7 @@ class TinkerServer:
 
     async def load_weights(self, request: web.Request) -> web.Response:
         req, digest = await self._body(request, types.LoadWeightsRequest)
+        self.rest.check_load(req.path, request["owner"])  # 4xx now for a path this key may not load
         if req.model_id is None:  # 0.38: a new training client created from a checkpoint
             if req.session_id is None or req.model_seq_id is None:
                 raise Refused(400, "load_weights needs model_id, or session_id and model_seq_id")
@@ -431,7 +444,10 @@ class TinkerServer:
                     else self.engine.create_training_client_from_state)
 
             def load() -> types.LoadWeightsResponse:
-                self.models[model_id] = make(req.path)
+                tc = self.models[model_id] = make(req.path, run_id=model_id, user_metadata=req.user_metadata)
+                self.rest.on_run(model_id, request["owner"], req.session_id, tc.base_model, types.LoraConfig(
+                    rank=tc.rank, train_mlp=tc.trains("mlp"), train_attn=tc.trains("attn"),
+                    train_unembed=tc.trains("unembed")), req.user_metadata, source_path=req.path)
                 return types.LoadWeightsResponse(path=req.path, model_id=model_id)
 
             def make_new() -> dict:
@@ -502,7 +518,8 @@ class TinkerServer:
         self._model(req.model_id, request)
         name = check_checkpoint_name(req.path or f"seq{req.seq_id}")
         return self._once(request, ("train", req.model_id, req.seq_id), digest, lambda: self._register(
-            request, self._train(req.model_id, request, lambda tc: tc.save_state(name, overwrite=req.overwrite)),
+            request, self._train(req.model_id, request, lambda tc: tc.save_state(
+                name, ttl_seconds=req.ttl_seconds, overwrite=req.overwrite, user_metadata=req.user_metadata)),
             _json, model_id=req.model_id))
 
     async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
@@ -512,7 +529,8 @@ class TinkerServer:
         if req.path is not None:
             name = check_checkpoint_name(req.path)
             return self._once(request, ("train", model_id, req.seq_id), digest, lambda: self._register(
-                request, self._train(model_id, request, lambda tc: tc.save_weights_for_sampler(name)), _json,
+                request, self._train(model_id, request, lambda tc: tc.save_weights_for_sampler(
+                    name, ttl_seconds=req.ttl_seconds, user_metadata=req.user_metadata)), _json,
                 model_id=model_id))
         sid = f"{_session_of(model_id)}:sample:{req.sampling_session_seq_id}"
 
@@ -529,6 +547,7 @@ class TinkerServer:
             def publish(_: Any) -> types.SaveWeightsForSamplerResponseInternal:
                 self.owner[sid] = request["owner"]
                 self.samplers[sid] = holder["sc"]
+                self.rest.on_sampler(sid, _session_of(model_id))
                 return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sid)
 
             return self._register(request, _then(fut, publish), _json, model_id=model_id)
@@ -555,6 +574,8 @@ class TinkerServer:
     async def create_sampling_session(self, request: web.Request) -> web.Response:
         req, _ = await self._body(request, types.CreateSamplingSessionRequest)
         sid = f"{self._session(req.session_id, request)}:sample:{req.sampling_session_seq_id}"
+        if req.model_path is not None:
+            self.rest.check_load(req.model_path, request["owner"])
         if sid not in self.samplers:
             try:
                 sc = await asyncio.get_running_loop().run_in_executor(self._pool, lambda: self.engine.create_sampling_client(
@@ -562,6 +583,7 @@ class TinkerServer:
             except (ValueError, KeyError, FileNotFoundError) as e:
                 raise Refused(400, str(e)[:300]) from None
             self.samplers[sid] = sc
+            self.rest.on_sampler(sid, req.session_id)
             self.owner[sid] = request["owner"]
         return web.json_response({"type": "create_sampling_session", "sampling_session_id": sid})
 

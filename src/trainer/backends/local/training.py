@@ -68,6 +68,13 @@ class LocalTrainingClient(SelfFuture):
     def base_model(self) -> str:
         return self._base.base_model
 
+    def trains(self, part: str) -> bool:
+        """Whether the adapter covers `attn`, `mlp` or `unembed` (the SDK's LoraConfig switches)."""
+        from trainer.backends.local.engine import ATTN_PROJ, MLP_PROJ, UNEMBED
+
+        mods = {"attn": set(ATTN_PROJ), "mlp": set(MLP_PROJ), "unembed": {UNEMBED}}[part]
+        return bool(mods & set(self.targets))
+
     def get_info(self) -> types.GetInfoResponse:
         return types.GetInfoResponse(
             model_data=types.ModelData(arch=str(self._base.config.model_type), model_name=self.base_model,
@@ -167,8 +174,11 @@ class LocalTrainingClient(SelfFuture):
         folder = checkpoint_folder(self._service.state_dir, self.run_id, kind, name)
         opt = ({"adamw": self.compute.optimizer.state_dict(), "optim_steps": self.optim_steps}
                if kind == "training" else None)
-        ckpt.write(folder, self._meta(kind, name, ttl_seconds, user_metadata), self.compute.adapter_tensors(), opt,
-                   overwrite)
+        meta = self._meta(kind, name, ttl_seconds, user_metadata)
+        if kind == "external":
+            ckpt.write_peft(folder, meta, self.compute.adapter_tensors(), overwrite)
+        else:
+            ckpt.write(folder, meta, self.compute.adapter_tensors(), opt, overwrite)
         return tinker_path(self.run_id, kind, name)
 
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
@@ -183,6 +193,15 @@ class LocalTrainingClient(SelfFuture):
         """Weights only -> `tinker://<run_id>/sampler_weights/<name>` (overwrites, as the service does)."""
         return self._submit(lambda: types.SaveWeightsForSamplerResponse(
             path=self._save(name, "sampler", True, ttl_seconds, user_metadata)))
+
+    def save_weights_external(self, name: str, ttl_seconds: int | None = None,
+                              age_encryption_recipients: Any = None) -> AwaitableConcurrentFuture:
+        """The adapter as a PEFT LoRA folder -> `tinker://<run_id>/external_weights/<name>` (`ckpt.write_peft`);
+        overwrites, as `tinker checkpoint download` reuses the name `download`. No age encryption offline."""
+        if age_encryption_recipients:
+            raise ValueError("the local engine does not encrypt external weights (age_encryption_recipients)")
+        return self._submit(lambda: types.SaveWeightsExternalResponse(
+            path=self._save(name, "external", True, ttl_seconds)))
 
     def load_weights_from(self, folder: Any, with_optimizer: bool) -> None:
         """Copy a checkpoint's adapter (and optimizer state) into this client (runs on the caller's thread)."""
