@@ -520,12 +520,15 @@ def test_auc_on_unevenly_spaced_eval_steps_equals_a_hand_computation(tmp_path):
 
 
 # ----------------------------------------------------------------------------- inert arms
-def _rewrite_metrics(run, frac: float, shift: float = 0.0, updates: int = 2, steps: int = 4):
+def _rewrite_metrics(run, frac: float, shift: float = 0.0, updates: int = 2, steps: int = 4, objective=0.0):
+    """Rows as the trainer logs them: both arms' rule fractions (`frac`), a counterfactual GSPO clip that
+    fires in any GRPO vs DPPO run (it is no rule of either arm), the loss's own objective value."""
     with (run / "metrics.jsonl").open("w") as f:
         for step in range(steps):
             for u in range(updates):
                 f.write(json.dumps({"step": step, "update": u, "env/reward_mean": 0.1 * step + shift,
                                     "loss/dppo_masked_frac": frac, "loss/grpo_clip_frac": frac,
+                                    "loss/gspo_clip_frac": 0.5 + 0.01 * u, "loss/value": objective * (u + 1),
                                     "loss/dppo_masked_frac_adv_pos": frac, "time/step_s": 1.0 + u + shift * 7,
                                     "drift/abs_p_q90": 0.01 * u}) + "\n")
 
@@ -540,9 +543,10 @@ def test_arms_whose_rule_never_acted_read_inert_with_the_evidence(tmp_path):
     sweep = _sweep(tmp_path, arms)
     for run in sweep.iterdir():
         if run.is_dir():
-            _rewrite_metrics(run, 0.0)
-            # wall-clock differs between any two runs: it is not part of "trained identically"
+            # each loss's objective differs from the other's even when the gradients are equal
             cfg = yaml.safe_load((run / "config.yaml").read_text())
+            _rewrite_metrics(run, 0.0, objective=25.5 if cfg["loss"]["name"] == "grpo" else -49.6)
+            # wall-clock differs between any two runs: it is not part of "trained identically"
             if cfg["loss"]["name"] == "dppo":
                 rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
                 (run / "metrics.jsonl").write_text("".join(json.dumps({**r, "time/step_s": 9.0}) + "\n" for r in rows))
@@ -553,6 +557,7 @@ def test_arms_whose_rule_never_acted_read_inert_with_the_evidence(tmp_path):
     assert ev["inert"] and [x["seed"] for x in ev["per_seed"]] == [0, 1, 2]
     assert all(x["identical_training_rows"] and x["rule_fractions_all_zero"] and x["updates"] == 8
                for x in ev["per_seed"])
+    assert set(ev["per_seed"][0]["max_rule_fraction"]) == {"loss/dppo_masked_frac", "loss/grpo_clip_frac"}
     assert out["methods"]["seed_t"]["estimate"] == pytest.approx(0.25)  # the numbers stay, the verdict does not use them
     md = (sweep / "compare.md").read_text()
     assert "## Verdict: **inert**" in md and "## The switch never acted: dppo vs grpo" in md

@@ -535,19 +535,29 @@ def per_seed_row(t_N: np.ndarray, b_N: np.ndarray, rule: Rule, n_bootstrap: int,
     return row
 
 
-# a rule's share of tokens per update (loss/<rule>_frac): every loss logs every rule's fraction, its own and
-# the counterfactual ones (what another loss's rule would have done to the same tokens)
-_RULE_FRACTION = re.compile(r"^loss/\w+_frac$")
 # metric families that describe the training itself (wall-clock, fault and eval keys differ between any two runs)
 _TRAINING_FAMILIES = ("loss/", "env/", "drift/", "entropy/", "mismatch/", "ratio/", "optim/", "tokens/")
+# each loss's own objective value: different functions of the same tokens, unequal even when the gradients
+# are identical (GRPO's clipped surrogate vs DPPO's REINFORCE surrogate), so it says nothing about whether
+# the arms trained alike
+_OBJECTIVE_KEYS = ("loss/value",)
+
+
+def _rule_fraction_keys(losses: tuple[str, ...]) -> re.Pattern[str]:
+    """loss/<rule>_frac of the two arms' own rules (grpo -> grpo_clip, dppo -> dppo_masked): every loss logs
+    every rule's fraction, its own and the counterfactual ones (what the other arm's rule would have done to
+    the same tokens). Rules of losses outside the comparison (a GSPO sequence clip in a GRPO vs DPPO sweep)
+    do not tell the two arms apart."""
+    return re.compile(r"^loss/(" + "|".join(re.escape(x) for x in losses) + r")_\w+_frac$")
 
 
 def switch_activity(pairs: dict[int, tuple[Run, Run]], loss_switch: bool = True) -> tuple[dict[str, Any], list[str]]:
     """Did the switch that tells the arms apart act at all? Per seed pair (treatment, baseline): the largest
-    rule fraction either arm logged at any update, and whether the two runs' training rows (the metric
-    families in _TRAINING_FAMILIES, update by update) are identical. The comparison is `inert` when every seed
-    pair shows one of the two: every rule fraction 0 at every update (no token was masked or clipped, so
-    the losses computed the same gradients), or identical training rows (the arms trained identically).
+    fraction of the two arms' rules either arm logged at any update, and whether the two runs' training rows
+    (the metric families in _TRAINING_FAMILIES but the objective value, update by update) are identical. The
+    comparison is `inert` when every seed pair shows one of the two: both arms' rule fractions 0 at every
+    update (no token was masked or clipped by either rule, so the losses computed the same gradients), or
+    identical training rows (the arms trained identically).
     Then the verdict says nothing about the switch: the runs never exercised it. A switch other than the loss
     (a learning rate, updates per batch) acts without any rule firing: only identical rows count there."""
     from eval.plots import load_metrics
@@ -563,8 +573,9 @@ def switch_activity(pairs: dict[int, tuple[Run, Run]], loss_switch: bool = True)
             per_seed.append({"seed": seed, "updates": 0, "identical_training_rows": None,
                              "max_rule_fraction": None, "rule_fractions_all_zero": None})
             continue
+        rule_key = _rule_fraction_keys((t.loss, b.loss))
         fracs = {k: max(float(r[k]) for r in t_rows + b_rows if isinstance(r.get(k), (int, float)))
-                 for k in {k for r in t_rows + b_rows for k in r if _RULE_FRACTION.match(k)}}
+                 for k in {k for r in t_rows + b_rows for k in r if rule_key.match(k)}}
         identical = len(t_rows) == len(b_rows) and all(_training_part(x) == _training_part(y)
                                                        for x, y in zip(t_rows, b_rows))
         per_seed.append({"seed": seed, "updates": len(t_rows), "identical_training_rows": identical,
@@ -575,7 +586,8 @@ def switch_activity(pairs: dict[int, tuple[Run, Run]], loss_switch: bool = True)
 
 
 def _training_part(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in row.items() if k in ("step", "update") or k.startswith(_TRAINING_FAMILIES)}
+    return {k: v for k, v in row.items()
+            if (k in ("step", "update") or k.startswith(_TRAINING_FAMILIES)) and k not in _OBJECTIVE_KEYS}
 
 
 def aa_spread(endpoint_by_seed: dict[int, np.ndarray], alpha: float) -> dict[str, Any]:
