@@ -229,6 +229,47 @@ def test_server_that_stays_down_ends_the_run_within_the_deadline(tmp_path):
     assert {0, 1} <= steps and json.loads((run / "checkpoint.json").read_text())["step"] >= 1
 
 
+@pytest.mark.slow
+def test_server_lost_during_the_final_eval_ends_with_one_line_and_resumes(tmp_path):
+    """The final eval runs after the loop: a server that dies then ends the run with one line (exit code 2)
+    within the deadline, and a rerun in the folder, the server back, resumes at the final checkpoint and
+    redoes the eval."""
+    port, state, run = _free_port(), tmp_path / "state", tmp_path / "run"
+    args = ["schedule.num_steps=2", "schedule.save_every=1", "eval.n_examples=8", "backend.call_deadline_s=5",
+            "backend.connect_timeout_s=2", "retry.max_attempts=2", "retry.backoff_s=0.1"]
+    srv = Server(state, "--port", str(port), "--latency-s", "0.5")
+    proc = _start_run(run, tmp_path, srv, *args)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:  # the final checkpoint is saved: the eval is next
+            ck = run / "checkpoint.json"
+            if ck.exists() and json.loads(ck.read_text())["tinker_path"].endswith("_final"):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before the server was killed"
+        srv.proc.kill()
+        srv.proc.wait()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: backend: the final eval: ") and "redoes it when started again" in last, last
+    assert not (run / "result.json").exists()
+    srv = Server(state, "--port", str(port))
+    try:
+        p = run_train([*WIRE, *args, f"hydra.run.dir={run}"], tmp_path, env=srv.env())
+    finally:
+        srv.stop()
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming the run in" in p.stdout
+    assert len(eval_records(run)) == 8
+    rows = read_metrics(run)
+    assert [(r["step"], r["update"]) for r in rows] == [(s, u) for s in range(2) for u in range(2)]
+
+
 @pytest.mark.parametrize("url, needle", [
     ("http://127.0.0.1:9", "did not answer within"),  # nothing listens on the discard port
 ])

@@ -23,10 +23,10 @@ from omegaconf import DictConfig
 from eval.during_training import compare_with_start, periodic_eval, run_final_eval, run_start_eval
 from eval.run_report import write_run_report
 from trainer.backends import BackendConfigError, build_service_client, check_tinker
-from trainer.backends.errors import BackendRequestError
+from trainer.backends.errors import BackendRequestError, is_lost
 from trainer.checkpoint import ResumeError, check_resumable, config_hash
 from trainer.config.schema import ConfigError, arm_name, validate
-from trainer.loop import RLLoop, TrainingClientLost
+from trainer.loop import RLLoop, TrainingClientLost, _ClientFailure
 from trainer.preflight.gates import require_passed
 from trainer.run_info import (batch_arithmetic, config_secrets, format_batch_arithmetic, git_revision,
                               redact_hydra_record, resolved_config_dict, write_run_files)
@@ -192,6 +192,21 @@ def run_training(cfg: DictConfig) -> float | None:
     return out
 
 
+def _eval_or_fail(what: str, run: Any) -> Any:
+    """`run()` (an eval outside the loop, which recovers only its own steps), ending the run with one line
+    when the backend fails it for good: a lost client (a server that died or restarted), a refused request,
+    retries spent. The steps are saved, so a rerun in the folder resumes at the checkpoint and redoes it."""
+    import tinker
+
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001 - only the backend's failures are turned into one line
+        if not (is_lost(e) or isinstance(e, (BackendRequestError, tinker.TinkerError, _ClientFailure))):
+            raise
+        fail(f"backend: {what}: {type(e).__name__}: {e}; the run resumes from its last checkpoint and redoes it "
+             "when started again")
+
+
 def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, service_client: Any, task: Any,
                         etask: Any, config_dict: dict, t_setup: float, wandb_run: Any) -> float | None:
     questions = ({p.index: p.question for p in etask.test_problems(cfg.eval.n_examples)}
@@ -219,7 +234,8 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
     start_eval, start_eval_s = None, 0.0
     if etask is not None and cfg.eval.at_start:
         t0 = time.time()
-        start_eval = run_start_eval(cfg, service_client, etask, run_dir, loop.retry, loop.cfg_hash)
+        start_eval = _eval_or_fail("the initial-weights eval", lambda: run_start_eval(
+            cfg, service_client, etask, run_dir, loop.retry, loop.cfg_hash))
         start_eval_s = time.time() - t0
         to_wandb()
     t_train = time.time()
@@ -237,7 +253,7 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
 
     final_acc = None
     if etask is not None:
-        final_acc = run_final_eval(cfg, loop, etask, run_dir, result)
+        final_acc = _eval_or_fail("the final eval", lambda: run_final_eval(cfg, loop, etask, run_dir, result))
         if start_eval is not None:
             result["eval_vs_start"] = compare_with_start(start_eval, run_dir / "eval" / f"{cfg.eval.name}.jsonl")
         to_wandb()
