@@ -771,3 +771,18 @@ def test_arms_may_differ_in_one_other_config_switch(tmp_path, capsys):
         compare([sweep], aa=aa, n_bootstrap=0, make_plots=False, out=tmp_path / "with_aa")
     assert not (nobase / "compare.json").exists() and not (two / "compare.json").exists()
     assert not (tmp_path / "with_aa").exists()
+
+
+def test_a_design_record_of_another_plan_is_not_held_against_the_runs(tmp_path):
+    """The preflight folder may hold a record of another plan of the same experiment (another eval size):
+    compare says so and checks nothing against it."""
+    from trainer.config.compose import compose_config
+    from trainer.preflight.gates import design as design_gate
+
+    pre = tmp_path / "pre"
+    design_gate(compose_config([f"preflight.dir={pre}", "decision.seed_sd=0.05", "eval.n_examples=500",
+                                "decision.method=seed_t"]), pre, n_seeds=5, n_sims=30).write(pre)
+    sweep = _three_seed_sweep(tmp_path, overrides=(f"preflight.dir={pre}", "decision.seed_sd=0.05"))
+    out = compare([sweep], n_bootstrap=0, make_plots=False)
+    assert out["decision"]["overridden"] == []
+    assert any("is for another plan" in n for n in out["notes"])

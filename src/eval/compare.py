@@ -659,6 +659,10 @@ def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses:
         arms = [f"{r.arm} ({r.path})" for r in decisions.values()]
         found.append(f"decision: the runs' `decision` blocks differ ({', '.join(arms)})")
     rec, where = preflight_record(used[0])
+    if rec is not None and rec.get("plan_hash_without_decision") not in (None, _plan_key(used[0])):
+        notes.append(f"the preflight design record {where} is for another plan (its config differs from the runs' "
+                     "outside the decision rule): the rule was not checked against it")
+        rec = None
     if rec is not None:
         planned = rec.get("decision")
         have = used[0].config.get("decision") or {}
@@ -674,6 +678,14 @@ def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses:
     elif where:
         notes.append(f"no preflight design record at {where}: the decision rule was not checked against a plan")
     return found, notes
+
+
+def _plan_key(run: Run) -> str:
+    """The run's plan hash without its decision block, as the design gate records it."""
+    from trainer.checkpoint import config_hash
+    from trainer.config.ignored_keys import PLAN_IGNORED_KEYS
+
+    return config_hash(run.config, ("hydra", "decision") + PLAN_IGNORED_KEYS)
 
 
 def preflight_record(run: Run) -> tuple[dict[str, Any] | None, str | None]:

@@ -39,6 +39,14 @@ def plan_hash(cfg: DictConfig) -> str:
     return config_hash(OmegaConf.to_container(cfg, resolve=True), ("hydra",) + _PLAN_IGNORED)
 
 
+def plan_hash_without_decision(cfg_dict: dict) -> str:
+    """The plan hash with the `decision` block left out: eval.compare matches a sweep's recorded config.yaml to
+    this design record by it, so that a record of the same plan whose runs carry an edited rule is found."""
+    from trainer.checkpoint import config_hash
+
+    return config_hash(cfg_dict, ("hydra", "decision") + _PLAN_IGNORED)
+
+
 def arm_losses(cfg: DictConfig) -> dict[str, dict]:
     """The resolved loss config of each arm as the gates ran them (recorded in every gate's meta)."""
     return {name: OmegaConf.to_container(_arm_cfg(cfg, name).loss, resolve=True) for name in ARMS}
@@ -352,7 +360,9 @@ def design(cfg: DictConfig, out_dir: Path, n_seeds: int = 1, n_sims: int = 400) 
     summary = {k: v for k, v in res.items() if k != "power_curve"}
     # the pre-registered rule as planned: eval.compare refuses (or records as an override) a sweep whose
     # `decision` block differs from it, or that has fewer seeds than planned
-    report.meta = _meta(cfg, design=summary, decision=OmegaConf.to_container(cfg.decision, resolve=True))
+    report.meta = _meta(cfg, design=summary, decision=OmegaConf.to_container(cfg.decision, resolve=True),
+                        plan_hash_without_decision=plan_hash_without_decision(
+                            OmegaConf.to_container(cfg, resolve=True)))
     return report
 
 
