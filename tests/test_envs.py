@@ -13,8 +13,10 @@ import pytest
 from envs import Problem, build_task, gsm8k_data, problem_sha256
 from envs.renderers import get_renderer
 from envs.tokenizers import get_tokenizer
+from trainer.config.schema import ModelConfig
 
-QWEN = {"base_model": "Qwen/Qwen3.5-2B", "tokenizer": "tml_qwen3_5", "renderer": "qwen3_5_disable_thinking"}
+QWEN = ModelConfig(name="qwen3_5_2b", base_model="Qwen/Qwen3.5-2B", tokenizer="tml_qwen3_5",
+                   renderer="qwen3_5_disable_thinking")
 QWEN_SUFFIX = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 GSM8K = {"name": "gsm8k", "source": "vendored", "seed": 0, "n_examples": None, "convo_prefix": "standard",
          "max_tokens": 512}
@@ -28,7 +30,8 @@ def tiny():
     from trainer.backends.local.models import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
-    return tok, get_renderer({"base_model": "pairedrl/tiny-chatml-test", "renderer": "qwen3_instruct"}, tok)
+    return tok, get_renderer(ModelConfig(name="tiny", base_model="pairedrl/tiny-chatml-test",
+                                         renderer="qwen3_instruct"), tok)
 
 
 @pytest.fixture(scope="module")
@@ -312,12 +315,19 @@ def test_test_problems_bounds(tiny) -> None:
 
 
 def test_structured_config_objects(tiny) -> None:
+    """The typed env configs, and the DictConfig a run composes (the trainer passes `cfg.env`)."""
+    from omegaconf import OmegaConf
+
     from trainer.config.schema import ArithmeticEnvConfig, GSM8KEnvConfig
 
     a = build_task(ArithmeticEnvConfig(n_examples=20, n_test=10), tiny[1])
     assert len(a.train_problems()) == 20 and a.max_tokens == 64
     g = build_task(GSM8KEnvConfig(n_examples=3), tiny[1])
     assert len(g.train_problems()) == 3 and g.max_tokens == 512
+    node = OmegaConf.merge(OmegaConf.structured(ArithmeticEnvConfig), {"n_examples": 20, "n_test": "${.n_examples}"})
+    assert len(build_task(node, tiny[1]).test_problems(20)) == 20
+    with pytest.raises(TypeError, match="dataclass or a mapping"):
+        build_task("arithmetic", tiny[1])
 
 
 def test_problem_sha256() -> None:

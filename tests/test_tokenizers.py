@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import pickle
+from types import SimpleNamespace
 
 import pytest
 from tinker_cookbook import tokenizer_utils
 
 from envs.renderers import get_renderer
 from envs.tokenizers import TmlQwen35Tokenizer, get_tokenizer
+from trainer.config.schema import ModelConfig
 
-QWEN = {"name": "qwen3_5_2b", "base_model": "Qwen/Qwen3.5-2B", "tokenizer": "tml_qwen3_5",
-        "renderer": "qwen3_5_disable_thinking"}
+QWEN = ModelConfig(name="qwen3_5_2b", base_model="Qwen/Qwen3.5-2B", tokenizer="tml_qwen3_5",
+                   renderer="qwen3_5_disable_thinking")
 IM_START, IM_END, THINK, END_THINK = 248045, 248046, 248068, 248069
 
 
@@ -53,7 +55,7 @@ def test_tml_attributes(qwen_tok: TmlQwen35Tokenizer) -> None:
 
 
 def test_cached_and_registered_with_cookbook(qwen_tok: TmlQwen35Tokenizer) -> None:
-    assert get_tokenizer(dict(QWEN)) is qwen_tok
+    assert get_tokenizer(ModelConfig(**vars(QWEN))) is qwen_tok  # an equal config, not the same object
     assert tokenizer_utils.get_tokenizer("Qwen/Qwen3.5-2B") is qwen_tok
 
 
@@ -70,7 +72,7 @@ def test_qwen35_renderer_prompt_and_stop(qwen_tok: TmlQwen35Tokenizer) -> None:
 
 
 def test_hf_folder_chatml_with_qwen3_instruct(tiny_dir: str) -> None:
-    cfg = {"base_model": tiny_dir, "tokenizer": "hf", "renderer": "qwen3_instruct"}
+    cfg = ModelConfig(name="tiny", base_model=tiny_dir, tokenizer="hf", renderer="qwen3_instruct")
     tok = get_tokenizer(cfg)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.encode("<|im_end|>", add_special_tokens=False) == [im_end]
@@ -82,7 +84,7 @@ def test_hf_folder_chatml_with_qwen3_instruct(tiny_dir: str) -> None:
 
 
 def test_thinking_renderer_refused_for_chatml_without_think(tiny_dir: str) -> None:
-    cfg = {"base_model": tiny_dir, "tokenizer": "hf", "renderer": "qwen3_5_disable_thinking"}
+    cfg = ModelConfig(name="tiny", base_model=tiny_dir, tokenizer="hf", renderer="qwen3_5_disable_thinking")
     with pytest.raises(ValueError, match="qwen3_instruct"):
         get_renderer(cfg, get_tokenizer(cfg))
 
@@ -94,28 +96,30 @@ def test_local_kind_uses_local_engine_tokenizer(monkeypatch: pytest.MonkeyPatch,
 
     # a fresh per-process cache: earlier in-process runs may have built TINY's tokenizer elsewhere
     monkeypatch.setattr(envs.tokenizers, "_cache", {})
-    cfg = {"base_model": models.TINY, "tokenizer": "local", "renderer": "qwen3_instruct"}
+    cfg = ModelConfig(name="tiny", base_model=models.TINY, tokenizer="local", renderer="qwen3_instruct")
     tok = get_tokenizer(cfg)
     assert tok is models.resolve_tokenizer(models.TINY)
     renderer = get_renderer(cfg, tok)
     assert renderer.get_stop_sequences() == tok.encode("<|im_end|>", add_special_tokens=False)
 
 
-@pytest.mark.parametrize("cfg, match", [
+@pytest.mark.parametrize("fields, match", [
     ({"base_model": "x", "tokenizer": "sentencepiece"}, "unknown model.tokenizer"),
-    ({"tokenizer": "hf"}, "base_model"),
+    ({"base_model": None, "tokenizer": "hf"}, "base_model"),
     ({"base_model": "", "tokenizer": "hf"}, "non-empty"),
 ])
-def test_bad_tokenizer_config(cfg: dict, match: str) -> None:
+def test_bad_tokenizer_config(fields: dict, match: str) -> None:
+    """get_tokenizer's own checks, on a config that did not go through the schema's (a DictConfig that
+    was never validated reads the same way)."""
     with pytest.raises(ValueError, match=match):
-        get_tokenizer(cfg)
+        get_tokenizer(SimpleNamespace(**fields))
 
 
 def test_hf_missing_folder_is_clear(tmp_path) -> None:
     with pytest.raises(ValueError, match="AutoTokenizer"):
-        get_tokenizer({"base_model": str(tmp_path / "nope"), "tokenizer": "hf"})
+        get_tokenizer(ModelConfig(name="nope", base_model=str(tmp_path / "nope"), renderer="qwen3_instruct"))
 
 
 def test_unknown_renderer_name(qwen_tok: TmlQwen35Tokenizer) -> None:
     with pytest.raises(ValueError, match="no_such_renderer"):
-        get_renderer({"base_model": "Qwen/Qwen3.5-2B", "renderer": "no_such_renderer"}, qwen_tok)
+        get_renderer(ModelConfig(name="qwen", base_model="Qwen/Qwen3.5-2B", renderer="no_such_renderer"), qwen_tok)

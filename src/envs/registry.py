@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tinker_cookbook import renderers
 
-from envs._cfg import cfg_to_dict
 from envs.types import Task
 
 TaskBuilder = Callable[..., Task]
@@ -45,8 +45,15 @@ def _accepted_keys(builder: TaskBuilder) -> set[str] | None:
 
 
 def build_task(env_cfg: Any, renderer: renderers.Renderer) -> Task:
-    """The task `env_cfg.name` built with the remaining env fields as keyword arguments."""
-    fields = cfg_to_dict(env_cfg, where="env config")
+    """The task `env_cfg.name` built with the remaining env fields as keyword arguments. `env_cfg`: the env
+    group's typed config (`trainer.config.schema.GSM8KEnvConfig`, ...), or a mapping (a DictConfig
+    included) for a task registered without a schema."""
+    if dataclasses.is_dataclass(env_cfg) and not isinstance(env_cfg, type):
+        fields = {f.name: getattr(env_cfg, f.name) for f in dataclasses.fields(env_cfg)}
+    elif isinstance(env_cfg, Mapping):
+        fields = dict(env_cfg)  # a DictConfig's interpolations are resolved as they are read
+    else:
+        raise TypeError(f"env config must be a dataclass or a mapping, got {type(env_cfg).__name__}")
     name = fields.pop("name", None)
     if name is None:
         raise ValueError("env config has no 'name'")

@@ -20,8 +20,6 @@ from typing import Any
 from tinker_cookbook import renderers as cookbook_renderers
 from tinker_cookbook.renderers.base import RendererError
 
-from envs._cfg import cfg_get
-
 # renderers whose prompts or parsing use the ChatML turn tokens / the <think> tags as single tokens
 _CHATML_PREFIX = "qwen3"
 _THINK_TAG_RENDERERS = ("qwen3", "qwen3_disable_thinking", "qwen3_vl", "qwen3_5", "qwen3_5_disable_thinking",
@@ -49,9 +47,9 @@ def check_tokenizer_fits(name: str, tokenizer: Any) -> None:
 
 
 def get_renderer(model_cfg: Any, tokenizer: Any) -> cookbook_renderers.Renderer:
-    """The cookbook renderer `model_cfg.renderer` over `tokenizer` (special tokens checked first)."""
-    name = cfg_get(model_cfg, "renderer", where="model config")
-    base_model = cfg_get(model_cfg, "base_model", None, where="model config")
+    """The cookbook renderer `model_cfg.renderer` over `tokenizer` (special tokens checked first); `model_cfg`
+    is a `trainer.config.schema.ModelConfig` or its DictConfig."""
+    name, base_model = model_cfg.renderer, model_cfg.base_model
     if not isinstance(name, str) or not name:
         raise ValueError(f"model.renderer must be a non-empty string, got {name!r}")
     check_tokenizer_fits(name, tokenizer)

@@ -22,7 +22,6 @@ from typing import Any
 
 from tinker_cookbook.tokenizer_utils import register_tokenizer
 
-from envs._cfg import cfg_get
 from trainer.config.enums import TOKENIZER_KINDS
 
 _lock = threading.Lock()
@@ -130,10 +129,10 @@ def _build(kind: str, base_model: str) -> Any:
 
 
 def get_tokenizer(model_cfg: Any) -> Any:
-    """The tokenizer for `model_cfg` (fields `base_model`, `tokenizer`), cached per process and
-    registered with the cookbook under `base_model`."""
-    base_model = cfg_get(model_cfg, "base_model", where="model config")
-    kind = cfg_get(model_cfg, "tokenizer", "hf", where="model config")
+    """The tokenizer for the model config `model_cfg` (`trainer.config.schema.ModelConfig` or its
+    DictConfig: attributes `base_model`, `tokenizer`), cached per process and registered with the
+    cookbook under `base_model`."""
+    base_model, kind = model_cfg.base_model, model_cfg.tokenizer
     if not isinstance(base_model, str) or not base_model:
         raise ValueError(f"model.base_model must be a non-empty string, got {base_model!r}")
     if kind not in TOKENIZER_KINDS:
