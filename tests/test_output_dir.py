@@ -7,12 +7,10 @@ from runs import TINY, run_train
 
 
 def test_read_only_output_folder(tmp_path):
-    """The project's own check (trainer.main.check_output_dir) rejects the folder, not Hydra.
-
-    Hydra creates the run folder and writes `.hydra/` and its log there before the task runs, so
-    a folder Hydra cannot write fails with Hydra's traceback before the project's check. The
-    folder here is one Hydra can use but the project's write probe cannot: `.write_probe` already
-    exists as a folder. (chmod cannot do this: root, as in CI, ignores permission bits.)"""
+    """The project's own probe rejects the folder, not Hydra's traceback: Hydra creates the run folder and
+    writes `.hydra/` and its log there before the task runs, so the probe runs in a Hydra callback before
+    that (trainer.hydra_callbacks). The folder here exists but takes no file: `.write_probe` already exists
+    as a folder. (chmod cannot do this: root, as in CI, ignores permission bits.)"""
     target = tmp_path / "run"
     (target / ".write_probe").mkdir(parents=True)
     p = run_train([*TINY, f"hydra.run.dir={target}"], tmp_path)

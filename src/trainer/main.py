@@ -26,6 +26,7 @@ from trainer.backends import BackendConfigError, build_service_client, check_tin
 from trainer.backends.errors import BackendRequestError, is_lost
 from trainer.checkpoint import ResumeError, check_resumable, config_hash
 from trainer.config.schema import ConfigError, arm_name, validate
+from trainer.hydra_callbacks import probe_output_dir
 from trainer.loop import RLLoop, TrainingClientLost, _ClientFailure
 from trainer.preflight.gates import require_passed
 from trainer.run_info import (batch_arithmetic, config_secrets, format_batch_arithmetic, git_revision,
@@ -46,13 +47,11 @@ def hydra_dirs() -> tuple[Path, Path | None]:
 
 
 def check_output_dir(run_dir: Path, cfg: DictConfig) -> None:
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_probe"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        fail(f"output folder {run_dir} is not writable ({e.strerror})")
+    # the job's own folder (a sweep's job folder, or one Hydra was told to use by a caller without the
+    # callback); trainer.hydra_callbacks probed the run or sweep folder before Hydra wrote there
+    problem = probe_output_dir(run_dir)
+    if problem is not None:
+        fail(problem)
     # LoRA state + Adam moments of a small adapter; generous so a full disk is caught before training
     need_mb = 64 * (1 + cfg.schedule.num_steps // max(1, cfg.schedule.save_every or cfg.schedule.num_steps))
     free_mb = shutil.disk_usage(run_dir).free / 2**20
