@@ -52,7 +52,7 @@ def make_loss(cfg: DictConfig, service_client: Any) -> LossPath:
     callable, with a warning when registering failed (the arms of a sweep would otherwise run different
     paths unnoticed; `eval.compare` refuses such a sweep)."""
     loss = build_loss(cfg.loss)
-    want = cfg.backend.get("loss_path", "auto")
+    want = cfg.backend.loss_path
     if want == "two_pass":
         return TwoPassLossPath(loss)
     if cfg.loss.aggregation != "sum" or not hasattr(service_client, "create_custom_loss"):
