@@ -54,9 +54,6 @@ ELSEWHERE = {
     "SamplingClient.get_telemetry": ("client-side", "as ServiceClient.get_telemetry"),
     "RestClient.get_telemetry": ("client-side", "as ServiceClient.get_telemetry"),
     "SamplingClient.on_queue_state_change": ("client-side", "a callback hook of the SDK's queue"),
-    "TrainingClient.get_tokenizer": ("needs the tokenizer offline", "loads `tokenizer_id` from the HF hub "
-                                     "cache; see 'Tokenizers offline' above"),
-    "SamplingClient.get_tokenizer": ("needs the tokenizer offline", "as TrainingClient.get_tokenizer"),
     "RestClient.whoami": ("refused", "needs JWT auth (the SDK reads the identity from a JWT; this server "
                                      "uses plain API keys, `pjwt_auth_enabled=false`)"),
 }
@@ -420,6 +417,81 @@ def test_downloaded_adapter_loads_with_peft_and_matches_the_engine(server, sdk, 
     assert torch.allclose(ref, served.float(), atol=1e-4), (ref, served)
 
 
+# ----------------------------------------------------------------------------- offline tokenizers
+_TOKENIZE = """
+import json, sys, tinker
+from tinker_cookbook.tokenizer_utils import get_tokenizer
+sc = tinker.ServiceClient()
+tc = sc.create_lora_training_client(sys.argv[1], rank=2).result()
+text = "What is 12 + 7? <|im_end|>"
+print(json.dumps([get_tokenizer(sys.argv[1]).encode(text, add_special_tokens=False),
+                  tc.get_tokenizer().encode(text, add_special_tokens=False),
+                  tc.save_weights_and_get_sampling_client().get_tokenizer().encode(text, add_special_tokens=False)]))
+sc.close("success")
+"""
+
+
+@covers("TrainingClient.get_tokenizer", "SamplingClient.get_tokenizer")
+def test_print_env_lets_the_sdk_and_the_cookbook_load_tokenizers_offline(server, tmp_path):
+    """`--print-env` seeds a hub cache; with its exports the SDK's `get_tokenizer()` and the cookbook's
+    `get_tokenizer(model_name)` load the engine's own tokenizer with the network off. An empty HF_HOME is
+    the control: the same program fails there."""
+    from trainer.backends.local.models import resolve_tokenizer
+
+    out = subprocess.run([sys.executable, "-m", "trainer.serve", "--print-env", "--hf-home", str(tmp_path / "hf")],
+                         capture_output=True, text=True, timeout=300, env=_env(server))
+    assert out.returncode == 0, out.stderr[-2000:]
+    exports = dict(kv.split("=", 1) for line in out.stdout.splitlines() if line.startswith("export ")
+                   for kv in line.split("#")[0].split()[1:])
+    assert exports["HF_HOME"] == str(tmp_path / "hf") and exports["HF_HUB_OFFLINE"] == "1"
+    assert "renderer_name=qwen3_instruct" in out.stdout
+    expected = resolve_tokenizer(TINY).encode("What is 12 + 7? <|im_end|>", add_special_tokens=False)
+    env = {**_env(server), "HF_HOME": exports["HF_HOME"], "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-c", _TOKENIZE, TINY], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == [expected] * 3
+    empty = subprocess.run([sys.executable, "-c", _TOKENIZE, TINY], capture_output=True, text=True, timeout=300,
+                           env={**env, "HF_HOME": str(tmp_path / "empty")})
+    assert empty.returncode != 0 and "OSError" in empty.stderr
+
+
+@pytest.mark.slow
+@covers("tinker_cookbook.recipes.math_rl.train env=arithmetic (run, then resume)")
+def test_cookbook_math_rl_arithmetic_runs_and_resumes_unmodified(server, tmp_path):
+    """The recipe as shipped, as docs/tinker.md runs it: two steps with checkpoints, then a resume to a third
+    step from the same log dir (which reads the run's `user_metadata` through the REST surface)."""
+    hf = subprocess.run([sys.executable, "-m", "trainer.serve", "--print-env", "--hf-home", str(tmp_path / "hf")],
+                        capture_output=True, text=True, timeout=300, env=_env(server))
+    assert hf.returncode == 0, hf.stderr[-2000:]
+    env = {**_env(server), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "WANDB_MODE": "disabled"}
+    log = tmp_path / "math_rl"
+    common = [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={TINY}",
+              "renderer_name=qwen3_instruct", "env=arithmetic", "group_size=2", "groups_per_batch=2",
+              "max_tokens=8", "eval_every=0", "save_every=1", "lora_rank=4", f"log_path={log}"]
+    first = subprocess.run([*common, "max_steps=2", "behavior_if_log_dir_exists=delete"], capture_output=True,
+                           text=True, timeout=900, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = [json.loads(line) for line in (log / "checkpoints.jsonl").read_text().splitlines()]
+    from tinker import types
+
+    for rec in saved:
+        for k in ("state_path", "sampler_path"):
+            if rec.get(k):
+                types.ParsedCheckpointTinkerPath.from_tinker_path(rec[k])
+    second = subprocess.run([*common, "max_steps=3", "behavior_if_log_dir_exists=resume"], capture_output=True,
+                            text=True, timeout=900, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "Could not fetch renderer metadata" not in second.stderr + second.stdout
+    batches = [json.loads(line).get("progress/batch") for line in (log / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(b for b in batches if b is not None) == [0, 1, 2]  # resumed at batch 2, nothing redone
+    last = json.loads((log / "checkpoints.jsonl").read_text().splitlines()[-1])
+    run = _rest(server, KEY).get_training_run_by_tinker_path(last["state_path"]).result()
+    assert "qwen3_instruct" in (run.user_metadata or {}).values()
+    assert last["state_path"] in {c.tinker_path for c in _rest(server, KEY).list_checkpoints(
+        run.training_run_id).result().checkpoints}
+
+
 # ----------------------------------------------------------------------------- refused
 @covers("RestClient.search_sessions", refused="session search is a hosted-service feature (no search index offline)")
 def test_search_sessions_is_refused_with_why(server):
@@ -474,7 +546,9 @@ def test_admin_calls_are_refused_with_why(server):
 
 
 @covers("TrainingClient.forward_backward(loss_fn='stable_reinforce')",
-        refused="the engine implements cross_entropy, importance_sampling, ppo, cispo, dro, gspo and custom losses")
+        refused="not implemented: its objective uses stability info the service records at sampling time "
+                "(`record_stability_info=True`, sequence ids), which neither the SDK nor the service documentation "
+                "defines; the engine has cross_entropy, importance_sampling, ppo, cispo, dro, gspo and custom losses")
 @covers("SamplingClient.sample(topk_prompt_logprobs / topk_sample_logprobs / prompt_logprobs_last_n)",
         refused="the engine returns sampled-token and full prompt logprobs only (include_prompt_logprobs, "
                 "compute_logprobs)")

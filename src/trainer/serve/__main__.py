@@ -50,6 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(e.g. 'rate=0.1 seed=0' or 'at=optim_step#2:410')")
     p.add_argument("--latency-s", type=float, default=0.0, help="delay added to every API request (seconds)")
     p.add_argument("--poll-s", type=float, default=20.0, help="long-poll of retrieve_future (seconds, < 45)")
+    p.add_argument("--print-env", action="store_true",
+                   help="seed a Hugging Face cache with the served models' tokenizers (--hf-home) and print the "
+                        "exports an unmodified Tinker / cookbook program needs offline, then exit")
+    p.add_argument("--hf-home", default=os.path.expanduser("~/.cache/pairedrl/hf"),
+                   help="the HF_HOME --print-env seeds (default ~/.cache/pairedrl/hf)")
     p.add_argument("--ttl-sweep-s", type=float, default=60.0,
                    help="how often expired checkpoints (save calls' ttl_seconds, set_checkpoint_ttl) are deleted")
     p.add_argument("--client-side-loss", action="store_true",
@@ -137,6 +142,12 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.print_env:  # trainer.serve.offline_env: what a client program needs, no server started
+        from trainer.serve.offline_env import env_lines, seed_hf_cache
+
+        seeded = seed_hf_cache(Path(args.hf_home))
+        print("\n".join(env_lines(Path(args.hf_home), list(seeded))))
+        return 0
     logging.basicConfig(level=args.log_level.upper(), format="[serve %(asctime)s] %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr)
     try:
