@@ -41,6 +41,7 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -125,6 +126,9 @@ class RestSurface:
         self.sweep_s = float(sweep_s)
         self.sessions: dict[str, _Session] = {}
         self.runs: dict[str, dict[str, Any]] = {}  # run_id -> run.json, loaded from disk at start
+        # runs are recorded from the server's loader threads and swept from an executor thread while the
+        # event loop reads them: every change to a record, and its serialization, holds this lock
+        self._lock = threading.Lock()
         self._secret = secrets.token_bytes(32)
         self._sweeper: asyncio.Task | None = None
         self.deleted_by_ttl = 0
@@ -148,7 +152,9 @@ class RestSurface:
         folder = self.root / rec["training_run_id"]
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".run.json.{secrets.token_hex(4)}"
-        tmp.write_text(json.dumps(rec, indent=1))
+        with self._lock:
+            text = json.dumps(rec, indent=1)
+        tmp.write_text(text)
         os.replace(tmp, folder / "run.json")
 
     def on_session(self, session_id: str, owner: str, user_metadata: dict[str, Any] | None = None) -> None:
@@ -170,10 +176,29 @@ class RestSurface:
                "train_attn": lora.train_attn, "train_unembed": lora.train_unembed,
                "user_metadata": {str(k): str(v) for k, v in (user_metadata or {}).items()} or None,
                "created_at": _now(), "source_path": source_path, "checkpoints": {}}
-        self.runs[run_id] = rec
+        with self._lock:
+            self.runs[run_id] = rec
         self._write_run(rec)
 
     # ------------------------------------------------------------------ lookups
+    def _records(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.runs.values())
+
+    def _set(self, rec: dict[str, Any], cid: str, **values: Any) -> None:
+        """Change a checkpoint's recorded settings (TTL, published) and write run.json."""
+        with self._lock:
+            rec.setdefault("checkpoints", {}).setdefault(cid, {}).update(values)
+        self._write_run(rec)
+
+    def _forget(self, rec: dict[str, Any] | None, cid: str) -> None:
+        if rec is None:
+            return
+        with self._lock:
+            gone = rec.get("checkpoints", {}).pop(cid, None)
+        if gone is not None:
+            self._write_run(rec)
+
     def _run(self, run_id: str, owner: str, scope: str = "owned") -> dict[str, Any]:
         rec = self.runs.get(run_id)
         if rec is not None and (rec["owner"] == owner
@@ -181,9 +206,9 @@ class RestSurface:
             return rec
         raise _error(404, f"training run {run_id[:200]!r} not found")
 
-    @staticmethod
-    def _any_public(rec: dict[str, Any]) -> bool:
-        return any(c.get("public") for c in rec.get("checkpoints", {}).values())
+    def _any_public(self, rec: dict[str, Any]) -> bool:
+        with self._lock:
+            return any(c.get("public") for c in rec.get("checkpoints", {}).values())
 
     def _folders(self, run_id: str) -> list[tuple[str, Path]]:
         out = []
@@ -279,7 +304,7 @@ class RestSurface:
         offset = _int_param(request, "offset", 0, 0, 2**31)
         scope = _scope(request)
         me = _request_key(request)
-        recs = [r for r in self.runs.values() if r["owner"] == me or (scope == "accessible" and self._any_public(r))]
+        recs = [r for r in self._records() if r["owner"] == me or (scope == "accessible" and self._any_public(r))]
         recs.sort(key=lambda r: (-r["created_at"], r["training_run_id"]))
         page = [self._training_run(r) for r in recs[offset:offset + limit]]
         body = types.TrainingRunsResponse(training_runs=page, cursor=types.Cursor(
@@ -300,7 +325,7 @@ class RestSurface:
         limit = _int_param(request, "limit", 100, 1, MAX_LIMIT)
         offset = _int_param(request, "offset", 0, 0, 2**31)
         me = _request_key(request)
-        cks = [c for r in self.runs.values() if r["owner"] == me for c in self._checkpoints(r)]
+        cks = [c for r in self._records() if r["owner"] == me for c in self._checkpoints(r)]
         cks.sort(key=lambda c: (c.time, c.tinker_path), reverse=True)
         return web.json_response(text=types.CheckpointsListResponse(
             checkpoints=cks[offset:offset + limit],
@@ -328,8 +353,7 @@ class RestSurface:
     async def delete_checkpoint(self, request: web.Request) -> web.Response:
         rec, _, cid, folder = self._owned_checkpoint(request)
         self._delete_folder(folder)
-        if rec.get("checkpoints", {}).pop(cid, None) is not None:
-            self._write_run(rec)
+        self._forget(rec, cid)
         return web.Response(status=204)
 
     async def set_ttl(self, request: web.Request) -> web.Response:
@@ -340,15 +364,12 @@ class RestSurface:
             raise _error(400, 'set_checkpoint_ttl needs a JSON body {"ttl_seconds": int | null}') from None
         if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or not 1 <= ttl <= MAX_TTL_S):
             raise _error(400, f"ttl_seconds must be null or an integer in [1, {MAX_TTL_S}], got {ttl!r}")
-        rec.setdefault("checkpoints", {}).setdefault(cid, {})["expires_at"] = (
-            None if ttl is None else _now() + ttl)
-        self._write_run(rec)
+        self._set(rec, cid, expires_at=None if ttl is None else _now() + ttl)
         return web.Response(status=204)
 
     async def publish(self, request: web.Request) -> web.Response:
         rec, _, cid, _ = self._owned_checkpoint(request)
-        rec.setdefault("checkpoints", {}).setdefault(cid, {})["public"] = request.method == "POST"
-        self._write_run(rec)
+        self._set(rec, cid, public=request.method == "POST")
         return web.Response(status=204)
 
     # ------------------------------------------------------------------ external weights
@@ -421,7 +442,7 @@ class RestSurface:
 
     async def get_session(self, request: web.Request) -> web.Response:
         sid, s = self._session(request)
-        runs = sorted((r["created_at"], rid) for rid, r in self.runs.items()
+        runs = sorted((r["created_at"], r["training_run_id"]) for r in self._records()
                       if r.get("session_id") == sid and r["owner"] == s.owner)
         return web.json_response(text=types.GetSessionResponse(
             training_run_ids=[rid for _, rid in runs], sampler_ids=list(s.samplers),
@@ -446,7 +467,8 @@ class RestSurface:
         for run_dir in self.root.iterdir():
             if run_dir.name.startswith(".") or not run_dir.is_dir() or run_dir.is_symlink():
                 continue
-            rec = self.runs.get(run_dir.name)
+            with self._lock:
+                rec = self.runs.get(run_dir.name)
             for _, folder in self._folders(run_dir.name):
                 try:
                     meta = json.loads((folder / "meta.json").read_text())
@@ -458,8 +480,7 @@ class RestSurface:
                     with contextlib.suppress(OSError):
                         self._delete_folder(folder)
                         n += 1
-                        if rec is not None and rec.get("checkpoints", {}).pop(cid, None) is not None:
-                            self._write_run(rec)
+                        self._forget(rec, cid)
         self.deleted_by_ttl += n
         return n
 
