@@ -54,6 +54,7 @@ ELSEWHERE = {
     "SamplingClient.get_telemetry": ("client-side", "as ServiceClient.get_telemetry"),
     "RestClient.get_telemetry": ("client-side", "as ServiceClient.get_telemetry"),
     "SamplingClient.on_queue_state_change": ("client-side", "a callback hook of the SDK's queue"),
+    "tinker checkpoint push-hf": ("needs the network", "uploads a download to the Hugging Face hub"),
     "RestClient.whoami": ("refused", "needs JWT auth (the SDK reads the identity from a JWT; this server "
                                      "uses plain API keys, `pjwt_auth_enabled=false`)"),
 }
@@ -364,7 +365,8 @@ def test_external_weights_are_a_peft_adapter_of_the_same_factors(server, sdk, tm
 
 
 @covers("tinker checkpoint list", "tinker run list", "tinker checkpoint info", "tinker checkpoint download",
-        "tinker run info", "tinker checkpoint set-ttl", "tinker checkpoint delete")
+        "tinker run info", "tinker checkpoint set-ttl", "tinker checkpoint delete", "tinker model list",
+        "tinker checkpoint publish", "tinker checkpoint unpublish")
 def test_cli_lists_shows_downloads_and_deletes(server, sdk, tmp_path):
     _, rc, tc = sdk
     run_id = tc.get_info().model_id
@@ -381,6 +383,12 @@ def test_cli_lists_shows_downloads_and_deletes(server, sdk, tmp_path):
     # the temporary export the CLI made was deleted through the REST surface
     assert not (server.state_dir / run_id / "external_weights" / "download").exists() or not [
         c for c in rc.list_user_checkpoints(limit=1000).result().checkpoints if c.checkpoint_id.endswith("/download")]
+    c = _cli(server, "--format", "json", "model", "list")
+    assert c.returncode == 0 and TINY in c.stdout, c.stderr[-2000:]
+    for verb, public in (("publish", True), ("unpublish", False)):
+        c = _cli(server, "checkpoint", verb, path)
+        assert c.returncode == 0, c.stderr[-2000:]
+        assert next(k for k in rc.list_checkpoints(run_id).result().checkpoints if k.tinker_path == path).public == public
     c = _cli(server, "checkpoint", "set-ttl", path, "--ttl", "3600")
     assert c.returncode == 0, c.stderr[-2000:]
     c = _cli(server, "checkpoint", "delete", path, "--yes")
