@@ -126,7 +126,7 @@ class RLLoop:
         self.recoveries = 0
         self._warned: set[str] = set()
         self._ref_sampler: Any = None  # a sampler of the initial weights (loss.kl_coef > 0)
-        mode = cfg.sampling.get("requests", "auto")
+        mode = cfg.sampling.requests
         self.per_sample_requests = mode == "per_sample" or (mode == "auto" and cfg.backend.name == "tinker")
         self.last_rows: list[dict[str, Any]] = []
 
