@@ -16,7 +16,7 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from trainer.backends.errors import TransientBackendError
 
 T = TypeVar("T")
-# checkpoint paths before they took the SDK form: `tinker://local/<absolute dir>`
+# the legacy local form `tinker://local/<absolute dir>`, found in older runs' checkpoint.json
 LEGACY_PREFIX = "tinker://local/"
 
 
@@ -164,8 +164,8 @@ def _inside(path: Path, root: Path) -> bool:
 def resolve_path(path: Any, state_dir: Path, kinds: tuple[str, ...] = ("training", "sampler")) -> Path:
     """The checkpoint folder a path names, confined to `state_dir`.
 
-    SDK form: `tinker://<run_id>/<segment>/<name>` -> `<state_dir>/<run_id>/<segment>/<name>`. The form
-    used before it, `tinker://local/<absolute dir>`, still loads when that folder lies inside the state dir
+    SDK form: `tinker://<run_id>/<segment>/<name>` -> `<state_dir>/<run_id>/<segment>/<name>`. The legacy
+    form, `tinker://local/<absolute dir>`, loads when that folder lies inside the state dir
     (a resumed run's `checkpoint.json` names one); otherwise it is refused with how to convert it. The
     folder is resolved (symlinks followed) and must stay inside the state dir; a path that escapes, a
     missing folder and a folder without `meta.json` all get the same CheckpointPathError(404)."""
@@ -174,7 +174,7 @@ def resolve_path(path: Any, state_dir: Path, kinds: tuple[str, ...] = ("training
         lexical = Path(os.path.normpath("/" + path[len(LEGACY_PREFIX):].lstrip("/")))
         if not _inside(lexical, root) or len(lexical.relative_to(root).parts) != 3:
             raise CheckpointPathError(
-                f"{path[:200]!r} is a local path from before checkpoint paths took the SDK's form; paths now "
+                f"{path[:200]!r} is a legacy local path outside this engine's state dir; checkpoint paths "
                 "look like tinker://<run_id>/weights/<name> and name a folder under this engine's state dir "
                 "(<state dir>/<run_id>/weights/<name>): copy the checkpoint folder there and use that path", 404)
         folder = lexical
