@@ -1285,7 +1285,8 @@ def summary(result: dict[str, Any]) -> str:
                   f"({aa['pairs_item_level_significant']} of {len(aa['pairs'])} seed pairs item-level 'significant')")]
     else:
         lines = [verdict_line(r, rule) for r in result["comparisons"]]
-    lines.append(f"rule: {rule['text']}" + (f" ({rule['resolution']})" if rule.get("requested") == "auto" else ""))
+        lines.append(f"rule: {rule['text']}"
+                     + (f" ({rule['resolution']})" if rule.get("requested") == "auto" else ""))
     if rule["overridden"]:
         lines.append("OVERRIDDEN (not the pre-registered comparison): " + "; ".join(rule["overridden"]))
     lines += [f"note: {n}" for n in result["notes"]]
