@@ -124,10 +124,11 @@ def verdict_line(r: dict[str, Any], rule: dict[str, Any]) -> str:
 
 def _inert_section(r: dict[str, Any]) -> list[str]:
     lines = [f"## The switch never acted: {r['treatment']} vs {r['baseline']}", "",
-             ("Every seed pair trained identically or with every rule fraction at 0 (no token masked or clipped by "
-              "either arm's rule, nor by the counterfactual ones), so the arms computed the same updates: the "
-              "numbers below measure nothing about the switch. Run the regime where the rule acts (the activation "
-              "gate says where, e.g. `+experiment=local_dppo_mask`)."), "",
+             ("Every seed pair trained identically (the objective value aside), or with both arms' rule fractions "
+              "at 0 at every update (no token masked or clipped by either arm's own rule, nor by the other arm's "
+              "rule computed counterfactually), so the arms computed the same updates: the numbers below measure "
+              "nothing about the switch. Run the regime where the rule acts (the activation gate says where, e.g. "
+              "`+experiment=local_dppo_mask`)."), "",
              "| seed | updates | identical training rows | largest rule fraction |", "|---:|---:|---|---|"]
     for x in r["activity"]["per_seed"]:
         fr = x["max_rule_fraction"] or {}
