@@ -57,7 +57,8 @@ def final_logprobs(run_dir: Path) -> np.ndarray:
     from trainer.backends.local import LocalServiceClient
 
     ck = json.loads((run_dir / "checkpoint.json").read_text())
-    sc = LocalServiceClient(state_dir=run_dir / "engine_check", sampler_dtype="float32", train_dtype="float32")
+    # the run's own engine folder: a checkpoint path names a folder under the state dir that saved it
+    sc = LocalServiceClient(state_dir=run_dir / "engine", sampler_dtype="float32", train_dtype="float32")
     try:
         tc = sc.create_training_client_from_state_with_optimizer(ck["tinker_path"]).result()
         toks = list(range(5, 45))
