@@ -425,6 +425,40 @@ def test_downloaded_adapter_loads_with_peft_and_matches_the_engine(server, sdk, 
     assert torch.allclose(ref, served.float(), atol=1e-4), (ref, served)
 
 
+def test_bad_ids_and_parameters_get_4xx_never_5xx(server, sdk):
+    """Every management route, with ids that do not exist, escape, or are malformed, and with bad query
+    parameters and bodies: a 4xx with a JSON `detail`, and nothing on disk changes."""
+    import httpx
+
+    _, _, tc = sdk
+    run_id = tc.get_info().model_id
+    tc.save_state("probe").result()
+    before = sorted(str(p) for p in server.state_dir.rglob("*") if ".run.json" not in p.name)
+    ck = f"/api/v1/training_runs/{run_id}/checkpoints"
+    cases = [
+        ("GET", "/api/v1/training_runs?limit=0"), ("GET", "/api/v1/training_runs?limit=abc"),
+        ("GET", "/api/v1/training_runs?offset=-1"), ("GET", "/api/v1/training_runs?access_scope=all"),
+        ("GET", "/api/v1/training_runs/nope"), ("GET", "/api/v1/training_runs/..%2F.."),
+        ("GET", "/api/v1/training_runs/nope/checkpoints"), ("GET", "/api/v1/checkpoints?limit=100000"),
+        ("DELETE", f"{ck}/weights/nope"), ("DELETE", f"{ck}/weights/..%2F..%2Fx"), ("DELETE", f"{ck}/bogus/probe"),
+        ("DELETE", f"{ck}/weights/.hidden"), ("PUT", f"{ck}/weights/probe/ttl"), ("PUT", f"{ck}/weights/nope/ttl"),
+        ("POST", f"{ck}/weights/nope/publish"), ("GET", f"{ck}/weights/probe/external_weights_urls"),
+        ("GET", f"{ck}/external_weights/nope/external_weights_urls"), ("POST", "/api/v1/weights_info"),
+        ("GET", "/api/v1/sessions/nope"), ("GET", "/api/v1/sessions?limit=-3"),
+        ("GET", f"/files/{run_id}/probe/adapter_config.json"), ("GET", f"/files/{run_id}/probe/meta.json?exp=1&sig=x"),
+    ]
+    bodies = {("PUT", f"{ck}/weights/probe/ttl"): b"not json", ("POST", "/api/v1/weights_info"): b'{"x": 1}'}
+    for method, path in cases:
+        r = httpx.request(method, server.url + path, headers={"X-API-Key": KEY}, timeout=30,
+                          content=bodies.get((method, path)))
+        assert 400 <= r.status_code < 500, (method, path, r.status_code, r.text[:300])
+        assert "detail" in r.json(), (method, path, r.text[:300])
+    r = httpx.put(server.url + f"{ck}/weights/probe/ttl", headers={"X-API-Key": KEY}, json={"ttl_seconds": "1"})
+    assert r.status_code == 400
+    after = sorted(str(p) for p in server.state_dir.rglob("*") if ".run.json" not in p.name)
+    assert after == before
+
+
 # ----------------------------------------------------------------------------- offline tokenizers
 _TOKENIZE = """
 import json, sys, tinker
