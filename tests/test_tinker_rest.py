@@ -55,8 +55,6 @@ ELSEWHERE = {
     "RestClient.get_telemetry": ("client-side", "as ServiceClient.get_telemetry"),
     "SamplingClient.on_queue_state_change": ("client-side", "a callback hook of the SDK's queue"),
     "tinker checkpoint push-hf": ("needs the network", "uploads a download to the Hugging Face hub"),
-    "RestClient.whoami": ("refused", "needs JWT auth (the SDK reads the identity from a JWT; this server "
-                                     "uses plain API keys, `pjwt_auth_enabled=false`)"),
 }
 
 
@@ -571,6 +569,13 @@ def test_copy_weights_is_refused_with_why(server, sdk):
     path = tc.save_state("copy-src").result().path
     with pytest.raises(tinker.BadRequestError, match="copies between them"):
         rc.copy_weights(path, "proj").result()
+
+
+@covers("RestClient.whoami", refused="needs JWT auth: the SDK reads the identity from a JWT's claims, and this "
+                                     "server uses plain API keys (`pjwt_auth_enabled=false`)")
+def test_whoami_needs_jwt_auth(server):
+    with pytest.raises(RuntimeError, match="requires JWT auth"):
+        _rest(server, KEY).whoami().result()
 
 
 @covers("RestClient.get_audit_log", refused="no audit log is kept offline")
