@@ -8,7 +8,7 @@ placement, interleaved `--repeats` times (the model is loaded on the thread that
 - only-thread:   on a worker thread, the main thread never having run a parallel region;
 - second-pool:   on a worker thread after the main thread ran one parallel region (two pools).
 A machine's own speed can drift over minutes, hence fresh processes and interleaving. The measured
-medians are in the README's Performance table; bench/README.md says how to read them.
+medians, and how to read them, are in bench/README.md ("Sampler").
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ def write_run_files(run_dir: Path, cfg: DictConfig, extra: dict[str, Any]) -> di
         "loss": cfg_d["loss"]["name"],
         "seed": cfg_d["seed"],
         "experiment": cfg_d.get("experiment"),
-        # the local engine's numbers are reproducible for the same thread count and CPU (README)
+        # the local engine's numbers are reproducible for the same thread count and CPU (docs/engine.md)
         "torch_threads": _torch_threads(),
         "cpu": cpu_model(),
         **extra,
