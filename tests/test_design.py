@@ -233,3 +233,11 @@ def test_design_problems_scope_unstated_seed_sd_and_clipping():
     problems, warnings = plan_problems(p, 0.03)
     assert problems == [] and len(warnings) == 1 and "force clipping: 28" in warnings[0]
     assert plan_problems(Plan(n_items=1319, n_seeds=3, discordance=0.3, seed_sd=0.05, method="seed_t"), 0.03) == ([], [])
+
+
+def test_a_plan_resolves_auto_by_its_seeds():
+    assert Plan(n_items=100, n_seeds=3, method="auto").method == "seed_t"
+    one = Plan(n_items=100, n_seeds=1, method="auto")
+    assert one.method == "paired_hoeffding" and "auto -> paired_hoeffding" in one.sources["method"]
+    with pytest.raises(DesignError, match="decision method must be one of"):
+        Plan(n_items=100, n_seeds=1, method="wilcoxon")

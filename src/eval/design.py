@@ -76,6 +76,10 @@ class Plan:
             raise DesignError(f"alpha and power must be in (0, 1), got {self.alpha!r}, {self.power!r}")
         if self.target_effect is not None and not 0 < self.target_effect <= 1:
             raise DesignError(f"--target-effect must be in (0, 1], got {self.target_effect!r}")
+        if self.method not in METHODS:
+            if self.method != "auto":
+                raise DesignError(f"decision method must be one of {['auto', *METHODS]}, got {self.method!r}")
+            self.method, self.sources["method"] = resolve_method(self.method, self.n_seeds)
 
     @property
     def tau(self) -> float:
