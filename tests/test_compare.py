@@ -442,3 +442,17 @@ def test_run_report_states_the_scope_of_the_start_vs_final_verdict(tmp_path):
     md = render_run_markdown(tmp_path, {"arm": "grpo_seed0"}, {"eval_vs_start": paired}, [], [], {}, [])
     assert "Paired Hoeffding verdict: **validated** (these checkpoints: the final weights against the initial" \
         in md
+
+
+def test_a_second_switch_beside_the_loss_is_one_error_line_naming_the_runs(tmp_path, capsys):
+    """loss=grpo,dppo and another optimizer.lr in one arm: two switches at once. One line on stderr, exit 2,
+    naming the key, both values and both runs; nothing written."""
+    rng = np.random.default_rng(8)
+    t, b = _arms(rng, 0.6, 0.5)
+    dppo = make_run(tmp_path / "d", "dppo", 0, t, overrides=("optimizer.lr=0.001",))
+    grpo = make_run(tmp_path / "g", "grpo", 0, b)
+    assert main([str(dppo), str(grpo), "--no-plots", "--no-wandb", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "optimizer.lr: 0.0002" in err and "0.001" in err
+    assert str(dppo) in err and str(grpo) in err
+    assert not (tmp_path / "x").exists()

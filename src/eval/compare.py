@@ -893,8 +893,8 @@ def _load_aa(aa: str | Path, eval_name: str, item_sha: str, ref: Run, rule: Rule
              for k, va, vb in config_differences(ref.config, r.config, skip)]
     if diffs and not allow_config_diff:
         raise CompareError(f"--aa {path}: the A/A runs' configs differ from the A/B runs' outside the loss group "
-                           "(another experiment or setting?); pass --allow-config-diff to use it anyway:\n  "
-                           + "\n  ".join(diffs[:20]))
+                           "(another experiment or setting?); pass --allow-config-diff to use it anyway: "
+                           + "; ".join(diffs[:20]))
     for r in runs:
         load_records(r)
     sha = check_item_sets(runs)
@@ -976,10 +976,11 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
     ordered = [pairs[s][loss] for s in pairs for loss in [base] + treatments]  # baseline first: the reference
     config_diff = check_configs(ordered, roles, switch)
     if config_diff and not allow_config_diff:
-        shown = "\n  ".join(config_diff[:20]) + ("\n  ..." if len(config_diff) > 20 else "")
+        # one line, naming each key with both values and runs: a second switch beside the arms' own is refused
+        shown = "; ".join(config_diff[:20]) + ("; ..." if len(config_diff) > 20 else "")
         where = "the `loss` group" if switch == "loss" else f"the arms' switch `{switch}`"
-        raise CompareError(f"configs differ outside {where} (a different experiment or setting?); "
-                           f"pass --allow-config-diff to compare anyway:\n  {shown}")
+        raise CompareError(f"configs differ outside {where} (a second switch, or a different experiment?); "
+                           f"pass --allow-config-diff to compare anyway: {shown}")
     check_precision(ordered, allow_config_diff)
     mixed = _mixed_loss_paths(ordered)
     if mixed and not (allow_mixed_loss_paths or allow_config_diff):
@@ -1091,8 +1092,8 @@ def _compare_aa(runs: list[Run], rule: Rule, eval_name: str, paths: list[Path], 
     roles = {runs[0].loss: "baseline"}
     config_diff = check_configs(runs, {runs[0].loss: "A/A"})
     if config_diff and not allow_config_diff:
-        raise CompareError("configs differ outside the `loss` group; pass --allow-config-diff to compare anyway:\n  "
-                           + "\n  ".join(config_diff[:20]))
+        raise CompareError("configs differ outside the `loss` group; pass --allow-config-diff to compare anyway: "
+                           + "; ".join(config_diff[:20]))
     check_precision(runs, allow_config_diff)
     for r in runs:
         load_records(r)
