@@ -449,10 +449,10 @@ def test_a_second_switch_beside_the_loss_is_one_error_line_naming_the_runs(tmp_p
     naming the key, both values and both runs; nothing written."""
     rng = np.random.default_rng(8)
     t, b = _arms(rng, 0.6, 0.5)
-    dppo = make_run(tmp_path / "d", "dppo", 0, t, overrides=("optimizer.lr=0.001",))
+    dppo = make_run(tmp_path / "d", "dppo", 0, t, overrides=("optimizer.lr=0.001", "optimizer.beta1=0.8"))
     grpo = make_run(tmp_path / "g", "grpo", 0, b)
     assert main([str(dppo), str(grpo), "--no-plots", "--no-wandb", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "optimizer.lr: 0.0002" in err and "0.001" in err
+    assert err.count("\n") == 1 and "optimizer.lr: 0.0002" in err and "0.001" in err and "optimizer.beta1" in err
     assert str(dppo) in err and str(grpo) in err
     assert not (tmp_path / "x").exists()
