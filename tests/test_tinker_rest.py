@@ -204,6 +204,39 @@ def test_the_rest_of_the_training_surface(server, sdk):
     assert fresh.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["optim_steps:max"] == steps
 
 
+@covers("SamplingClient.compute_logprobs(prompt_logprobs_last_n)",
+        "SamplingClient.sample(include_prompt_logprobs, prompt_logprobs_last_n)")
+def test_prompt_logprobs_last_n_is_the_tail_of_the_full_scoring(server, sdk, tmp_path):
+    """`prompt_logprobs_last_n=n`: the last n entries are the full scoring's, earlier ones None
+    (`SamplingClient.compute_logprobs` / `sample` docstrings); n outside [1, len(prompt) - 1] is refused."""
+    import tinker
+    from tinker import types
+
+    _, _, tc = sdk
+    sampler = tc.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints([5, 9, 14, 3, 27, 8])
+    full = sampler.compute_logprobs(prompt).result()
+    assert full[0] is None and all(v is not None for v in full[1:])
+    for n in (1, 3, 5):
+        assert sampler.compute_logprobs(prompt, prompt_logprobs_last_n=n).result() == [None] * (6 - n) + full[-n:]
+        got = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                             prompt_logprobs_last_n=n).result().prompt_logprobs
+        assert got[:6 - n] == [None] * (6 - n) and got[-n:] == pytest.approx(full[-n:], abs=1e-6)
+    # in-process (backend=local) the engine's own compute_logprobs answers the same
+    from trainer.backends.local import LocalServiceClient
+
+    with LocalServiceClient(state_dir=tmp_path, sampler_dtype="float32",
+                            train_dtype="float32") as local:
+        base = local.create_sampling_client(base_model=TINY)
+        whole = base.compute_logprobs(prompt).result()
+        assert base.compute_logprobs(prompt, prompt_logprobs_last_n=2).result() == [None] * 4 + whole[-2:]
+        with pytest.raises(ValueError, match="prompt_logprobs_last_n must be"):
+            base.compute_logprobs(prompt, prompt_logprobs_last_n=0).result()
+    # 0 the SDK itself refuses; len(prompt) the engine does
+    with pytest.raises(tinker.TinkerError, match=r"prompt_logprobs_last_n must be an int in \[1, len\(prompt\) - 1"):
+        sampler.compute_logprobs(prompt, prompt_logprobs_last_n=6).result()
+
+
 # ----------------------------------------------------------------------------- training runs
 @covers("RestClient.list_training_runs", "RestClient.get_training_run", "RestClient.get_training_run_by_tinker_path",
         "RestClient.list_checkpoints", "RestClient.list_user_checkpoints", "RestClient.get_weights_info_by_tinker_path")
@@ -596,9 +629,9 @@ def test_admin_calls_are_refused_with_why(server):
         refused="not implemented: its objective uses stability info the service records at sampling time "
                 "(`record_stability_info=True`, sequence ids), which neither the SDK nor the service documentation "
                 "defines; the engine has cross_entropy, importance_sampling, ppo, cispo, dro, gspo and custom losses")
-@covers("SamplingClient.sample(topk_prompt_logprobs / topk_sample_logprobs / prompt_logprobs_last_n)",
-        refused="the engine returns sampled-token and full prompt logprobs only (include_prompt_logprobs, "
-                "compute_logprobs)")
+@covers("SamplingClient.sample(topk_prompt_logprobs / topk_sample_logprobs / target_prompt_logprobs / "
+        "prompt_alt_tokens_k)", refused="not implemented: the engine returns sampled-token logprobs and prompt "
+                                        "logprobs (all, or the last n) only")
 def test_engine_features_not_implemented_are_refused_with_why(server, sdk):
     import tinker
     from tinker import types

@@ -9,12 +9,13 @@ worker thread drains it, grouping requests for the same snapshot (and kind) into
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -138,6 +139,32 @@ class SampleScheduler:
             return score(W, [r.job for r in live])
 
 
+def _check_last_n(n: Any, prompt_len: int) -> int | None:
+    """`prompt_logprobs_last_n`: None, or an int in [1, len(prompt) - 1] (`SamplingClient.compute_logprobs`'
+    documented range). The engine scores the whole prompt and returns the last n (earlier entries None):
+    the same values a full scoring gives, without the service's prefix-cache saving."""
+    if n is None:
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= prompt_len - 1:
+        raise ValueError(f"prompt_logprobs_last_n must be an int in [1, len(prompt) - 1 = {prompt_len - 1}], "
+                         f"got {n!r}")
+    return n
+
+
+def _then(fut: AwaitableConcurrentFuture, fn: Callable[[Any], Any]) -> AwaitableConcurrentFuture:
+    """A future of `fn(result)` (its exception passed on)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            out.set_exception(e)
+
+    fut.future().add_done_callback(done)
+    return AwaitableConcurrentFuture(out)
+
+
 def _to_response(res: SampleResult) -> types.SampleResponse:
     seqs = [types.SampledSequence(stop_reason=reason, sequence_id=f"local-{uuid.uuid4().hex}",
                                   tokens_np=np.asarray(toks, dtype=np.int32),
@@ -257,24 +284,38 @@ class LocalSamplingClient(SelfFuture):
         """`APIFuture[SampleResponse]`; bad arguments give a future that raises ValueError."""
         try:
             if topk_prompt_logprobs or topk_sample_logprobs or target_prompt_logprobs is not None \
-                    or prompt_alt_tokens_k or prompt_logprobs_last_n is not None:
-                raise ValueError("the local engine does not support top-k / target / alt-token / last-n prompt "
-                                 "logprobs; use include_prompt_logprobs or compute_logprobs")
+                    or prompt_alt_tokens_k:
+                raise ValueError("the local engine does not support top-k / target / alt-token prompt logprobs; "
+                                 "use include_prompt_logprobs (with prompt_logprobs_last_n) or compute_logprobs")
             job = self._job(prompt, num_samples, sampling_params, include_prompt_logprobs)
+            if prompt_logprobs_last_n is not None and not include_prompt_logprobs:
+                raise ValueError("prompt_logprobs_last_n requires include_prompt_logprobs")
+            last_n = _check_last_n(prompt_logprobs_last_n, len(job.prompt))
         except ValueError as e:
             return failed_future(e)
-        return self._submit("sample", job)
+        out = self._submit("sample", job)
+        if last_n is None:
+            return out
+
+        def mask(resp: types.SampleResponse) -> types.SampleResponse:
+            plp = np.array(resp.prompt_logprobs_np, dtype=np.float32)
+            plp[: len(plp) - last_n] = np.nan  # the SDK reads NaN as None (`SampleResponse.prompt_logprobs`)
+            return dataclasses.replace(resp, prompt_logprobs_np=plp)
+
+        return _then(out, mask)
 
     def compute_logprobs(self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None
                          ) -> AwaitableConcurrentFuture:
         """`APIFuture[list[float | None]]`: one entry per prompt token, None first."""
         try:
-            if prompt_logprobs_last_n is not None:
-                raise ValueError("the local engine does not support prompt_logprobs_last_n")
             ids = self._prompt_ids(prompt)
+            last_n = _check_last_n(prompt_logprobs_last_n, len(ids))
         except ValueError as e:
             return failed_future(e)
-        return self._submit("score", ids)
+        out = self._submit("score", ids)
+        if last_n is None:
+            return out
+        return _then(out, lambda lps: [None] * (len(lps) - last_n) + list(lps[len(lps) - last_n:]))
 
     async def sample_async(self, prompt: types.ModelInput, num_samples: int, sampling_params: types.SamplingParams,
                            include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
