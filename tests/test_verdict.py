@@ -786,3 +786,23 @@ def test_a_design_record_of_another_plan_is_not_held_against_the_runs(tmp_path):
     out = compare([sweep], n_bootstrap=0, make_plots=False)
     assert out["decision"]["overridden"] == []
     assert any("is for another plan" in n for n in out["notes"])
+
+
+def test_a_validated_verdict_within_the_aa_noise_floor_is_noted(tmp_path):
+    """One seed per arm, +25 pts on 200 items: paired Hoeffding validates these checkpoints; an A/A sweep whose
+    seeds differ by up to 30 pts says two seeds of one loss differ by as much. The notes say so beside the
+    verdict (the printed summary carries them)."""
+    rng = np.random.default_rng(17)
+    n = 200
+    aa_runs = {}
+    for s, a in {0: 0.30, 1: 0.60, 2: 0.45}.items():
+        c = np.zeros(n, bool)
+        c[rng.choice(n, int(a * n), replace=False)] = True
+        aa_runs["grpo", s] = c
+    aa = _sweep(tmp_path, aa_runs, name="aa")
+    t, b = _with_gap(n, 80, 50, rng)
+    ab = _sweep(tmp_path, {("dppo", 0): t, ("grpo", 0): b}, name="ab")
+    out = compare([ab], aa=aa, n_bootstrap=0, make_plots=False)
+    assert out["verdict"] == "validated" and not out["aa_calibration"]["exceeds_aa_noise"]
+    assert any("validated (these checkpoints), but the gap +25.00 pts does NOT exceed the A/A noise floor" in x
+               for x in out["notes"])

@@ -1038,6 +1038,13 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
         notes += act_notes
         if row["activity"]["inert"]:
             set_verdict(row, "inert", rule.scope)
+    for row in rows:  # a verdict the A/A noise floor contradicts is said next to it, not pages below
+        cal = row.get("aa_calibration")
+        if cal and row["verdict"] == "validated" and not cal["exceeds_aa_noise"]:
+            notes.append(f"{row['treatment']} vs {base}: validated ({row['verdict_about']}), but the gap "
+                         f"{100 * cal['observed_gap']:+.2f} pts does NOT exceed the A/A noise floor (interval "
+                         f"[{100 * cal['low']:+.2f}, {100 * cal['high']:+.2f}] pts): two seeds of one arm differ "
+                         "by as much")
     curve = _curve_table(curves, steps, pairs, base, treatments, rule.alpha, rule.threshold)
 
     arms = []
