@@ -197,7 +197,7 @@ def test_base_model_sampling_client_and_bad_requests(sc, tc):
     with pytest.raises(ValueError, match="num_samples"):
         base.sample(prompt, 0, types.SamplingParams(max_tokens=4)).result()
     with pytest.raises(ValueError, match="does not support"):
-        base.sample(prompt, 1, types.SamplingParams(max_tokens=4), topk_prompt_logprobs=3).result()
+        base.sample(prompt, 1, types.SamplingParams(max_tokens=4), topk_sample_logprobs=3).result()
     # still serving
     out = base.sample(prompt, 2, types.SamplingParams(max_tokens=4, seed=0)).result()
     assert len(out.sequences) == 2 and all(len(s.tokens) <= 4 for s in out.sequences)

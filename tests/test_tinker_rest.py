@@ -237,6 +237,44 @@ def test_prompt_logprobs_last_n_is_the_tail_of_the_full_scoring(server, sdk, tmp
         sampler.compute_logprobs(prompt, prompt_logprobs_last_n=6).result()
 
 
+@covers("SamplingClient.sample(topk_prompt_logprobs)")
+def test_topk_prompt_logprobs_match_a_float64_reference(server, sdk):
+    """Top-k prompt logprobs of the base model over the wire against the HF model's float64 log-softmax:
+    row i is the distribution that scored prompt token i (aligned with `prompt_logprobs`), row 0 the SDK's
+    empty row; with `prompt_logprobs_last_n` the rows before the last n are empty too."""
+    import torch
+    from tinker import types
+
+    from trainer.backends.local.models import resolve_base_model
+
+    sc, _, _ = sdk
+    sampler = sc.create_sampling_client(base_model=TINY).result()
+    toks = [5, 9, 14, 3, 27, 8, 40]
+    prompt, k = types.ModelInput.from_ints(toks), 4
+    resp = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                          topk_prompt_logprobs=k).result()
+    rows = resp.topk_prompt_logprobs
+    assert len(rows) == len(toks) and rows[0] is None and all(len(r) == k for r in rows[1:])
+    factory, _ = resolve_base_model(TINY)
+    with torch.no_grad():
+        ref = torch.log_softmax(factory(torch.float64)(torch.tensor([toks])).logits[0].double(), -1)
+    for i in range(1, len(toks)):
+        want = torch.topk(ref[i - 1], k)
+        got_ids, got_lps = zip(*rows[i])
+        assert list(got_lps) == pytest.approx(want.values.tolist(), abs=2e-4), i
+        gaps = (want.values[:-1] - want.values[1:]).tolist()
+        for j, tok in enumerate(want.indices.tolist()):  # ids in order wherever the ranks are not near-tied
+            if (j == 0 or gaps[j - 1] > 1e-3) and (j == k - 1 or gaps[j] > 1e-3):
+                assert got_ids[j] == tok, (i, j)
+        lp = resp.prompt_logprobs[i]
+        if toks[i] in got_ids:  # the scored token's own logprob agrees with prompt_logprobs
+            assert dict(rows[i])[toks[i]] == pytest.approx(lp, abs=1e-4)
+        assert lp == pytest.approx(ref[i - 1, toks[i]].item(), abs=2e-4)
+    tail = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                          topk_prompt_logprobs=k, prompt_logprobs_last_n=2).result().topk_prompt_logprobs
+    assert tail[:5] == [None] * 5 and tail[5:] == rows[5:]
+
+
 # ----------------------------------------------------------------------------- training runs
 @covers("RestClient.list_training_runs", "RestClient.get_training_run", "RestClient.get_training_run_by_tinker_path",
         "RestClient.list_checkpoints", "RestClient.list_user_checkpoints", "RestClient.get_weights_info_by_tinker_path")
@@ -629,9 +667,9 @@ def test_admin_calls_are_refused_with_why(server):
         refused="not implemented: its objective uses stability info the service records at sampling time "
                 "(`record_stability_info=True`, sequence ids), which neither the SDK nor the service documentation "
                 "defines; the engine has cross_entropy, importance_sampling, ppo, cispo, dro, gspo and custom losses")
-@covers("SamplingClient.sample(topk_prompt_logprobs / topk_sample_logprobs / target_prompt_logprobs / "
-        "prompt_alt_tokens_k)", refused="not implemented: the engine returns sampled-token logprobs and prompt "
-                                        "logprobs (all, or the last n) only")
+@covers("SamplingClient.sample(topk_sample_logprobs / target_prompt_logprobs / prompt_alt_tokens_k)",
+        refused="not implemented: the engine returns sampled-token logprobs, prompt logprobs and top-k prompt "
+                "logprobs (all positions, or the last n) only")
 def test_engine_features_not_implemented_are_refused_with_why(server, sdk):
     import tinker
     from tinker import types
@@ -640,9 +678,9 @@ def test_engine_features_not_implemented_are_refused_with_why(server, sdk):
     with pytest.raises(tinker.TinkerError, match="unknown loss_fn 'stable_reinforce'"):
         tc.forward_backward(_datum(), "stable_reinforce").result()
     sampler = tc.save_weights_and_get_sampling_client()
-    with pytest.raises(tinker.TinkerError, match="top-k"):
+    with pytest.raises(tinker.TinkerError, match="top-k sample"):
         sampler.sample(types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2),
-                       include_prompt_logprobs=True, topk_prompt_logprobs=2).result()
+                       topk_sample_logprobs=2).result()
 
 
 @covers("RestClient.get_server_capabilities", "ServiceClient.get_server_capabilities",

@@ -135,6 +135,12 @@ def encode_sample_response(resp: types.SampleResponse) -> bytes:
         plp = np.asarray([np.nan if v is None else v for v in resp.prompt_logprobs], dtype=np.float32)
     if plp is not None:
         msg.prompt_logprobs = np.asarray(plp, dtype=np.float32).tobytes()
+    topk = resp.topk_prompt_logprobs_np  # row-major [length, k] (response_conv._deserialize_topk_logprobs)
+    if topk is not None:
+        t = msg.topk_prompt_logprobs
+        t.length, t.k = topk.token_ids.shape
+        t.token_ids = np.ascontiguousarray(topk.token_ids, dtype=np.int32).tobytes()
+        t.logprobs = np.ascontiguousarray(topk.logprobs, dtype=np.float32).tobytes()
     return msg.SerializeToString()
 
 

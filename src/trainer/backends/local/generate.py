@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.backends.local import sampler_forward
-from trainer.backends.local.sampler_forward import KVCache, new_cache, prompt_logprobs
+from trainer.backends.local.sampler_forward import KVCache, new_cache, prompt_logprobs, prompt_topk
 from trainer.backends.local.sampler_weights import SamplerWeights
 
 
@@ -47,6 +47,7 @@ class SampleJob:
     stop_ids: frozenset[int] = frozenset()
     stop_strs: tuple[str, ...] = ()
     include_prompt_logprobs: bool = False
+    topk_prompt: int = 0  # top-k prompt logprobs per position (0 = none)
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +58,7 @@ class SampleJob:
 class SampleResult:
     sequences: list[tuple[list[int], list[float], str]] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
+    topk_prompt: tuple[Any, Any] | None = None  # (token_ids [T, k], logprobs [T, k]), `prompt_topk`
 
 
 def _filter_top(logits_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -153,6 +155,8 @@ def prefill(W: SamplerWeights, batch: _Batch, results: list[SampleResult]) -> tu
     for ji, j in enumerate(jobs):
         if j.include_prompt_logprobs:
             results[ji].prompt_logprobs = prompt_logprobs(W, hidden[ji], ids[ji])
+        if j.topk_prompt:
+            results[ji].topk_prompt = prompt_topk(W, hidden[ji], j.topk_prompt)
     src_B = torch.tensor([r.job for r in batch.rows], dtype=torch.long)
     logits = sampler_forward.logits(W, torch.stack([h[-1] for h in hidden]))[src_B]  # [B, V]
     return logits, [(kc.index_select(0, src_B), vc.index_select(0, src_B)) for kc, vc in cache_R]

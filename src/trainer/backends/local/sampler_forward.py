@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -239,6 +240,28 @@ def prompt_logprobs(W: SamplerWeights, hidden_TH: torch.Tensor, ids_T: torch.Ten
     if ids_T.shape[0] <= 1:
         return [None] * ids_T.shape[0]
     return [None] + _target_logprobs(W, hidden_TH[:-1], ids_T[1:]).tolist()
+
+
+def prompt_topk(W: SamplerWeights, hidden_TH: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely next tokens at each prompt position, aligned with `prompt_logprobs`: row i is the
+    distribution that scored prompt token i, row 0 (no context) is the SDK's empty-row sentinel
+    (token 0, logprob `MASK_LOGPROB`, `tinker/types/topk_logprobs.py`). Returns `(token_ids [T, k] int32,
+    logprobs [T, k] float32)`, most likely first."""
+    from tinker.types.topk_logprobs import MASK_LOGPROB
+
+    T = hidden_TH.shape[0]
+    ids = np.zeros((T, k), dtype=np.int32)
+    lps = np.full((T, k), MASK_LOGPROB, dtype=np.float32)
+    if T > 1:
+        if W.head_blocked is not None:
+            lg = W.head_blocked.logits(hidden_TH[:-1].float())
+        else:
+            with matmul_inputs(W.head_inputs):
+                lg = W.lm_head(hidden_TH[:-1].float())
+        top = torch.topk(torch.log_softmax(lg.float(), -1), min(k, lg.shape[-1]), dim=-1)
+        ids[1:, : top.indices.shape[1]] = top.indices.numpy().astype(np.int32)
+        lps[1:, : top.values.shape[1]] = top.values.numpy().astype(np.float32)
+    return ids, lps
 
 
 @torch.no_grad()

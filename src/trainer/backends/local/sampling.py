@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
 
 from trainer.backends.local.common import COMPUTE, Faults, SelfFuture, failed_future
 from trainer.backends.local.engine import LoraSnapshot, SharedBase
@@ -173,7 +174,10 @@ def _to_response(res: SampleResult) -> types.SampleResponse:
     plp = None
     if res.prompt_logprobs is not None:
         plp = np.asarray([np.nan if v is None else v for v in res.prompt_logprobs], dtype=np.float32)
-    return types.SampleResponse(sequences=seqs, prompt_logprobs_np=plp)
+    topk = None
+    if res.topk_prompt is not None:
+        topk = TopkLogprobs(token_ids=res.topk_prompt[0], logprobs=res.topk_prompt[1])
+    return types.SampleResponse(sequences=seqs, prompt_logprobs_np=plp, topk_prompt_logprobs_np=topk)
 
 
 def _stop_sets(stop: Any, eos: int | None) -> tuple[frozenset[int], tuple[str, ...]]:
@@ -283,12 +287,16 @@ class LocalSamplingClient(SelfFuture):
                prompt_logprobs_last_n: int | None = None) -> AwaitableConcurrentFuture:
         """`APIFuture[SampleResponse]`; bad arguments give a future that raises ValueError."""
         try:
-            if topk_prompt_logprobs or topk_sample_logprobs or target_prompt_logprobs is not None \
-                    or prompt_alt_tokens_k:
-                raise ValueError("the local engine does not support top-k / target / alt-token prompt logprobs; "
-                                 "use include_prompt_logprobs (with prompt_logprobs_last_n) or compute_logprobs")
+            if topk_sample_logprobs or target_prompt_logprobs is not None or prompt_alt_tokens_k:
+                raise ValueError("the local engine does not support top-k sample / target / alt-token prompt "
+                                 "logprobs; use include_prompt_logprobs, topk_prompt_logprobs (with "
+                                 "prompt_logprobs_last_n) or compute_logprobs")
             job = self._job(prompt, num_samples, sampling_params, include_prompt_logprobs)
-            if prompt_logprobs_last_n is not None and not include_prompt_logprobs:
+            k = topk_prompt_logprobs or 0
+            if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= self._base.vocab_size:
+                raise ValueError(f"topk_prompt_logprobs must be an int in [0, {self._base.vocab_size}], got {k!r}")
+            job = dataclasses.replace(job, topk_prompt=k)
+            if prompt_logprobs_last_n is not None and not include_prompt_logprobs:  # as the SDK's sample() says
                 raise ValueError("prompt_logprobs_last_n requires include_prompt_logprobs")
             last_n = _check_last_n(prompt_logprobs_last_n, len(job.prompt))
         except ValueError as e:
@@ -298,9 +306,16 @@ class LocalSamplingClient(SelfFuture):
             return out
 
         def mask(resp: types.SampleResponse) -> types.SampleResponse:
-            plp = np.array(resp.prompt_logprobs_np, dtype=np.float32)
-            plp[: len(plp) - last_n] = np.nan  # the SDK reads NaN as None (`SampleResponse.prompt_logprobs`)
-            return dataclasses.replace(resp, prompt_logprobs_np=plp)
+            cut = len(job.prompt) - last_n
+            plp, topk = resp.prompt_logprobs_np, resp.topk_prompt_logprobs_np
+            if plp is not None:
+                plp = np.array(plp, dtype=np.float32)
+                plp[:cut] = np.nan  # the SDK reads NaN as None (`SampleResponse.prompt_logprobs`)
+            if topk is not None:  # earlier rows become the SDK's empty-row sentinel
+                ids, lps = np.array(topk.token_ids), np.array(topk.logprobs)
+                ids[:cut], lps[:cut] = 0, MASK_LOGPROB
+                topk = TopkLogprobs(token_ids=ids, logprobs=lps)
+            return dataclasses.replace(resp, prompt_logprobs_np=plp, topk_prompt_logprobs_np=topk)
 
         return _then(out, mask)
 
