@@ -275,6 +275,26 @@ def test_topk_prompt_logprobs_match_a_float64_reference(server, sdk):
     assert tail[:5] == [None] * 5 and tail[5:] == rows[5:]
 
 
+def test_topk_prompt_rows_computed_in_chunks_equal_one_pass(tmp_path, monkeypatch):
+    """`prompt_topk` runs the head over TOPK_ROWS positions at a time (memory); chunk edges change nothing."""
+    import numpy as np
+    from tinker import types
+
+    from trainer.backends.local import LocalServiceClient, sampler_forward
+
+    prompt = types.ModelInput.from_ints(list(range(5, 45)))
+    with LocalServiceClient(state_dir=tmp_path, sampler_dtype="float32", train_dtype="float32") as local:
+        s = local.create_sampling_client(base_model=TINY)
+        def topk():
+            return s.sample(prompt, 1, types.SamplingParams(max_tokens=1),
+                            topk_prompt_logprobs=3).result().topk_prompt_logprobs_np
+        whole = topk()
+        monkeypatch.setattr(sampler_forward, "TOPK_ROWS", 7)
+        chunked = topk()
+    assert np.array_equal(whole.token_ids, chunked.token_ids) and np.array_equal(whole.logprobs, chunked.logprobs)
+    assert (whole.token_ids[1:] != 0).all()
+
+
 # ----------------------------------------------------------------------------- training runs
 @covers("RestClient.list_training_runs", "RestClient.get_training_run", "RestClient.get_training_run_by_tinker_path",
         "RestClient.list_checkpoints", "RestClient.list_user_checkpoints", "RestClient.get_weights_info_by_tinker_path")

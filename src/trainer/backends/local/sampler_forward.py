@@ -242,6 +242,9 @@ def prompt_logprobs(W: SamplerWeights, hidden_TH: torch.Tensor, ids_T: torch.Ten
     return [None] + _target_logprobs(W, hidden_TH[:-1], ids_T[1:]).tolist()
 
 
+TOPK_ROWS = 256  # positions per head call in prompt_topk (256 x 49152 fp32 logits: 50 MB)
+
+
 def prompt_topk(W: SamplerWeights, hidden_TH: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k most likely next tokens at each prompt position, aligned with `prompt_logprobs`: row i is the
     distribution that scored prompt token i, row 0 (no context) is the SDK's empty-row sentinel
@@ -252,15 +255,18 @@ def prompt_topk(W: SamplerWeights, hidden_TH: torch.Tensor, k: int) -> tuple[np.
     T = hidden_TH.shape[0]
     ids = np.zeros((T, k), dtype=np.int32)
     lps = np.full((T, k), MASK_LOGPROB, dtype=np.float32)
-    if T > 1:
+    # the logits of TOPK_ROWS positions at a time: a long prompt's [T, vocab] matrix would be gigabytes
+    for a in range(0, T - 1, TOPK_ROWS):
+        h = hidden_TH[a:min(a + TOPK_ROWS, T - 1)].float()
         if W.head_blocked is not None:
-            lg = W.head_blocked.logits(hidden_TH[:-1].float())
+            lg = W.head_blocked.logits(h)
         else:
             with matmul_inputs(W.head_inputs):
-                lg = W.lm_head(hidden_TH[:-1].float())
+                lg = W.lm_head(h)
         top = torch.topk(torch.log_softmax(lg.float(), -1), min(k, lg.shape[-1]), dim=-1)
-        ids[1:, : top.indices.shape[1]] = top.indices.numpy().astype(np.int32)
-        lps[1:, : top.values.shape[1]] = top.values.numpy().astype(np.float32)
+        n, kk = top.indices.shape
+        ids[a + 1:a + 1 + n, :kk] = top.indices.numpy().astype(np.int32)
+        lps[a + 1:a + 1 + n, :kk] = top.values.numpy().astype(np.float32)
     return ids, lps
 
 
