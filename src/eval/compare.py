@@ -682,20 +682,11 @@ def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses:
 
 def _plan_key(run: Run) -> str:
     """The run's plan hash without its decision block, as the design gate records it
-    (trainer.preflight.gates.plan_hash_without_decision): trainer.checkpoint.config_hash's digest, 16 hex
-    digits of the sorted JSON without the ignored dotted keys, written out here because that module loads
-    torch and compare must not. The preflight-record tests fail if the two ever disagree."""
+    (trainer.preflight.gates.plan_hash_without_decision), from the same torch-free digest."""
+    from trainer.config.digest import config_hash
     from trainer.config.ignored_keys import PLAN_IGNORED_KEYS
 
-    d = json.loads(json.dumps(run.config, default=str))
-    for key in ("hydra", "decision") + PLAN_IGNORED_KEYS:
-        node = d
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.get(p, {}) if isinstance(node, dict) else {}
-        if isinstance(node, dict):
-            node.pop(parts[-1], None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    return config_hash(run.config, ("hydra", "decision") + PLAN_IGNORED_KEYS)
 
 
 def preflight_record(run: Run) -> tuple[dict[str, Any] | None, str | None]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 import re
 from dataclasses import asdict, dataclass, field
@@ -13,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.config.ignored_keys import RESUME_IGNORED_KEYS  # which keys a resume may change, and why
+from trainer.config.digest import config_hash  # noqa: F401 - the resume digest, re-exported for the loop
 from trainer.utils.io import atomic_write_json, read_json, read_jsonl_lenient, rewrite_jsonl
 
 CHECKPOINT_FILE = "checkpoint.json"
@@ -39,19 +37,6 @@ class CheckpointInfo:
     # it, since the loop derives every random draw from (seed, step, group)
     rng: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
-
-
-def config_hash(cfg_dict: dict, ignored: tuple[str, ...] = RESUME_IGNORED_KEYS) -> str:
-    """16 hex digits of the config without the `ignored` (dotted) keys."""
-    d = json.loads(json.dumps(cfg_dict, default=str))
-    for key in ignored:
-        node = d
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.get(p, {}) if isinstance(node, dict) else {}
-        if isinstance(node, dict):
-            node.pop(parts[-1], None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def rng_state() -> dict[str, Any]:

@@ -17,6 +17,7 @@ import tinker
 from omegaconf import DictConfig, OmegaConf
 
 from eval.greedy import greedy_eval_budgets, run_greedy_eval
+from trainer.config.digest import config_hash
 from trainer.config.ignored_keys import PLAN_IGNORED_KEYS
 from trainer.preflight.common import Check, GateReport
 from trainer.setup import build_components, eval_task, make_loss
@@ -34,16 +35,12 @@ def preflight_dir(cfg: DictConfig) -> Path:
 
 
 def plan_hash(cfg: DictConfig) -> str:
-    from trainer.checkpoint import config_hash
-
     return config_hash(OmegaConf.to_container(cfg, resolve=True), ("hydra",) + _PLAN_IGNORED)
 
 
 def plan_hash_without_decision(cfg_dict: dict) -> str:
     """The plan hash with the `decision` block left out: eval.compare matches a sweep's recorded config.yaml to
     this design record by it, so that a record of the same plan whose runs carry an edited rule is found."""
-    from trainer.checkpoint import config_hash
-
     return config_hash(cfg_dict, ("hydra", "decision") + _PLAN_IGNORED)
 
 
