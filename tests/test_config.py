@@ -312,13 +312,15 @@ def test_ignored_key_lists_do_what_their_table_says():
     """trainer.config.ignored_keys documents, per key, whether a resume, the preflight plan and eval.compare
     ignore it; each claim is checked against the real hash / comparison, and each listed key has a row."""
     import copy
+    import inspect
 
     import eval.compare
     import trainer.checkpoint
     from trainer.config import ignored_keys
     from trainer.preflight import gates
 
-    assert trainer.checkpoint.RESUME_IGNORED_KEYS is ignored_keys.RESUME_IGNORED_KEYS
+    assert inspect.signature(trainer.checkpoint.config_hash).parameters["ignored"].default \
+        is ignored_keys.RESUME_IGNORED_KEYS
     assert gates._PLAN_IGNORED is ignored_keys.PLAN_IGNORED_KEYS
     assert eval.compare.IGNORED_CONFIG_KEYS is ignored_keys.IGNORED_CONFIG_KEYS
     base = _resolved([])
