@@ -29,9 +29,9 @@ def workload(rows: int, iters: int = 8) -> float:
     import torch
 
     from trainer.backends.local.model import rotary_tables
+    from trainer.backends.local.models import SMOLLM2, resolve_base_model
     from trainer.backends.local.sampler_forward import decode_step
     from trainer.backends.local.sampler_weights import build_weights
-    from trainer.backends.local.models import SMOLLM2, resolve_base_model
 
     factory, _ = resolve_base_model(SMOLLM2)
     model = factory(torch.float32)

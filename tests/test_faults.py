@@ -219,7 +219,14 @@ def test_a_lost_client_is_recovered_from_the_checkpoint_not_refused():
     import httpx
     import tinker
 
-    from trainer.backends.errors import BackendRequestError, ClientLostError, USER, classify, is_lost, is_retryable
+    from trainer.backends.errors import (
+        USER,
+        BackendRequestError,
+        ClientLostError,
+        classify,
+        is_lost,
+        is_retryable,
+    )
     from trainer.loop import RLLoop, _ClientFailure
 
     req = httpx.Request("POST", "http://127.0.0.1:1/api/v1/asample")

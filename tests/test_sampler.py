@@ -268,8 +268,13 @@ def test_packed_sampler_head_computes_the_plain_products_numbers():
     """Where the sampler's fp32 output projection runs on oneDNN's packed kernel under bf16 inputs, it
     gives the bits of the plain product on the same rounded inputs (a packed kernel that kept fp32 inputs
     would be off by ~1e-3 at these logits), and in fp32 it agrees with the plain fp32 product."""
-    from trainer.backends.local.model import (ONEDNN_PACKING, matmul_inputs, packed_bf16_inputs_honoured,
-                                              unembed_inputs, unembed_weight)
+    from trainer.backends.local.model import (
+        ONEDNN_PACKING,
+        matmul_inputs,
+        packed_bf16_inputs_honoured,
+        unembed_inputs,
+        unembed_weight,
+    )
     from trainer.backends.local.sampler_forward import logits
     from trainer.backends.local.sampler_weights import ROW_BLOCK
 

@@ -13,16 +13,13 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
-import torch
+from test_tinker_wire import ROOT, Server
 from tinker import types
 from tinker.proto.request_conv import ForwardBackwardRequest, forward_backward_request_to_proto
 
-from test_tinker_wire import ROOT, Server
 from trainer.serve import wire
 from trainer.serve.graph_ops import FUNCTIONS
 

@@ -17,8 +17,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eval.plots import (CLIP_KEY, DRIFT_KEY, MASKED_KEY, REWARD_KEY, finish_figure, load_metrics, new_figure,
-                        per_update, reward_by_step)
+from eval.plots import (
+    CLIP_KEY,
+    DRIFT_KEY,
+    MASKED_KEY,
+    REWARD_KEY,
+    finish_figure,
+    load_metrics,
+    new_figure,
+    per_update,
+    reward_by_step,
+)
 
 REPORT_FILE = "report.md"
 PLOTS_DIR = "report_plots"

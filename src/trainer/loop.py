@@ -25,14 +25,29 @@ import tinker
 from omegaconf import DictConfig
 
 from trainer.advantages import compute_advantages
-from trainer.backends.errors import (RECOVER, RESEND, USER, BackendRequestError, classify, is_lost, is_not_applied,
-                                     is_retryable)
+from trainer.backends.errors import (
+    RECOVER,
+    RESEND,
+    USER,
+    BackendRequestError,
+    classify,
+    is_lost,
+    is_not_applied,
+    is_retryable,
+)
+from trainer.checkpoint import (
+    CheckpointInfo,
+    ResumeError,
+    check_resumable,
+    config_hash,
+    rng_state,
+    save_checkpoint,
+    truncate_log,
+)
 from trainer.config.schema import arm_name
-from trainer.checkpoint import (CheckpointInfo, ResumeError, check_resumable, config_hash, rng_state,
-                                save_checkpoint, truncate_log)
+from trainer.datums import Rollout, rollout_to_datum, split_minibatches
 from trainer.losses.inputs import ANCHOR_KEY, REF_KEY
 from trainer.losses.paths import CustomLossCall, LossPath
-from trainer.datums import Rollout, rollout_to_datum, split_minibatches
 from trainer.lr_schedule import lr_at
 from trainer.metrics_sink import MetricsSink
 from trainer.retry import RetryPolicy

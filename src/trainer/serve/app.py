@@ -53,7 +53,6 @@ from tinker import types
 from tinker.lib.public_interfaces.custom_loss import LossHandle
 
 from trainer.serve.faults import FaultPlan
-from trainer.serve.rest import RestSurface, add_rest_routes
 from trainer.serve.limits import (
     LimitExceeded,
     Limits,
@@ -63,11 +62,12 @@ from trainer.serve.limits import (
     check_lora,
     check_sample,
 )
+from trainer.serve.rest import RestSurface, add_rest_routes
 from trainer.serve.wire import (
     decode_forward_backward,
-    peek_model_id,
     encode_forward_backward_output,
     encode_sample_response,
+    peek_model_id,
     rebuild_graph,
 )
 

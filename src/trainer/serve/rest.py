@@ -52,7 +52,12 @@ from aiohttp import web
 from tinker import types
 
 from trainer.backends.local import ckpt
-from trainer.backends.local.common import SEGMENTS, CheckpointPathError, check_id, parse_tinker_path, resolve_path
+from trainer.backends.local.common import (
+    SEGMENTS,
+    CheckpointPathError,
+    check_id,
+    resolve_path,
+)
 
 log = logging.getLogger("trainer.serve.rest")
 _KIND_OF_SEGMENT = {v: k for k, v in SEGMENTS.items()}
