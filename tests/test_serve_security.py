@@ -378,8 +378,9 @@ def test_api_key_is_the_only_key_and_ids_change_across_restarts(tmp_path):
 
 
 def test_loopback_check():
-    from trainer.serve.app import _is_loopback
+    from trainer.serve import is_loopback
 
-    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("127.8.0.1")
-    assert not _is_loopback("10.0.0.1") and not _is_loopback("192.168.1.5") and not _is_loopback(None)
-    assert not _is_loopback("not-an-address")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("127.8.0.1")
+    assert is_loopback("localhost") and is_loopback("::1%lo")
+    assert not is_loopback("10.0.0.1") and not is_loopback("192.168.1.5") and not is_loopback(None)
+    assert not is_loopback("not-an-address") and not is_loopback("0.0.0.0")

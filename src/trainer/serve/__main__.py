@@ -7,15 +7,15 @@ port the OS picked for `--port 0`). Access: by default the server listens on loo
 loopback clients only, with any key of the form `tml-<name>` (each key sees only what it created).
 `--api-key KEY` (repeatable, or `$PAIREDRL_SERVE_API_KEY`, comma-separated) accepts exactly those keys
 and is required for a non-loopback `--host`; `--insecure-allow-remote` lifts that with a warning.
-The `--max-*` flags bound what one request may ask for. SIGINT / SIGTERM stop it cleanly. The engine options mirror `backend=local` (`conf/backend/local.yaml`); LoRA alpha is not
-part of the Tinker protocol, so a rehearsal of a model config with another alpha passes `--lora-alpha`.
+The `--max-*` flags bound what one request may ask for. SIGINT / SIGTERM stop it cleanly. The engine
+options mirror `backend=local` (`conf/backend/local.yaml`); LoRA alpha is not part of the Tinker protocol,
+so a rehearsal of a model config with another alpha passes `--lora-alpha`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
 import signal
@@ -23,16 +23,8 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from trainer.serve import is_loopback
 from trainer.serve.limits import Limits
-
-
-def _loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to any interface
-        return False
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,9 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "and sample; a warning is printed)")
     defaults = Limits()
     for f in fields(Limits):
-        flag = {"json_body_mb": "max-json-body-mb", "proto_body_mb": "max-proto-body-mb", "max_tokens": "max-tokens"}.get(
-            f.name, "max-" + f.name.replace("_", "-"))
-        p.add_argument(f"--{flag}", dest=f"limit_{f.name}", type=type(getattr(defaults, f.name)),
+        p.add_argument(Limits.flag(f.name), dest=f"limit_{f.name}", type=type(getattr(defaults, f.name)),
                        default=getattr(defaults, f.name), help=f"limit (default {getattr(defaults, f.name)}; see trainer/serve/limits.py)")
     args = p.parse_args(argv)
     env_keys = [k.strip() for k in os.environ.get("PAIREDRL_SERVE_API_KEY", "").split(",") if k.strip()]
@@ -91,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.limits = Limits(**{f.name: getattr(args, f"limit_{f.name}") for f in fields(Limits)})
     except ValueError as e:
         p.error(str(e))
-    if not _loopback_host(args.host) and not args.api_key and not args.insecure_allow_remote:
+    if not is_loopback(args.host) and not args.api_key and not args.insecure_allow_remote:
         p.error(f"--host {args.host} is not a loopback address: start the server with --api-key (or "
                 "$PAIREDRL_SERVE_API_KEY) so that only holders of the key can use it, or pass "
                 "--insecure-allow-remote to accept anyone who can reach the port")
@@ -118,7 +108,7 @@ async def serve(args: argparse.Namespace) -> None:
                           latency_s=args.latency_s, api_keys=args.api_key, limits=args.limits,
                           allow_remote=args.insecure_allow_remote and not args.api_key,
                           ttl_sweep_s=args.ttl_sweep_s)
-    if not _loopback_host(args.host) and not args.api_key:
+    if not is_loopback(args.host) and not args.api_key:
         print(f"WARNING: --insecure-allow-remote: {args.host}:{args.port} accepts any 'tml-' key from any client "
               "that can reach it; custom losses and checkpoints run and load on this machine", file=sys.stderr,
               flush=True)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import ipaddress
 import itertools
 import logging
 import secrets
@@ -52,6 +51,7 @@ from aiohttp import web
 from tinker import types
 from tinker.lib.public_interfaces.custom_loss import LossHandle
 
+from trainer.serve import is_loopback
 from trainer.serve.faults import FaultPlan
 from trainer.serve.limits import (
     LimitExceeded,
@@ -153,13 +153,6 @@ def _digest(*parts: bytes | str) -> str:
     return h.hexdigest()
 
 
-def _is_loopback(remote: str | None) -> bool:
-    try:
-        return remote is not None and ipaddress.ip_address(remote.split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
 class TinkerServer:
     def __init__(self, engine: Any, faults: FaultPlan | None = None, poll_s: float = 20.0,
                  server_side_loss: bool = True, latency_s: float = 0.0, api_keys: Iterable[str] = (),
@@ -191,8 +184,8 @@ class TinkerServer:
     # ------------------------------------------------------------------ app
     def app(self) -> web.Application:
         # aiohttp's own cap is the largest per-endpoint limit; `_read` applies the endpoint's own
-        app = web.Application(middlewares=[self._middleware],
-                              client_max_size=max(self.limits.body_bytes(True), self.limits.body_bytes(False)))
+        app = web.Application(middlewares=[self._middleware], client_max_size=max(
+            self.limits.body_limit(e)[0] for e in ("forward_backward", "create_session")))
         r = app.router
         post = {
             "client/config": self.client_config, "client/dynamic_config": self.dynamic_config,
@@ -222,7 +215,7 @@ class TinkerServer:
                 raise Refused(401, "invalid API key: this server accepts only the key(s) it was started with "
                                    "(--api-key / $PAIREDRL_SERVE_API_KEY)")
             return d
-        if not (self.allow_remote or _is_loopback(request.remote)):
+        if not (self.allow_remote or is_loopback(request.remote)):
             raise Refused(403, "this server was started without --api-key and answers loopback clients only")
         if not key.startswith("tml-") or len(key) < 5:
             raise Refused(401, "invalid API key: a key of the form 'tml-<name>' is needed (without --api-key the "
@@ -235,9 +228,8 @@ class TinkerServer:
         try:
             if request.path.startswith("/api/") or request.path == "/stats":
                 request["owner"] = self._authorize(request)
-            limit = self.limits.body_bytes(proto=endpoint == "forward_backward")
+            limit, flag = self.limits.body_limit(endpoint)
             if request.content_length is not None and request.content_length > limit:
-                flag = "--max-proto-body-mb" if endpoint == "forward_backward" else "--max-json-body-mb"
                 raise Refused(413, f"request body of {request.content_length} bytes exceeds this server's limit of "
                                    f"{limit} bytes for {endpoint} ({flag})")
             self.counts[endpoint] = self.counts.get(endpoint, 0) + 1
@@ -273,7 +265,8 @@ class TinkerServer:
                 return error_response(413, f"request body exceeds this server's limit for {endpoint}")
             raise
 
-    def ok(self, body: Any) -> Callable:
+    @staticmethod
+    def ok(body: Any) -> Callable:
         async def handler(request: web.Request) -> web.Response:
             return web.json_response(body)
 
@@ -351,12 +344,12 @@ class TinkerServer:
     async def _read(self, request: web.Request) -> bytes:
         """The body, read up to the endpoint's limit (a chunked body has no Content-Length to check first)."""
         endpoint = request.path.removeprefix("/api/v1/")
-        limit = self.limits.body_bytes(proto=endpoint == "forward_backward")
+        limit, flag = self.limits.body_limit(endpoint)
         chunks, size = [], 0
         while chunk := await request.content.read(1 << 16):
             size += len(chunk)
             if size > limit:
-                raise Refused(413, f"request body exceeds this server's limit of {limit} bytes for {endpoint}")
+                raise Refused(413, f"request body exceeds this server's limit of {limit} bytes for {endpoint} ({flag})")
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -371,7 +364,8 @@ class TinkerServer:
     def _new_model_slot(self, request: web.Request, model_id: str) -> None:
         live = sum(1 for m in self.models if self.owner.get(m) == request["owner"])
         if model_id not in self.models and live >= self.limits.models_per_key:
-            raise LimitExceeded(f"this key already has {live} live models, this server's limit (--max-models-per-key); "
+            raise LimitExceeded(f"this key already has {live} live models, this server's limit "
+                                f"({Limits.flag('models_per_key')}); "
                                 "finish a session to free its models")
 
     # ------------------------------------------------------------------ session

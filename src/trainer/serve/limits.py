@@ -48,8 +48,17 @@ class Limits:
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"limit {f.name} must be a positive number, got {v!r}")
 
-    def body_bytes(self, proto: bool) -> int:
-        return int((self.proto_body_mb if proto else self.json_body_mb) * MiB)
+    @staticmethod
+    def flag(name: str) -> str:
+        """The `python -m trainer.serve` flag that sets limit `name` (errors name it, so it is written once)."""
+        special = {"json_body_mb": "--max-json-body-mb", "proto_body_mb": "--max-proto-body-mb",
+                   "max_tokens": "--max-tokens"}
+        return special.get(name, "--max-" + name.replace("_", "-"))
+
+    def body_limit(self, endpoint: str) -> tuple[int, str]:
+        """(bytes, flag) of an endpoint's body limit: `forward_backward` carries a protobuf, the rest JSON."""
+        name = "proto_body_mb" if endpoint == "forward_backward" else "json_body_mb"
+        return int(getattr(self, name) * MiB), self.flag(name)
 
 
 def finite_in(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
@@ -65,26 +74,32 @@ def finite_in(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = Fa
     return v
 
 
-def at_most(name: str, value: int, bound: int, flag: str) -> None:
+# the most top-k entries per position this server returns (not configurable: the engine's own bound)
+MAX_TOPK = 64
+
+
+def at_most(what: str, value: int, limits: Limits, name: str) -> None:
+    """LimitExceeded naming `what`, the value, the bound `limits.<name>` and the flag that sets it."""
+    bound = getattr(limits, name)
     if value > bound:
-        raise LimitExceeded(f"{name} = {value} exceeds this server's limit {bound} (--{flag})")
+        raise LimitExceeded(f"{what} = {value} exceeds this server's limit {bound} ({Limits.flag(name)})")
 
 
 def check_sample(req: types.SampleRequest, limits: Limits) -> None:
-    at_most("num_samples", req.num_samples, limits.num_samples, "max-num-samples")
+    at_most("num_samples", req.num_samples, limits, "num_samples")
     if req.num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {req.num_samples}")
     p = req.sampling_params
     finite_in("sampling_params.temperature", p.temperature, 0.0, 100.0)
     finite_in("sampling_params.top_p", p.top_p, 0.0, 1.0, lo_open=True)
     max_tokens = limits.max_tokens if p.max_tokens is None else int(p.max_tokens)
-    at_most("sampling_params.max_tokens", max_tokens, limits.max_tokens, "max-tokens")
+    at_most("sampling_params.max_tokens", max_tokens, limits, "max_tokens")
     prompt = req.prompt.length
-    at_most("prompt length", prompt, limits.prompt_tokens, "max-prompt-tokens")
-    at_most("num_samples x (prompt + max_tokens)", req.num_samples * (prompt + max_tokens), limits.sample_tokens,
-            "max-sample-tokens")
+    at_most("prompt length", prompt, limits, "prompt_tokens")
+    at_most("num_samples x (prompt + max_tokens)", req.num_samples * (prompt + max_tokens), limits, "sample_tokens")
     for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-        at_most(k, int(getattr(req, k) or 0), 64, "(fixed)")
+        if int(getattr(req, k) or 0) > MAX_TOPK:
+            raise LimitExceeded(f"{k} = {getattr(req, k)} exceeds this server's limit {MAX_TOPK} (fixed)")
 
 
 def check_adam(p: types.AdamParams | None) -> None:
@@ -100,7 +115,7 @@ def check_adam(p: types.AdamParams | None) -> None:
 
 
 def check_lora(rank: int, limits: Limits) -> None:
-    at_most("lora_config.rank", rank, limits.lora_rank, "max-lora-rank")
+    at_most("lora_config.rank", rank, limits, "lora_rank")
     if rank < 1:
         raise ValueError(f"lora_config.rank must be >= 1, got {rank}")
 
@@ -114,9 +129,9 @@ def check_checkpoint_name(name: str) -> str:
 
 def check_batch(data: list[types.Datum], config: dict[str, Any], limits: Limits) -> None:
     """A forward / forward_backward batch: its size, and every number in its config and inputs finite."""
-    at_most("datums in one request", len(data), limits.batch_datums, "max-batch-datums")
+    at_most("datums in one request", len(data), limits, "batch_datums")
     tokens = sum(d.model_input.length for d in data)
-    at_most("tokens in one request", tokens, limits.batch_tokens, "max-batch-tokens")
+    at_most("tokens in one request", tokens, limits, "batch_tokens")
     for k, v in config.items():
         if not isinstance(v, str):
             finite_in(f"loss_fn_config[{k!r}]", v, -1e6, 1e6)
