@@ -70,6 +70,7 @@ from trainer.serve.wire import (
     peek_model_id,
     rebuild_graph,
 )
+from trainer.utils.futures import then
 
 log = logging.getLogger("trainer.serve")
 PROTO = "application/x-protobuf"
@@ -109,20 +110,6 @@ def _failed(exc: BaseException) -> Future:
     f: Future = Future()
     f.set_exception(exc)
     return f
-
-
-def _then(fut: Future, fn: Callable[[Any], Any]) -> Future:
-    """A future of `fn(result)` once `fut` is done (its exception passed on)."""
-    out: Future = Future()
-
-    def cb(f: Future) -> None:
-        try:
-            out.set_result(fn(f.result()))
-        except BaseException as e:  # noqa: BLE001 - delivered through the future
-            out.set_exception(e)
-
-    fut.add_done_callback(cb)
-    return out
 
 
 def _session_of(model_id: str) -> str:
@@ -544,7 +531,7 @@ class TinkerServer:
                 self.rest.on_sampler(sid, _session_of(model_id))
                 return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sid)
 
-            return self._register(request, _then(fut, publish), _json, model_id=model_id)
+            return self._register(request, then(fut, publish), _json, model_id=model_id)
 
         return self._once(request, ("train", model_id, req.seq_id), digest, make)
 

@@ -27,6 +27,7 @@ from trainer.backends.local.common import COMPUTE, Faults, SelfFuture, failed_fu
 from trainer.backends.local.engine import LoraSnapshot, SharedBase
 from trainer.backends.local.generate import SampleJob, SampleResult, generate
 from trainer.backends.local.sampler_forward import score
+from trainer.utils.futures import then
 
 
 @dataclass
@@ -153,17 +154,8 @@ def _check_last_n(n: Any, prompt_len: int) -> int | None:
 
 
 def _then(fut: AwaitableConcurrentFuture, fn: Callable[[Any], Any]) -> AwaitableConcurrentFuture:
-    """A future of `fn(result)` (its exception passed on)."""
-    out: Future = Future()
-
-    def done(f: Future) -> None:
-        try:
-            out.set_result(fn(f.result()))
-        except BaseException as e:  # noqa: BLE001 - delivered through the future
-            out.set_exception(e)
-
-    fut.future().add_done_callback(done)
-    return AwaitableConcurrentFuture(out)
+    """An `APIFuture` of `fn(result)` (its exception passed on)."""
+    return AwaitableConcurrentFuture(then(fut.future(), fn))
 
 
 def _to_response(res: SampleResult) -> types.SampleResponse:
