@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import numpy as np
 import tinker
@@ -302,10 +302,7 @@ class RLLoop:
         except _ClientFailure:
             raise
         except Exception as exc:  # noqa: BLE001 - the eval's sampling calls, not wrapped by the loop
-            failure = self._backend_failure(f"step-end eval at step {step}", exc)
-            if failure is exc:
-                raise
-            raise failure from exc
+            self._raise_backend_failure(f"step-end eval at step {step}", exc)
 
     def _start_with_retries(self) -> LoopState:
         for attempt in range(self.cfg.retry.max_attempts):
@@ -336,10 +333,7 @@ class RLLoop:
                 group_size=s.group_size, max_seq_len=cfg.model.max_seq_len, concurrency=cfg.sampling.concurrency,
                 retry=self.retry, per_sample=self.per_sample_requests))
         except Exception as exc:  # noqa: BLE001 - sampling retried in place already; now the loop's answer
-            failure = self._backend_failure("sample", exc)
-            if failure is exc:
-                raise
-            raise failure from exc
+            self._raise_backend_failure("sample", exc)
         t_sample = time.time() - t0
 
         rollouts: list[Rollout] = []
@@ -480,10 +474,14 @@ class RLLoop:
         try:
             return self.retry.call(what, fn, retryable)
         except Exception as exc:  # noqa: BLE001 - classified: recover, the user's fault, or a bug
-            failure = self._backend_failure(what, exc)
-            if failure is exc:
-                raise
-            raise failure from exc
+            self._raise_backend_failure(what, exc)
+
+    def _raise_backend_failure(self, what: str, exc: Exception) -> NoReturn:
+        """Raise `_backend_failure(what, exc)`, chained to `exc` (or `exc` itself, with its traceback)."""
+        failure = self._backend_failure(what, exc)
+        if failure is exc:
+            raise exc
+        raise failure from exc
 
     def _backend_failure(self, what: str, exc: Exception) -> Exception:
         """What a failed call on the run's own clients (training, sampling, the evals' samplers) ends in,
