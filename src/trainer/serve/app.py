@@ -62,6 +62,7 @@ from trainer.serve.limits import (
     check_lora,
     check_sample,
 )
+from trainer.serve.replies import Refused, error_response, json_result
 from trainer.serve.rest import RestSurface, add_rest_routes
 from trainer.serve.wire import (
     decode_forward_backward,
@@ -88,10 +89,6 @@ class _Pending:
     encode: Callable[[Any], tuple[bytes, str]]
 
 
-def _json(model: Any) -> tuple[bytes, str]:
-    return model.model_dump_json(exclude_none=True).encode(), "application/json"
-
-
 def _fb(out: types.ForwardBackwardOutput) -> tuple[bytes, str]:
     return encode_forward_backward_output(out), PROTO
 
@@ -114,22 +111,6 @@ def _failed(exc: BaseException) -> Future:
 
 def _session_of(model_id: str) -> str:
     return model_id.split(":train:")[0]
-
-
-class Refused(Exception):
-    """A request answered with a 4xx before any work: status, and a message for the SDK's `detail`."""
-
-    def __init__(self, status: int, detail: str):
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
-
-
-def error_response(status: int, detail: str) -> web.Response:
-    """The SDK's error shape (`{"detail": ...}`); a 4xx is marked not to be retried (the SDK obeys
-    `x-should-retry`, `_base_client.py::_should_retry`, and would otherwise retry a 409)."""
-    headers = {"x-should-retry": "false"} if 400 <= status < 500 else None
-    return web.json_response({"detail": detail}, status=status, headers=headers)
 
 
 def _digest(*parts: bytes | str) -> str:
@@ -409,7 +390,7 @@ class TinkerServer:
 
         def make() -> dict:
             self.owner[model_id] = request["owner"]
-            return self._register(request, self._in_thread(create), _json, model_id=model_id)
+            return self._register(request, self._in_thread(create), json_result, model_id=model_id)
 
         return self._once(request, ("create", model_id), digest, make)
 
@@ -433,7 +414,7 @@ class TinkerServer:
 
             def make_new() -> dict:
                 self.owner[model_id] = request["owner"]
-                return self._register(request, self._in_thread(load), _json, model_id=model_id)
+                return self._register(request, self._in_thread(load), json_result, model_id=model_id)
 
             return self._once(request, ("create", model_id), digest, make_new)
         model_id = req.model_id
@@ -443,7 +424,7 @@ class TinkerServer:
             return tc.load_state_with_optimizer(req.path) if req.optimizer else tc.load_state(req.path)
 
         return self._once(request, ("train", model_id, req.seq_id), digest, lambda: self._register(
-            request, self._train(model_id, request, submit), _json, model_id=model_id))
+            request, self._train(model_id, request, submit), json_result, model_id=model_id))
 
     async def get_info(self, request: web.Request) -> web.Response:
         req, _ = await self._body(request, types.GetInfoRequest)
@@ -491,7 +472,7 @@ class TinkerServer:
         self._model(req.model_id, request)
         check_adam(req.optim_params)
         return self._once(request, ("train", req.model_id, req.seq_id), digest, lambda: self._register(
-            request, self._train(req.model_id, request, lambda tc: tc.optim_step(req.optim_params)), _json,
+            request, self._train(req.model_id, request, lambda tc: tc.optim_step(req.optim_params)), json_result,
             model_id=req.model_id))
 
     async def save_weights(self, request: web.Request) -> web.Response:
@@ -501,7 +482,7 @@ class TinkerServer:
         return self._once(request, ("train", req.model_id, req.seq_id), digest, lambda: self._register(
             request, self._train(req.model_id, request, lambda tc: tc.save_state(
                 name, ttl_seconds=req.ttl_seconds, overwrite=req.overwrite, user_metadata=req.user_metadata)),
-            _json, model_id=req.model_id))
+            json_result, model_id=req.model_id))
 
     async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
         req, digest = await self._body(request, types.SaveWeightsForSamplerRequest)
@@ -511,7 +492,7 @@ class TinkerServer:
             name = check_checkpoint_name(req.path)
             return self._once(request, ("train", model_id, req.seq_id), digest, lambda: self._register(
                 request, self._train(model_id, request, lambda tc: tc.save_weights_for_sampler(
-                    name, ttl_seconds=req.ttl_seconds, user_metadata=req.user_metadata)), _json,
+                    name, ttl_seconds=req.ttl_seconds, user_metadata=req.user_metadata)), json_result,
                 model_id=model_id))
         sid = f"{_session_of(model_id)}:sample:{req.sampling_session_seq_id}"
 
@@ -531,7 +512,7 @@ class TinkerServer:
                 self.rest.on_sampler(sid, _session_of(model_id))
                 return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sid)
 
-            return self._register(request, then(fut, publish), _json, model_id=model_id)
+            return self._register(request, then(fut, publish), json_result, model_id=model_id)
 
         return self._once(request, ("train", model_id, req.seq_id), digest, make)
 
@@ -547,7 +528,7 @@ class TinkerServer:
             self.losses[loss_id] = LossHandle(name=req.name, inputs=tuple(req.inputs),
                                               session_id=self.engine.session_id, graph=graph, loss_id=loss_id)
             self.owner[loss_id] = request["owner"]
-            return self._register(request, _done(types.CreateCustomLossResponse(loss_id=loss_id)), _json)
+            return self._register(request, _done(types.CreateCustomLossResponse(loss_id=loss_id)), json_result)
 
         return self._once(request, ("loss", loss_id), digest, make)
 

@@ -58,6 +58,7 @@ from trainer.backends.local.common import (
     check_id,
     resolve_path,
 )
+from trainer.serve.replies import Refused, json_result
 
 log = logging.getLogger("trainer.serve.rest")
 _KIND_OF_SEGMENT = {v: k for k, v in SEGMENTS.items()}
@@ -66,24 +67,12 @@ MAX_TTL_S = 10 * 365 * 86400  # SaveWeightsExternalRequest.ttl_seconds: "1 hour 
 URL_TTL_S = 3600.0
 
 
-def _json_result(model: Any) -> tuple[bytes, str]:
-    return model.model_dump_json(exclude_none=True).encode(), "application/json"
-
-
 def _now() -> float:
     return time.time()
 
 
 def _dt(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=timezone.utc)
-
-
-def _error(status: int, detail: str) -> web.HTTPException:
-    """The SDK's error shape (`{"detail": ...}`), marked not to be retried (`x-should-retry`, read by
-    `tinker/_base_client.py::_should_retry`)."""
-    cls = {400: web.HTTPBadRequest, 403: web.HTTPForbidden, 404: web.HTTPNotFound}[status]
-    return cls(text=json.dumps({"detail": detail}), content_type="application/json",
-               headers={"x-should-retry": "false"})
 
 
 def _request_key(request: web.Request) -> str:
@@ -99,16 +88,16 @@ def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) 
     try:
         v = int(raw)
     except ValueError:
-        raise _error(400, f"query parameter {name} must be an integer, got {raw[:50]!r}") from None
+        raise Refused(400, f"query parameter {name} must be an integer, got {raw[:50]!r}") from None
     if not lo <= v <= hi:
-        raise _error(400, f"query parameter {name} must be in [{lo}, {hi}], got {v}")
+        raise Refused(400, f"query parameter {name} must be in [{lo}, {hi}], got {v}")
     return v
 
 
 def _scope(request: web.Request) -> str:
     scope = request.query.get("access_scope", "owned")
     if scope not in ("owned", "accessible"):
-        raise _error(400, f"access_scope must be 'owned' or 'accessible', got {scope[:50]!r}")
+        raise Refused(400, f"access_scope must be 'owned' or 'accessible', got {scope[:50]!r}")
     return scope
 
 
@@ -209,7 +198,7 @@ class RestSurface:
         if rec is not None and (rec["owner"] == owner
                                 or (scope == "accessible" and self._any_public(rec))):
             return rec
-        raise _error(404, f"training run {run_id[:200]!r} not found")
+        raise Refused(404, f"training run {run_id[:200]!r} not found")
 
     def _any_public(self, rec: dict[str, Any]) -> bool:
         with self._lock:
@@ -270,7 +259,7 @@ class RestSurface:
         except ValueError:
             kind = None
         if kind is None:
-            raise _error(404, f"checkpoint {segment[:50]}/{name[:200]} not found")
+            raise Refused(404, f"checkpoint {segment[:50]}/{name[:200]} not found")
         return kind, f"{segment}/{name}"
 
     def _owned_checkpoint(self, request: web.Request) -> tuple[dict[str, Any], str, str, Path]:
@@ -280,7 +269,7 @@ class RestSurface:
         folder = self.root / m["run_id"] / cid
         if not ((folder / "meta.json").is_file() and not folder.is_symlink()
                 and self._checkpoint(rec, kind, folder) is not None):
-            raise _error(404, f"checkpoint tinker://{m['run_id']}/{cid} not found")
+            raise Refused(404, f"checkpoint tinker://{m['run_id']}/{cid} not found")
         return rec, kind, cid, folder
 
     def check_load(self, path: Any, owner: str) -> Path:
@@ -290,7 +279,7 @@ class RestSurface:
         try:
             folder = resolve_path(path, self.root)
         except CheckpointPathError as e:
-            raise _error(e.status, str(e)) from None
+            raise Refused(e.status, str(e)) from None
         run_id = folder.parent.parent.name
         rec = self.runs.get(run_id)
         if rec is None:
@@ -300,7 +289,7 @@ class RestSurface:
         expires = self._expires_at(rec, cid, meta)
         public = rec.get("checkpoints", {}).get(cid, {}).get("public", False)
         if (rec["owner"] != owner and not public) or (expires is not None and expires <= _now()):
-            raise _error(404, f"no checkpoint {str(path)[:200]!r} on this server")
+            raise Refused(404, f"no checkpoint {str(path)[:200]!r} on this server")
         return folder
 
     # ------------------------------------------------------------------ training runs
@@ -341,7 +330,7 @@ class RestSurface:
             body = await request.json()
             path = body["tinker_path"]
         except (ValueError, KeyError, TypeError):
-            raise _error(400, 'weights_info needs a JSON body {"tinker_path": ...}') from None
+            raise Refused(400, 'weights_info needs a JSON body {"tinker_path": ...}') from None
         folder = self.check_load(path, _request_key(request))
         meta = json.loads((folder / "meta.json").read_text())
         targets = set(meta["targets"])
@@ -366,9 +355,9 @@ class RestSurface:
         try:
             ttl = (await request.json())["ttl_seconds"]
         except (ValueError, KeyError, TypeError):
-            raise _error(400, 'set_checkpoint_ttl needs a JSON body {"ttl_seconds": int | null}') from None
+            raise Refused(400, 'set_checkpoint_ttl needs a JSON body {"ttl_seconds": int | null}') from None
         if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or not 1 <= ttl <= MAX_TTL_S):
-            raise _error(400, f"ttl_seconds must be null or an integer in [1, {MAX_TTL_S}], got {ttl!r}")
+            raise Refused(400, f"ttl_seconds must be null or an integer in [1, {MAX_TTL_S}], got {ttl!r}")
         self._set(rec, cid, expires_at=None if ttl is None else _now() + ttl)
         return web.Response(status=204)
 
@@ -387,13 +376,13 @@ class RestSurface:
         server._model(req.model_id, request)
         name = check_id(req.path, "external weights name") if isinstance(req.path, str) else None
         if name is None:
-            raise _error(400, "save_weights_external needs a name (path)")
+            raise Refused(400, "save_weights_external needs a name (path)")
         if req.ttl_seconds is not None and not 1 <= req.ttl_seconds <= MAX_TTL_S:
-            raise _error(400, f"ttl_seconds must be in [1, {MAX_TTL_S}], got {req.ttl_seconds}")
+            raise Refused(400, f"ttl_seconds must be in [1, {MAX_TTL_S}], got {req.ttl_seconds}")
         return server._once(request, ("train", req.model_id, req.seq_id), digest, lambda: server._register(
             request, server._train(req.model_id, request, lambda tc: tc.save_weights_external(
                 name, ttl_seconds=req.ttl_seconds, age_encryption_recipients=req.age_encryption_recipients)),
-            _json_result, model_id=req.model_id))
+            json_result, model_id=req.model_id))
 
     def _sign(self, run_id: str, name: str, file: str, exp: int) -> str:
         msg = f"{run_id}/{name}/{file}/{exp}".encode()
@@ -402,7 +391,7 @@ class RestSurface:
     async def external_weights_urls(self, request: web.Request) -> web.Response:
         rec, kind, _, _ = self._owned_checkpoint(request)
         if kind != "external":
-            raise _error(400, "external_weights_urls takes an external_weights checkpoint")
+            raise Refused(400, "external_weights_urls takes an external_weights checkpoint")
         run_id, name = request.match_info["run_id"], request.match_info["name"]
         exp = int(_now() + URL_TTL_S)
         origin = str(request.url.origin())
@@ -417,15 +406,15 @@ class RestSurface:
         try:
             exp = int(request.query.get("exp", ""))
         except ValueError:
-            raise _error(403, "unsigned or malformed download URL") from None
+            raise Refused(403, "unsigned or malformed download URL") from None
         sig = request.query.get("sig", "")
         if (file not in ckpt.PEFT_FILES or exp < _now()
                 or not hmac.compare_digest(sig, self._sign(run_id, name, file, exp))):
-            raise _error(403, "download URL is not signed by this server or has expired")
+            raise Refused(403, "download URL is not signed by this server or has expired")
         try:
             folder = resolve_path(f"tinker://{run_id}/external_weights/{name}", self.root, ("external",))
         except CheckpointPathError:
-            raise _error(404, "checkpoint not found") from None
+            raise Refused(404, "checkpoint not found") from None
         return web.FileResponse(folder / file)
 
     # ------------------------------------------------------------------ sessions
@@ -433,7 +422,7 @@ class RestSurface:
         sid = request.match_info["session_id"]
         s = self.sessions.get(sid)
         if s is None or s.owner != _request_key(request):
-            raise _error(404, f"session {sid[:200]!r} not found")
+            raise Refused(404, f"session {sid[:200]!r} not found")
         return sid, s
 
     async def list_sessions(self, request: web.Request) -> web.Response:
@@ -459,7 +448,7 @@ class RestSurface:
         """A call this server does not offer: 400 with why. Not 501: the SDK retries every 5xx for up to
         five minutes (`lib/internal_client_holder.py::_is_retryable_status_code`, `execute_with_retries`)."""
         async def handler(request: web.Request) -> web.Response:
-            raise _error(400, f"not offered by this offline server: {reason}")
+            raise Refused(400, f"not offered by this offline server: {reason}")
 
         return handler
 
