@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -161,16 +162,22 @@ def _start_run(run: Path, tmp_path: Path, srv: Server, *args: str) -> subprocess
                             env={**os.environ, **srv.env()})
 
 
-def _kill_after_step(proc: subprocess.Popen, run: Path, srv: Server, step: int) -> None:
-    """SIGKILL the server once the run logged `step` (its checkpoint is taken: save_every=1), mid-run."""
+def _kill_server_when(proc: subprocess.Popen, srv: Server, ready: Callable[[], bool]) -> None:
+    """SIGKILL the server once `ready()` holds, while the run `proc` is still going."""
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
-        if (run / "metrics.jsonl").exists() and any(r.get("step", 0) >= step for r in safe_rows(run)):
+        if ready():
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before the server was killed"
     srv.proc.kill()
     srv.proc.wait()
+
+
+def _kill_after_step(proc: subprocess.Popen, run: Path, srv: Server, step: int) -> None:
+    """SIGKILL the server once the run logged `step` (its checkpoint is taken: save_every=1), mid-run."""
+    _kill_server_when(proc, srv, lambda: (run / "metrics.jsonl").exists()
+                      and any(r.get("step", 0) >= step for r in safe_rows(run)))
 
 
 @pytest.mark.slow
@@ -240,15 +247,9 @@ def test_server_lost_during_the_final_eval_ends_with_one_line_and_resumes(tmp_pa
     srv = Server(state, "--port", str(port), "--latency-s", "0.5")
     proc = _start_run(run, tmp_path, srv, *args)
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline and proc.poll() is None:  # the final checkpoint is saved: the eval is next
-            ck = run / "checkpoint.json"
-            if ck.exists() and json.loads(ck.read_text())["tinker_path"].endswith("_final"):
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before the server was killed"
-        srv.proc.kill()
-        srv.proc.wait()
+        ck = run / "checkpoint.json"  # the final checkpoint is saved: the eval is next
+        _kill_server_when(proc, srv, lambda: ck.exists()
+                          and json.loads(ck.read_text())["tinker_path"].endswith("_final"))
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
