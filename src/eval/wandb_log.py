@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from trainer.wandb_run import is_scalar, resolve_mode, run_id, table_cell
+from trainer.wandb_run import init_redacted, is_scalar, resolve_mode, run_id, table_cell
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +81,11 @@ def log_compare(result: dict[str, Any], out_dir: str | Path | None = None) -> st
     b = result.get("baseline")
     config = {k: v for k, v in result.items() if is_scalar(v) or isinstance(v, str)}
     config.update(arms=[a.get("arm") for a in result.get("arms", [])], inputs=result.get("inputs"))
-    run = wandb.init(project=settings["project"], entity=settings["entity"], group=settings["group"],
-                     job_type=JOB_TYPE, name=f"compare_{t}_vs_{b}", dir=str(out_dir),
-                     # one compare run per output folder: a rerun updates it rather than adding another
-                     id=run_id(out_dir, "compare"),
-                     resume="allow", mode=resolve_mode(settings["mode"]), config=config, reinit="create_new")
+    run = init_redacted(project=settings["project"], entity=settings["entity"], group=settings["group"],
+                        job_type=JOB_TYPE, name=f"compare_{t}_vs_{b}", dir=str(out_dir),
+                        # one compare run per output folder: a rerun updates it rather than adding another
+                        id=run_id(out_dir, "compare"),
+                        resume="allow", mode=resolve_mode(settings["mode"]), config=config, reinit="create_new")
     try:
         cols, rows = verdict_rows(result)
         data: dict[str, Any] = {"compare/verdict": wandb.Table(columns=cols, data=rows)}

@@ -42,6 +42,20 @@ def run_id(run_dir: Path, prefix: str = "pairedrl") -> str:
     return f"{prefix}-" + hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
 
 
+def init_redacted(**kwargs: Any) -> Any:
+    """`wandb.init(**kwargs)` with the command line's secrets redacted: wandb records `sys.argv` (read during
+    init) in the run's metadata, which `wandb sync` uploads, so it sees the arguments as config.yaml holds
+    them. Every wandb run of the project (training arms, compare runs) starts here."""
+    import wandb
+
+    argv = sys.argv
+    sys.argv = [argv[0], *redact_argv(argv[1:], current_secrets())] if argv else argv
+    try:
+        return wandb.init(**kwargs)
+    finally:
+        sys.argv = argv
+
+
 def resolve_mode(mode: str) -> str:
     """The mode passed to `wandb.init`. `WANDB_MODE=offline` (or `disabled`) in the environment wins over
     any configured mode: wandb.init's own `mode` argument would otherwise override it, and a key in
@@ -64,7 +78,6 @@ class WandbRun:
 
     def __init__(self, run_dir: Path, lc: Any, run_name: str, config_dict: dict, sweep_dir: Path | None,
                  resume: bool, updates_per_batch: int) -> None:
-        import wandb
 
         self.run_dir = Path(run_dir)
         self.updates_per_batch = max(1, int(updates_per_batch))
@@ -72,20 +85,13 @@ class WandbRun:
         loss = (config_dict.get("loss") or {}).get("name")
         # arm / loss / seed at the top level, so wandb's grouping and filters can use them directly
         config = {**config_dict, "arm": run_name, "loss_name": loss, "seed": config_dict.get("seed")}
-        # wandb records the command line (sys.argv, read during init) in the run's metadata, which `wandb
-        # sync` uploads: it sees the arguments with their secrets redacted, as config.yaml holds them
-        argv = sys.argv
-        sys.argv = [argv[0], *redact_argv(argv[1:], current_secrets())] if argv else argv
-        try:
-            self.run = wandb.init(project=lc.project, entity=lc.entity, group=group, name=run_name,
-                                  id=run_id(self.run_dir), dir=str(self.run_dir), mode=resolve_mode(lc.mode),
-                                  config=config, job_type="train", tags=[f"loss:{loss}"],
-                                  resume="allow" if resume else None,
-                                  # several runs may live in one process (the preflight pilot, tests):
-                                  # each init makes its own run and leaves the others alone
-                                  reinit="create_new")
-        finally:
-            sys.argv = argv
+        self.run = init_redacted(project=lc.project, entity=lc.entity, group=group, name=run_name,
+                                 id=run_id(self.run_dir), dir=str(self.run_dir), mode=resolve_mode(lc.mode),
+                                 config=config, job_type="train", tags=[f"loss:{loss}"],
+                                 resume="allow" if resume else None,
+                                 # several runs may live in one process (the preflight pilot, tests):
+                                 # each init makes its own run and leaves the others alone
+                                 reinit="create_new")
         self.run.define_metric("step")
         for pattern in _STEP_AXIS_KEYS:
             self.run.define_metric(pattern, step_metric="step")
