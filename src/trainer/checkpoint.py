@@ -99,6 +99,10 @@ def check_resumable(run_dir: Path, cfg_hash: str, rollouts_per_step: int = 0) ->
 _STEP_FIELD = re.compile(r'"step":\s*(\d+)')
 
 
+def _listed(numbers: list[int], most: int = 8) -> str:
+    return ", ".join(map(str, numbers[:most])) + (", ..." if len(numbers) > most else "")
+
+
 def _check_rows_before(path: Path, rows: list[dict], torn: int, ckpt: CheckpointInfo, per_update: bool) -> None:
     """ResumeError unless `path` holds the rows of every step before the checkpoint: each update's row
     (metrics: `global_update` 0 .. optim_steps - 1), or at least one row per step (rollouts, whose count per
@@ -110,16 +114,14 @@ def _check_rows_before(path: Path, rows: list[dict], torn: int, ckpt: Checkpoint
         have = {r.get("global_update") for r in before}
         missing = [u for u in range(ckpt.optim_steps) if u not in have]
         if missing:
-            shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
             raise ResumeError(f"{path} holds {ckpt.optim_steps - len(missing)} of the {ckpt.optim_steps} update "
                               f"rows of the {ckpt.step} steps before the checkpoint (missing global_update "
-                              f"{shown})" + refuse)
+                              f"{_listed(missing)})" + refuse)
     else:
         missing = sorted(set(range(ckpt.step)) - {r["step"] for r in before})
         if missing:
-            shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
-            raise ResumeError(f"{path} holds no row of step(s) {shown} of the {ckpt.step} steps before the "
-                              "checkpoint (a run that started with logger.rollouts_per_step=0 resumes with the "
+            raise ResumeError(f"{path} holds no row of step(s) {_listed(missing)} of the {ckpt.step} steps "
+                              "before the checkpoint (a run that started with logger.rollouts_per_step=0 resumes with the "
                               "same)" + refuse)
     if torn and not per_update:  # (a torn metrics row before the checkpoint leaves a global_update missing)
         # the torn row follows the last complete one; it belongs to a step after the checkpoint only if
