@@ -103,7 +103,8 @@ def _listed(numbers: list[int], most: int = 8) -> str:
     return ", ".join(map(str, numbers[:most])) + (", ..." if len(numbers) > most else "")
 
 
-def _check_rows_before(path: Path, rows: list[dict], torn: int, ckpt: CheckpointInfo, per_update: bool) -> None:
+def _check_rows_before(path: Path, rows: list[dict], torn: int, ckpt: CheckpointInfo,
+                       per_update: bool) -> None:
     """ResumeError unless `path` holds the rows of every step before the checkpoint: each update's row
     (metrics: `global_update` 0 .. optim_steps - 1), or at least one row per step (rollouts, whose count per
     step follows the resume-ignored `logger.rollouts_per_step`), and no torn last row of such a step."""
@@ -114,15 +115,15 @@ def _check_rows_before(path: Path, rows: list[dict], torn: int, ckpt: Checkpoint
         have = {r.get("global_update") for r in before}
         missing = [u for u in range(ckpt.optim_steps) if u not in have]
         if missing:
-            raise ResumeError(f"{path} holds {ckpt.optim_steps - len(missing)} of the {ckpt.optim_steps} update "
-                              f"rows of the {ckpt.step} steps before the checkpoint (missing global_update "
-                              f"{_listed(missing)})" + refuse)
+            raise ResumeError(f"{path} holds {ckpt.optim_steps - len(missing)} of the {ckpt.optim_steps} "
+                              f"update rows of the {ckpt.step} steps before the checkpoint (missing "
+                              f"global_update {_listed(missing)})" + refuse)
     else:
         missing = sorted(set(range(ckpt.step)) - {r["step"] for r in before})
         if missing:
             raise ResumeError(f"{path} holds no row of step(s) {_listed(missing)} of the {ckpt.step} steps "
-                              "before the checkpoint (a run that started with logger.rollouts_per_step=0 resumes with the "
-                              "same)" + refuse)
+                              "before the checkpoint (a run that started with logger.rollouts_per_step=0 resumes "
+                              "with the same)" + refuse)
     if torn and not per_update:  # (a torn metrics row before the checkpoint leaves a global_update missing)
         # the torn row follows the last complete one; it belongs to a step after the checkpoint only if
         # that row already does, or if its own fragment says so
