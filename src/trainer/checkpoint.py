@@ -122,8 +122,8 @@ def _check_rows_before(path: Path, rows: list[dict], torn: int, ckpt: Checkpoint
         missing = sorted(set(range(ckpt.step)) - {r["step"] for r in before})
         if missing:
             raise ResumeError(f"{path} holds no row of step(s) {_listed(missing)} of the {ckpt.step} steps "
-                              "before the checkpoint (a run that started with logger.rollouts_per_step=0 resumes "
-                              "with the same)" + refuse)
+                              "before the checkpoint (a run that started with logger.rollouts_per_step=0 "
+                              "resumes with the same)" + refuse)
     if torn and not per_update:  # (a torn metrics row before the checkpoint leaves a global_update missing)
         # the torn row follows the last complete one; it belongs to a step after the checkpoint only if
         # that row already does, or if its own fragment says so
