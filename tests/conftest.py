@@ -58,6 +58,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """The root logger's handlers and level as they were before the test. An entry point run in-process
+    (Hydra's job logging, a `main()`'s basicConfig) gives the root logger handlers on this test's captured
+    streams; left in place they write to closed files in later tests, where any stray record (a background
+    thread's warning) prints a logging traceback into that test's stderr."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for h in root.handlers[:]:
+        if h not in handlers:
+            root.removeHandler(h)
+            h.close()
+    root.setLevel(level)
+
+
 _TRAIN_MODULE = None
 
 

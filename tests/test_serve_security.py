@@ -178,19 +178,22 @@ def test_allowed_server_side_custom_loss_still_trains(server):
     import tinker
 
     sc = tinker.ServiceClient(base_url=server.url, api_key="tml-custom")
-    tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+    try:
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
 
-    def loss(logprobs, weights):
-        return -(logprobs * weights).sum(), {}
+        def loss(logprobs, weights):
+            return -(logprobs * weights).sum(), {}
 
-    handle = sc.create_custom_loss(loss, {"logprobs": 1, "weights": 1}).result()
-    assert handle.loss_id is not None  # uploaded, run server-side
-    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={
-        "target_tokens": types.TensorData(data=[6, 7, 8], dtype="int64", shape=[3]),
-        "weights": types.TensorData(data=[1.0, 0.5, 1.0], dtype="float32", shape=[3])})
-    custom = tc.forward_backward_custom([datum], handle).result()
-    builtin = tc.forward([datum], "cross_entropy").result()
-    assert custom.metrics["loss:sum"] == pytest.approx(builtin.metrics["loss:sum"], rel=1e-5)
+        handle = sc.create_custom_loss(loss, {"logprobs": 1, "weights": 1}).result()
+        assert handle.loss_id is not None  # uploaded, run server-side
+        datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={
+            "target_tokens": types.TensorData(data=[6, 7, 8], dtype="int64", shape=[3]),
+            "weights": types.TensorData(data=[1.0, 0.5, 1.0], dtype="float32", shape=[3])})
+        custom = tc.forward_backward_custom([datum], handle).result()
+        builtin = tc.forward([datum], "cross_entropy").result()
+        assert custom.metrics["loss:sum"] == pytest.approx(builtin.metrics["loss:sum"], rel=1e-5)
+    finally:  # a session left open heartbeats at this module's server long after it stopped
+        sc.close("success").result(timeout=10)
 
 
 # ----------------------------------------------------------------------------- keys and isolation
@@ -210,6 +213,18 @@ def test_a_second_key_cannot_see_or_touch_a_model(server):
     second = alice.fwdbwd(model_id, 1).json()
     assert second["request_id"] != fut["request_id"]
     assert alice.result(second["request_id"]).status_code == 200
+
+
+def test_heartbeat_is_410_for_a_finished_or_foreign_session(server):
+    """410 is the service's word for a session that is over: the SDK's heartbeat loop stops on it instead of
+    heartbeating (and warning) for the life of the process."""
+    alice, bob = Raw(server.url, "tml-alice"), Raw(server.url, "tml-bob")
+    beat = types.SessionHeartbeatRequest(session_id=alice.session)
+    assert alice.ok("session_heartbeat", beat) == {"type": "session_heartbeat"}
+    assert bob.post("session_heartbeat", beat).status_code == 410
+    assert alice.ok(f"sessions/{alice.session}/finish", {"reason": {"type": "success"}}) is None
+    r = alice.post("session_heartbeat", beat)
+    assert r.status_code == 410 and "finished or unknown" in r.json()["detail"]
 
 
 def test_stats_and_api_need_a_key(server):

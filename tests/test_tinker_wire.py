@@ -101,8 +101,11 @@ def test_wire_run_equals_in_process_run(tmp_path, server, path):
     local, wire = tmp_path / "local", tmp_path / "wire"
     p = run_train([*LOCAL, *extra, f"hydra.run.dir={local}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
+    sessions = server.stats()["sessions"]
     p = run_train([*WIRE, *extra, f"hydra.run.dir={wire}"], tmp_path, env=server.env())
     assert p.returncode == 0, p.stderr[-3000:]
+    # the run finished its session: a process running several arms in turn (a multirun) leaves none open
+    assert server.stats()["sessions"] == sessions
     rows_l, rows_w = read_metrics(local), read_metrics(wire)
     assert {r["loss/path"] for r in rows_w} == {path}
     assert_same_rows(rows_l, rows_w)

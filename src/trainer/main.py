@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from eval.during_training import compare_with_start, periodic_eval, run_final_eval, run_start_eval
 from eval.run_report import write_run_report
-from trainer.backends import BackendConfigError, build_service_client, check_tinker
+from trainer.backends import BackendConfigError, build_service_client, check_tinker, session_finished
 from trainer.backends.errors import BackendRequestError, is_lost
 from trainer.checkpoint import ResumeError, check_resumable, config_hash
 from trainer.config.schema import ConfigError, arm_name, validate
@@ -215,72 +215,76 @@ def _eval_or_fail(what: str, run: Any) -> Any:
 
 def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, service_client: Any, task: Any,
                         etask: Any, config_dict: dict, t_setup: float, wandb_run: Any) -> float | None:
-    questions = ({p.index: p.question for p in etask.test_problems(cfg.eval.n_examples)}
-                 if etask is not None else None)
+    loop = None
+    # the session ends with the run however it ends; the loop's client replaces the first after a recovery
+    with session_finished(lambda: loop.sc if loop is not None else service_client,
+                          float(cfg.backend.get("connect_timeout_s", 10.0))):
+        questions = ({p.index: p.question for p in etask.test_problems(cfg.eval.n_examples)}
+                     if etask is not None else None)
 
-    def to_wandb() -> None:  # every eval finished so far (and not yet logged) into the wandb run
-        if wandb_run is not None and etask is not None:
-            wandb_run.sync_evals(run_dir / "eval", cfg.eval.name, questions)
+        def to_wandb() -> None:  # every eval finished so far (and not yet logged) into the wandb run
+            if wandb_run is not None and etask is not None:
+                wandb_run.sync_evals(run_dir / "eval", cfg.eval.name, questions)
 
-    def on_step_end(step: int) -> None:
-        periodic_eval(cfg, loop, etask, run_dir, step)
-        to_wandb()
+        def on_step_end(step: int) -> None:
+            periodic_eval(cfg, loop, etask, run_dir, step)
+            to_wandb()
 
-    loss_path = make_loss(cfg, service_client)
-    # a tqdm bar on a terminal; one log line per step (stdout and train.log) without one
-    bar = sys.stderr.isatty() or bool(os.environ.get("PAIREDRL_PROGRESS"))
-    # a recovery on backend=tinker starts a new session: a restarted server knows neither the old one nor
-    # its ids
-    renew = (lambda: build_service_client(cfg, run_dir)) if cfg.backend.name == "tinker" else None
-    loop = RLLoop(cfg, run_dir, service_client, task, loss_path, config_dict, sweep_dir,
-                  progress=True if bar else "lines", wandb_run=wandb_run, new_service_client=renew)
-    if etask is not None and cfg.eval.every:
-        loop.on_step_end = on_step_end
-    setup_s = time.time() - t_setup
-    start_eval, start_eval_s = None, 0.0
-    if etask is not None and cfg.eval.at_start:
-        t0 = time.time()
-        start_eval = _eval_or_fail("the initial-weights eval", lambda: run_start_eval(
-            cfg, service_client, etask, run_dir, loop.retry, loop.cfg_hash))
-        start_eval_s = time.time() - t0
-        to_wandb()
-    t_train = time.time()
-    try:
-        result = loop.run()
-    except ResumeError as e:
-        fail(f"resume: {e}")
-    except (TrainingClientLost, BackendRequestError) as e:  # the run folder keeps every finished step
-        fail(f"backend: {e}; the run resumes from its last checkpoint when started again")
-    # setup: config, data, model load; the loop's total includes creating/restoring the training client,
-    # checkpoints and periodic evals
-    result["time/setup"] = setup_s
-    result["time/start_eval"] = start_eval_s
-    result["time/train_total"] = time.time() - t_train
-
-    final_acc = None
-    if etask is not None:
-        final_acc = _eval_or_fail("the final eval", lambda: run_final_eval(cfg, loop, etask, run_dir, result))
-        if start_eval is not None:
-            result["eval_vs_start"] = compare_with_start(start_eval, run_dir / "eval" / f"{cfg.eval.name}.jsonl")
-        to_wandb()
-        if wandb_run is not None and "eval_vs_start" in result:
-            wandb_run.set_paired_result(result["eval_vs_start"])
-    atomic_write_json(run_dir / "result.json", result)
-    report = None
-    if cfg.report.enabled:
+        loss_path = make_loss(cfg, service_client)
+        # a tqdm bar on a terminal; one log line per step (stdout and train.log) without one
+        bar = sys.stderr.isatty() or bool(os.environ.get("PAIREDRL_PROGRESS"))
+        # a recovery on backend=tinker starts a new session: a restarted server knows neither the old one nor
+        # its ids
+        renew = (lambda: build_service_client(cfg, run_dir)) if cfg.backend.name == "tinker" else None
+        loop = RLLoop(cfg, run_dir, service_client, task, loss_path, config_dict, sweep_dir,
+                      progress=True if bar else "lines", wandb_run=wandb_run, new_service_client=renew)
+        if etask is not None and cfg.eval.every:
+            loop.on_step_end = on_step_end
+        setup_s = time.time() - t_setup
+        start_eval, start_eval_s = None, 0.0
+        if etask is not None and cfg.eval.at_start:
+            t0 = time.time()
+            start_eval = _eval_or_fail("the initial-weights eval", lambda: run_start_eval(
+                cfg, service_client, etask, run_dir, loop.retry, loop.cfg_hash))
+            start_eval_s = time.time() - t0
+            to_wandb()
+        t_train = time.time()
         try:
-            report = write_run_report(run_dir)
-        except Exception as e:  # noqa: BLE001 - the run is done and saved; a report failure must not hide that
-            log.warning("run report not written: %s: %s", type(e).__name__, e)
-    print(f"\nrun folder: {run_dir}\n  metrics:  {run_dir / 'metrics.jsonl'}\n  rollouts: "
-          f"{run_dir / 'rollouts.jsonl'}\n  checkpoint: {result.get('checkpoint')}")
-    if final_acc is not None:
-        print(f"  eval:     {run_dir / 'eval' / (cfg.eval.name + '.jsonl')}  accuracy={final_acc:.4f}")
-    if "eval_vs_start" in result:
-        c = result["eval_vs_start"]
-        print(f"  eval vs initial weights ({c['n']} paired items): {c['acc_baseline']:.4f} -> "
-              f"{c['acc_treatment']:.4f}, diff {c['diff']:+.4f}, bootstrap 95% CI [{c['bootstrap_low']:+.4f}, {c['bootstrap_high']:+.4f}], "
-              f"McNemar p={c['mcnemar_p']:.3g} (fixed {c['b']}, broke {c['c']})")
-    if report is not None:
-        print(f"  report:   {report}")
-    return final_acc
+            result = loop.run()
+        except ResumeError as e:
+            fail(f"resume: {e}")
+        except (TrainingClientLost, BackendRequestError) as e:  # the run folder keeps every finished step
+            fail(f"backend: {e}; the run resumes from its last checkpoint when started again")
+        # setup: config, data, model load; the loop's total includes creating/restoring the training client,
+        # checkpoints and periodic evals
+        result["time/setup"] = setup_s
+        result["time/start_eval"] = start_eval_s
+        result["time/train_total"] = time.time() - t_train
+
+        final_acc = None
+        if etask is not None:
+            final_acc = _eval_or_fail("the final eval", lambda: run_final_eval(cfg, loop, etask, run_dir, result))
+            if start_eval is not None:
+                result["eval_vs_start"] = compare_with_start(start_eval, run_dir / "eval" / f"{cfg.eval.name}.jsonl")
+            to_wandb()
+            if wandb_run is not None and "eval_vs_start" in result:
+                wandb_run.set_paired_result(result["eval_vs_start"])
+        atomic_write_json(run_dir / "result.json", result)
+        report = None
+        if cfg.report.enabled:
+            try:
+                report = write_run_report(run_dir)
+            except Exception as e:  # noqa: BLE001 - the run is done and saved; a report failure must not hide that
+                log.warning("run report not written: %s: %s", type(e).__name__, e)
+        print(f"\nrun folder: {run_dir}\n  metrics:  {run_dir / 'metrics.jsonl'}\n  rollouts: "
+              f"{run_dir / 'rollouts.jsonl'}\n  checkpoint: {result.get('checkpoint')}")
+        if final_acc is not None:
+            print(f"  eval:     {run_dir / 'eval' / (cfg.eval.name + '.jsonl')}  accuracy={final_acc:.4f}")
+        if "eval_vs_start" in result:
+            c = result["eval_vs_start"]
+            print(f"  eval vs initial weights ({c['n']} paired items): {c['acc_baseline']:.4f} -> "
+                  f"{c['acc_treatment']:.4f}, diff {c['diff']:+.4f}, bootstrap 95% CI [{c['bootstrap_low']:+.4f}, {c['bootstrap_high']:+.4f}], "
+                  f"McNemar p={c['mcnemar_p']:.3g} (fixed {c['b']}, broke {c['c']})")
+        if report is not None:
+            print(f"  report:   {report}")
+        return final_acc

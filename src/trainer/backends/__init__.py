@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
 
 
 class BackendConfigError(RuntimeError):
@@ -49,6 +54,37 @@ def close_service_client(sc: Any) -> None:
         holder = getattr(sc, name, None)
         if holder is not None:
             holder.close()
+
+
+def finish_service_client(sc: Any, status: str, timeout_s: float) -> None:
+    """End a run's session: the service is told it finished (`status`: success | errored | interrupted)
+    and the client's heartbeat and connections stop. Without it a process that runs several arms in turn
+    (a Hydra multirun) keeps every earlier arm's session alive, heartbeating, until the process exits.
+    A service that does not answer within `timeout_s` is left to expire the session itself; the local
+    engine's close frees its schedulers and training clients."""
+    try:
+        sc.close(status).result(timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 - the run is over and saved; an unfinished session only expires
+        # after a failed run the service is often what failed: its one-line error has been said already
+        log.log(logging.WARNING if status == "success" else logging.INFO,
+                "the backend session was not finished (%s: %s); it expires on the service", type(e).__name__, e)
+    finally:
+        close_service_client(sc)
+
+
+@contextlib.contextmanager
+def session_finished(current: Callable[[], Any], timeout_s: float) -> Iterator[None]:
+    """The block's session (`current()`, read at the end: a recovery may have replaced the client)
+    finished with the block: success, interrupted on Ctrl-C, errored on any other exception."""
+    status = "errored"
+    try:
+        yield
+        status = "success"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        finish_service_client(current(), status, timeout_s)
 
 
 def check_tinker(b: DictConfig) -> tuple[str, str]:

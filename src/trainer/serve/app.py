@@ -157,7 +157,7 @@ class TinkerServer:
         r = app.router
         post = {
             "client/config": self.client_config, "client/dynamic_config": self.dynamic_config,
-            "create_session": self.create_session, "session_heartbeat": self.ok({"type": "session_heartbeat"}),
+            "create_session": self.create_session, "session_heartbeat": self.session_heartbeat,
             "telemetry": self.ok({"status": "accepted"}), "create_model": self.create_model,
             "get_info": self.get_info, "forward_backward": self.forward_backward, "optim_step": self.optim_step,
             "save_weights": self.save_weights, "save_weights_for_sampler": self.save_weights_for_sampler,
@@ -241,7 +241,8 @@ class TinkerServer:
         return handler
 
     async def stats(self, request: web.Request) -> web.Response:
-        return web.json_response({"requests": self.counts, "faults": self.faults.injected})
+        return web.json_response({"requests": self.counts, "faults": self.faults.injected,
+                                  "sessions": len(self.sessions)})
 
     # ------------------------------------------------------------------ helpers
     def _register(self, request: web.Request, future: Future, encode: Callable[[Any], tuple[bytes, str]],
@@ -352,6 +353,15 @@ class TinkerServer:
         self.sessions[sid] = request["owner"]
         self.rest.on_session(sid, request["owner"], req.user_metadata)
         return web.json_response({"type": "create_session", "session_id": sid})
+
+    async def session_heartbeat(self, request: web.Request) -> web.Response:
+        """A live session's heartbeat; 410 for one this key does not hold (finished, or from before a
+        restart), which is how the service tells the SDK to stop its heartbeat loop
+        (tinker 0.38 `internal_client_holder.py::_session_heartbeat` returns on a 410)."""
+        req, _ = await self._body(request, types.SessionHeartbeatRequest)
+        if self.sessions.get(req.session_id) != request["owner"]:
+            raise Refused(410, f"session {str(req.session_id)[:100]} is finished or unknown on this server")
+        return web.json_response({"type": "session_heartbeat"})
 
     async def finish_session(self, request: web.Request) -> web.Response:
         """The session ends: its models, samplers and losses are dropped (frees the key's model slots) and

@@ -69,9 +69,17 @@ class SampleScheduler:
             self._cv.notify()
 
     def close(self) -> None:
+        """Stop the worker and wait for it: a daemon thread still dropping its last batch's tensors when
+        the interpreter finalizes is killed inside torch's deallocator, which aborts the process."""
         with self._cv:
             self._closed = True
+            pending, self._queue = self._queue, []
             self._cv.notify()
+        for r in pending:  # not started: failed now rather than run by a worker that is shutting down
+            if r.future.set_running_or_notify_cancel():
+                r.future.set_exception(RuntimeError("the local service client was closed"))
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _take_batch(self) -> list[_Request]:
         with self._cv:
