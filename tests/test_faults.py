@@ -79,7 +79,9 @@ def test_a_failed_final_save_is_recovered_like_a_step(tmp_path):
     from trainer.loop import LoopState, RLLoop, _ClientFailure
     from trainer.retry import RetryPolicy
 
-    cfg = OmegaConf.create({"schedule": {"num_steps": 3, "save_every": 0}, "retry": {"max_attempts": 3},
+    # the keys the loop reads, as the schema gives them (a validated config has every schedule key)
+    cfg = OmegaConf.create({"schedule": {"num_steps": 3, "save_every": 0, "updates_per_batch": 1},
+                            "retry": {"max_attempts": 3},
                             "logger": {"name": "jsonl", "rollouts_per_step": 0}, "loss": {"name": "grpo"},
                             "seed": 0, "run_name": None})
     loop = RLLoop.__new__(RLLoop)

@@ -14,9 +14,9 @@ from test_losses import make_datums
 from tinker import types
 
 from trainer.datums import Rollout, rollout_to_datum
-from trainer.losses import DPPOLoss, GRPOLoss
-from trainer.losses.inputs import default_mask
-from trainer.losses.paths import OnePassLossPath, TwoPassLossPath
+from trainer.losses import CISPOLoss, DPPOLoss, GRPOLoss, GSPOLoss, ImportanceSamplingLoss
+from trainer.losses.inputs import ANCHOR_KEY, REF_KEY, LossNeeds, default_mask
+from trainer.losses.paths import InputClients, OnePassLossPath, TwoPassLossPath
 
 TINY_MODEL = "pairedrl/tiny-random"
 # the metric families both paths report; engine/ counters and the loss's own extras differ by construction
@@ -59,6 +59,126 @@ def test_one_pass_prepare_adds_the_per_datum_keys_and_leaves_the_minibatch_alone
         torch.testing.assert_close(got["anchor_logprobs"].to_torch(), want_anchor)
         assert set(before.loss_fn_inputs) == {"target_tokens", "logprobs", "advantages"} | (
             {"anchor_logprobs"} if i == 1 else set())
+
+
+# ----------------------------------------------------------------------------- the loss's optional inputs
+@pytest.mark.parametrize("cls", [GRPOLoss, DPPOLoss, ImportanceSamplingLoss, CISPOLoss, GSPOLoss])
+def test_every_loss_declares_the_inputs_its_settings_use(cls):
+    assert cls().needs == LossNeeds()
+    assert cls(anchor="recomputed").needs == LossNeeds(anchor=True)
+    assert cls(kl_coef=0.05).needs == LossNeeds(reference=True)
+    assert cls(anchor="recomputed", kl_coef=0.05).needs == LossNeeds(anchor=True, reference=True)
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class _FakeClients:
+    """A training client whose forward returns logprobs -0.5 - i for datum i (and entropies 0.1 * position
+    when `entropy`), and a reference sampler whose logprob of token t is -0.01 * t (None for the first);
+    `calls` lists the backend calls by the names the trainer's wrapper received, `made` the samplers made."""
+
+    def __init__(self, entropy: bool = False):
+        self.entropy, self.calls, self.made, self.forwarded, self.scored = entropy, [], 0, [], []
+
+    def forward(self, data, loss_fn):
+        self.forwarded.append((data, loss_fn))
+        outs = []
+        for i, d in enumerate(data):
+            n = len(d.loss_fn_inputs["target_tokens"].tolist())
+            out = {"logprobs": types.TensorData.from_torch(torch.full((n,), -0.5 - i))}
+            if self.entropy:
+                out["entropy"] = types.TensorData.from_torch(0.1 * torch.arange(n, dtype=torch.float32))
+            outs.append(out)
+        return _Done(SimpleNamespace(loss_fn_outputs=outs))
+
+    def compute_logprobs(self, model_input):
+        tokens = model_input.to_ints()
+        self.scored.append(tokens)
+        return _Done([None] + [-0.01 * t for t in tokens[1:]])
+
+    def sampler(self):
+        self.made += 1
+        return self
+
+    def clients(self) -> InputClients:
+        def call(what, fn):
+            self.calls.append(what)
+            return fn()
+
+        return InputClients(training=self, reference_sampler=self.sampler, call=call)
+
+
+def _rollouts() -> list[Rollout]:
+    return [Rollout(group=0, prompt_tokens=[1, 2, 3][:2 + i], tokens=[7 + i, 8, 9][:2 + i],
+                    logprobs=[-0.5, -1.0, -0.2][:2 + i], reward=float(i), metrics={}, stop_reason="stop",
+                    advantage=0.5 - i) for i in range(2)]
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two_pass", "one_pass"])
+def test_a_kl_loss_gets_the_reference_logprobs_and_a_loss_without_it_asks_for_nothing(one_pass):
+    """The loss declares the reference input (kl_coef > 0) and the path fetches it, through the reference
+    sampler and the trainer's call wrapper, into every datum it then prepares; the same loss with kl_coef = 0
+    makes no backend call at all and gets its datums back as they were."""
+    rollouts = _rollouts()
+    datums = [rollout_to_datum(r) for r in rollouts]
+    for kl_coef in (0.05, 0.0):
+        loss = GRPOLoss(kl_coef=kl_coef)
+        path = OnePassLossPath(loss, handle=object()) if one_pass else TwoPassLossPath(loss)
+        fake = _FakeClients()
+        got, metrics = path.fetch_inputs(datums, fake.clients())
+        unchanged = {"target_tokens", "logprobs", "advantages", "mask"}
+        assert all(set(d.loss_fn_inputs) == unchanged for d in datums)
+        assert fake.forwarded == []  # no anchor pass: the loss's anchor is the sampler
+        if kl_coef == 0:
+            assert got is datums and metrics == {} and fake.calls == [] and fake.made == 0
+            continue
+        assert set(metrics) == {"time/ref_logprobs"} and metrics["time/ref_logprobs"] >= 0
+        assert fake.made == 1 and fake.calls == ["compute_logprobs"]
+        assert fake.scored == [r.prompt_tokens + r.tokens for r in rollouts]  # the whole sequences
+        call = path.prepare(got)
+        for r, d in zip(rollouts, call.data):
+            assert ANCHOR_KEY not in d.loss_fn_inputs or one_pass  # one pass fills it with the sampler's
+            # position i of a datum predicts token i + 1 of the sequence
+            want = torch.tensor([-0.01 * t for t in (r.prompt_tokens + r.tokens)[1:]])
+            torch.testing.assert_close(d.loss_fn_inputs[REF_KEY].to_torch(), want)
+        if not one_pass:  # and the loss runs on them: it refuses kl_coef > 0 without the reference
+            logp = [torch.full((len(r.prompt_tokens) + len(r.tokens) - 1,), -0.7) for r in rollouts]
+            _, loss_metrics = call.loss_fn(call.data, logp)
+            assert loss_metrics["loss/kl_ref"] > 0
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_a_recomputed_anchor_comes_from_one_forward_pass_over_the_batch(entropy):
+    """`anchor: recomputed`: one `forward` of the training client over the datums' targets, weighted by their
+    masks, gives each datum's `anchor_logprobs`; `entropy/exact` is the mean entropy over the loss tokens
+    when the pass returns entropies, absent when it does not; no reference sampler is made."""
+    rollouts = _rollouts()
+    datums = [rollout_to_datum(r) for r in rollouts]
+    fake = _FakeClients(entropy=entropy)
+    got, metrics = TwoPassLossPath(DPPOLoss(anchor="recomputed")).fetch_inputs(datums, fake.clients())
+    assert fake.calls == ["forward"] and fake.made == 0 and len(fake.forwarded) == 1
+    sent, loss_fn = fake.forwarded[0]
+    assert loss_fn == "cross_entropy" and len(sent) == len(datums)
+    for d, s, g, i in zip(datums, sent, got, range(len(datums))):
+        assert s.model_input == d.model_input and set(s.loss_fn_inputs) == {"target_tokens", "weights"}
+        torch.testing.assert_close(s.loss_fn_inputs["weights"].to_torch(),
+                                   d.loss_fn_inputs["mask"].to_torch())
+        torch.testing.assert_close(g.loss_fn_inputs[ANCHOR_KEY].to_torch(),
+                                   torch.full((len(g.loss_fn_inputs["mask"].tolist()),), -0.5 - i))
+        assert REF_KEY not in g.loss_fn_inputs
+    assert metrics["time/anchor_forward"] >= 0
+    if entropy:
+        masked = [0.1 * t for d in datums for t, m in enumerate(d.loss_fn_inputs["mask"].tolist()) if m]
+        assert set(metrics) == {"time/anchor_forward", "entropy/exact"}
+        assert metrics["entropy/exact"] == pytest.approx(sum(masked) / len(masked))
+    else:
+        assert set(metrics) == {"time/anchor_forward"}
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -1,7 +1,8 @@
 """The generic RL loop over a Tinker-style client (docs/architecture.md describes the data flow).
 
 Per rollout step: a sampling client from the current weights; every group sampled concurrently;
-rewards from the env; advantages; datums; `updates_per_batch` minibatches, each one
+rewards from the env; advantages; datums, to which `loss_path.fetch_inputs` adds the optional inputs the
+loss declares (the loop does not know which); `updates_per_batch` minibatches, each one
 `forward_backward_custom` on what `loss_path.prepare(minibatch)` gives, then `optim_step`.
 Checkpoints are taken at step boundaries; resume (or recovery from a poisoned or lost client) reloads the
 last one, drops the log rows of the steps after it and redoes them, so no optimizer step is ever skipped or
@@ -46,8 +47,7 @@ from trainer.checkpoint import (
 )
 from trainer.config.schema import arm_name
 from trainer.datums import Rollout, rollout_to_datum, split_minibatches
-from trainer.losses.inputs import ANCHOR_KEY, REF_KEY
-from trainer.losses.paths import CustomLossCall, LossPath
+from trainer.losses.paths import CustomLossCall, InputClients, LossPath
 from trainer.lr_schedule import lr_at
 from trainer.metrics_sink import MetricsSink
 from trainer.retry import RetryPolicy
@@ -131,6 +131,7 @@ class RLLoop:
         self.on_step_end = on_step_end
         # a fresh service client for a recovery (backend=tinker; None: recoveries reuse `service_client`)
         self.new_service_client = new_service_client
+        # a key of the tinker backend's schema only (LocalBackendConfig has none): None, no deadline, on local
         self.retry = RetryPolicy.from_config(cfg.retry, cfg.backend.get("call_deadline_s"))
         self.train_problems = task.train_problems()
         if len(self.train_problems) == 0:
@@ -140,7 +141,7 @@ class RLLoop:
         self.info: dict[str, Any] = {}
         self.recoveries = 0
         self._warned: set[str] = set()
-        self._ref_sampler: Any = None  # a sampler of the initial weights (loss.kl_coef > 0)
+        self._ref_sampler: Any = None  # a sampler of the initial weights (`_reference_sampler`)
         mode = cfg.sampling.requests
         self.per_sample_requests = mode == "per_sample" or (mode == "auto" and cfg.backend.name == "tinker")
         self.last_rows: list[dict[str, Any]] = []
@@ -243,7 +244,7 @@ class RLLoop:
         state = self._start_with_retries()
         sink = MetricsSink(self.run_dir, self.cfg.logger, arm_name(self.cfg), self.config_dict, self.sweep_dir,
                            resume=state.step > 0, wandb_run=self.wandb_run,
-                           updates_per_batch=s.get("updates_per_batch", 1))
+                           updates_per_batch=s.updates_per_batch)
         bar = None
         lines = ProgressLines(s.num_steps, state.step) if self.progress == "lines" else None
         if self.progress == "bar":
@@ -361,8 +362,8 @@ class RLLoop:
         datums = [rollout_to_datum(r) for r in rollouts_train]
 
         t0 = time.time()
-        datums, input_timings = self._anchor_and_ref_inputs(datums, rollouts_train)
-        step_metrics.update(input_timings)
+        datums, input_metrics = self.loss_path.fetch_inputs(datums, self._input_clients())
+        step_metrics.update(input_metrics)
         minibatches = split_minibatches(datums, s.updates_per_batch)
         rows = []
         for u, mb in enumerate(minibatches):
@@ -404,50 +405,19 @@ class RLLoop:
             self._save(state)
         return step_metrics["env/reward_mean"]
 
-    def _anchor_and_ref_inputs(self, datums: list, rollouts: list[Rollout]) -> tuple[list, dict[str, float]]:
-        """The datums with `anchor_logprobs` (loss.anchor: recomputed: the trainer's logprobs from one
-        forward pass of the current weights, before the first update, as Stable-RL's `*_recompute` modes)
-        and `ref_logprobs` (loss.kl_coef > 0: logprobs of the initial weights, from a sampler of the base
-        model: LoRA starts with B = 0), and the step metrics of the extra passes: their seconds, and
-        `entropy/exact` (mean next-token entropy of the trainer over the loss tokens, before the first
-        update) where the anchor pass returns per-position entropies (the local engine does)."""
-        timings: dict[str, float] = {}
-        extra: list[dict[str, Any]] = [{} for _ in datums]
-        if getattr(self.loss_path.loss, "anchor", "sampler") == "recomputed":
-            t0 = time.time()
-            fwd = [tinker.Datum(model_input=d.model_input, loss_fn_inputs={
-                "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": d.loss_fn_inputs["mask"]})
-                for d in datums]
-            out = self._train_call("forward", lambda: self.tc.forward(fwd, "cross_entropy").result())
-            if len(out.loss_fn_outputs) != len(datums):
-                raise ValueError(f"anchor forward returned {len(out.loss_fn_outputs)} outputs for {len(datums)} datums")
-            for e, o in zip(extra, out.loss_fn_outputs):
-                e[ANCHOR_KEY] = o["logprobs"]
-            timings["time/anchor_forward"] = time.time() - t0
-            if all("entropy" in o for o in out.loss_fn_outputs):  # the local engine's forward has full logits
-                ent = np.concatenate([o["entropy"].to_numpy() for o in out.loss_fn_outputs])
-                mask = np.concatenate([d.loss_fn_inputs["mask"].to_numpy() for d in datums]) > 0
-                timings["entropy/exact"] = float(ent[mask].astype(np.float64).mean())
-        if float(getattr(self.loss_path.loss, "kl_coef", 0.0)) > 0:
-            t0 = time.time()
-            if self._ref_sampler is None:
-                self._ref_sampler = self._train_call("create_sampling_client", lambda: self.sc.create_sampling_client(
-                    base_model=self.cfg.model.base_model))
+    def _input_clients(self) -> InputClients:
+        """The clients the loss path fetches the loss's optional inputs through (`LossPath.fetch_inputs`),
+        its calls wrapped like the loop's own: which inputs that is, is the loss's to say."""
+        return InputClients(training=self.tc, reference_sampler=self._reference_sampler,
+                            call=self._train_call)
 
-            def ref_logprobs() -> list:
-                futures = [self._ref_sampler.compute_logprobs(tinker.ModelInput.from_ints(r.prompt_tokens + r.tokens))
-                           for r in rollouts]
-                return [f.result() for f in futures]
-
-            for e, lps in zip(extra, self._train_call("compute_logprobs", ref_logprobs)):
-                lps = lps[1:]  # position i of a datum predicts token i + 1 of the sequence
-                e[REF_KEY] = tinker.TensorData.from_numpy(np.asarray([0.0 if v is None else v for v in lps],
-                                                                     dtype=np.float32))
-            timings["time/ref_logprobs"] = time.time() - t0
-        if not timings:
-            return datums, timings
-        return [tinker.Datum(model_input=d.model_input, loss_fn_inputs={**d.loss_fn_inputs, **e})
-                for d, e in zip(datums, extra)], timings
+    def _reference_sampler(self) -> Any:
+        """A sampler of the initial weights, from the base model (LoRA starts with B = 0): made on first use
+        and kept until a recovery replaces the service client whose session holds it."""
+        if self._ref_sampler is None:
+            self._ref_sampler = self._train_call("create_sampling_client", lambda: (
+                self.sc.create_sampling_client(base_model=self.cfg.model.base_model)))
+        return self._ref_sampler
 
     def _fb_then_optim(self, call: CustomLossCall, params: Any) -> tuple[Any, Any]:
         """forward_backward and optim_step submitted back to back, then both awaited: requests of one

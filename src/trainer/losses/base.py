@@ -9,7 +9,8 @@ counterfactuals); `__call__` is the public contract
 
 `anchor_logp` (the trainer's logprobs recomputed before the first update, `anchor: recomputed`)
 moves the trust region of GRPO, DPPO and GSPO; `ref_logp` (logprobs of the initial weights) adds
-`kl_coef * aggregate(k3)` when `kl_coef > 0`.
+`kl_coef * aggregate(k3)` when `kl_coef > 0`. `needs` says which of the two the settings use, so the
+loss path fetches them and the trainer need not know.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from trainer.config.enums import NEEDS_NORM_LENGTH
 from trainer.config.losses import DPPOLossConfig, LossCommonConfig, make_loss_config
 from trainer.losses.aggregate import aggregate
 from trainer.losses.diagnostics import compute_diagnostics
-from trainer.losses.inputs import check_loss_inputs, check_optional_input
+from trainer.losses.inputs import LossNeeds, check_loss_inputs, check_optional_input
 from trainer.losses.trust_region import LOG_RATIO_CLAMP, TrustRegionRules
 
 
@@ -60,6 +61,13 @@ class PolicyLoss(ABC):
         self.norm_length = float(c.norm_length) if c.aggregation in NEEDS_NORM_LENGTH else None  # type: ignore[arg-type]
         self.anchor = c.anchor
         self.kl_coef = float(c.kl_coef)
+
+    @property
+    def needs(self) -> LossNeeds:
+        """The optional inputs this loss's settings use: the recomputed anchor (`anchor: recomputed`) and
+        the initial weights' logprobs (`kl_coef > 0`, which `__call__` refuses to run without).
+        `LossPath.fetch_inputs` adds what it names to the datums before the step's first update."""
+        return LossNeeds(anchor=self.anchor == "recomputed", reference=self.kl_coef > 0)
 
     @abstractmethod
     def token_loss(

@@ -4,11 +4,13 @@ A tinker `Datum` carries a loss's inputs in `loss_fn_inputs`: the sampler logpro
 (the tinker-cookbook key), `advantages`, an optional `mask` (else `default_mask`), and the optional
 recomputed anchor and initial-weights logprobs. The two-pass adapter and the one-pass per-datum
 form both read this vocabulary; the loss itself checks the four tensors it is called with
-(`logp`, `sampler_logp`, `advantages`, `mask`).
+(`logp`, `sampler_logp`, `advantages`, `mask`). A loss names the optional inputs it needs in a
+`LossNeeds` (`PolicyLoss.needs`); the loss path fetches exactly those (`LossPath.fetch_inputs`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +23,22 @@ ANCHOR_KEY = "anchor_logprobs"
 REF_KEY = "ref_logprobs"
 
 _NAMES = ("logp", "sampler_logp", "advantages", "mask")
+
+
+@dataclass(frozen=True)
+class LossNeeds:
+    """The optional per-token inputs a loss needs, beyond what a datum carries from its rollout.
+
+    Each costs the trainer extra backend work every rollout step (a forward pass, a sampler's
+    `compute_logprobs` over the batch), so the loss states the ones its settings use and the loss
+    path fetches those and no others: the trainer never reads the loss's settings to decide.
+    """
+
+    #: `anchor_logprobs`: the trainer's logprobs from one forward pass of the current weights before
+    #: the first update of the step (`anchor: recomputed`)
+    anchor: bool = False
+    #: `ref_logprobs`: logprobs of the initial weights (`kl_coef > 0`)
+    reference: bool = False
 
 
 def default_mask(sampler_logp_T: torch.Tensor, advantages_T: torch.Tensor) -> torch.Tensor:

@@ -11,20 +11,28 @@ result carries:
   (`per_datum.with_per_datum_inputs`); the server returns per-datum sums and the current logprobs,
   from which `metrics` rebuilds the shared keys, quantiles and maxima included.
 
-A trainer holds one path and, per update, sends `path.prepare(minibatch)` and logs
-`path.metrics(result, call.data)`; `path.name` is what it records as `loss/path`.
+A trainer holds one path. Per rollout step it first passes the step's datums through
+`path.fetch_inputs(datums, clients)`, which adds the optional inputs the loss declares (`loss.needs`: the
+recomputed anchor, the initial weights' logprobs) through the clients it is given; then, per update, it
+sends `path.prepare(minibatch)` and logs `path.metrics(result, call.data)`; `path.name` is what it records
+as `loss/path`. The trainer so never reads the loss's settings to know what to fetch.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
+import numpy as np
+import tinker
 import torch
 
 from trainer.losses.adapter import make_custom_loss_fn
-from trainer.losses.inputs import ANCHOR_KEY, datum_inputs, optional_input
+from trainer.losses.inputs import ANCHOR_KEY, MASK_KEY, REF_KEY, LossNeeds, datum_inputs, optional_input
 from trainer.losses.per_datum import finalize_per_datum_metrics, make_loss_handle, with_per_datum_inputs
 
 log = logging.getLogger(__name__)
@@ -37,6 +45,21 @@ class CustomLossCall(NamedTuple):
     loss_fn: Any  # a CustomLossFnV1 callable (two-pass) or a LossHandle (one-pass)
 
 
+@dataclass(frozen=True)
+class InputClients:
+    """What `LossPath.fetch_inputs` fetches the loss's optional inputs through: the trainer's clients, and
+    its wrapper of backend calls, so that these calls are retried and their failures recovered like the
+    trainer's own (the path owns no client: the trainer replaces them when it recovers)."""
+
+    #: the training client: its `forward` of the current weights gives the recomputed anchor
+    training: Any
+    #: a sampling client of the initial weights (the base model: LoRA starts with B = 0); called only when
+    #: the loss needs the reference logprobs, so a trainer may create it on first use
+    reference_sampler: Callable[[], Any]
+    #: `call(what, fn)`: runs `fn()` as the trainer runs a backend call named `what`
+    call: Callable[[str, Callable[[], Any]], Any]
+
+
 class LossPath(ABC):
     """A loss plugin bound to one way of computing it through `forward_backward_custom`."""
 
@@ -44,8 +67,16 @@ class LossPath(ABC):
     name: ClassVar[str]
 
     def __init__(self, loss: Any) -> None:
-        #: the loss plugin (a `PolicyLoss`): its `anchor` and `kl_coef` say which extra inputs the datums need
+        #: the loss plugin (a `PolicyLoss`): its `needs` says which extra inputs `fetch_inputs` adds
         self.loss = loss
+
+    def fetch_inputs(self, datums: list, clients: InputClients) -> tuple[list, dict[str, float]]:
+        """The step's datums with the optional inputs `loss.needs` names, and the step metrics of fetching
+        them: `time/anchor_forward` and `entropy/exact` (the anchor pass), `time/ref_logprobs`. Runs once per
+        rollout step, before its first update, over the whole batch: the anchor is the weights the step
+        starts from, not those of a later minibatch. A loss that needs nothing gets `datums` itself back and
+        no metrics, and no backend call is made."""
+        return fetch_loss_inputs(self.loss.needs, datums, clients)
 
     def rebind(self, service_client: Any) -> None:
         """Bind the path to a new service client (the trainer's recovery replaces a lost one): nothing to do
@@ -146,3 +177,68 @@ class OnePassLossPath(LossPath):
         if key not in self._warned:
             self._warned.add(key)
             log.warning(msg, *args)
+
+
+def fetch_loss_inputs(needs: LossNeeds, datums: list,
+                      clients: InputClients) -> tuple[list, dict[str, float]]:
+    """`datums` with `needs` fetched and added, and the metrics of the extra passes (see
+    `LossPath.fetch_inputs`). The input datums are not changed."""
+    metrics: dict[str, float] = {}
+    extra: list[dict[str, Any]] = [{} for _ in datums]
+    if needs.anchor:
+        t0 = time.time()
+        outputs = _anchor_forward(datums, clients)
+        for e, o in zip(extra, outputs):
+            e[ANCHOR_KEY] = o["logprobs"]
+        metrics["time/anchor_forward"] = time.time() - t0
+        if all("entropy" in o for o in outputs):  # the local engine's forward has full logits
+            metrics["entropy/exact"] = _exact_entropy(outputs, datums)
+    if needs.reference:
+        t0 = time.time()
+        for e, lp in zip(extra, _reference_logprobs(datums, clients)):
+            e[REF_KEY] = lp
+        metrics["time/ref_logprobs"] = time.time() - t0
+    if not metrics:
+        return datums, metrics
+    return [tinker.Datum(model_input=d.model_input, loss_fn_inputs={**d.loss_fn_inputs, **e})
+            for d, e in zip(datums, extra)], metrics
+
+
+def _anchor_forward(datums: list, clients: InputClients) -> list:
+    """The outputs of one forward pass of the current weights over the datums' targets (as Stable-RL's
+    `*_recompute` modes): each carries the trainer's `logprobs`, and on the local engine `entropy`."""
+    fwd = [tinker.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": d.loss_fn_inputs[MASK_KEY]})
+        for d in datums]
+    out = clients.call("forward", lambda: clients.training.forward(fwd, "cross_entropy").result())
+    if len(out.loss_fn_outputs) != len(datums):
+        raise ValueError(f"anchor forward returned {len(out.loss_fn_outputs)} outputs for "
+                         f"{len(datums)} datums")
+    return list(out.loss_fn_outputs)
+
+
+def _exact_entropy(outputs: list, datums: list) -> float:
+    """The trainer's mean next-token entropy over the batch's loss tokens, before the first update."""
+    ent = np.concatenate([o["entropy"].to_numpy() for o in outputs])
+    mask = np.concatenate([d.loss_fn_inputs[MASK_KEY].to_numpy() for d in datums]) > 0
+    return float(ent[mask].astype(np.float64).mean())
+
+
+def _reference_logprobs(datums: list, clients: InputClients) -> list:
+    """Each datum's target logprobs under the initial weights: the reference sampler's `compute_logprobs`
+    of the whole sequence, shifted by one since position i of a datum predicts token i + 1 of the
+    sequence; the first token's None (it has no context) goes with the shift, a later None becomes 0.
+    The sequence is the datum's input and its last target, as tinker_cookbook 0.5.8
+    rl/metrics.py::incorporate_kl_penalty rebuilds it, but in one token chunk (not `append_int`'s
+    second): the prompt and completion tokens of the rollout, the request a rollout would make."""
+    sampler = clients.reference_sampler()
+    sequences = [tinker.ModelInput.from_ints(
+        d.model_input.to_ints() + d.loss_fn_inputs["target_tokens"].tolist()[-1:]) for d in datums]
+
+    def compute() -> list:
+        futures = [sampler.compute_logprobs(seq) for seq in sequences]
+        return [f.result() for f in futures]
+
+    return [tinker.TensorData.from_numpy(np.asarray([0.0 if v is None else v for v in lps[1:]],
+                                                    dtype=np.float32))
+            for lps in clients.call("compute_logprobs", compute)]

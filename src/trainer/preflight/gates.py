@@ -366,7 +366,10 @@ def design(cfg: DictConfig, out_dir: Path, n_seeds: int = 1, n_sims: int = 400) 
 def _n_test(cfg: DictConfig) -> int:
     if cfg.eval.task == "gsm8k":
         return 1319
-    return int(cfg.env.get("n_test", 200))  # an env registered without a schema may have no test split size
+    # truly optional: of the env schemas only ArithmeticEnvConfig has `n_test` (gsm8k's test split is the
+    # fixed 1319 above, but env=gsm8k may run with another eval), and a task registered without a schema
+    # may have no test split size; those count 200 items, arithmetic's default
+    return int(cfg.env.get("n_test", 200))
 
 
 def require_passed(cfg: DictConfig) -> None:
