@@ -47,6 +47,7 @@ def main() -> None:
     from trainer.backends.local.common import COMPUTE
     from trainer.backends.local.engine import shared_base
     from trainer.backends.local.models import SMOLLM2
+    from trainer.backends.local.ops import sampler_ops
     from trainer.backends.local.sampler_weights import build_weights, with_lora
     from trainer.utils.machine import cpu_model
 
@@ -54,7 +55,6 @@ def main() -> None:
     base = shared_base(SMOLLM2)
     name = base.add_adapter(8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 0)
     snap = base.snapshot(name, 2.0)
-    real = kernels.library
 
     def run() -> None:
         dtype = getattr(torch, args.dtype)
@@ -63,44 +63,39 @@ def main() -> None:
         pos = torch.tensor([NEW_POS - 9 * (i // per) for i in range(ROWS)])
         spans = [(per * i, per * (i + 1), NEW_POS + 1 - 9 * i) for i in range(RUNS)]
         tok = torch.randint(100, 40000, (ROWS,))
-        sides = {"native kernels": (W, real), "torch path": (W, lambda: None)}
-        if real() is None:
+        plan = W.ops.plan
+
+        def weights(p: object) -> object:  # the same snapshot under another plan
+            return with_lora(build_weights(base.config, base.base_state, base.cos, base.sin, dtype,
+                                           head_tiles=W.head_blocked, ops=sampler_ops(p)), snap.tensors, snap.scale)
+
+        sides = {"native kernels": W, "torch path": weights(plan.on_torch())}
+        if not plan.decode_attention:
             del sides["native kernels"]
-        elif W.layers[0].qkv.amx is not None:  # the same snapshot with the layer products on oneDNN
-            blocked = kernels.blocked_linear
-            kernels.blocked_linear = lambda w: None
-            try:
-                Wd = with_lora(build_weights(base.config, base.base_state, base.cos, base.sin, dtype,
-                                             blocked_head=W.head_blocked), snap.tensors, snap.scale)
-            finally:
-                kernels.blocked_linear = blocked
-            sides = {"native kernels": (W, real), "native kernels, oneDNN layer products": (Wd, real),
-                     "torch path": (W, lambda: None)}
-            if W.native_layers is not None:  # the same weights, each layer's kernels called one by one
+        elif plan.amx_projections:  # the same snapshot with the layer products on oneDNN
+            sides = {"native kernels": W,
+                     "native kernels, oneDNN layer products": weights(replace(plan, amx_projections=False)),
+                     "torch path": sides["torch path"]}
+            if W.fused_layers is not None:  # the same weights, each layer's kernels called one by one
                 Wk = replace(W)
-                Wk.__dict__["native_layers"] = None  # the cached property, computed as absent
-                sides = {"native kernels": (W, real), "native kernels, one call per kernel": (Wk, real),
+                Wk.__dict__["fused_layers"] = None  # the cached property, computed as absent
+                sides = {"native kernels": W, "native kernels, one call per kernel": Wk,
                          **{k: v for k, v in sides.items() if k != "native kernels"}}
         caches = {}
-        for side, (Ws, lib) in sides.items():
-            kernels.library = lib
+        for side, Ws in sides.items():
             caches[side] = sf.new_cache(Ws, ROWS, NEW_POS + 90)
             for k, v in caches[side]:
                 k.normal_()
                 v.normal_()
         times: dict[str, list[float]] = {s: [] for s in sides}
-        try:
-            with torch.no_grad():
-                for rep in range(args.reps + 1):
-                    for side, (Ws, lib) in sides.items():
-                        kernels.library = lib
-                        t = time.perf_counter()
-                        for _ in range(args.inner):
-                            sf.decode_step(Ws, tok, pos, spans, caches[side])
-                        if rep:  # the first round warms up
-                            times[side].append((time.perf_counter() - t) / args.inner * 1e3)
-        finally:
-            kernels.library = real
+        with torch.no_grad():
+            for rep in range(args.reps + 1):
+                for side, Ws in sides.items():
+                    t = time.perf_counter()
+                    for _ in range(args.inner):
+                        sf.decode_step(Ws, tok, pos, spans, caches[side])
+                    if rep:  # the first round warms up
+                        times[side].append((time.perf_counter() - t) / args.inner * 1e3)
         for side, ts in times.items():
             print(f"{args.dtype} decode step, {side}: min {min(ts):.1f} ms, median {statistics.median(ts):.1f} ms")
         if len(times) >= 2:

@@ -27,6 +27,11 @@ The contracts, and why each holds:
 6. trainer.config imports no other part of src/ and loads no torch: composing and validating a
    config (train.py --cfg, eval.compare, eval.design) must not load the runtime; the runtime imports
    the config's enumerations and defaults, not the other way round.
+7. The local engine's model code (`sampler_forward`, `train_forward`, `sampler_weights`) asks no
+   capability question: it imports neither the native kernels, their autograd wrappers nor the
+   precision probes, and names none of the probes. Every implementation choice is made once in
+   `plan.py` and reaches the model code as the op tables of `ops.py`; a probe asked again at a call
+   could change its answer inside a run and splits one decision over many places.
 """
 
 from __future__ import annotations
@@ -246,6 +251,51 @@ def test_config_is_self_contained_and_torch_free():
     torch = sorted(f"{m} imports {x}" for m, mod in modules.items() if _under(m, "trainer.config")
                    for x in mod.external if x == "torch")
     assert not torch, "trainer.config loads torch:\n  " + "\n  ".join(torch)
+
+
+ENGINE = "trainer.backends.local"
+MODEL_CODE = [f"{ENGINE}.{m}" for m in ("sampler_forward", "train_forward", "sampler_weights")]
+# the modules that probe or run the implementation choices, and the probes' names
+CAPABILITY_MODULES = [f"{ENGINE}.{m}" for m in ("kernels", "fused_ops", "precision")]
+PROBES = {"ONEDNN_PACKING", "bf16_inputs_honoured", "packed_bf16_inputs_honoured", "unembed_inputs", "library",
+          "avx512", "amx_head", "row_kernels", "native_decode", "native_attention", "usable", "blocked_linear",
+          "blocked_head", "decode_layers", "auto_precision", "training_packing"}
+
+
+def capability_questions(path: Path, name: str) -> list[str]:
+    """`line: what` for every import of a capability module and every use of a probe's name in a file."""
+    mod = Module(name, path, False)
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out += [f"{node.lineno}: imports {t}" for t in _targets(mod, node)
+                    if any(_under(t, c) for c in CAPABILITY_MODULES)]
+            if isinstance(node, ast.ImportFrom):
+                out += [f"{node.lineno}: imports {a.name}" for a in node.names if a.name in PROBES]
+        elif isinstance(node, ast.Name) and node.id in PROBES:
+            out.append(f"{node.lineno}: {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in PROBES:
+            out.append(f"{node.lineno}: .{node.attr}")
+    return out
+
+
+def test_the_engine_model_code_asks_no_capability_question():
+    bad = [f"{m}:{q}" for m in MODEL_CODE
+           for q in capability_questions(SRC / (m.replace(".", "/") + ".py"), m)]
+    assert not bad, ("the model code asks what runs here (make the choice in plan.py and hand it over as an "
+                     "op of ops.py):\n  " + "\n  ".join(bad))
+
+
+def test_the_capability_check_sees_imports_names_and_attributes(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from trainer.backends.local import kernels\n"
+                    "from trainer.backends.local.model import ONEDNN_PACKING\n"
+                    "x = kernels.avx512()\n"
+                    "y = 1\n")
+    got = capability_questions(path, f"{ENGINE}.sampler_forward")
+    assert got == ["1: imports trainer.backends.local.kernels", "2: imports ONEDNN_PACKING", "3: .avx512"] or \
+        sorted(got) == sorted(["1: imports trainer.backends.local.kernels", "2: imports ONEDNN_PACKING",
+                               "2: ONEDNN_PACKING", "3: .avx512"]), got
 
 
 # --------------------------------------------------------------------------- the checker itself

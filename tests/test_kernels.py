@@ -143,20 +143,19 @@ def test_row_kernels_against_torch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_steps_agree_on_the_native_and_torch_paths(monkeypatch, dtype):
+def test_decode_steps_agree_on_the_native_and_torch_paths(dtype):
     """The same prompts prefilled and decoded for a few steps, rows at different lengths, on each path:
     fp32 logprobs agree to fp32 noise, bf16 ones to bf16's (the paths differ in summation order only)."""
     if kernels.library() is None:
         pytest.skip(f"no native kernels here: {kernels.describe()}")
-    W = _tiny_weights(None, dtype)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, W.vocab_size, (n,), generator=g) for n in (9, 4, 13)]
-    toks = torch.randint(0, W.vocab_size, (4, 3), generator=g)
-    real = kernels.library
     out = {}
     for path in ("native", "torch"):
-        monkeypatch.setattr(kernels, "library", real if path == "native" else (lambda: None))
-        assert sf.native(W) == sf.native_rows(W) == (path == "native")
+        W = _tiny_weights(None, dtype, on_torch=path == "torch")
+        assert W.ops.plan.decode_attention == W.ops.plan.sampler_rows == (path == "native")
+        if path == "native":
+            prompts = [torch.randint(0, W.vocab_size, (n,), generator=g) for n in (9, 4, 13)]
+            toks = torch.randint(0, W.vocab_size, (4, 3), generator=g)
         cache = sf.new_cache(W, 3, 20)
         assert cache[0][0].dtype == (dtype if path == "native" else torch.float32)
         sf.prefill(W, prompts, cache, range(3))
@@ -176,14 +175,15 @@ def test_native_kernels_fall_back_where_they_cannot_be_built(monkeypatch, tmp_pa
     monkeypatch.setenv("PAIREDRL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("PAIREDRL_NATIVE_KERNELS", raising=False)
     monkeypatch.delenv(kernels.LIBRARY_ENV, raising=False)
-    W = _tiny_weights(None, torch.float32)
     for env, why in (({"CC": "/bin/false"}, "did not build"), ({"CC": str(tmp_path / "no-such-cc")}, "not an executable"),
                      ({"PAIREDRL_NATIVE_KERNELS": "0"}, "PAIREDRL_NATIVE_KERNELS=0")):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         monkeypatch.setattr(kernels, "_state", {})
         assert kernels.library() is None and why in kernels.describe()
-        assert not sf.native(W) and sf.new_cache(W, 1, 4)[0][0].dtype == torch.float32
+        W = _tiny_weights(None, torch.float32)  # the plan made now: every op on torch
+        assert "torch path" in W.ops.plan.kernels and not W.ops.plan.decode_attention
+        assert sf.new_cache(W, 1, 4)[0][0].dtype == torch.float32
         for k in env:
             monkeypatch.delenv(k)
     assert not any(p.suffix == ".so" for p in tmp_path.rglob("*"))
@@ -194,15 +194,16 @@ def test_native_kernels_fall_back_where_they_cannot_be_built(monkeypatch, tmp_pa
 
 def test_a_missing_compiler_warns_once_and_is_recorded(tmp_path):
     """A process that cannot build the library says so: one line on stderr naming the cause and the torch
-    path, once however often the library is asked for, and the engine's `precision` record (run_info.json)
-    names the same cause under `native_kernels`. A fresh cache folder, so no earlier build is found."""
+    path, once however often the library is asked for, and the engine's `precision` record and plan
+    (run_info.json's `precision` and `engine`) name the same cause. A fresh cache folder, so no earlier build is found."""
     code = ("from trainer.backends.local import kernels\n"
             "from trainer.backends.local.service import LocalServiceClient\n"
             "assert kernels.library() is None and kernels.library() is None\n"
             "kernels._state.clear()\n"  # a second load in the same process: still one warning
             "sc = LocalServiceClient(state_dir=r'%s', sampler_dtype='float32', train_dtype='float32')\n"
             "print(sc.precision['native_kernels'])\n"
-            "assert sc.precision['decode_attention'] == sc.precision['native_kernels']\n") % (tmp_path / "state")
+            "plan = sc.plan('pairedrl/tiny-random')\n"
+            "assert plan.kernels == sc.precision['native_kernels'] and not plan.decode_attention\n") % (tmp_path / "state")
     env = {k: v for k, v in os.environ.items() if k not in (kernels.NATIVE_ENV, kernels.LIBRARY_ENV)}
     env.update(CC="/nonexistent", PAIREDRL_CACHE_DIR=str(tmp_path / "cache"),
                PYTHONPATH=os.pathsep.join([str(Path(kernels.__file__).parents[3]), env.get("PYTHONPATH", "")]))

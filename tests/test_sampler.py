@@ -227,16 +227,21 @@ def test_bf16_sampler_matches_hf_bf16_and_stays_close_to_fp32(tmp_path, sc):
     c.close()
 
 
-def _tiny_weights(pack, dtype=torch.float32, with_base=False):
-    from trainer.backends.local.model import rotary_tables
+def _tiny_weights(pack, dtype=torch.float32, with_base=False, on_torch=False):
+    """The tiny model's sampler weights under this machine's engine plan (`on_torch`: every op on torch)."""
+    from trainer.backends.local.model import dims, rotary_tables
     from trainer.backends.local.models import resolve_base_model
+    from trainer.backends.local.ops import sampler_ops
+    from trainer.backends.local.plan import plan_for
     from trainer.backends.local.sampler_weights import build_weights
 
     factory, _ = resolve_base_model(TINY)
     model = factory(torch.float32)
     cos, sin = rotary_tables(model, 256)
     base = dict(model.state_dict())
-    W = build_weights(model.config, base, cos, sin, dtype, pack=pack)
+    plan = plan_for(dims(model.config), dtype, torch.float32)
+    W = build_weights(model.config, base, cos, sin, dtype, pack=pack,
+                      ops=sampler_ops(plan.on_torch() if on_torch else plan))
     return (W, base) if with_base else W
 
 
@@ -333,7 +338,7 @@ def test_prefill_cache_blocked_rows_and_packed_decode_weights():
         half = lin.w.shape[0] // 2
         lora = {n: (torch.randn(3, lin.w.shape[1], generator=g), torch.randn(half, 3, generator=g))
                 for n in ("gate", "up")}
-        merged = with_factors(lin, ["gate", "up"], [half, half], lora, 0.7, torch.float32)
+        merged = with_factors(lin, ["gate", "up"], [half, half], lora, 0.7, torch.float32, W.ops)
         assert merged.w is None and merged.lora_a is None and merged.out_features == lin.w.shape[0]
         for rows in (x, big):
             ref = torch.cat([torch.nn.functional.linear(rows, w) + 0.7 * (rows @ lora[n][0].T) @ lora[n][1].T
@@ -362,7 +367,7 @@ def test_bf16_projections_on_the_amx_tiles_and_their_merged_lora():
     assert torch.equal(lin.blocked(x, 16), torch.cat([lin(x[i: i + 16]) for i in range(0, 45, 16)]))
     lora = {n: (torch.randn(3, lin.w.shape[1], generator=g), torch.randn(half, 3, generator=g))
             for n in ("gate", "up")}
-    merged = with_factors(lin, ["gate", "up"], [half, half], lora, 0.7, torch.bfloat16)
+    merged = with_factors(lin, ["gate", "up"], [half, half], lora, 0.7, torch.bfloat16, W.ops)
     assert merged.w is None and merged.amx is not None and merged.out_features == lin.out_features
     # the merged weight is W + s B A summed in fp32 and rounded once to bf16
     w_merged = torch.cat([w.float() + 0.7 * lora[n][1] @ lora[n][0] for w, n in zip(lin.w.split(half), ("gate", "up"))])
@@ -371,7 +376,7 @@ def test_bf16_projections_on_the_amx_tiles_and_their_merged_lora():
 
 
 def test_bf16_decode_step_in_one_native_call_has_the_per_kernel_bits():
-    """On an AMX CPU a bf16 decode step runs all layers in one native call (`native_layers`): logits and
+    """On an AMX CPU a bf16 decode step runs all layers in one native call (`fused_layers`): logits and
     cache writes bit-equal the per-kernel loop's, at row counts below, at and across the 32-row block;
     a position beyond the cache is refused with nothing written. Elsewhere there is no such call."""
     from trainer.backends.local import kernels
@@ -379,9 +384,9 @@ def test_bf16_decode_step_in_one_native_call_has_the_per_kernel_bits():
 
     W = _tiny_weights(True, torch.bfloat16)
     if not kernels.amx_head():
-        assert W.native_layers is None
+        assert W.fused_layers is None
         pytest.skip("no AMX-BF16 here (or the OS does not grant the tiles)")
-    one_call = W.native_layers
+    one_call = W.fused_layers
     assert one_call is not None
     g = torch.Generator().manual_seed(3)
     for rows in (5, 32, 37):
@@ -394,13 +399,13 @@ def test_bf16_decode_step_in_one_native_call_has_the_per_kernel_bits():
             caches.append(c)
         tok = torch.randint(0, W.vocab_size, (rows,), generator=g)
         pos = torch.randint(0, 39, (rows,), generator=g)
-        W.__dict__["native_layers"] = one_call
+        W.__dict__["fused_layers"] = one_call
         a = decode_step(W, tok, pos, [], caches[0])
-        W.__dict__["native_layers"] = None
+        W.__dict__["fused_layers"] = None
         b = decode_step(W, tok, pos, [], caches[1])
         assert a.shape == (rows, W.vocab_size) and torch.equal(a, b)
         assert all(torch.equal(x, y) for la, lb in zip(*caches) for x, y in zip(la, lb))
-    W.__dict__["native_layers"] = one_call
+    W.__dict__["fused_layers"] = one_call
     before = [t.clone() for kv in caches[0] for t in kv]
     x = torch.zeros(rows, W.embed.shape[1])
     with pytest.raises(ValueError, match="position"):

@@ -3,6 +3,8 @@ unembedding) against the peft-wrapped HF model, the independent reference."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,9 @@ from lora_grads import grads, zero
 from tinker import types
 
 from trainer.backends.local import LocalServiceClient
-from trainer.backends.local import train_forward
+from trainer.backends.local import kernels, train_forward
+from trainer.backends.local.model import ONEDNN_PACKING
+from trainer.backends.local.ops import softmax_target_torch
 
 TINY = "pairedrl/tiny-random"
 
@@ -138,7 +142,14 @@ def test_stacked_lora_linear_equals_separate_projections(with_lora):
         assert torch.autograd.gradcheck(lambda x, A, B: train_forward.LoraLinear.apply(x, ws[0], A, B, 1.5), (x, A, B))
 
 
-def test_blocked_unembedding_equals_cross_entropy(monkeypatch):
+SOFTMAX = ["torch"] + (["native"] if kernels.avx512() else [])
+
+
+@pytest.mark.parametrize("softmax", SOFTMAX)
+def test_blocked_unembedding_equals_cross_entropy(monkeypatch, softmax):
+    """The blocked target logprobs and their gradient, with the softmax over the vocabulary on each
+    implementation that runs here (`ops.TrainOps.softmax_target`)."""
+    ops = SimpleNamespace(softmax_target=kernels.softmax_target if softmax == "native" else softmax_target_torch)
     monkeypatch.setattr(train_forward, "UNEMBED_ROWS", 7)
     g = torch.Generator().manual_seed(0)
     W = torch.randn(300, 16, generator=g)
@@ -146,17 +157,18 @@ def test_blocked_unembedding_equals_cross_entropy(monkeypatch):
     h1 = torch.randn(30, 16, generator=g, requires_grad=True)
     h2 = h1.detach().clone().requires_grad_(True)
     up = torch.randn(30, generator=g)
-    a = train_forward.target_logprobs(h1, W, None, 1.0, y)
+    a = train_forward.target_logprobs(h1, W, None, 1.0, y, ops=ops)
     b = -F.cross_entropy(h2 @ W.t(), y, reduction="none")
     (a * up).sum().backward()
     (b * up).sum().backward()
     assert torch.allclose(a, b, atol=1e-5)
     assert torch.allclose(h1.grad, h2.grad, atol=1e-5)
-    packed = train_forward.pack_unembed(W)
+    packed = train_forward.pack_unembed(W) if ONEDNN_PACKING else None
     if packed is not None:  # the oneDNN-packed products give the same values and gradients
-        assert torch.allclose(train_forward.target_logprobs(h1.detach(), W, None, 1.0, y, packed), b.detach(), atol=1e-5)
+        assert torch.allclose(train_forward.target_logprobs(h1.detach(), W, None, 1.0, y, packed, ops=ops), b.detach(),
+                              atol=1e-5)
         h3 = h1.detach().clone().requires_grad_(True)
-        c = train_forward.target_logprobs(h3, W, None, 1.0, y, packed, W, train_forward.pack_unembed_grad(W))
+        c = train_forward.target_logprobs(h3, W, None, 1.0, y, packed, W, train_forward.pack_unembed_grad(W), ops)
         (c * up).sum().backward()
         assert torch.allclose(c, b, atol=1e-5)
         assert torch.allclose(h3.grad, h2.grad, atol=1e-5)
@@ -185,7 +197,7 @@ def test_blocked_unembedding_with_lora_equals_cross_entropy(monkeypatch):
     got = run(True)
     for a, b in zip(got, ref):
         assert torch.allclose(a, b, atol=1e-5)
-    packed = train_forward.pack_unembed(W)
+    packed = train_forward.pack_unembed(W) if ONEDNN_PACKING else None
     if packed is not None:  # the base product on oneDNN's packed kernel: the same values
         for a, b in zip(run(True, packed), ref):
             assert torch.allclose(a, b, atol=1e-5)
@@ -193,7 +205,7 @@ def test_blocked_unembedding_with_lora_equals_cross_entropy(monkeypatch):
         assert torch.allclose(train_forward.target_logprobs(h0, W, (A0, B0), 1.5, y), ref[0], atol=1e-5)
 
 
-@pytest.mark.skipif(not train_forward.ONEDNN_PACKING, reason="torch built without oneDNN packing")
+@pytest.mark.skipif(not ONEDNN_PACKING, reason="torch built without oneDNN packing")
 def test_packed_linear_equals_f_linear():
     """A projection without LoRA on packed weights: its value and input gradient are F.linear's, and a
     stacked no-LoRA projection takes that path."""
@@ -214,7 +226,7 @@ def test_packed_linear_equals_f_linear():
     assert torch.allclose(y1, y2, atol=1e-5) and torch.allclose(x1.grad, x2.grad, atol=1e-5)
 
 
-@pytest.mark.skipif(not train_forward.ONEDNN_PACKING, reason="torch built without oneDNN packing")
+@pytest.mark.skipif(not ONEDNN_PACKING, reason="torch built without oneDNN packing")
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.bf16)])
 def test_packed_training_weights_give_the_unpacked_numbers(tmp_path, monkeypatch, dtype):
     """The layer GEMMs on oneDNN-packed weights (`precision.training_packing`, forced both ways here) give

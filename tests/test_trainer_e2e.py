@@ -60,10 +60,13 @@ def test_smoke_run_end_to_end(tmp_path):
     assert {k: prec[k] for k in ("sampler_dtype", "train_dtype", "auto")} == \
         {"sampler_dtype": "float32", "train_dtype": "float32", "auto": None}
     assert isinstance(prec["train_packed_weights"], bool) and prec["train_packing"]  # and why
-    assert prec["native_kernels"].startswith(("native (", "torch path (")) and prec["decode_attention"] == \
-        prec["native_kernels"]
-    assert prec["amx_unembedding"] in (True, False)
-    assert prec["amx_layer_products"] == (prec["amx_unembedding"] and prec["sampler_dtype"] == "bfloat16")
+    assert prec["native_kernels"].startswith(("native (", "torch path ("))
+    # the engine plan: every implementation choice, made once, logged at the start and recorded
+    plan = info["engine"]
+    assert plan["kernels"] == prec["native_kernels"] and plan["sampler_dtype"] == "float32"
+    assert plan["decode_attention"] == prec["native_kernels"].startswith("native (")
+    assert not plan["amx_projections"]  # fp32 weights: the AMX tiles take bf16 only
+    assert "engine plan: sampler float32, train float32" in p.stdout
     assert (run_dir / "config.yaml").exists() and (run_dir / "rollouts.jsonl").stat().st_size > 0
 
 

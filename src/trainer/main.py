@@ -161,6 +161,9 @@ def run_training(cfg: DictConfig) -> float | None:
         service_client = build_service_client(cfg, run_dir)
     except BackendConfigError as e:
         fail(str(e))
+    # every implementation choice of the local engine, made once for this model and logged (a service
+    # decides its own)
+    plan = service_client.plan(cfg.model.base_model) if hasattr(service_client, "plan") else None
     if resuming:  # the folder's config.yaml / run_info.json stay as the run first wrote them
         try:
             check_precision(info, getattr(service_client, "precision", None))
@@ -176,7 +179,8 @@ def run_training(cfg: DictConfig) -> float | None:
     else:
         info = write_run_files(run_dir, cfg, {"batch": batch, "run_dir": str(run_dir),
                                               # the engine's resolved precision (None: the service decides)
-                                              "precision": getattr(service_client, "precision", None)})
+                                              "precision": getattr(service_client, "precision", None),
+                                              "engine": plan.record() if plan is not None else None})
     if sweep_dir is not None:
         record_arm(sweep_dir, HydraConfig.get().job.num,
                    {"arm": info["arm"], "loss": info["loss"], "seed": info["seed"], "run_dir": str(run_dir)})

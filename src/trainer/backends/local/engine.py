@@ -24,11 +24,24 @@ import torch
 
 from trainer.backends.local import kernels
 from trainer.backends.local.common import COMPUTE
-from trainer.backends.local.model import (ATTN_PROJ, MLP_PROJ, UNEMBED, check_architecture, fuse_base, layer_names,
-                                          rotary_tables, unembed_inputs, unembed_weight, weight)
+from trainer.backends.local.model import (
+    ATTN_PROJ,
+    MLP_PROJ,
+    UNEMBED,
+    check_architecture,
+    dims,
+    fuse_base,
+    layer_names,
+    rotary_tables,
+    unembed_weight,
+    weight,
+)
 from trainer.backends.local.models import resolve_base_model, spec_for
+from trainer.backends.local.ops import SamplerOps, TrainOps, sampler_ops, train_ops
+from trainer.backends.local.plan import EnginePlan, plan_for
 from trainer.backends.local.sampler_weights import SamplerWeights, build_weights, with_lora
 from trainer.backends.local.train_forward import Packed, pack_unembed, pack_unembed_grad, pack_weight
+
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -78,6 +91,7 @@ class SharedBase:
         self._stacked: dict[str, torch.Tensor] | None = None
         self._packed_unembed: torch.Tensor | None = None
         self._packed_unembed_built = False
+        self._plans: dict[tuple[torch.dtype, torch.dtype], EnginePlan] = {}
         self._blocked_unembed: kernels.BlockedHead | None = None
         self._blocked_unembed_built = False
         self._packed_unembed_grad: dict[torch.dtype, torch.Tensor | None] = {}
@@ -134,24 +148,42 @@ class SharedBase:
                     warnings.simplefilter("ignore")
                     self.peft.delete_adapter(name)
 
+    def plan(self, sampler_dtype: torch.dtype, train_dtype: torch.dtype) -> EnginePlan:
+        """The engine plan for this model in these dtypes, made on first use and kept (`plan.plan_for`)."""
+        with self.lock:
+            key = (sampler_dtype, train_dtype)
+            if key not in self._plans:
+                self._plans[key] = plan_for(dims(self.config), sampler_dtype, train_dtype)
+            return self._plans[key]
+
+    def sampler_ops(self, dtype: torch.dtype) -> SamplerOps:
+        """The sampler's ops in `dtype` (the sampler's choices do not depend on the training dtype)."""
+        return sampler_ops(self.plan(dtype, torch.float32))
+
+    def train_ops(self, dtype: torch.dtype) -> TrainOps:
+        """The training forward's ops in `dtype` (its choices do not depend on the sampler dtype)."""
+        return train_ops(self.plan(torch.float32, dtype))
+
     def packed_unembed(self) -> torch.Tensor | None:
         """The unembedding pre-packed for the training forward's logprobs (built on first use)."""
         with self.lock:
             if not self._packed_unembed_built:  # None is a valid result (no oneDNN)
-                self._packed_unembed = pack_unembed(unembed_weight(self.base_state))
+                self._packed_unembed = (pack_unembed(unembed_weight(self.base_state))
+                                        if self.plan(torch.float32, torch.float32).onednn_packing else None)
                 self._packed_unembed_built = True
             return self._packed_unembed
 
     def blocked_unembed(self) -> kernels.BlockedHead | None:
         """The unembedding in bf16 for the AMX head kernel (`kernels.blocked_head`; built on first use, None
-        where that kernel does not run here)."""
+        where the plan does not run that kernel)."""
         with self.lock:
             return self._blocked_head_for(torch.bfloat16)
 
     def _blocked_head_for(self, dtype: torch.dtype) -> kernels.BlockedHead | None:
-        """The blocked bf16 unembedding where a `dtype` sampler rounds its head inputs to bf16 (the AMX head
-        kernel then computes the same logits; `model.unembed_inputs`), else None. Called with the lock held."""
-        if unembed_inputs(dtype) != torch.bfloat16:
+        """The blocked bf16 unembedding where the plan runs a `dtype` sampler's head on the AMX kernel (its
+        inputs rounded to bf16: the same logits; `model.unembed_inputs`), else None. Called with the lock
+        held."""
+        if not self.plan(dtype, torch.float32).amx_unembedding:
             return None
         if not self._blocked_unembed_built:
             self._blocked_unembed = kernels.blocked_head(unembed_weight(self.base_state).float())
@@ -164,7 +196,8 @@ class SharedBase:
         with self.lock:
             if dtype not in self._packed_unembed_grad:
                 w = unembed_weight(self.base_state) if dtype == torch.float32 else self.compute_weights(dtype)[1]["unembed"]
-                self._packed_unembed_grad[dtype] = pack_unembed_grad(w)
+                self._packed_unembed_grad[dtype] = (pack_unembed_grad(w) if self.plan(torch.float32, dtype)
+                                                    .onednn_packing else None)
             return self._packed_unembed_grad[dtype]
 
     def stacked_weights(self) -> dict[str, torch.Tensor]:
@@ -236,7 +269,7 @@ class SharedBase:
                 base = self._sampler_base[dtype] = build_weights(
                     self.config, self.base_state, self.cos, self.sin, dtype,
                     stacked=self.stacked_weights() if dtype == torch.float32 else None,
-                    blocked_head=self._blocked_head_for(dtype))
+                    head_tiles=self._blocked_head_for(dtype), ops=self.sampler_ops(dtype))
             w = with_lora(base, snap.tensors, snap.scale)
             self._sampler_cache[key] = w
             while len(self._sampler_cache) > self.sampler_cache_size:

@@ -17,10 +17,22 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from trainer.backends.local import kernels
-from trainer.backends.local.model import (EMBED, FINAL_NORM, ONEDNN_PACKING, UNEMBED, check_architecture, dims,
-                                          fuse_base, layer_names, onednn_linear, onednn_pack,
-                                          packed_bf16_inputs_honoured, unembed_inputs, unembed_weight, weight)
+from trainer.backends.local.model import (
+    EMBED,
+    FINAL_NORM,
+    UNEMBED,
+    check_architecture,
+    dims,
+    fuse_base,
+    layer_names,
+    matmul_inputs,
+    onednn_linear,
+    onednn_pack,
+    unembed_weight,
+    weight,
+)
+from trainer.backends.local.ops import SamplerOps, sampler_ops
+from trainer.backends.local.plan import plan_for
 
 # decode batches up to this many rows use the packed oneDNN weights; above it sgemm is as fast
 PACKED_MAX_ROWS = 256
@@ -49,7 +61,7 @@ class Projection:
     packed: torch.Tensor | None = None
     lora_a: torch.Tensor | None = None  # [R, in]
     lora_b: torch.Tensor | None = None  # [out, R], scale folded in
-    amx: kernels.BlockedLinear | None = None
+    amx: Any = None  # `kernels.BlockedLinear`
 
     @property
     def out_features(self) -> int:
@@ -87,10 +99,10 @@ class Projection:
         return y
 
 
-def projection(w: torch.Tensor, pack: bool) -> Projection:
-    """`w` with its decode copy: the AMX tiles' layout for a bf16 weight where that kernel runs (`pack`
-    or not: it needs no oneDNN), else oneDNN's packing where `pack`."""
-    amx = kernels.blocked_linear(w)
+def projection(w: torch.Tensor, ops: SamplerOps, pack: bool) -> Projection:
+    """`w` with its decode copy: the AMX tiles' layout for a bf16 weight where the plan runs that kernel
+    and the shape fits its tiles (`pack` or not: it needs no oneDNN), else oneDNN's packing where `pack`."""
+    amx = ops.tiles(w)
     if amx is not None:
         return Projection(w, None, amx=amx)
     return Projection(w, onednn_pack(w, _PACK_ROWS) if pack else None)
@@ -129,36 +141,46 @@ class SamplerWeights:
     dtype: torch.dtype
     # what the unembedding's inputs are rounded to (`model.unembed_inputs`; run it under `matmul_inputs`)
     head_inputs: torch.dtype
-    # where the head inputs are bf16 and the AMX head kernel runs: the unembedding in bf16 for it (the same
-    # logits as `lm_head` under `matmul_inputs`, reading half the bytes); None elsewhere or with a LoRA on it
-    head_blocked: kernels.BlockedHead | None = None
+    # the ops this weight set runs under (the engine plan's choices, `ops.sampler_ops`)
+    ops: SamplerOps
+    # where the plan runs the AMX head kernel: the unembedding in bf16 for it (`kernels.BlockedHead`, the
+    # same logits as `lm_head` under `matmul_inputs`, reading half the bytes); None elsewhere or with a
+    # LoRA on it
+    head_blocked: Any = None
 
     @property
     def vocab_size(self) -> int:
         return self.lm_head.out_features
 
+    def head_logits(self, h: torch.Tensor, blocked: bool = False) -> torch.Tensor:
+        """fp32 logits of fp32 final-normed hidden states `h`; `blocked`: in fixed `ROW_BLOCK`-row blocks
+        (a row's logits then never depend on the rows beside it; the AMX head kernel computes every row
+        alike anyway)."""
+        if self.head_blocked is not None:
+            return self.head_blocked.logits(h)
+        with matmul_inputs(self.head_inputs):
+            return self.lm_head.blocked(h) if blocked else self.lm_head(h)
+
     @cached_property
-    def native_layers(self) -> kernels.DecodeLayers | None:
-        """Every layer of a decode step in one native call (`kernels.DecodeLayers`), where every layer
-        projection is on the AMX tiles and the row kernels run (bf16); None elsewhere."""
-        if self.dtype != torch.bfloat16:
-            return None
-        L = self.layers
-        return kernels.decode_layers([x.qkv.amx for x in L], [x.o.amx for x in L], [x.gate_up.amx for x in L],
-                                     [x.down.amx for x in L], [x.in_norm for x in L], [x.post_norm for x in L],
-                                     self.n_heads, self.head_dim, self.eps, self.act_name)
+    def fused_layers(self) -> Any:
+        """Every layer of a decode step in one native call (`kernels.DecodeLayers`) where the plan runs
+        them so and every projection is on the AMX tiles; None elsewhere."""
+        return self.ops.fused_layers(self)
 
 
 def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                   dtype: torch.dtype, pack: bool | None = None,
                   stacked: dict[str, torch.Tensor] | None = None,
-                  blocked_head: kernels.BlockedHead | None = None) -> SamplerWeights:
-    """Fuse base weights (fp32, HF names) into `dtype` (no LoRA; see `with_lora`); `pack` (default: on a
-    oneDNN build) adds decode-packed copies of every projection. `stacked`: `fuse_base(config, base)`
-    when already built (shared instead of concatenated again). `blocked_head`: the unembedding for the AMX
-    head kernel (`kernels.blocked_head`), used where the head inputs are bf16."""
+                  head_tiles: Any = None, ops: SamplerOps | None = None) -> SamplerWeights:
+    """Fuse base weights (fp32, HF names) into `dtype` (no LoRA; see `with_lora`) under `ops` (default:
+    the engine plan's for this model and `dtype`); `pack` (default: the plan's) adds decode-packed copies
+    of every projection. `stacked`: `fuse_base(config, base)` when already built (shared instead of
+    concatenated again). `head_tiles`: the unembedding for the AMX head kernel
+    (`kernels.blocked_head`), used where the plan runs it."""
     check_architecture(config)
-    pack = ONEDNN_PACKING if pack is None else pack
+    d = dims(config)
+    ops = ops if ops is not None else sampler_ops(plan_for(d, dtype, torch.float32))
+    pack = ops.pack if pack is None else pack
     stacked = fuse_base(config, base) if stacked is None else stacked
 
     def w(name: str) -> torch.Tensor:  # a projection weight in the sampler dtype
@@ -173,27 +195,25 @@ def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor,
             n = layer_names(i)
             layers.append(LayerWeights(
                 in_norm=f32(n.input_norm),
-                qkv=projection(stacked[n.stacked_qkv].to(dtype), pack),
-                o=projection(w(n.o), pack),
+                qkv=projection(stacked[n.stacked_qkv].to(dtype), ops, pack),
+                o=projection(w(n.o), ops, pack),
                 post_norm=f32(n.post_norm),
-                gate_up=projection(stacked[n.stacked_gate_up].to(dtype), pack),
-                down=projection(w(n.down), pack)))
+                gate_up=projection(stacked[n.stacked_gate_up].to(dtype), ops, pack),
+                down=projection(w(n.down), ops, pack)))
         # tied or not, the output projection in fp32, packed where the packed kernel computes what the
-        # plain product would on `head_inputs` inputs: fp32 inputs, or bf16 ones where it honours that
-        # setting as the plain product does (it then skips the plain product's per-call weight conversion)
-        head_inputs = unembed_inputs(dtype)
-        lm_head = projection(unembed_weight(base).float(), pack and (
-            head_inputs == torch.float32 or packed_bf16_inputs_honoured()))
-    d = dims(config)
+        # plain product would on the plan's head inputs (`EnginePlan.packed_head`)
+        head_inputs = ops.plan.head_inputs
+        lm_head = projection(unembed_weight(base).float(), ops, pack and ops.pack_head)
     return SamplerWeights(
         embed=f32(EMBED), lm_head=lm_head, final_norm=f32(FINAL_NORM), layers=layers,
         n_heads=d.n_heads, n_kv=d.n_kv, head_dim=d.head_dim, intermediate=d.intermediate, eps=d.eps, act=d.act, act_name=d.act_name,
-        cos=cos.float(), sin=sin.float(), max_context=cos.shape[0], dtype=dtype, head_inputs=head_inputs,
-        head_blocked=blocked_head if head_inputs == torch.bfloat16 else None)
+        cos=cos.float(), sin=sin.float(), max_context=cos.shape[0], dtype=dtype, head_inputs=head_inputs, ops=ops,
+        head_blocked=head_tiles if ops.plan.amx_unembedding else None)
 
 
 def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
-                 lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float, dtype: torch.dtype) -> Projection:
+                 lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float, dtype: torch.dtype,
+                 ops: SamplerOps) -> Projection:
     """`lin` (rows = the modules `names`, `outs` rows each, concatenated) with their LoRA factors:
     A stacked `[sum r, in]`, B block-diagonal `[sum out, sum r]` times `scale`."""
     have = [(n, o, sum(outs[:k])) for k, (n, o) in enumerate(zip(names, outs)) if n in lora]
@@ -207,15 +227,9 @@ def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
         B[row: row + o, r0: r0 + r] = scale * lora[n][1]
         r0 += r
     if lin.packed is not None or lin.amx is not None:  # merge into the base and re-pack (see `Projection`)
-        # summed in fp32, rounded once (a bf16 addmm would round the product and the sum separately);
-        # on the native kernel in one pass over the weight
-        if (kernels.library() is not None and lin.w.dtype in (torch.float32, torch.bfloat16)
-                and lin.w.shape[1] <= kernels.MAX_INTERMEDIATE):
-            merged = kernels.lora_merge(lin.w, A.float(), B)
-        else:
-            merged = torch.addmm(lin.w.float(), B, A.float()).to(lin.w.dtype)
+        merged = ops.merge(lin.w, A, B)  # summed in fp32, rounded once
         if lin.amx is not None:
-            return Projection(None, amx=kernels.blocked_linear(merged))
+            return Projection(None, amx=ops.tiles(merged))
         return Projection(None, onednn_pack(merged, _PACK_ROWS))
     return Projection(lin.w, None, A.to(dtype).contiguous(), B.to(dtype))
 
@@ -234,11 +248,11 @@ def with_lora(W: SamplerWeights, lora: dict[str, tuple[torch.Tensor, torch.Tenso
             known.update(n.qkv + n.gate_up + (n.o, n.down))
             layers.append(LayerWeights(
                 in_norm=L.in_norm, post_norm=L.post_norm,
-                qkv=with_factors(L.qkv, n.qkv, [nh * hd, nkv * hd, nkv * hd], lora, scale, W.dtype),
-                o=with_factors(L.o, [n.o], [L.o.w.shape[0]], lora, scale, W.dtype),
-                gate_up=with_factors(L.gate_up, n.gate_up, [inter, inter], lora, scale, W.dtype),
-                down=with_factors(L.down, [n.down], [L.down.w.shape[0]], lora, scale, W.dtype)))
-        head = with_factors(W.lm_head, [UNEMBED], [W.vocab_size], lora, scale, torch.float32)
+                qkv=with_factors(L.qkv, n.qkv, [nh * hd, nkv * hd, nkv * hd], lora, scale, W.dtype, W.ops),
+                o=with_factors(L.o, [n.o], [L.o.w.shape[0]], lora, scale, W.dtype, W.ops),
+                gate_up=with_factors(L.gate_up, n.gate_up, [inter, inter], lora, scale, W.dtype, W.ops),
+                down=with_factors(L.down, [n.down], [L.down.w.shape[0]], lora, scale, W.dtype, W.ops)))
+        head = with_factors(W.lm_head, [UNEMBED], [W.vocab_size], lora, scale, torch.float32, W.ops)
     unknown = sorted(set(lora) - known)
     if unknown:
         raise ValueError(f"local sampler: LoRA on unsupported modules {unknown[:3]}")

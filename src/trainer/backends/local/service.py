@@ -7,6 +7,7 @@ seems to be the tinker default"); pass `lora_alpha` (e.g. the model config's val
 
 from __future__ import annotations
 
+import logging
 import uuid
 import weakref
 from concurrent.futures import Future
@@ -22,11 +23,14 @@ from trainer.backends.local import ckpt, kernels
 from trainer.backends.local.common import Faults, done_future, failed_future, resolve_path
 from trainer.backends.local.engine import BASE_SNAPSHOT, LoraSnapshot, shared_base, target_modules
 from trainer.backends.local.models import SUPPORTED_MODELS
+from trainer.backends.local.plan import EnginePlan
 from trainer.backends.local.precision import DTYPES as _DTYPES
 from trainer.backends.local.precision import auto_precision, dtype_name, training_packing
 from trainer.backends.local.sampling import LocalSamplingClient, SampleScheduler
 from trainer.backends.local.training import LocalTrainingClient
 from trainer.config.schema import LocalBackendConfig
+
+log = logging.getLogger(__name__)
 
 DEFAULT_LORA_ALPHA = 32.0
 # the engine's defaults are `backend=local`'s, read from its schema: a client built in code (bench/, a
@@ -59,17 +63,9 @@ class LocalServiceClient:
         self.precision = {"sampler_dtype": dtype_name(self.sampler_dtype), "train_dtype": dtype_name(self.train_dtype),
                           "auto": auto[1] if auto else None,
                           "train_packed_weights": self.train_packed_weights, "train_packing": packing_why,
-                          # the native kernels (decode attention, row kernels, LoRA merge) or torch ops, and
-                          # why: their sums differ in order
-                          "native_kernels": kernels.describe(),
-                          # the same, under the name run_info.json files written before `native_kernels` carry
-                          "decode_attention": kernels.describe(),
-                          # the unembedding on AMX tiles from bf16 weights (bf16 head inputs only): same logits
-                          "amx_unembedding": kernels.amx_head(),
-                          # the bf16 sampler's layer products on AMX tiles (kernels.BlockedLinear; a decode step's
-                          # layers then in one native call, the same bits): at decode's 32-row blocks the same
-                          # bits as oneDNN's packed product
-                          "amx_layer_products": kernels.amx_head() and self.sampler_dtype == torch.bfloat16}
+                          # whether the native kernels built here, or why not (which ops run on them is
+                          # the model's engine plan: `plan`)
+                          "native_kernels": kernels.describe()}
         for name, v in (("micro_batch_size", micro_batch_size), ("micro_batch_tokens", micro_batch_tokens),
                         ("max_sample_batch", max_sample_batch)):
             if not isinstance(v, int) or v < 1:
@@ -90,6 +86,7 @@ class LocalServiceClient:
         self._scheduler = SampleScheduler(self.sampler_dtype, max_sample_batch, self._faults,
                                           batch_wait_s=float(sample_batch_wait_s))
         self._clients: weakref.WeakSet[LocalTrainingClient] = weakref.WeakSet()
+        self._announced: set[str] = set()
 
     # ------------------------------------------------------------------ capabilities
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
@@ -99,6 +96,15 @@ class LocalServiceClient:
 
     async def get_server_capabilities_async(self) -> types.GetServerCapabilitiesResponse:
         return self.get_server_capabilities()
+
+    def plan(self, base_model: str) -> EnginePlan:
+        """The engine plan for `base_model` in this client's dtypes (loads the model on first use): what runs
+        on the native kernels, the AMX tiles and oneDNN's packed products, and why."""
+        plan = shared_base(base_model, self.model_cache_dir).plan(self.sampler_dtype, self.train_dtype)
+        if base_model not in self._announced:  # said once per model, when a run or a server first uses it
+            self._announced.add(base_model)
+            log.info("%s: %s", base_model, plan.line())
+        return plan
 
     # ------------------------------------------------------------------ training clients
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
@@ -110,6 +116,7 @@ class LocalServiceClient:
         if optimizer is not None and getattr(optimizer, "type", "adamw") != "adamw":
             raise ValueError(f"the local engine implements the AdamW optimizer only, got {optimizer!r}")
         targets = target_modules(train_attn, train_mlp, train_unembed)
+        self.plan(base_model)
         base = shared_base(base_model, self.model_cache_dir)
         alpha = self.lora_alpha if self.lora_alpha is not None else DEFAULT_LORA_ALPHA
         tc = LocalTrainingClient(self, base, rank=rank, alpha=alpha, seed=seed, targets=targets,

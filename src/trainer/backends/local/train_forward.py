@@ -30,9 +30,18 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from trainer.backends.local import fused_ops, kernels
-from trainer.backends.local.model import (EMBED, FINAL_NORM, ONEDNN_PACKING, dims, fuse_base, layer_names,
-                                          onednn_linear, onednn_pack, rms_norm, rope, weight)
+from trainer.backends.local.model import (
+    EMBED,
+    FINAL_NORM,
+    dims,
+    fuse_base,
+    layer_names,
+    onednn_linear,
+    onednn_pack,
+    weight,
+)
+from trainer.backends.local.ops import TrainOps, softmax_target_torch, train_ops
+from trainer.backends.local.plan import plan_for
 
 
 @dataclass
@@ -88,7 +97,8 @@ def pack(seqs: Sequence[Sequence[int]], share: Sequence[int]) -> Packing:
 
 Lora = dict[str, tuple[torch.Tensor, torch.Tensor]]
 # the unembedding's base product: plain (None), a oneDNN-packed weight, or the AMX head kernel's weights
-Head = torch.Tensor | kernels.BlockedHead | None
+# (`kernels.BlockedHead`, anything with `.logits(h)`)
+Head = Any
 
 
 
@@ -200,27 +210,23 @@ def stacked_linear(x: torch.Tensor, w: torch.Tensor, outs: Sequence[int],
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: Packing) -> torch.Tensor:
+def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: Packing, ops: TrainOps
+            ) -> torch.Tensor:
     """Causal attention of every datum over its own rows (`pk.idx_BT`), fp32; each packed row's output taken
-    from the datum that owns it. On the native kernel (`fused_ops.Attention`, AVX-512) in the `[B, T, heads,
-    D]` layout the row gather gives, else torch's SDPA on the transposed layout."""
+    from the datum that owns it (`ops.attention` in the `[B, T, heads, D]` layout the row gather gives)."""
     B, T = pk.idx_BT.shape
     nh, nkv, hd = q_NhD.shape[1], k_NhD.shape[1], q_NhD.shape[2]
     idx = pk.idx_BT.view(-1)  # index_select: its backward (index_add) beats advanced indexing's
     q = q_NhD.index_select(0, idx).view(B, T, nh, hd)
     k = k_NhD.index_select(0, idx).view(B, T, nkv, hd)
     v = v_NhD.index_select(0, idx).view(B, T, nkv, hd)
-    if q.dtype == torch.float32 and kernels.native_attention(hd, nh, nkv):
-        o = fused_ops.Attention.apply(q, k, v)
-    else:
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                           enable_gqa=nkv != nh).transpose(1, 2)
-    return o.reshape(B * T, nh * hd).index_select(0, pk.out_idx)
+    return ops.attention(q, k, v).reshape(B * T, nh * hd).index_select(0, pk.out_idx)
 
 
 def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, lora: Lora,
             scale: float, pk: Packing, fused: dict[str, torch.Tensor] | None = None,
-            dtype: torch.dtype = torch.float32, packed: dict[str, Packed] | None = None) -> torch.Tensor:
+            dtype: torch.dtype = torch.float32, packed: dict[str, Packed] | None = None,
+            ops: TrainOps | None = None) -> torch.Tensor:
     """Final-normed hidden states `[N, H]` of the packed rows. `base`: the frozen weights under HF names;
     `lora`: HF module name -> (A [r, in], B [out, r]) parameters (their gradients accumulate); `fused`:
     `fuse_base(config, base)` (built here when not given).
@@ -230,58 +236,37 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
     norms and RoPE in fp32), without casting a weight per call and with LoRA kept on `LoraLinear`'s
     backward; attention runs in fp32, whose CPU flash backward is several times faster than bf16's at
     these short sequences (and more exact). `packed`: weight key (as in `base` / `fused`) -> `pack_weight`
-    of it, for the projections to run on oneDNN's packed kernel (`SharedBase.packed_projections`)."""
+    of it, for the projections to run on oneDNN's packed kernel (`SharedBase.packed_projections`). `ops`:
+    the element-wise steps and attention (default: the engine plan's for this model and `dtype`)."""
     d = dims(config)
     nh, nkv, hd, inter = d.n_heads, d.n_kv, d.head_dim, d.intermediate
     fused = fused if fused is not None else fuse_base(config, base)
-    N = pk.ids_N.shape[0]
 
     def lin(x: torch.Tensor, key: str, outs: Sequence[int], names: Sequence[str]) -> torch.Tensor:
         w = fused[key] if key in fused else base[key]
         return stacked_linear(x, w, outs, [lora.get(n) for n in names], scale, (packed or {}).get(key))
 
-    # the element-wise steps on the native kernels where they run (`fused_ops`), else torch's ops
-    native = fused_ops.usable(d.act_name, dtype, d.hidden, inter) and not any(
-        base[weight(k)].requires_grad for i in range(d.n_layers)
-        for k in (layer_names(i).input_norm, layer_names(i).post_norm))
+    ops = ops if ops is not None else train_ops(plan_for(d, torch.float32, dtype))
+    if any(base[weight(k)].requires_grad for i in range(d.n_layers)
+           for k in (layer_names(i).input_norm, layer_names(i).post_norm)):
+        ops = ops.with_trainable_norms()
 
     def add_norm(x: torch.Tensor, y: torch.Tensor | None, key: str, dt: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """`x + y` (the previous product's output added to the fp32 residual stream; None: none yet) and its
-        norm in `dt`; on the native kernels in one pass each way."""
-        w = base[weight(key)]
-        if native:
-            if y is None:
-                return x, fused_ops.NormCast.apply(x, w, d.eps, dt)
-            return fused_ops.AddNormCast.apply(x, y, w, d.eps, dt)
-        x = x if y is None else x + y
-        return x, rms_norm(x, w, d.eps).to(dt)
+        norm in `dt`."""
+        return ops.add_norm(x, y, base[weight(key)], d.eps, dt)
 
-    if not native:
-        cos_N = cos[pk.pos_N].unsqueeze(1)  # [N, 1, hd]
-        sin_N = sin[pk.pos_N].unsqueeze(1)
-
+    qkv_split = ops.rope(pk.pos_N, cos, sin, nh, nkv, hd)
     x = F.embedding(pk.ids_N, base[weight(EMBED)])
     y = None  # the previous product's output, not yet added to x
     for i in range(d.n_layers):
         n = layer_names(i)
         x, h = add_norm(x, y, n.input_norm, dtype)
-        qkv = lin(h, n.stacked_qkv, d.qkv_outs, n.qkv)
-        if native:  # fp32 tables: fp32 q and k; v in fp32 for attention
-            q, k, v = fused_ops.RopeQKV.apply(qkv, pk.pos_N, cos, sin, nh, nkv)
-        else:
-            q, k, v = qkv.split(list(d.qkv_outs), -1)
-            q = rope(q.view(N, nh, hd), cos_N, sin_N)
-            k = rope(k.view(N, nkv, hd), cos_N, sin_N)
-            v = v.view(N, nkv, hd).to(q.dtype)
-        a = _attend(q, k, v, pk).to(dtype)
+        q, k, v = qkv_split(lin(h, n.stacked_qkv, d.qkv_outs, n.qkv), d.qkv_outs)
+        a = _attend(q, k, v, pk, ops).to(dtype)
         x, h = add_norm(x, lin(a, weight(n.o), (d.hidden,), [n.o]), n.post_norm, dtype)
-        gu = lin(h, n.stacked_gate_up, (inter, inter), n.gate_up)
-        if native:
-            m = fused_ops.SiluMul.apply(gu)
-        else:
-            g, u = gu.split(inter, -1)
-            m = d.act(g) * u
+        m = ops.gate(lin(h, n.stacked_gate_up, (inter, inter), n.gate_up), inter, d.act)
         y = lin(m, weight(n.down), (d.hidden,), [n.down])
     return add_norm(x, y, FINAL_NORM, torch.float32)[1]
 
@@ -301,10 +286,10 @@ def unembed_block(h_NH: torch.Tensor, W_VH: torch.Tensor, packed: Head,
     logits here, so they agree to the bit."""
     if packed is None:
         logits = F.linear(h_NH, W_VH)
-    elif isinstance(packed, kernels.BlockedHead):
-        logits = packed.logits(h_NH)
-    else:
+    elif isinstance(packed, torch.Tensor):
         logits = onednn_linear(h_NH, packed)
+    else:
+        logits = packed.logits(h_NH)
     if lora is not None:
         A_RH, B_VR = lora
         logits.addmm_(F.linear(h_NH, A_RH) if u_NR is None else u_NR, B_VR.t(), alpha=scale)
@@ -320,23 +305,16 @@ class _TargetLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h_NH: torch.Tensor, W_VH: torch.Tensor, y_N: torch.Tensor,
-                packed: Head, Wg_VH: torch.Tensor, grad_packed: torch.Tensor | None) -> torch.Tensor:
+                packed: Head, Wg_VH: torch.Tensor, grad_packed: torch.Tensor | None,
+                softmax_target: Any) -> torch.Tensor:
         need = ctx.needs_input_grad[0]
         N = h_NH.shape[0]
         out_N = h_NH.new_empty(N)
         dh_NH = torch.empty_like(h_NH) if need else None
-        native = kernels.avx512()  # the ops below in one pass per row (kernels.softmax_target)
         for a in range(0, N, UNEMBED_ROWS):
             b = min(N, a + UNEMBED_ROWS)
             logits = unembed_block(h_NH[a:b], W_VH, packed)
-            if native:
-                out_N[a:b], probs = kernels.softmax_target(logits, y_N[a:b], Wg_VH.dtype if need else None)
-            else:
-                target = logits.gather(1, y_N[a:b, None]).squeeze(1)
-                top = logits.amax(-1, keepdim=True)
-                z = logits.sub_(top).exp_().sum(-1, keepdim=True)  # logits now hold exp(logits - top)
-                out_N[a:b] = target - (top + z.log()).squeeze(1)
-                probs = logits.div_(z).to(Wg_VH.dtype) if need else None
+            out_N[a:b], probs = softmax_target(logits, y_N[a:b], Wg_VH.dtype if need else None)
             if need:
                 if grad_packed is None:
                     dh_NH[a:b] = torch.addmm(Wg_VH.index_select(0, y_N[a:b]), probs, Wg_VH, alpha=-1)
@@ -349,9 +327,9 @@ class _TargetLogprob(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, g_N: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+    def backward(ctx: Any, g_N: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
         (dh_NH,) = ctx.saved_tensors
-        return g_N.unsqueeze(1) * dh_NH, None, None, None, None, None
+        return g_N.unsqueeze(1) * dh_NH, None, None, None, None, None, None
 
 
 class _TargetLogprobLora(torch.autograd.Function):
@@ -406,17 +384,15 @@ class _TargetLogprobLora(torch.autograd.Function):
 def pack_unembed(W_VH: torch.Tensor) -> torch.Tensor | None:
     """The fp32 unembedding pre-packed for oneDNN at `UNEMBED_ROWS` rows (None without oneDNN): MKL
     sgemm is slow on that wide, shallow product, oneDNN's packed kernel is not (the layer GEMMs gain
-    nothing from packing; `bench/gemm.py`)."""
-    if not ONEDNN_PACKING or W_VH.dtype != torch.float32:
+    nothing from packing; `bench/gemm.py`). Only where the plan packs (`EnginePlan.onednn_packing`)."""
+    if W_VH.dtype != torch.float32:
         return None
     return onednn_pack(W_VH, UNEMBED_ROWS)
 
 
 def pack_unembed_grad(Wg_VH: torch.Tensor) -> torch.Tensor | None:
     """`Wg^T` (`[H, vocab]`, any dtype) pre-packed for the logprob gradient's `probs Wg` product at
-    `UNEMBED_ROWS` rows (None without oneDNN)."""
-    if not ONEDNN_PACKING:
-        return None
+    `UNEMBED_ROWS` rows (only where the plan packs)."""
     return onednn_pack(Wg_VH.t().contiguous(), UNEMBED_ROWS)
 
 
@@ -444,17 +420,20 @@ def target_logprobs_and_entropy(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tu
 
 def target_logprobs(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
                     scale: float, y_N: torch.Tensor, packed: Head = None,
-                    grad_weight: torch.Tensor | None = None, grad_packed: torch.Tensor | None = None) -> torch.Tensor:
+                    grad_weight: torch.Tensor | None = None, grad_packed: torch.Tensor | None = None,
+                    ops: TrainOps | None = None) -> torch.Tensor:
     """Logprob of target `y_N[n]` under row n's next-token distribution, in fp32 (`packed`: the
     `pack_unembed(W_VH)` copy). `grad_weight`: `W_VH` in the precision of the backward (bf16 training:
     the `[rows, vocab] x [vocab, H]` gradient product then runs as fast as the layers' GEMMs, while the
     logits, whose rounding would show in the logprobs, stay fp32); `grad_packed`: `pack_unembed_grad` of
     that weight (the gradient product then runs on oneDNN's packed kernel). A LoRA on the unembedding (fp32
-    factors) runs `_TargetLogprobLora`; a trainable `W_VH` the plain logits + cross-entropy path."""
+    factors) runs `_TargetLogprobLora`; a trainable `W_VH` the plain logits + cross-entropy path. `ops`: the
+    plan's (its softmax over the vocabulary; default: torch's)."""
     h_NH = h_NH.float()
     Wg_VH = W_VH if grad_weight is None else grad_weight
     if W_VH.requires_grad or (lora is not None and lora[0].dtype != torch.float32):
         return -F.cross_entropy(linear(h_NH, W_VH, lora, scale), y_N, reduction="none")
     if lora is None:
-        return _TargetLogprob.apply(h_NH, W_VH, y_N, packed, Wg_VH, grad_packed)
+        return _TargetLogprob.apply(h_NH, W_VH, y_N, packed, Wg_VH, grad_packed,
+                                    ops.softmax_target if ops is not None else softmax_target_torch)
     return _TargetLogprobLora.apply(h_NH, lora[0], lora[1], W_VH, y_N, scale, packed, Wg_VH, grad_packed)

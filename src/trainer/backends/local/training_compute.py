@@ -127,6 +127,7 @@ class LoraCompute:
         self.model_id = model_id
         self.scale = scale
         self.train_dtype = train_dtype
+        self.ops = base.train_ops(train_dtype)  # the engine plan's choices for the training forward
         # the layer GEMMs on oneDNN-packed weights (`precision.training_packing` decides where that is faster)
         self.packed_weights = packed_weights
         self.micro_batch_size = micro_batch_size
@@ -167,7 +168,7 @@ class LoraCompute:
         base, fused = b.compute_weights(self.train_dtype)
         packed = b.packed_projections(self.train_dtype) if self.packed_weights else None
         hidden = train_forward.forward(b.config, base, b.cos, b.sin, lora, self.scale, pk, fused, self.train_dtype,
-                                       packed)
+                                       packed, self.ops)
         # the unembedding's fp32 logits on `unembed_inputs` inputs, on every path below alike and as the
         # sampler computes them (a recomputed anchor and the training logprobs come from the same numbers)
         with matmul_inputs(unembed_inputs(self.train_dtype)):
@@ -209,13 +210,14 @@ class LoraCompute:
         tgt_g = torch.cat([p.targets[c:] for c, p in zip(cuts, preps)])
         grad_packed = b.packed_unembed_grad(self.train_dtype) if torch.is_grad_enabled() else None
         lp_g = train_forward.target_logprobs(hidden.index_select(0, idx_g), W, head_lora, self.scale, tgt_g, packed,
-                                             grad_weight, grad_packed)
+                                             grad_weight, grad_packed, self.ops)
         idx_n = torch.cat([rows[:c] for c, rows in zip(cuts, pk.rows)])
         tgt_n = torch.cat([p.targets[:c] for c, p in zip(cuts, preps)])
         with torch.no_grad():  # shared prompt rows with the same target: one unembedding each
             key, inv = torch.unique(idx_n * b.vocab_size + tgt_n, return_inverse=True)
             lp_n = train_forward.target_logprobs(hidden.detach().index_select(0, key // b.vocab_size), W,
-                                                 head_lora, self.scale, key % b.vocab_size, packed)[inv]
+                                                 head_lora, self.scale, key % b.vocab_size, packed,
+                                                 ops=self.ops)[inv]
         out, og, on = [], 0, 0
         for c, p in zip(cuts, preps):
             g = len(p.ids) - c

@@ -1,0 +1,106 @@
+"""The engine plan: every implementation choice of the local engine for one model and the client's dtypes,
+made once, said in one line at the start of a run (and of `python -m trainer.serve`), and recorded in
+`run_info.json`.
+
+Why one place: the native kernels (`kernels.py`), the AMX tiles, oneDNN's packed products and torch's own
+ops compute the same functions with different summation orders, so which of them runs decides the bits a
+run produces. A choice probed again at every call could change inside a run (a library that fails to load
+late) and could not be read anywhere as a whole; here each is probed once from what this CPU, this torch
+build and this model's sizes allow, and the model code runs the op tables built from it (`ops.py`)
+without asking again.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+
+from trainer.backends.local import kernels
+from trainer.backends.local.model import ONEDNN_PACKING, Dims, packed_bf16_inputs_honoured, unembed_inputs
+from trainer.backends.local.precision import dtype_name
+
+
+@functools.cache
+def cpu_flags() -> str:
+    """The CPU features the native kernels look for (AVX2 / AVX-512 / AVX512_BF16 / AMX-BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return "unknown"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    return ",".join(x for x in wanted if x in flags) or "none of avx2/avx512f/avx512_bf16/amx_bf16"
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What runs where, for one model (`Dims`) in the sampler and training dtypes. Each flag names one
+    implementation choice; True is the native (or AMX, or oneDNN-packed) variant."""
+
+    sampler_dtype: torch.dtype
+    train_dtype: torch.dtype
+    kernels: str  # the native library's state and why (`kernels.describe`)
+    cpu: str  # `cpu_flags()`
+    # the sampler
+    decode_attention: bool  # decode attention on the native kernel (a KV cache of keys before RoPE)
+    sampler_rows: bool  # residual add + RMSNorm + cast and the SiLU gate on the native row kernels
+    amx_projections: bool  # bf16 layer products on the AMX tiles (and a decode step's layers in one call)
+    amx_unembedding: bool  # the unembedding on the AMX tiles from bf16 inputs
+    onednn_packing: bool  # products on oneDNN weights pre-packed for their row count
+    head_inputs: torch.dtype  # what the fp32 unembedding's inputs are rounded to (`model.unembed_inputs`)
+    packed_head: bool  # the sampler's unembedding on the packed weight (`packed_bf16_inputs_honoured`)
+    lora_merge: bool  # a snapshot's LoRA merged into packed weights by the native kernel
+    # the training forward
+    train_rows: bool  # norm-cast, RoPE and SiLU gate (forward and backward) on the native row kernels
+    train_attention: bool  # causal attention (forward and backward) on the native AVX-512 kernel
+    softmax_target: bool  # the unembedding's softmax and target logprob in one native pass per row
+
+    def on_torch(self) -> EnginePlan:
+        """This plan with every op on torch, what a machine without the native kernels runs: tests and
+        `bench/` compare the two paths on one machine with it."""
+        return replace(self, kernels="torch path (asked for)", decode_attention=False, sampler_rows=False,
+                       amx_projections=False, amx_unembedding=False, lora_merge=False, train_rows=False,
+                       train_attention=False, softmax_target=False)
+
+    def record(self) -> dict[str, object]:
+        """The plan as JSON values (run_info.json's `engine`)."""
+        out: dict[str, object] = {}
+        for k, v in self.__dict__.items():
+            out[k] = dtype_name(v) if isinstance(v, torch.dtype) else v
+        return out
+
+    def line(self) -> str:
+        """One line: the dtypes, then which ops are native, then the library's state."""
+        on = [name for name, flag in (
+            ("decode_attention", self.decode_attention), ("sampler_rows", self.sampler_rows),
+            ("amx_projections", self.amx_projections), ("amx_unembedding", self.amx_unembedding),
+            ("onednn_packing", self.onednn_packing), ("lora_merge", self.lora_merge),
+            ("train_rows", self.train_rows), ("train_attention", self.train_attention),
+            ("softmax_target", self.softmax_target)) if flag]
+        return (f"engine plan: sampler {dtype_name(self.sampler_dtype)}, train {dtype_name(self.train_dtype)}, "
+                f"head inputs {dtype_name(self.head_inputs)}; native: {', '.join(on) or 'none'}; "
+                f"cpu {self.cpu}; {self.kernels}")
+
+
+def plan_for(d: Dims, sampler_dtype: torch.dtype, train_dtype: torch.dtype) -> EnginePlan:
+    """The plan for a model of sizes `d` (every capability of the engine is probed here, once)."""
+    lib = kernels.library() is not None
+    sampler_rows = kernels.row_kernels(d.act_name, sampler_dtype, d.hidden, d.intermediate)
+    decode = kernels.native_decode(d.n_heads, d.n_kv, d.head_dim)
+    head_inputs = unembed_inputs(sampler_dtype)
+    packing = ONEDNN_PACKING
+    return EnginePlan(
+        sampler_dtype=sampler_dtype, train_dtype=train_dtype, kernels=kernels.describe(), cpu=cpu_flags(),
+        decode_attention=decode,
+        # the row kernels pair with the decode kernel's cache layout: both or neither
+        sampler_rows=decode and sampler_rows,
+        amx_projections=kernels.amx_head() and sampler_dtype == torch.bfloat16,
+        amx_unembedding=kernels.amx_head() and head_inputs == torch.bfloat16,
+        onednn_packing=packing, head_inputs=head_inputs,
+        packed_head=packing and (head_inputs == torch.float32 or packed_bf16_inputs_honoured()),
+        lora_merge=lib and d.hidden <= kernels.MAX_INTERMEDIATE and d.intermediate <= kernels.MAX_INTERMEDIATE,
+        train_rows=kernels.row_kernels(d.act_name, train_dtype, d.hidden, d.intermediate),
+        train_attention=kernels.native_attention(d.head_dim, d.n_heads, d.n_kv),
+        softmax_target=kernels.avx512())
