@@ -35,7 +35,8 @@ def _cpu() -> str:
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = re.search(r"^model name\s*:\s*(.*)$", text, re.MULTILINE)
     flags = sorted(set(re.findall(r"\b(amx_bf16|avx512_bf16)\b", text)))
-    return f"{model.group(1) if model else 'unknown CPU'} ({', '.join(flags) or 'no avx512_bf16, no amx_bf16'})"
+    name = model.group(1) if model else "unknown CPU"
+    return f"{name} ({', '.join(flags) or 'no avx512_bf16, no amx_bf16'})"
 
 
 def _per_call(fns: list[Callable[[], object]], reps: int, budget_s: float = 0.05) -> list[float]:
@@ -71,17 +72,23 @@ def cases() -> list[tuple[str, Callable[[], object], Callable[[], object]]]:
         w = torch.randn(H, generator=g)
         gu = torch.randn(B, 2 * I, generator=g).bfloat16()
         out += [
-            (f"add_rms_norm {B}x{H} bf16", lambda x=x, y=y, w=w: kernels.residual_rms_norm(x, y, w, 1e-5, torch.bfloat16),
+            (f"add_rms_norm {B}x{H} bf16",
+             lambda x=x, y=y, w=w: kernels.residual_rms_norm(x, y, w, 1e-5, torch.bfloat16),
              lambda x=x, y=y, w=w: OPS.add_rms_norm(x, y, w, 1e-5, torch.bfloat16)),
-            (f"silu_mul {B}x{2 * I} bf16", lambda gu=gu: kernels.silu_mul(gu), lambda gu=gu: OPS.silu_mul(gu)),
+            (f"silu_mul {B}x{2 * I} bf16", lambda gu=gu: kernels.silu_mul(gu),
+             lambda gu=gu: OPS.silu_mul(gu)),
         ]
-    wm, A, Bm = torch.randn(2 * I, H, generator=g).bfloat16(), torch.randn(16, H, generator=g), torch.randn(2 * I, 16)
-    out.append((f"lora_merge {2 * I}x{H} r16 bf16", lambda: kernels.lora_merge(wm, A, Bm), lambda: OPS.lora_merge(wm, A, Bm)))
+    wm = torch.randn(2 * I, H, generator=g).bfloat16()
+    A, Bm = torch.randn(16, H, generator=g), torch.randn(2 * I, 16, generator=g)
+    out.append((f"lora_merge {2 * I}x{H} r16 bf16", lambda: kernels.lora_merge(wm, A, Bm),
+                lambda: OPS.lora_merge(wm, A, Bm)))
     N = 1200
-    x, y, w = torch.randn(N, H, generator=g), torch.randn(N, H, generator=g).bfloat16(), torch.randn(H, generator=g)
+    x, y = torch.randn(N, H, generator=g), torch.randn(N, H, generator=g).bfloat16()
+    w = torch.randn(H, generator=g)
     rstd, s = torch.empty(N), torch.empty(N, H)
     out += [
-        (f"rms_norm_cast {N}x{H} bf16", lambda: kernels.residual_rms_norm(x, None, w, 1e-5, torch.bfloat16, rstd),
+        (f"rms_norm_cast {N}x{H} bf16",
+         lambda: kernels.residual_rms_norm(x, None, w, 1e-5, torch.bfloat16, rstd),
          lambda: OPS.rms_norm_cast(x, w, 1e-5, torch.bfloat16)),
         (f"add_rms_norm_cast {N}x{H} bf16",
          lambda: kernels.residual_rms_norm(x, y, w, 1e-5, torch.bfloat16, rstd, s),
@@ -120,13 +127,14 @@ def autograd_cases() -> list[tuple[str, Callable[[], object], Callable[[], objec
     qkv = torch.randn(N, (NH + 2 * KV) * D, generator=g).bfloat16().requires_grad_()
     pos = torch.arange(N) % 150
     cos, sin = torch.randn(2048, D, generator=g), torch.randn(2048, D, generator=g)
-    dq, dk, dv = torch.randn(N, NH, D, generator=g), torch.randn(N, KV, D, generator=g), torch.randn(N, KV, D, generator=g)
+    dq, dk, dv = (torch.randn(N, h, D, generator=g) for h in (NH, KV, KV))
 
     def grad(outs, ins, gs):
         return torch.autograd.grad(outs, ins, gs)
 
     out = [
-        (f"rms_norm_cast fwd+bwd {N}x{H}", lambda: grad(fused_ops.NormCast.apply(x, w, 1e-5, torch.bfloat16), x, dy),
+        (f"rms_norm_cast fwd+bwd {N}x{H}",
+         lambda: grad(fused_ops.NormCast.apply(x, w, 1e-5, torch.bfloat16), x, dy),
          lambda: grad(OPS.rms_norm_cast(x, w, 1e-5, torch.bfloat16)[0], x, dy)),
         (f"silu_mul fwd+bwd {N}x{2 * I}", lambda: grad(fused_ops.SiluMul.apply(gu), gu, dm),
          lambda: grad(OPS.silu_mul(gu), gu, dm)),
@@ -137,7 +145,8 @@ def autograd_cases() -> list[tuple[str, Callable[[], object], Callable[[], objec
     if kernels.native_attention(D, NH, KV):
         q, k, v = (torch.randn(8, 150, h, D, generator=g).requires_grad_() for h in (NH, KV, KV))
         do = torch.randn(8, 150, NH, D, generator=g)
-        out.append(("attention fwd+bwd 8x150 9/3x64", lambda: grad(fused_ops.Attention.apply(q, k, v), (q, k, v), do),
+        out.append(("attention fwd+bwd 8x150 9/3x64",
+                    lambda: grad(fused_ops.Attention.apply(q, k, v), (q, k, v), do),
                     lambda: grad(OPS.attention(q, k, v)[0], (q, k, v), do)))
     return out
 
@@ -164,7 +173,8 @@ def floor_cases() -> list[tuple[str, Callable[[], object], Callable[[], object]]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--threads", type=int, default=None, help="torch's (and the kernels') threads; default: torch's")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch's (and the kernels') threads; default: torch's")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,14 +182,15 @@ def main() -> None:
         raise SystemExit(f"no native kernels here: {kernels.describe()}")
     print(f"CPU: {_cpu()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-    print(f"{'call':<44} {'kernels.py us':>13} {'torch.ops us':>12} {'overhead us':>11} {'torch impl us':>13}")
+    header = f"{'torch.ops us':>12} {'overhead us':>11} {'torch impl us':>13}"
+    print(f"{'call':<44} {'kernels.py us':>13} {header}")
     for label, direct, op in cases():
         d, o, t = _per_call([direct, op, _torch(op)], args.reps)
         print(f"{label:<44} {d * 1e6:>13.1f} {o * 1e6:>12.1f} {(o - d) * 1e6:>11.1f} {t * 1e6:>13.1f}")
     for label, direct, op in floor_cases():
         d, o = _per_call([direct, op], args.reps)
         print(f"{label:<44} {d * 1e6:>13.1f} {o * 1e6:>12.1f} {(o - d) * 1e6:>11.1f} {'':>13}")
-    print(f"{'forward + backward':<44} {'fused_ops us':>13} {'torch.ops us':>12} {'overhead us':>11} {'torch impl us':>13}")
+    print(f"{'forward + backward':<44} {'fused_ops us':>13} {header}")
     for label, direct, op in autograd_cases():
         d, o, t = _per_call([direct, op, _torch(op)], args.reps)
         print(f"{label:<44} {d * 1e6:>13.1f} {o * 1e6:>12.1f} {(o - d) * 1e6:>11.1f} {t * 1e6:>13.1f}")

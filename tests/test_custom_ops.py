@@ -46,7 +46,8 @@ def _within(out: torch.Tensor, ref: torch.Tensor, rel: float, atol: float = 0.0)
     """`|out - ref| <= rel |ref| + atol` elementwise (`ref` float64)."""
     err = (out.double() - ref).abs()
     bound = rel * ref.abs() + atol
-    assert bool((err <= bound).all()), f"max excess {float((err - bound).max()):.3g} (max error {float(err.max()):.3g})"
+    assert bool((err <= bound).all()), \
+        f"max excess {float((err - bound).max()):.3g} (max error {float(err.max()):.3g})"
 
 
 def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -136,7 +137,8 @@ def test_lora_merge(impl, dtype):
     before = w.clone()
     m = OPS.lora_merge(w, A, B)
     assert torch.equal(w, before) and m.dtype == dtype and torch.equal(m[32:], w[32:])
-    _within(m, w.double() + B.double() @ A.double(), 1e-6 if dtype == torch.float32 else BF16_STEP * 1.01, 1e-6)
+    exact = w.double() + B.double() @ A.double()
+    _within(m, exact, 1e-6 if dtype == torch.float32 else BF16_STEP * 1.01, 1e-6)
     if impl == "native":
         _agree(m, _torch_impl(OPS.lora_merge, w, A, B), 1e-6, 1e-6)
 
@@ -262,7 +264,8 @@ def test_attention(impl, B, T, nh, kv, D):
     head per key/value head and two): the output and the three input gradients against float64 SDPA, and
     `lse` as float64's log-sum-exp of the scaled causal scores."""
     g = torch.Generator().manual_seed(B * T)
-    ref = [torch.randn(B, T, h, D, generator=g, dtype=torch.float64, requires_grad=True) for h in (nh, kv, kv)]
+    ref = [torch.randn(B, T, h, D, generator=g, dtype=torch.float64, requires_grad=True)
+           for h in (nh, kv, kv)]
     xs = [r.detach().float().requires_grad_() for r in ref]
     _runs(impl, "attention", *xs)
     torch.library.opcheck(OPS.attention, tuple(xs))
@@ -341,3 +344,31 @@ def test_the_switch_and_the_capability_checks():
         out, rstd = OPS.rms_norm_cast(torch.empty(5, 8), torch.empty(8), EPS, torch.bfloat16)
     assert o.shape == q.shape and lse.shape == (2, 4, 7)
     assert out.shape == (5, 8) and out.dtype == torch.bfloat16 and rstd.shape == (5,)
+
+
+def test_a_compiled_graph_runs_the_ops_on_either_implementation(monkeypatch):
+    """`torch.compile` (fullgraph, AOT autograd) traces the ops through their fakes and their registered
+    autograd; the implementation is chosen inside the op at run time, so one compiled graph follows the
+    switch, forward and backward, with eager's results."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 32, generator=g).requires_grad_()
+    y = torch.randn(6, 32, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(32, generator=g)
+    gu = torch.randn(6, 64, generator=g).bfloat16().requires_grad_()
+
+    def f(x, y, gu):
+        s, h, _ = OPS.add_rms_norm_cast(x, y, w, EPS, torch.bfloat16)
+        return s.sum() + h.float().square().sum() + OPS.silu_mul(gu).float().sum()
+
+    calls = []
+    native_gate = kernels.silu_mul
+    monkeypatch.setattr(kernels, "silu_mul", lambda t: calls.append(1) or native_gate(t))
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    for use in ([True, False] if kernels.library() is not None else [False]):
+        with custom_ops.native(use):
+            want = f(x, y, gu)
+            calls.clear()
+            got = compiled(x, y, gu)
+            assert torch.equal(got, want) and len(calls) == int(use)
+            for a, b in zip(torch.autograd.grad(got, (x, y, gu)), torch.autograd.grad(want, (x, y, gu))):
+                assert torch.equal(a, b)

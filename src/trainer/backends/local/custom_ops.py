@@ -25,13 +25,19 @@ kernel when `use_native` is on (the default), `kernels.library()` is built (not 
 a compiler is there) and the inputs pass the op's capability check (dtypes, layout, sizes within the
 kernel's bounds; the training attention and the softmax also need AVX-512, as in the engine), else the
 torch ops. Why a switch inside the op rather than a torch implementation registered as the default and the
-native one registered for CPU once at import (`register_kernel("cpu", ...)`): torch has no public way to
-take a registered kernel back, and the engine and its tests need both paths in one process (the torch
+native one registered for CPU once at import (`register_kernel("cpu", ...)`): a registered kernel cannot
+be taken back (only registered over), and the engine and its tests need both paths in one process (the torch
 path's numbers differ from the native ones, and `PAIREDRL_NATIVE_KERNELS=0` runs are compared with native
 ones); a native kernel also fits only some inputs, so a per-call check is needed either way. The choice
 happens at run time inside the op, so a `torch.compile`d graph (the op is opaque to it) follows
 `use_native` too. `register_fake` gives every op its output shapes, so `torch.library.opcheck`, meta
 tensors and `torch.compile` work without running a kernel.
+
+API: the ops (`torch.ops.pairedrl.<op>`, or the functions below of the same names); `use_native(enabled)`
+(process-wide, returns the previous setting) and the `native(enabled)` block; `native_enabled()`;
+`fits_native(op, *args)`, whether a call runs the native kernel; `softmax_target()`, `kernels.py`'s interface.
+Cost: the `custom_op` layer (its autograd wrapper, dispatch, output checks) adds ~10-30 us per call
+(`bench/custom_ops.py`): nothing at a training micro-batch, 2-4x the kernel itself at decode's few rows.
 
 The torch implementations compute what the engine's torch path computes, to the bit where that path has
 the same ops (the norms through `aten._fused_rms_norm`, which is `F.rms_norm`; the gate through `F.silu` and
@@ -192,7 +198,8 @@ def _(w, A, B):
 
 def _torch_norm(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`F.rms_norm(x, w, eps).to(dtype)` (the same bits: `aten._fused_rms_norm` is what it runs) and fp32 rstd."""
+    """`F.rms_norm(x, w, eps).to(dtype)` (the same bits: `aten._fused_rms_norm` is what it runs) and fp32
+    rstd."""
     out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], w, eps)
     return out.to(dtype), rstd.reshape(x.shape[0]).float()
 
@@ -329,15 +336,16 @@ def _(qkv, pos, cos, sin, n_heads, n_kv):
 
 
 def _rope_back(d: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """The transpose of `model.rope` (`x c + rot(x) s`, `rot(x) = [-x2 | x1]`): `d c + [z2 | -z1]`, `z = d s`."""
+    """The transpose of `model.rope` (`x c + rot(x) s`, `rot(x) = [-x2 | x1]`): `d c + [z2 | -z1]`,
+    `z = d s`."""
     h = d.shape[-1] // 2
     z = d * s
     return d * c + torch.cat((z[..., h:], -z[..., :h]), dim=-1)
 
 
 @torch.library.custom_op("pairedrl::rope_qkv_backward", mutates_args=())
-def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, pos: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`d qkv` (`[N, (nh + 2 kv) D]` in `dtype`) of `rope_qkv` from the gradients of its three outputs,
     computed in fp32 and rounded once."""
     N, D = dq.shape[0], dq.shape[-1]
@@ -378,9 +386,11 @@ def _attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`q`, `k`, `v` in SDPA's `[B, heads, T, D]` layout, the key/value heads repeated for their query group."""
+    """`q`, `k`, `v` in SDPA's `[B, heads, T, D]` layout, the key/value heads repeated for their query
+    group."""
     G = q.shape[2] // k.shape[2]
-    return q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(G, 1), v.transpose(1, 2).repeat_interleave(G, 1)
+    return (q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(G, 1),
+            v.transpose(1, 2).repeat_interleave(G, 1))
 
 
 @torch.library.custom_op("pairedrl::attention", mutates_args=())
@@ -438,8 +448,8 @@ attention.register_autograd(_attention_bwd, setup_context=_attention_setup)
 
 
 def _softmax_fits(logits: torch.Tensor, y: torch.Tensor, probs_dtype: torch.dtype | None) -> bool:
-    return (kernels.avx512() and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous()
-            and y.shape == logits.shape[:1])
+    return (kernels.avx512() and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.is_contiguous() and y.shape == logits.shape[:1])
 
 
 @torch.library.custom_op("pairedrl::softmax_target", mutates_args=("logits",))
@@ -463,7 +473,8 @@ def softmax_target_op(logits: torch.Tensor, y: torch.Tensor, probs_dtype: torch.
 @softmax_target_op.register_fake
 def _(logits, y, probs_dtype):
     R, V = logits.shape
-    probs = logits.new_empty(R, V, dtype=torch.bfloat16) if probs_dtype == torch.bfloat16 else logits.new_empty(0)
+    bf16 = probs_dtype == torch.bfloat16
+    probs = logits.new_empty(R, V, dtype=torch.bfloat16) if bf16 else logits.new_empty(0)
     return logits.new_empty(R), probs
 
 
