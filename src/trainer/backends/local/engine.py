@@ -24,18 +24,8 @@ import torch
 
 from trainer.backends.local import kernels
 from trainer.backends.local.common import COMPUTE
-from trainer.backends.local.model import (
-    ATTN_PROJ,
-    MLP_PROJ,
-    UNEMBED,
-    check_architecture,
-    dims,
-    fuse_base,
-    layer_names,
-    rotary_tables,
-    unembed_weight,
-    weight,
-)
+from trainer.backends.local.model import (ATTN_PROJ, MLP_PROJ, UNEMBED, check_architecture, dims, fuse_base,
+                                          layer_names, rotary_tables, unembed_weight, weight)
 from trainer.backends.local.models import resolve_base_model, spec_for
 from trainer.backends.local.ops import SamplerOps, TrainOps, sampler_ops, train_ops
 from trainer.backends.local.plan import EnginePlan, plan_for

@@ -121,6 +121,33 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rot * sin
 
 
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer as `layer` runs it: the fp32 norm weights and the four products (each a callable
+    from its input rows to its output rows: the sampler's row-blocked projections, the trainer's LoRA
+    GEMMs)."""
+
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Callable[[torch.Tensor], torch.Tensor]  # stacked q|k|v
+    o: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]  # stacked gate|up
+    down: Callable[[torch.Tensor], torch.Tensor]
+
+
+def layer(x: torch.Tensor, y: torch.Tensor | None, L: Layer, attend: Callable[[torch.Tensor], torch.Tensor],
+          ops: Any, d: Dims, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Llama decoder layer, the same for prefill, decode and training: `x` is the fp32 residual
+    stream and `y` the previous layer's down product not yet added to it (None before the first layer:
+    each residual add is fused into the norm after it); `attend` maps the q|k|v output to the attention
+    output in `dtype` (RoPE, the KV cache and the attention kernel are what differ between the three
+    uses); `ops` the plan's element-wise steps (`ops.py`). Returns the stream after the attention's
+    residual add and this layer's down product."""
+    x, h = ops.add_norm(x, y, L.in_norm, d.eps, dtype)
+    x, h = ops.add_norm(x, L.o(attend(L.qkv(h))), L.post_norm, d.eps, dtype)
+    return x, L.down(ops.gate(L.gate_up(h), d.intermediate, d.act))
+
+
 def fuse_base(config: Any, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per layer `LayerNames.stacked_qkv` and `.stacked_gate_up`: the projections of one input stacked
     into one weight (rows in q|k|v and gate|up order), so each runs as one GEMM with more columns; built

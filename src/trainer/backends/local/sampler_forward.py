@@ -30,8 +30,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from trainer.backends.local.model import layer
 from trainer.backends.local.ops import ATTN_DTYPE, decode_attention, rope_qk  # noqa: F401 - re-exported
-from trainer.backends.local.sampler_weights import SamplerWeights
+from trainer.backends.local.sampler_weights import ROW_BLOCK, SamplerWeights
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [rows, n_kv, length, head_dim]
 # rows per prefill product block (`prefill`): any fixed count keeps prompts independent of each other; 64
@@ -76,21 +77,20 @@ def prefill(W: SamplerWeights, prompts: Sequence[torch.Tensor], cache: KVCache |
     x = F.embedding(torch.cat(list(prompts)), W.embed)  # [N, H], fp32
     y = None  # the previous product's output, not yet added to x
     for li, L in enumerate(W.layers):
-        x, h = ops.add_norm(x, y, L.in_norm, W.eps, W.dtype)
-        qkv = L.qkv.blocked(h, PREFILL_BLOCK)
-        q, k, v = rope_qk(qkv, cos, sin, nh, nkv, hd)  # [N, heads, hd]
-        attn = []
-        for i, (a, n) in enumerate(zip(starts, lens)):
-            qi, ki, vi = (t[a: a + n].transpose(0, 1) for t in (q, k, v))
-            vi = vi.to(ATTN_DTYPE)
-            if cache is not None:  # into a sampler-dtype cache, v goes back exactly (it came from that dtype)
-                cache[li][0][rows[i], :, :n] = ops.prefill_keys(qkv[a: a + n], ki, nh, nkv, hd)
-                cache[li][1][rows[i], :, :n] = vi
-            o = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True, enable_gqa=nkv != nh)[0]
-            attn.append(o.transpose(0, 1).reshape(n, nh * hd))
-        y = L.o.blocked(torch.cat(attn).to(W.dtype), PREFILL_BLOCK)
-        x, h = ops.add_norm(x, y, L.post_norm, W.eps, W.dtype)
-        y = L.down.blocked(ops.gate(L.gate_up.blocked(h, PREFILL_BLOCK), W.intermediate, W.act), PREFILL_BLOCK)
+        def attend(qkv: torch.Tensor, li: int = li) -> torch.Tensor:
+            q, k, v = rope_qk(qkv, cos, sin, nh, nkv, hd)  # [N, heads, hd]
+            attn = []
+            for i, (a, n) in enumerate(zip(starts, lens)):
+                qi, ki, vi = (t[a: a + n].transpose(0, 1) for t in (q, k, v))
+                vi = vi.to(ATTN_DTYPE)
+                if cache is not None:  # into a sampler-dtype cache, v goes back exactly (it came from that dtype)
+                    cache[li][0][rows[i], :, :n] = ops.prefill_keys(qkv[a: a + n], ki, nh, nkv, hd)
+                    cache[li][1][rows[i], :, :n] = vi
+                o = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True,
+                                                   enable_gqa=nkv != nh)[0]
+                attn.append(o.transpose(0, 1).reshape(n, nh * hd))
+            return torch.cat(attn).to(W.dtype)
+        x, y = layer(x, y, L.blocked(PREFILL_BLOCK), attend, ops, W, W.dtype)
     _, x = ops.add_norm(x, y, W.final_norm, W.eps, torch.float32)
     return list(x.split(lens))
 
@@ -123,11 +123,8 @@ def _decode_layers(W: SamplerWeights, x: torch.Tensor, pos_B: torch.Tensor, span
     ops = W.ops
     attend = ops.attention(W, pos_B, spans, cache[0][0].shape[2])
     y = None  # the previous product's output, not yet added to x
-    for li, L in enumerate(W.layers):
-        x, h = ops.add_norm(x, y, L.in_norm, W.eps, W.dtype)
-        y = L.o.blocked(attend(L.qkv.blocked(h), *cache[li]))
-        x, h = ops.add_norm(x, y, L.post_norm, W.eps, W.dtype)
-        y = L.down.blocked(ops.gate(L.gate_up.blocked(h), W.intermediate, W.act))
+    for L, (kc, vc) in zip(W.layers, cache):
+        x, y = layer(x, y, L.blocked(ROW_BLOCK), lambda qkv: attend(qkv, kc, vc), ops, W, W.dtype)  # noqa: B023
     return x, y
 
 

@@ -10,27 +10,17 @@ bf16 weights are reordered into AMX tiles on every call (`bench/gemm.py` measure
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from trainer.backends.local.model import (
-    EMBED,
-    FINAL_NORM,
-    UNEMBED,
-    check_architecture,
-    dims,
-    fuse_base,
-    layer_names,
-    matmul_inputs,
-    onednn_linear,
-    onednn_pack,
-    unembed_weight,
-    weight,
-)
+from trainer.backends.local.model import (EMBED, FINAL_NORM, UNEMBED, Layer, check_architecture, dims,
+                                          fuse_base, layer_names, matmul_inputs, onednn_linear, onednn_pack,
+                                          unembed_weight, weight)
 from trainer.backends.local.ops import SamplerOps, sampler_ops
 from trainer.backends.local.plan import plan_for
 
@@ -116,6 +106,17 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Projection
     down: Projection
+    _views: dict[int, Layer] = field(default_factory=dict, repr=False, compare=False)
+
+    def blocked(self, block: int) -> Layer:
+        """This layer for `model.layer`, its products over fixed `block`-row blocks (`Projection.blocked`)."""
+        view = self._views.get(block)
+        if view is None:
+            view = self._views[block] = Layer(
+                self.in_norm, self.post_norm, functools.partial(self.qkv.blocked, block=block),
+                functools.partial(self.o.blocked, block=block), functools.partial(self.gate_up.blocked, block=block),
+                functools.partial(self.down.blocked, block=block))
+        return view
 
 
 @dataclass

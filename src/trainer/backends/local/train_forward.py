@@ -23,6 +23,7 @@ model's own forward.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -30,16 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from trainer.backends.local.model import (
-    EMBED,
-    FINAL_NORM,
-    dims,
-    fuse_base,
-    layer_names,
-    onednn_linear,
-    onednn_pack,
-    weight,
-)
+from trainer.backends.local.model import (EMBED, FINAL_NORM, Layer, dims, fuse_base, layer, layer_names,
+                                          onednn_linear, onednn_pack, weight)
 from trainer.backends.local.ops import TrainOps, softmax_target_torch, train_ops
 from trainer.backends.local.plan import plan_for
 
@@ -251,24 +244,21 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
            for k in (layer_names(i).input_norm, layer_names(i).post_norm)):
         ops = ops.with_trainable_norms()
 
-    def add_norm(x: torch.Tensor, y: torch.Tensor | None, key: str, dt: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x + y` (the previous product's output added to the fp32 residual stream; None: none yet) and its
-        norm in `dt`."""
-        return ops.add_norm(x, y, base[weight(key)], d.eps, dt)
-
     qkv_split = ops.rope(pk.pos_N, cos, sin, nh, nkv, hd)
+
+    def attend(qkv: torch.Tensor) -> torch.Tensor:
+        return _attend(*qkv_split(qkv, d.qkv_outs), pk, ops).to(dtype)
+
     x = F.embedding(pk.ids_N, base[weight(EMBED)])
     y = None  # the previous product's output, not yet added to x
-    for i in range(d.n_layers):
-        n = layer_names(i)
-        x, h = add_norm(x, y, n.input_norm, dtype)
-        q, k, v = qkv_split(lin(h, n.stacked_qkv, d.qkv_outs, n.qkv), d.qkv_outs)
-        a = _attend(q, k, v, pk, ops).to(dtype)
-        x, h = add_norm(x, lin(a, weight(n.o), (d.hidden,), [n.o]), n.post_norm, dtype)
-        m = ops.gate(lin(h, n.stacked_gate_up, (inter, inter), n.gate_up), inter, d.act)
-        y = lin(m, weight(n.down), (d.hidden,), [n.down])
-    return add_norm(x, y, FINAL_NORM, torch.float32)[1]
+    for n in map(layer_names, range(d.n_layers)):
+        L = Layer(base[weight(n.input_norm)], base[weight(n.post_norm)],
+                  qkv=functools.partial(lin, key=n.stacked_qkv, outs=d.qkv_outs, names=n.qkv),
+                  o=functools.partial(lin, key=weight(n.o), outs=(d.hidden,), names=[n.o]),
+                  gate_up=functools.partial(lin, key=n.stacked_gate_up, outs=(inter, inter), names=n.gate_up),
+                  down=functools.partial(lin, key=weight(n.down), outs=(d.hidden,), names=[n.down]))
+        x, y = layer(x, y, L, attend, ops, d, dtype)
+    return ops.add_norm(x, y, base[weight(FINAL_NORM)], d.eps, torch.float32)[1]
 
 
 # rows per unembedding block: its [rows, vocab] fp32 logits (25 MB at SmolLM2's 49152) stay below
