@@ -76,11 +76,6 @@ def main() -> None:
             sides = {"native kernels": W,
                      "native kernels, oneDNN layer products": weights(replace(plan, amx_projections=False)),
                      "torch path": sides["torch path"]}
-            if W.fused_layers is not None:  # the same weights, each layer's kernels called one by one
-                Wk = replace(W)
-                Wk.__dict__["fused_layers"] = None  # the cached property, computed as absent
-                sides = {"native kernels": W, "native kernels, one call per kernel": Wk,
-                         **{k: v for k, v in sides.items() if k != "native kernels"}}
         caches = {}
         for side, Ws in sides.items():
             caches[side] = sf.new_cache(Ws, ROWS, NEW_POS + 90)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -225,39 +226,21 @@ def test_a_missing_compiler_warns_once_and_is_recorded(tmp_path):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_merge_against_addmm(dtype):
-    """`lora_merge` is `torch.addmm(w.float(), B, A).to(w.dtype)` (the product summed in fp32, added to the
-    weight, rounded once) up to the product's summation order, with a block-diagonal B (stacked
-    projections: zeros skipped) and a zero rank block; the weight itself is left as it was."""
-    g = torch.Generator().manual_seed(2)
-    O, I, r = 48, 40, 4
-    w = torch.randn(O, I, generator=g).to(dtype)
-    A = torch.randn(3 * r, I, generator=g) * 0.3
-    B = torch.zeros(O, 3 * r)
-    B[:16, :r] = torch.randn(16, r, generator=g)
-    B[16:32, r: 2 * r] = torch.randn(16, r, generator=g)  # rows 32: have no LoRA term: their weight, exactly
-    before = w.clone()
-    m = kernels.lora_merge(w, A, B)
-    assert torch.equal(w, before) and m.dtype == dtype
-    exact = w.double() + B.double() @ A.double()
-    assert torch.equal(m[32:], w[32:])
-    if dtype == torch.float32:
-        assert torch.allclose(m.double(), exact, rtol=1e-6, atol=1e-6)
-    else:
-        assert _ulps_bf16(m, torch.addmm(w.float(), B, A).to(dtype)) <= 1
-        assert float(((m.double() - exact).abs() / exact.abs().clamp(min=1e-2)).max()) <= 2 ** -8
-    with pytest.raises(ValueError, match="lora_merge"):
-        kernels.lora_merge(w, A[:, :-1], B)
+def test_training_custom_ops_match_torch_autograd(dtype):
+    """The training forward's native steps as custom ops (`custom_ops.py`, `torch.ops.pairedrl`) against the
+    torch ops they replace, forward and backward: RoPE of q|k|v to the bit (its gradient computed in fp32
+    and rounded once), the norm (with and without the residual add before it) and the SiLU gate up to
+    summation order and the exp (fp32) or within one bf16 rounding step; each op and its backward through
+    `torch.library.opcheck` (schema, fake shapes, autograd registration)."""
+    from trainer.backends.local import custom_ops
 
+    def NormCast(x, w, eps, dt):  # noqa: N802 - the steps under test, as the training forward calls them
+        return custom_ops.rms_norm_cast(x, w, eps, dt)[0]
 
-@needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_training_ops_match_torch_autograd(dtype):
-    """The training forward's fused steps (`fused_ops`) against the torch ops they replace, forward and
-    backward: RoPE of q|k|v to the bit (its gradient computed in fp32 and rounded once), the norm (with and
-    without the residual add before it) and the SiLU gate up to summation order and the exp (fp32) or within
-    one bf16 rounding step."""
-    from trainer.backends.local.fused_ops import AddNormCast, NormCast, RopeQKV, SiluMul
+    def AddNormCast(x, y, w, eps, dt):  # noqa: N802
+        return custom_ops.add_rms_norm_cast(x, y, w, eps, dt)[:2]
+
+    RopeQKV, SiluMul = custom_ops.rope_qkv, custom_ops.silu_mul  # noqa: N806
 
     g = torch.Generator().manual_seed(3)
     N, H, nh, kv, D, I = 11, 48, 6, 2, 8, 40
@@ -271,7 +254,7 @@ def test_fused_training_ops_match_torch_autograd(dtype):
     x = (torch.randn(N, H, generator=g) * 2).requires_grad_()
     w = torch.randn(H, generator=g)
     dy = torch.randn(N, H, generator=g).to(dtype)
-    out = NormCast.apply(x, w, 1e-5, dtype)
+    out = NormCast(x, w, 1e-5, dtype)
     (dx,) = torch.autograd.grad(out, x, dy)
     ref = rms_norm(x, w, 1e-5).to(dtype)
     (dx_ref,) = torch.autograd.grad(ref, x, dy)
@@ -279,7 +262,7 @@ def test_fused_training_ops_match_torch_autograd(dtype):
     # residual add + norm + cast: both outputs used downstream, as the residual stream and the norm are
     y = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
     x_in = x.detach().clone()
-    s_out, out = AddNormCast.apply(x, y, w, 1e-5, dtype)
+    s_out, out = AddNormCast(x, y, w, 1e-5, dtype)
     ds = torch.randn(N, H, generator=g)
     dx, dyy = torch.autograd.grad((s_out, out), (x, y), (ds, dy))
     s_ref = x + y
@@ -292,7 +275,7 @@ def test_fused_training_ops_match_torch_autograd(dtype):
     cos_t, sin_t = torch.randn(32, D, generator=g), torch.randn(32, D, generator=g)
     pos = torch.randint(0, 32, (N,), generator=g)
     qkv = torch.randn(N, (nh + 2 * kv) * D, generator=g).to(dtype).requires_grad_()
-    outs = RopeQKV.apply(qkv, pos, cos_t, sin_t, nh, kv)
+    outs = RopeQKV(qkv, pos, cos_t, sin_t, nh, kv)
     q, k, v = qkv.split([nh * D, kv * D, kv * D], -1)
     c, s = cos_t[pos].unsqueeze(1), sin_t[pos].unsqueeze(1)
     refs = (rope(q.view(N, nh, D), c, s), rope(k.view(N, kv, D), c, s), v.view(N, kv, D).float())
@@ -310,12 +293,19 @@ def test_fused_training_ops_match_torch_autograd(dtype):
     # SiLU gate
     gu = (torch.randn(N, 2 * I, generator=g) * 3).to(dtype).requires_grad_()
     dm = torch.randn(N, I, generator=g).to(dtype)
-    m = SiluMul.apply(gu)
+    m = SiluMul(gu)
     (dgu,) = torch.autograd.grad(m, gu, dm)
     gg, uu = gu.split(I, -1)
     m_ref = F.silu(gg) * uu
     (dgu_ref,) = torch.autograd.grad(m_ref, gu, dm)
     assert close(m, m_ref) and close(dgu, dgu_ref)
+    ops = torch.ops.pairedrl
+    for op, args in ((ops.rms_norm_cast, (x.detach().requires_grad_(), w, 1e-5, dtype)),
+                     (ops.add_rms_norm_cast, (x.detach().requires_grad_(), y.detach().requires_grad_(), w, 1e-5,
+                                              dtype)),
+                     (ops.rope_qkv, (qkv.detach().requires_grad_(), pos, cos_t, sin_t, nh, kv)),
+                     (ops.silu_mul, (gu.detach().requires_grad_(),))):
+        torch.library.opcheck(op, args)
 
 
 @pytest.mark.skipif(not kernels.amx_head(), reason="no AMX-BF16 here (or the OS does not grant the tiles)")
@@ -370,61 +360,47 @@ def test_amx_layer_projection():
         lin(x.float())
 
 
-@pytest.mark.skipif(not kernels.native_attention(64, 6, 2), reason="no native training attention here (AVX-512)")
-@pytest.mark.parametrize("B,T,nh,kv,D", [(3, 37, 6, 2, 32), (2, 16, 4, 4, 64), (4, 82, 9, 3, 64), (1, 1, 2, 1, 16)])
-def test_native_training_attention_against_float64_sdpa(B, T, nh, kv, D):
-    """`fused_ops.Attention` (causal, grouped-query, fp32) against torch's SDPA in float64, output and the
-    three input gradients: lengths on and off the 16-query blocks, 1-4 query heads per key/value head, a
-    single position."""
-    from trainer.backends.local import fused_ops
+def test_training_rows_run_only_where_the_row_kernels_fit():
+    """The plan takes the training forward's native element-wise steps only for SiLU, fp32/bf16 and widths
+    the row kernels take; anything else keeps torch's ops (a wider model would otherwise fail inside a
+    kernel)."""
+    from dataclasses import replace
 
-    g = torch.Generator().manual_seed(B * T)
-    ref = [torch.randn(B, T, h, D, generator=g, dtype=torch.float64, requires_grad=True) for h in (nh, kv, kv)]
-    do = torch.randn(B, T, nh, D, generator=g, dtype=torch.float64)
-    o_ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in ref), is_causal=True,
-                                           enable_gqa=True).transpose(1, 2)
-    o_ref.backward(do)
-    xs = [x.detach().float().requires_grad_(True) for x in ref]
-    o = fused_ops.Attention.apply(*xs)
-    o.backward(do.float())
-    assert float((o.detach().double() - o_ref.detach()).abs().max()) < 1e-5
-    for x, r in zip(xs, ref):
-        assert float((x.grad.double() - r.grad).abs().max()) < 1e-4 * max(1.0, float(r.grad.abs().max()))
-    with pytest.raises(ValueError, match="unexpected inputs"):
-        kernels.attention_forward(xs[0].detach().bfloat16(), xs[1].detach(), xs[2].detach())
+    from trainer.backends.local.model import Dims
+    from trainer.backends.local.plan import plan_for
 
-
-@needs_native
-@pytest.mark.parametrize("probs_dtype", [None, torch.float32, torch.bfloat16])
-def test_softmax_target_against_torch(probs_dtype):
-    """The training unembedding's fused softmax: each row's target logprob and its probabilities (as torch's
-    softmax computes them, then cast) from fp32 logits, a width that is not a multiple of 16 included; a
-    target outside the vocabulary is refused."""
-    g = torch.Generator().manual_seed(4)
-    logits = 6 * torch.randn(9, 1000 + 3, generator=g)
-    y = torch.randint(0, logits.shape[1], (9,), generator=g)
-    ref_lp = torch.log_softmax(logits.double(), -1).gather(1, y[:, None]).squeeze(1)
-    ref_p = torch.softmax(logits, -1)
-    lp, probs = kernels.softmax_target(logits.clone(), y, probs_dtype)
-    assert float((lp.double() - ref_lp).abs().max()) < 2e-6
-    if probs_dtype is None:
-        assert probs is None
-    else:
-        assert probs.dtype == probs_dtype
-        tol = 1e-6 if probs_dtype == torch.float32 else 2 ** -8  # a few fp32 steps; one bf16 rounding
-        assert float(((probs.float() - ref_p).abs() / ref_p.clamp(min=1e-30)).max()) <= tol
-    with pytest.raises(ValueError, match="outside"):
-        kernels.softmax_target(logits.clone(), torch.tensor([0] * 8 + [logits.shape[1]]), None)
-
-
-def test_fused_ops_run_only_where_the_row_kernels_fit():
-    """The training forward takes the native element-wise steps only for SiLU, fp32/bf16 and widths the row
-    kernels take; anything else keeps torch's ops (a wider model would otherwise fail inside a kernel)."""
-    from trainer.backends.local import fused_ops
-
+    d = Dims(n_layers=1, hidden=576, n_heads=9, n_kv=3, head_dim=64, intermediate=1536, eps=1e-5, act=F.silu,
+             act_name="silu")
     here = kernels.library() is not None
-    assert fused_ops.usable("silu", torch.bfloat16, 576, 1536) == here
-    assert not fused_ops.usable("gelu", torch.bfloat16, 576, 1536)
-    assert not fused_ops.usable("silu", torch.float16, 576, 1536)
-    assert not fused_ops.usable("silu", torch.float32, kernels.MAX_HIDDEN + 1, 1536)
-    assert not fused_ops.usable("silu", torch.float32, 576, kernels.MAX_INTERMEDIATE + 1)
+    assert plan_for(d, torch.float32, torch.bfloat16).train_rows == here
+    assert not plan_for(replace(d, act_name="gelu"), torch.float32, torch.bfloat16).train_rows
+    assert not plan_for(d, torch.float32, torch.float16).train_rows
+    assert not plan_for(replace(d, hidden=kernels.MAX_HIDDEN + 1), torch.float32, torch.float32).train_rows
+    assert not plan_for(replace(d, intermediate=kernels.MAX_INTERMEDIATE + 1), torch.float32, torch.float32).train_rows
+
+
+def test_the_plan_is_made_once_and_a_choice_can_be_put_back_on_torch(monkeypatch):
+    """`plan_for` probes every capability once; `PAIREDRL_TORCH_OPS` puts named choices back on torch (how
+    bench/tiers.py times what each tier buys), the decode kernel taking the row kernels with it (they share
+    its cache layout), and a name that is no choice is refused naming the valid ones."""
+    from trainer.backends.local.model import dims
+    from trainer.backends.local.ops import ATTN_DTYPE, sampler_ops
+    from trainer.backends.local.plan import NATIVE_CHOICES, TORCH_OPS_ENV, plan_for
+
+    W = _tiny_weights(None, torch.float32)
+    d = dims(SimpleNamespace(num_hidden_layers=len(W.layers), hidden_size=W.embed.shape[1],
+                             num_attention_heads=W.n_heads, num_key_value_heads=W.n_kv, head_dim=W.head_dim,
+                             intermediate_size=W.intermediate, rms_norm_eps=W.eps, hidden_act=W.act_name))
+    monkeypatch.delenv(TORCH_OPS_ENV, raising=False)
+    here = plan_for(d, torch.float32, torch.float32)
+    assert here == W.ops.plan and here.kernels == kernels.describe()
+    assert here.decode_attention == (kernels.library() is not None)
+    monkeypatch.setenv(TORCH_OPS_ENV, "decode_attention, amx_unembedding")
+    off = plan_for(d, torch.float32, torch.float32)
+    assert not (off.decode_attention or off.sampler_rows or off.amx_unembedding)
+    assert (off.train_rows, off.onednn_packing) == (here.train_rows, here.onednn_packing)
+    assert sampler_ops(off).cache_dtype == ATTN_DTYPE and "decode_attention" not in off.line()
+    assert not any(getattr(here.on_torch(), c) for c in NATIVE_CHOICES if c != "onednn_packing")
+    monkeypatch.setenv(TORCH_OPS_ENV, "decode_atention")
+    with pytest.raises(ValueError, match="unknown choice.*decode_atention.*choose from decode_attention"):
+        plan_for(d, torch.float32, torch.float32)

@@ -375,45 +375,6 @@ def test_bf16_projections_on_the_amx_tiles_and_their_merged_lora():
     assert torch.allclose(merged(x).float(), ref, rtol=2 ** -7, atol=1e-3)
 
 
-def test_bf16_decode_step_in_one_native_call_has_the_per_kernel_bits():
-    """On an AMX CPU a bf16 decode step runs all layers in one native call (`fused_layers`): logits and
-    cache writes bit-equal the per-kernel loop's, at row counts below, at and across the 32-row block;
-    a position beyond the cache is refused with nothing written. Elsewhere there is no such call."""
-    from trainer.backends.local import kernels
-    from trainer.backends.local.sampler_forward import decode_step, new_cache
-
-    W = _tiny_weights(True, torch.bfloat16)
-    if not kernels.amx_head():
-        assert W.fused_layers is None
-        pytest.skip("no AMX-BF16 here (or the OS does not grant the tiles)")
-    one_call = W.fused_layers
-    assert one_call is not None
-    g = torch.Generator().manual_seed(3)
-    for rows in (5, 32, 37):
-        caches = []
-        for _ in range(2):
-            torch.manual_seed(rows)
-            c = new_cache(W, rows, 40)
-            for k, v in c:
-                k.copy_(torch.randn(k.shape)), v.copy_(torch.randn(v.shape))
-            caches.append(c)
-        tok = torch.randint(0, W.vocab_size, (rows,), generator=g)
-        pos = torch.randint(0, 39, (rows,), generator=g)
-        W.__dict__["fused_layers"] = one_call
-        a = decode_step(W, tok, pos, [], caches[0])
-        W.__dict__["fused_layers"] = None
-        b = decode_step(W, tok, pos, [], caches[1])
-        assert a.shape == (rows, W.vocab_size) and torch.equal(a, b)
-        assert all(torch.equal(x, y) for la, lb in zip(*caches) for x, y in zip(la, lb))
-    W.__dict__["fused_layers"] = one_call
-    before = [t.clone() for kv in caches[0] for t in kv]
-    x = torch.zeros(rows, W.embed.shape[1])
-    with pytest.raises(ValueError, match="position"):
-        one_call(x, caches[0], torch.full((rows,), 40), W.cos, W.sin)
-    assert all(torch.equal(t, u) for t, u in zip((t for kv in caches[0] for t in kv), before))
-    assert float(x.abs().max()) == 0.0
-
-
 def test_inverse_cdf_matches_the_full_cumsum_and_skips_zero_mass_tokens():
     from trainer.backends.local.generate import inverse_cdf
 

@@ -3,8 +3,6 @@ unembedding) against the peft-wrapped HF model, the independent reference."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,9 +11,8 @@ from lora_grads import grads, zero
 from tinker import types
 
 from trainer.backends.local import LocalServiceClient
-from trainer.backends.local import kernels, train_forward
+from trainer.backends.local import train_forward
 from trainer.backends.local.model import ONEDNN_PACKING
-from trainer.backends.local.ops import softmax_target_torch
 
 TINY = "pairedrl/tiny-random"
 
@@ -142,14 +139,7 @@ def test_stacked_lora_linear_equals_separate_projections(with_lora):
         assert torch.autograd.gradcheck(lambda x, A, B: train_forward.LoraLinear.apply(x, ws[0], A, B, 1.5), (x, A, B))
 
 
-SOFTMAX = ["torch"] + (["native"] if kernels.avx512() else [])
-
-
-@pytest.mark.parametrize("softmax", SOFTMAX)
-def test_blocked_unembedding_equals_cross_entropy(monkeypatch, softmax):
-    """The blocked target logprobs and their gradient, with the softmax over the vocabulary on each
-    implementation that runs here (`ops.TrainOps.softmax_target`)."""
-    ops = SimpleNamespace(softmax_target=kernels.softmax_target if softmax == "native" else softmax_target_torch)
+def test_blocked_unembedding_equals_cross_entropy(monkeypatch):
     monkeypatch.setattr(train_forward, "UNEMBED_ROWS", 7)
     g = torch.Generator().manual_seed(0)
     W = torch.randn(300, 16, generator=g)
@@ -157,7 +147,7 @@ def test_blocked_unembedding_equals_cross_entropy(monkeypatch, softmax):
     h1 = torch.randn(30, 16, generator=g, requires_grad=True)
     h2 = h1.detach().clone().requires_grad_(True)
     up = torch.randn(30, generator=g)
-    a = train_forward.target_logprobs(h1, W, None, 1.0, y, ops=ops)
+    a = train_forward.target_logprobs(h1, W, None, 1.0, y)
     b = -F.cross_entropy(h2 @ W.t(), y, reduction="none")
     (a * up).sum().backward()
     (b * up).sum().backward()
@@ -165,10 +155,9 @@ def test_blocked_unembedding_equals_cross_entropy(monkeypatch, softmax):
     assert torch.allclose(h1.grad, h2.grad, atol=1e-5)
     packed = train_forward.pack_unembed(W) if ONEDNN_PACKING else None
     if packed is not None:  # the oneDNN-packed products give the same values and gradients
-        assert torch.allclose(train_forward.target_logprobs(h1.detach(), W, None, 1.0, y, packed, ops=ops), b.detach(),
-                              atol=1e-5)
+        assert torch.allclose(train_forward.target_logprobs(h1.detach(), W, None, 1.0, y, packed), b.detach(), atol=1e-5)
         h3 = h1.detach().clone().requires_grad_(True)
-        c = train_forward.target_logprobs(h3, W, None, 1.0, y, packed, W, train_forward.pack_unembed_grad(W), ops)
+        c = train_forward.target_logprobs(h3, W, None, 1.0, y, packed, W, train_forward.pack_unembed_grad(W))
         (c * up).sum().backward()
         assert torch.allclose(c, b, atol=1e-5)
         assert torch.allclose(h3.grad, h2.grad, atol=1e-5)

@@ -88,7 +88,6 @@ _SIGNATURES = {
                                _i64, _float, _int, _int],
     "residual_rms_norm": [_ptr, _ptr, _i64, _int, _ptr, _float, _ptr, _int, _ptr, _ptr, _i64, _i64, _int],
     "silu_mul": [_ptr, _i64, _int, _ptr, _i64, _i64, _int],
-    "lora_merge": [_ptr, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "rms_norm_backward": [_ptr, _ptr, _ptr, _ptr, _i64, _int, _ptr, _ptr, _i64, _i64, _int],
     "rope_qkv": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int],
     "rope_qkv_backward": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _int],
@@ -96,13 +95,6 @@ _SIGNATURES = {
     "head_pack": [_ptr, _int, _i64, _i64, _ptr, _int],
     "amx_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _int],
     "head_logits": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int],
-    "attention_forward": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _float, _int],
-    "attention_backward": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
-                           _float, _int],
-    "softmax_target": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
-    "decode_layers_amx": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _float, _ptr, _ptr,
-                          _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _float, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
-                          _int],
     "avx512_available": [],
     "amx_available": [],
 }
@@ -292,24 +284,6 @@ def silu_mul(gu_BC: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def lora_merge(w_OI: torch.Tensor, A_RI: torch.Tensor, B_OR: torch.Tensor) -> torch.Tensor:
-    """`w + B A` in `w`'s dtype (bf16 or fp32; `A`, `B` fp32), summed in fp32 and rounded once, as
-    `torch.addmm(w.float(), B, A).to(w.dtype)`, in one pass over the weight (a new tensor)."""
-    lib = _lib_or_raise("merge")
-    O, I = w_OI.shape
-    R = A_RI.shape[0]
-    if (w_OI.dtype not in (torch.float32, torch.bfloat16) or not w_OI.is_contiguous()
-            or A_RI.dtype != torch.float32 or B_OR.dtype != torch.float32 or A_RI.shape != (R, I)
-            or B_OR.shape != (O, R) or not 1 <= I <= MAX_INTERMEDIATE):
-        raise ValueError(f"lora_merge: unexpected inputs (w {tuple(w_OI.shape)} {w_OI.dtype}, A {tuple(A_RI.shape)} "
-                         f"{A_RI.dtype}, B {tuple(B_OR.shape)} {B_OR.dtype})")
-    A_RI, B_OR = A_RI.contiguous(), B_OR.contiguous()
-    out = torch.empty_like(w_OI)
-    lib.lora_merge(w_OI.data_ptr(), int(w_OI.dtype == torch.bfloat16), A_RI.data_ptr(), B_OR.data_ptr(), out.data_ptr(),
-                   O, I, R, torch.get_num_threads())
-    return out
-
-
 def rms_norm_backward(x_NH: torch.Tensor, w_H: torch.Tensor, rstd_N: torch.Tensor, dy_NH: torch.Tensor,
                       add: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 `dx` of `rms_norm(x, w)` (fp32 `x`, frozen fp32 `w`, the forward's `rstd`) from `dy` (bf16 or
@@ -380,89 +354,10 @@ def silu_mul_backward(gu_NC: torch.Tensor, dm_NI: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def softmax_target(logits_RV: torch.Tensor, y_R: torch.Tensor, probs_dtype: torch.dtype | None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`(log softmax(logits)[y] per row, softmax(logits) in probs_dtype or None)` of fp32 logits (contiguous;
-    overwritten: with the fp32 probabilities, returned as they are, else with the exponentials), in one pass
-    per row (`kernels.c`)."""
-    lib = _lib_or_raise("softmax")
-    R, V = logits_RV.shape
-    if (logits_RV.dtype != torch.float32 or not logits_RV.is_contiguous() or y_R.shape != (R,)
-            or probs_dtype not in (None, torch.float32, torch.bfloat16)):
-        raise ValueError(f"softmax_target: unexpected inputs {tuple(logits_RV.shape)} {logits_RV.dtype}, targets "
-                         f"{tuple(y_R.shape)}, probabilities {probs_dtype}")
-    y_R = y_R.to(torch.int64).contiguous()
-    lp = torch.empty(R)
-    probs = None if probs_dtype is None else logits_RV if probs_dtype == torch.float32 else \
-        torch.empty(R, V, dtype=probs_dtype)
-    if R and lib.softmax_target(logits_RV.data_ptr(), R, V, y_R.data_ptr(), lp.data_ptr(),
-                                None if probs is None else probs.data_ptr(), int(probs_dtype == torch.bfloat16),
-                                torch.get_num_threads()):
-        raise ValueError(f"softmax_target: a target outside [0, {V})")
-    return lp, probs
-
-
-# the head sizes the training attention takes (kernels.c: a multiple of its 16 lanes, at most MAX_D)
-ATTENTION_LANES = 16
-
-
 def avx512() -> bool:
-    """Whether the native library here was built with AVX-512: the training attention and the unembedding
-    softmax run on it only then (their portable loops, as compiled for AVX2, are slower than torch's ops)."""
+    """Whether the native library here was built with AVX-512 (the decode kernel's vectorized variant)."""
     lib = library()
     return lib is not None and bool(lib.avx512_available())
-
-
-def native_attention(head_dim: int, n_heads: int, n_kv: int) -> bool:
-    """Whether the training forward's attention runs on the native kernel here."""
-    return (avx512() and head_dim % ATTENTION_LANES == 0 and ATTENTION_LANES <= head_dim <= MAX_HEAD_DIM
-            and n_heads % n_kv == 0)
-
-
-def _attention_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-        raise ValueError(f"attention: expected q [B, T, heads, D], k and v [B, T, kv, D], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    B, T, nh, D = q.shape
-    kv = k.shape[2]
-    if (k.shape[:2] != (B, T) or k.shape[3] != D or not native_attention(D, nh, kv)
-            or any(x.dtype != torch.float32 or not x.is_contiguous() for x in (q, k, v))):
-        raise ValueError(f"attention: unexpected inputs q {tuple(q.shape)} {q.dtype}, k/v {tuple(k.shape)} {k.dtype}")
-    return B, T, kv, nh // kv, D
-
-
-def _attention_status(rc: int, what: str) -> None:
-    if rc:
-        raise MemoryError(f"{what}: out of memory for its scratch") if rc == -2 else \
-            RuntimeError(f"{what} failed ({rc})")
-
-
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal grouped-query attention, fp32, scale `D^-0.5`: `q [B, T, heads, D]`, `k`, `v [B, T, kv, D]`
-    (contiguous) -> `(o [B, T, heads, D], lse [B, heads, T])`; query row t attends key rows 0..t."""
-    lib = _lib_or_raise("attention")
-    B, T, kv, G, D = _attention_sizes(q, k, v)
-    o, lse = torch.empty_like(q), torch.empty(B, kv * G, T)
-    if B and T:
-        _attention_status(lib.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-                                                B, T, kv, G, D, float(D) ** -0.5, torch.get_num_threads()),
-                          "attention_forward")
-    return o, lse
-
-
-def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                       do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(dq, dk, dv)` of `attention_forward` from the gradient `do` of its output."""
-    lib = _lib_or_raise("attention")
-    B, T, kv, G, D = _attention_sizes(q, k, v)
-    do = do.float().contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if B and T:
-        _attention_status(lib.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(),
-                                                 lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), B, T, kv,
-                                                 G, D, float(D) ** -0.5, torch.get_num_threads()),
-                          "attention_backward")
-    return dq, dk, dv
 
 
 @dataclass(frozen=True)
@@ -559,85 +454,3 @@ def blocked_head(W_VK: torch.Tensor) -> BlockedHead | None:
     fit its tiles (vocabulary a multiple of 32, width of 32)."""
     packed = _tile_pack(W_VK) if W_VK.dtype == torch.float32 else None
     return None if packed is None else BlockedHead(packed, *W_VK.shape, library())
-
-
-def _pointers(ts: list[torch.Tensor]) -> ctypes.Array:
-    return (ctypes.c_void_p * len(ts))(*(t.data_ptr() for t in ts))
-
-
-@dataclass(frozen=True)
-class DecodeLayers:
-    """A bf16 sampler's layers for `decode_layers_amx`, where every layer projection is on the AMX tiles:
-    all layers of a decode step in one native call, through the per-kernel path's functions in its order
-    (so its bits). The pointer arrays are built once per weight set; the tensors they point into belong
-    to the caller's weights (kept here too, so they cannot be freed under the pointers)."""
-
-    weights: tuple[torch.Tensor, ...]
-    pointers: tuple[ctypes.Array, ...]  # qkv, o, gate_up, down, in_norm, post_norm
-    hidden: int
-    intermediate: int
-    qkv_width: int
-    n_heads: int
-    head_dim: int
-    eps: float
-    lib: ctypes.CDLL
-
-    def __call__(self, x_BH: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]], pos_B: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Runs every layer on `x_BH` (fp32 `[B, H]`, contiguous, updated in place) with the per-layer bf16
-        caches `cache` (`decode_layer_attention`'s layout) at positions `pos_B`; returns the last layer's
-        down product (bf16 `[B, H]`), not yet added to `x_BH`."""
-        B, H = x_BH.shape
-        n = len(self.pointers[0])
-        if len(cache) != n:
-            raise ValueError(f"decode_layers: {len(cache)} cache layers for {n} layers")
-        _, KV, L, D = cache[0][0].shape
-        if (x_BH.dtype != torch.float32 or not x_BH.is_contiguous() or H != self.hidden or D != self.head_dim
-                or self.n_heads % KV or (self.n_heads + 2 * KV) * D != self.qkv_width
-                or any(t.dtype != torch.bfloat16 or t.shape != (B, KV, L, D) or not t.is_contiguous()
-                       for kv in cache for t in kv)
-                or not _rope_tables(cos, sin, D) or pos_B.shape != (B,)):
-            raise ValueError(f"decode_layers: unexpected inputs (x {tuple(x_BH.shape)} {x_BH.dtype}, caches "
-                             f"{tuple(cache[0][0].shape)} {cache[0][0].dtype}, tables {tuple(cos.shape)}, "
-                             f"positions {tuple(pos_B.shape)})")
-        pos_B = pos_B.to(torch.int64).contiguous()
-        if B and not (0 <= int(pos_B.min()) and int(pos_B.max()) < min(L, cos.shape[0])):
-            raise ValueError(f"decode_layers: a position outside [0, {min(L, cos.shape[0])}): {pos_B.tolist()}")
-        Mp, I = B + (-B % 16), self.intermediate
-        # rows B.. stay zero: only the products write them, from zero inputs
-        h, y = torch.zeros(Mp, H, dtype=torch.bfloat16), torch.zeros(Mp, H, dtype=torch.bfloat16)
-        att = torch.zeros(Mp, self.n_heads * D, dtype=torch.bfloat16)
-        qkv = torch.zeros(Mp, self.qkv_width, dtype=torch.bfloat16)
-        gu, m = torch.zeros(Mp, 2 * I, dtype=torch.bfloat16), torch.zeros(Mp, I, dtype=torch.bfloat16)
-        if not B:
-            return y[:0]
-        rc = self.lib.decode_layers_amx(
-            x_BH.data_ptr(), B, Mp, H, I, n, *self.pointers, float(self.eps),
-            _pointers([k for k, _ in cache]), _pointers([v for _, v in cache]), cos.data_ptr(), sin.data_ptr(),
-            cos.shape[0], pos_B.data_ptr(), KV, self.n_heads // KV, D, L, float(D) ** -0.5, h.data_ptr(),
-            qkv.data_ptr(), att.data_ptr(), y.data_ptr(), gu.data_ptr(), m.data_ptr(), torch.get_num_threads())
-        _attention_status(rc, "decode_layers")
-        return y[:B]
-
-
-def decode_layers(qkv: list[BlockedLinear | None], o: list[BlockedLinear | None], gate_up: list[BlockedLinear | None],
-                  down: list[BlockedLinear | None], in_norm: list[torch.Tensor], post_norm: list[torch.Tensor],
-                  n_heads: int, head_dim: int, eps: float, act_name: str) -> DecodeLayers | None:
-    """The layers for `DecodeLayers`, or None where a projection is not on the AMX tiles, the sizes do not
-    chain (o's input is the attention output, gate|up stacks two halves) or the row kernels (`row_kernels`:
-    activation `act_name`, bf16) and the decode kernel do not run here."""
-    if not qkv or any(p is None for p in qkv + o + gate_up + down) or not amx_head():
-        return None
-    H, I, Q = qkv[0].in_features, gate_up[0].out_features // 2, n_heads * head_dim
-    C = qkv[0].out_features
-    KV = (C // head_dim - n_heads) // 2
-    if (KV < 1 or (n_heads + 2 * KV) * head_dim != C or not native_decode(n_heads, KV, head_dim)
-            or not row_kernels(act_name, torch.bfloat16, H, I)
-            or any((a.in_features, a.out_features, b.in_features, b.out_features, c.in_features, c.out_features,
-                    d.in_features, d.out_features) != (H, C, Q, H, H, 2 * I, I, H)
-                   for a, b, c, d in zip(qkv, o, gate_up, down))
-            or any(w.dtype != torch.float32 or w.shape != (H,) or not w.is_contiguous() for w in in_norm + post_norm)):
-        return None
-    groups = [[p.packed for p in ps] for ps in (qkv, o, gate_up, down)] + [list(in_norm), list(post_norm)]
-    return DecodeLayers(tuple(t for g in groups for t in g), tuple(_pointers(g) for g in groups), H, I, C, n_heads,
-                        head_dim, eps, library())

@@ -1,7 +1,8 @@
 """The engine's ops between its layer products, each with a torch implementation and, where the plan
-(`plan.EnginePlan`) says so, a native one (`kernels.py`, `fused_ops.py`): one op table for the sampler and
-one for the training forward, built once from the plan, so the model code (`sampler_forward.py`,
-`train_forward.py`, `sampler_weights.py`) calls `ops.add_norm(...)` and never asks which runs.
+(`plan.EnginePlan`) says so, a native one (`kernels.py`; the training forms as custom ops with their
+backward, `custom_ops.py`): one op table for the sampler and one for the training forward, built once
+from the plan, so the model code (`sampler_forward.py`, `train_forward.py`, `sampler_weights.py`) calls
+`ops.add_norm(...)` and never asks which runs.
 
 The two implementations of an op compute the same function in a different summation order (the native
 kernels document their roundings beside each); the plan fixes which one a run uses, so its bits do not
@@ -14,9 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
-
-from trainer.backends.local import fused_ops, kernels
+from trainer.backends.local import custom_ops, kernels
 from trainer.backends.local.model import rms_norm, rope
 from trainer.backends.local.plan import EnginePlan
 
@@ -122,36 +121,8 @@ def _prefill_keys_rotated(qkv_rows: torch.Tensor, k_rotated: torch.Tensor, nh: i
     return k_rotated
 
 
-def _merge_torch(w: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """`w + B A` summed in fp32 and rounded once (a bf16 addmm would round the product and the sum
-    separately)."""
-    return torch.addmm(w.float(), B, A.float()).to(w.dtype)
-
-
-def _merge_native(w: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """`_merge_torch` in one native pass over the weight (the same sum, rounded once)."""
-    if w.dtype in (torch.float32, torch.bfloat16) and w.shape[1] <= kernels.MAX_INTERMEDIATE:
-        return kernels.lora_merge(w, A.float(), B)
-    return _merge_torch(w, A, B)
-
-
 def _no_tiles(w: torch.Tensor) -> None:
     return None
-
-
-def _no_fused_layers(W: Any) -> None:
-    return None
-
-
-def _fused_layers(W: Any) -> kernels.DecodeLayers | None:
-    """Every layer of a decode step in one native call, where every projection of `W` is on the AMX tiles
-    (None where one is not: a shape the tiles do not fit)."""
-    if W.dtype != torch.bfloat16:
-        return None
-    L = W.layers
-    return kernels.decode_layers([x.qkv.amx for x in L], [x.o.amx for x in L], [x.gate_up.amx for x in L],
-                                 [x.down.amx for x in L], [x.in_norm for x in L], [x.post_norm for x in L],
-                                 W.n_heads, W.head_dim, W.eps, W.act_name)
 
 
 @dataclass(frozen=True)
@@ -164,9 +135,7 @@ class SamplerOps:
     gate: Callable[..., torch.Tensor]
     attention: Callable[..., Attend]  # `(W, pos_B, spans, length) -> attend(qkv, k_cache, v_cache)`
     prefill_keys: Callable[..., torch.Tensor]  # a prompt's keys as its cache holds them
-    merge: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # `w + B A`, rounded once
     tiles: Callable[[torch.Tensor], Any]  # a bf16 weight's AMX copy (`kernels.BlockedLinear`) or None
-    fused_layers: Callable[[Any], Any]  # `W -> kernels.DecodeLayers` (a decode step in one call) or None
     pack: bool  # decode products on oneDNN-packed copies
     pack_head: bool  # the fp32 unembedding packed too
 
@@ -179,9 +148,7 @@ def sampler_ops(plan: EnginePlan) -> SamplerOps:
         gate=gate_native if plan.sampler_rows else gate_torch,
         attention=_attention_native if native else _attention_torch,
         prefill_keys=_prefill_keys_raw if native else _prefill_keys_rotated,
-        merge=_merge_native if plan.lora_merge else _merge_torch,
         tiles=kernels.blocked_linear if plan.amx_projections else _no_tiles,
-        fused_layers=_fused_layers if plan.amx_projections and native and plan.sampler_rows else _no_fused_layers,
         pack=plan.onednn_packing, pack_head=plan.packed_head)
 
 
@@ -190,8 +157,9 @@ def _train_add_norm_native(x: torch.Tensor, y: torch.Tensor | None, w: torch.Ten
                            dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_norm_torch` with autograd, on the native kernels in one pass each way (frozen norm weights)."""
     if y is None:
-        return x, fused_ops.NormCast.apply(x, w, eps, dt)
-    return fused_ops.AddNormCast.apply(x, y, w, eps, dt)
+        return x, custom_ops.rms_norm_cast(x, w, eps, dt)[0]
+    s, out, _ = custom_ops.add_rms_norm_cast(x, y, w, eps, dt)
+    return s, out
 
 
 def _train_rope_torch(pos_N: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, nkv: int, hd: int
@@ -213,37 +181,13 @@ def _train_rope_native(pos_N: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                        ) -> Callable[[torch.Tensor, Sequence[int]], tuple[torch.Tensor, ...]]:
     """`_train_rope_torch` on the native kernels (fp32 tables: fp32 q and k; v in fp32 for attention)."""
     def qkv_split(qkv: torch.Tensor, outs: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        return fused_ops.RopeQKV.apply(qkv, pos_N, cos, sin, nh, nkv)
+        return custom_ops.rope_qkv(qkv, pos_N, cos, sin, nh, nkv)
     return qkv_split
 
 
 def _train_gate_native(gu: torch.Tensor, intermediate: int, act: Callable[[torch.Tensor], torch.Tensor]
                        ) -> torch.Tensor:
-    return fused_ops.SiluMul.apply(gu)
-
-
-def _causal_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention in the `[B, T, heads, D]` layout on torch's SDPA (over the transposed layout)."""
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                          enable_gqa=k.shape[2] != q.shape[2]).transpose(1, 2)
-
-
-def _causal_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`_causal_torch` on the native AVX-512 kernel for fp32 (its only dtype), torch's elsewhere."""
-    if q.dtype == torch.float32:
-        return fused_ops.Attention.apply(q, k, v)
-    return _causal_torch(q, k, v)
-
-
-def softmax_target_torch(logits: torch.Tensor, y: torch.Tensor, probs_dtype: torch.dtype | None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`(log softmax(logits)[y] per row, softmax(logits) in probs_dtype or None)`; `logits` (fp32) are
-    overwritten."""
-    target = logits.gather(1, y[:, None]).squeeze(1)
-    top = logits.amax(-1, keepdim=True)
-    z = logits.sub_(top).exp_().sum(-1, keepdim=True)  # logits now hold exp(logits - top)
-    lp = target - (top + z.log()).squeeze(1)
-    return lp, (logits.div_(z).to(probs_dtype) if probs_dtype is not None else None)
+    return custom_ops.silu_mul(gu)
 
 
 @dataclass(frozen=True)
@@ -254,14 +198,11 @@ class TrainOps:
     add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rope: Callable[..., Callable[[torch.Tensor, Sequence[int]], tuple[torch.Tensor, ...]]]
     gate: Callable[..., torch.Tensor]
-    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    softmax_target: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
     def with_trainable_norms(self) -> TrainOps:
         """These ops where the norm weights train (a full fine-tune, the peft reference): the native
         element-wise steps have no gradient for them, so those run on torch ops."""
-        return TrainOps(self.plan, add_norm_torch, _train_rope_torch, gate_torch, self.attention,
-                        self.softmax_target)
+        return TrainOps(self.plan, add_norm_torch, _train_rope_torch, gate_torch)
 
 
 def train_ops(plan: EnginePlan) -> TrainOps:
@@ -269,6 +210,4 @@ def train_ops(plan: EnginePlan) -> TrainOps:
     return TrainOps(
         plan=plan, add_norm=_train_add_norm_native if rows else add_norm_torch,
         rope=_train_rope_native if rows else _train_rope_torch,
-        gate=_train_gate_native if rows else gate_torch,
-        attention=_causal_native if plan.train_attention else _causal_torch,
-        softmax_target=kernels.softmax_target if plan.softmax_target else softmax_target_torch)
+        gate=_train_gate_native if rows else gate_torch)

@@ -13,6 +13,7 @@ without asking again.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -51,18 +52,14 @@ class EnginePlan:
     onednn_packing: bool  # products on oneDNN weights pre-packed for their row count
     head_inputs: torch.dtype  # what the fp32 unembedding's inputs are rounded to (`model.unembed_inputs`)
     packed_head: bool  # the sampler's unembedding on the packed weight (`packed_bf16_inputs_honoured`)
-    lora_merge: bool  # a snapshot's LoRA merged into packed weights by the native kernel
     # the training forward
     train_rows: bool  # norm-cast, RoPE and SiLU gate (forward and backward) on the native row kernels
-    train_attention: bool  # causal attention (forward and backward) on the native AVX-512 kernel
-    softmax_target: bool  # the unembedding's softmax and target logprob in one native pass per row
 
     def on_torch(self) -> EnginePlan:
         """This plan with every op on torch, what a machine without the native kernels runs: tests and
         `bench/` compare the two paths on one machine with it."""
-        return replace(self, kernels="torch path (asked for)", decode_attention=False, sampler_rows=False,
-                       amx_projections=False, amx_unembedding=False, lora_merge=False, train_rows=False,
-                       train_attention=False, softmax_target=False)
+        return replace(self, kernels="torch path (asked for)",
+                       **{k: False for k in NATIVE_CHOICES if k != "onednn_packing"})
 
     def record(self) -> dict[str, object]:
         """The plan as JSON values (run_info.json's `engine`)."""
@@ -73,25 +70,36 @@ class EnginePlan:
 
     def line(self) -> str:
         """One line: the dtypes, then which ops are native, then the library's state."""
-        on = [name for name, flag in (
-            ("decode_attention", self.decode_attention), ("sampler_rows", self.sampler_rows),
-            ("amx_projections", self.amx_projections), ("amx_unembedding", self.amx_unembedding),
-            ("onednn_packing", self.onednn_packing), ("lora_merge", self.lora_merge),
-            ("train_rows", self.train_rows), ("train_attention", self.train_attention),
-            ("softmax_target", self.softmax_target)) if flag]
+        on = [name for name in NATIVE_CHOICES if getattr(self, name)]
         return (f"engine plan: sampler {dtype_name(self.sampler_dtype)}, train {dtype_name(self.train_dtype)}, "
                 f"head inputs {dtype_name(self.head_inputs)}; native: {', '.join(on) or 'none'}; "
                 f"cpu {self.cpu}; {self.kernels}")
 
 
+# the plan's choices a process may put back on torch (`PAIREDRL_TORCH_OPS=a,b`): how `bench/` times what
+# each native tier buys on one machine
+TORCH_OPS_ENV = "PAIREDRL_TORCH_OPS"
+NATIVE_CHOICES = ("decode_attention", "sampler_rows", "amx_projections", "amx_unembedding", "onednn_packing",
+                  "train_rows")
+
+
+def _forced_to_torch() -> set[str]:
+    raw = os.environ.get(TORCH_OPS_ENV, "")
+    names = {x.strip() for x in raw.split(",") if x.strip()}
+    unknown = sorted(names - set(NATIVE_CHOICES))
+    if unknown:
+        raise ValueError(f"{TORCH_OPS_ENV}={raw!r}: unknown choice(s) {unknown}; choose from {', '.join(NATIVE_CHOICES)}")
+    return names
+
+
 def plan_for(d: Dims, sampler_dtype: torch.dtype, train_dtype: torch.dtype) -> EnginePlan:
-    """The plan for a model of sizes `d` (every capability of the engine is probed here, once)."""
-    lib = kernels.library() is not None
+    """The plan for a model of sizes `d` (every capability of the engine is probed here, once), less the
+    choices `PAIREDRL_TORCH_OPS` puts back on torch."""
     sampler_rows = kernels.row_kernels(d.act_name, sampler_dtype, d.hidden, d.intermediate)
     decode = kernels.native_decode(d.n_heads, d.n_kv, d.head_dim)
     head_inputs = unembed_inputs(sampler_dtype)
     packing = ONEDNN_PACKING
-    return EnginePlan(
+    plan = EnginePlan(
         sampler_dtype=sampler_dtype, train_dtype=train_dtype, kernels=kernels.describe(), cpu=cpu_flags(),
         decode_attention=decode,
         # the row kernels pair with the decode kernel's cache layout: both or neither
@@ -100,7 +108,8 @@ def plan_for(d: Dims, sampler_dtype: torch.dtype, train_dtype: torch.dtype) -> E
         amx_unembedding=kernels.amx_head() and head_inputs == torch.bfloat16,
         onednn_packing=packing, head_inputs=head_inputs,
         packed_head=packing and (head_inputs == torch.float32 or packed_bf16_inputs_honoured()),
-        lora_merge=lib and d.hidden <= kernels.MAX_INTERMEDIATE and d.intermediate <= kernels.MAX_INTERMEDIATE,
-        train_rows=kernels.row_kernels(d.act_name, train_dtype, d.hidden, d.intermediate),
-        train_attention=kernels.native_attention(d.head_dim, d.n_heads, d.n_kv),
-        softmax_target=kernels.avx512())
+        train_rows=kernels.row_kernels(d.act_name, train_dtype, d.hidden, d.intermediate))
+    off = _forced_to_torch()
+    if "decode_attention" in off:  # the row kernels pair with the decode kernel's cache layout
+        off.add("sampler_rows")
+    return replace(plan, **{k: False for k in off}) if off else plan

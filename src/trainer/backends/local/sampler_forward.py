@@ -104,28 +104,14 @@ def decode_step(W: SamplerWeights, tok_B: torch.Tensor, pos_B: torch.Tensor, spa
     Batch invariance: projections run in fixed `ROW_BLOCK`-row blocks, and attention runs per row over
     its own cache length (the native kernel: one task per row and key/value head; the torch path: per
     span, with no padding or mask), so a row's numbers depend only on its own tokens (a padded, masked
-    attention over the batch's longest row would change the summation order with the batch).
-
-    Where the plan runs a decode step's layers in one native call (`W.fused_layers`: every projection on
-    the AMX tiles), they go through the same kernels in the same order (the same bits as the loop below)."""
+    attention over the batch's longest row would change the summation order with the batch)."""
     x = F.embedding(tok_B, W.embed)  # [B, H], fp32
-    if W.fused_layers is not None:
-        y = W.fused_layers(x, cache, pos_B, W.cos, W.sin)  # x updated in place
-    else:
-        x, y = _decode_layers(W, x, pos_B, spans, cache)
-    return logits(W, W.ops.add_norm(x, y, W.final_norm, W.eps, torch.float32)[1])
-
-
-def _decode_layers(W: SamplerWeights, x: torch.Tensor, pos_B: torch.Tensor, spans: Sequence[tuple[int, int, int]],
-                   cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """`decode_step`'s layers one op at a time: the residual stream after the last residual add, and the
-    last down product, not yet added to it."""
     ops = W.ops
     attend = ops.attention(W, pos_B, spans, cache[0][0].shape[2])
     y = None  # the previous product's output, not yet added to x
     for L, (kc, vc) in zip(W.layers, cache):
         x, y = layer(x, y, L.blocked(ROW_BLOCK), lambda qkv: attend(qkv, kc, vc), ops, W, W.dtype)  # noqa: B023
-    return x, y
+    return logits(W, ops.add_norm(x, y, W.final_norm, W.eps, torch.float32)[1])
 
 
 def _target_logprobs(W: SamplerWeights, hidden_TH: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from typing import Any, Sequence
 
 import torch
@@ -162,12 +161,6 @@ class SamplerWeights:
         with matmul_inputs(self.head_inputs):
             return self.lm_head.blocked(h) if blocked else self.lm_head(h)
 
-    @cached_property
-    def fused_layers(self) -> Any:
-        """Every layer of a decode step in one native call (`kernels.DecodeLayers`) where the plan runs
-        them so and every projection is on the AMX tiles; None elsewhere."""
-        return self.ops.fused_layers(self)
-
 
 def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                   dtype: torch.dtype, pack: bool | None = None,
@@ -228,7 +221,8 @@ def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
         B[row: row + o, r0: r0 + r] = scale * lora[n][1]
         r0 += r
     if lin.packed is not None or lin.amx is not None:  # merge into the base and re-pack (see `Projection`)
-        merged = ops.merge(lin.w, A, B)  # summed in fp32, rounded once
+        # summed in fp32, rounded once (a bf16 addmm would round the product and the sum separately)
+        merged = torch.addmm(lin.w.float(), B, A.float()).to(lin.w.dtype)
         if lin.amx is not None:
             return Projection(None, amx=ops.tiles(merged))
         return Projection(None, onednn_pack(merged, _PACK_ROWS))

@@ -33,7 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from trainer.backends.local.model import (EMBED, FINAL_NORM, Layer, dims, fuse_base, layer, layer_names,
                                           onednn_linear, onednn_pack, weight)
-from trainer.backends.local.ops import TrainOps, softmax_target_torch, train_ops
+from trainer.backends.local.ops import TrainOps, train_ops
 from trainer.backends.local.plan import plan_for
 
 
@@ -203,17 +203,18 @@ def stacked_linear(x: torch.Tensor, w: torch.Tensor, outs: Sequence[int],
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: Packing, ops: TrainOps
-            ) -> torch.Tensor:
-    """Causal attention of every datum over its own rows (`pk.idx_BT`), fp32; each packed row's output taken
-    from the datum that owns it (`ops.attention` in the `[B, T, heads, D]` layout the row gather gives)."""
+def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: Packing) -> torch.Tensor:
+    """Causal attention of every datum over its own rows (`pk.idx_BT`), fp32, on torch's SDPA; each packed
+    row's output taken from the datum that owns it."""
     B, T = pk.idx_BT.shape
     nh, nkv, hd = q_NhD.shape[1], k_NhD.shape[1], q_NhD.shape[2]
     idx = pk.idx_BT.view(-1)  # index_select: its backward (index_add) beats advanced indexing's
     q = q_NhD.index_select(0, idx).view(B, T, nh, hd)
     k = k_NhD.index_select(0, idx).view(B, T, nkv, hd)
     v = v_NhD.index_select(0, idx).view(B, T, nkv, hd)
-    return ops.attention(q, k, v).reshape(B * T, nh * hd).index_select(0, pk.out_idx)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       enable_gqa=nkv != nh).transpose(1, 2)
+    return o.reshape(B * T, nh * hd).index_select(0, pk.out_idx)
 
 
 def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, lora: Lora,
@@ -247,7 +248,7 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
     qkv_split = ops.rope(pk.pos_N, cos, sin, nh, nkv, hd)
 
     def attend(qkv: torch.Tensor) -> torch.Tensor:
-        return _attend(*qkv_split(qkv, d.qkv_outs), pk, ops).to(dtype)
+        return _attend(*qkv_split(qkv, d.qkv_outs), pk).to(dtype)
 
     x = F.embedding(pk.ids_N, base[weight(EMBED)])
     y = None  # the previous product's output, not yet added to x
@@ -295,8 +296,7 @@ class _TargetLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h_NH: torch.Tensor, W_VH: torch.Tensor, y_N: torch.Tensor,
-                packed: Head, Wg_VH: torch.Tensor, grad_packed: torch.Tensor | None,
-                softmax_target: Any) -> torch.Tensor:
+                packed: Head, Wg_VH: torch.Tensor, grad_packed: torch.Tensor | None) -> torch.Tensor:
         need = ctx.needs_input_grad[0]
         N = h_NH.shape[0]
         out_N = h_NH.new_empty(N)
@@ -304,7 +304,11 @@ class _TargetLogprob(torch.autograd.Function):
         for a in range(0, N, UNEMBED_ROWS):
             b = min(N, a + UNEMBED_ROWS)
             logits = unembed_block(h_NH[a:b], W_VH, packed)
-            out_N[a:b], probs = softmax_target(logits, y_N[a:b], Wg_VH.dtype if need else None)
+            target = logits.gather(1, y_N[a:b, None]).squeeze(1)
+            top = logits.amax(-1, keepdim=True)
+            z = logits.sub_(top).exp_().sum(-1, keepdim=True)  # logits now hold exp(logits - top)
+            out_N[a:b] = target - (top + z.log()).squeeze(1)
+            probs = logits.div_(z).to(Wg_VH.dtype) if need else None
             if need:
                 if grad_packed is None:
                     dh_NH[a:b] = torch.addmm(Wg_VH.index_select(0, y_N[a:b]), probs, Wg_VH, alpha=-1)
@@ -317,9 +321,9 @@ class _TargetLogprob(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, g_N: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
+    def backward(ctx: Any, g_N: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         (dh_NH,) = ctx.saved_tensors
-        return g_N.unsqueeze(1) * dh_NH, None, None, None, None, None, None
+        return g_N.unsqueeze(1) * dh_NH, None, None, None, None, None
 
 
 class _TargetLogprobLora(torch.autograd.Function):
@@ -410,20 +414,17 @@ def target_logprobs_and_entropy(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tu
 
 def target_logprobs(h_NH: torch.Tensor, W_VH: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None,
                     scale: float, y_N: torch.Tensor, packed: Head = None,
-                    grad_weight: torch.Tensor | None = None, grad_packed: torch.Tensor | None = None,
-                    ops: TrainOps | None = None) -> torch.Tensor:
+                    grad_weight: torch.Tensor | None = None, grad_packed: torch.Tensor | None = None) -> torch.Tensor:
     """Logprob of target `y_N[n]` under row n's next-token distribution, in fp32 (`packed`: the
     `pack_unembed(W_VH)` copy). `grad_weight`: `W_VH` in the precision of the backward (bf16 training:
     the `[rows, vocab] x [vocab, H]` gradient product then runs as fast as the layers' GEMMs, while the
     logits, whose rounding would show in the logprobs, stay fp32); `grad_packed`: `pack_unembed_grad` of
     that weight (the gradient product then runs on oneDNN's packed kernel). A LoRA on the unembedding (fp32
-    factors) runs `_TargetLogprobLora`; a trainable `W_VH` the plain logits + cross-entropy path. `ops`: the
-    plan's (its softmax over the vocabulary; default: torch's)."""
+    factors) runs `_TargetLogprobLora`; a trainable `W_VH` the plain logits + cross-entropy path."""
     h_NH = h_NH.float()
     Wg_VH = W_VH if grad_weight is None else grad_weight
     if W_VH.requires_grad or (lora is not None and lora[0].dtype != torch.float32):
         return -F.cross_entropy(linear(h_NH, W_VH, lora, scale), y_N, reduction="none")
     if lora is None:
-        return _TargetLogprob.apply(h_NH, W_VH, y_N, packed, Wg_VH, grad_packed,
-                                    ops.softmax_target if ops is not None else softmax_target_torch)
+        return _TargetLogprob.apply(h_NH, W_VH, y_N, packed, Wg_VH, grad_packed)
     return _TargetLogprobLora.apply(h_NH, lora[0], lora[1], W_VH, y_N, scale, packed, Wg_VH, grad_packed)

@@ -210,14 +210,13 @@ class LoraCompute:
         tgt_g = torch.cat([p.targets[c:] for c, p in zip(cuts, preps)])
         grad_packed = b.packed_unembed_grad(self.train_dtype) if torch.is_grad_enabled() else None
         lp_g = train_forward.target_logprobs(hidden.index_select(0, idx_g), W, head_lora, self.scale, tgt_g, packed,
-                                             grad_weight, grad_packed, self.ops)
+                                             grad_weight, grad_packed)
         idx_n = torch.cat([rows[:c] for c, rows in zip(cuts, pk.rows)])
         tgt_n = torch.cat([p.targets[:c] for c, p in zip(cuts, preps)])
         with torch.no_grad():  # shared prompt rows with the same target: one unembedding each
             key, inv = torch.unique(idx_n * b.vocab_size + tgt_n, return_inverse=True)
             lp_n = train_forward.target_logprobs(hidden.detach().index_select(0, key // b.vocab_size), W,
-                                                 head_lora, self.scale, key % b.vocab_size, packed,
-                                                 ops=self.ops)[inv]
+                                                 head_lora, self.scale, key % b.vocab_size, packed)[inv]
         out, og, on = [], 0, 0
         for c, p in zip(cuts, preps):
             g = len(p.ids) - c
