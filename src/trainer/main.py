@@ -161,9 +161,6 @@ def run_training(cfg: DictConfig) -> float | None:
         service_client = build_service_client(cfg, run_dir)
     except BackendConfigError as e:
         fail(str(e))
-    # every implementation choice of the local engine, made once for this model and logged (a service
-    # decides its own)
-    plan = service_client.plan(cfg.model.base_model) if hasattr(service_client, "plan") else None
     if resuming:  # the folder's config.yaml / run_info.json stay as the run first wrote them
         try:
             check_precision(info, getattr(service_client, "precision", None))
@@ -177,6 +174,9 @@ def run_training(cfg: DictConfig) -> float | None:
                         was.get("rev"), " (dirty)" if was.get("dirty") else "", now.get("rev"),
                         " (dirty)" if now.get("dirty") else "")
     else:
+        # every implementation choice of the local engine, made once for this model and logged (a service
+        # decides its own); a resumed run's engine says it when it restores the checkpoint
+        plan = service_client.plan(cfg.model.base_model) if hasattr(service_client, "plan") else None
         info = write_run_files(run_dir, cfg, {"batch": batch, "run_dir": str(run_dir),
                                               # the engine's resolved precision (None: the service decides)
                                               "precision": getattr(service_client, "precision", None),

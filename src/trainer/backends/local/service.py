@@ -134,6 +134,7 @@ class LocalServiceClient:
 
         folder = self.resolve(path)
         meta = json.loads((folder / "meta.json").read_text())
+        self.plan(meta["base_model"])
         base = shared_base(meta["base_model"], self.model_cache_dir)
         tc = LocalTrainingClient(self, base, rank=int(meta["rank"]), alpha=float(meta["alpha"]), seed=meta["seed"],
                                  targets=list(meta["targets"]),
