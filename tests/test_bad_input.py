@@ -135,3 +135,15 @@ def test_bad_run_folder_fails_and_is_untouched(tmp_path, train_in_process, done_
     assert _snapshot(run) == before
 
 
+
+
+def test_a_misspelled_torch_ops_choice_fails_before_the_model_loads(tmp_path, monkeypatch, train_in_process):
+    """`PAIREDRL_TORCH_OPS` (the engine plan's choices put back on torch) with a name that is no choice: one
+    line naming it and the valid choices, exit code 2, no run files."""
+    monkeypatch.setenv("PAIREDRL_TORCH_OPS", "decode_atention")
+    code, out = train_in_process([*TINY, f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert code == 2 and "Traceback" not in out, out[-2000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("error: backend=local: PAIREDRL_TORCH_OPS='decode_atention'") and \
+        "choose from decode_attention" in last, last
+    assert not (tmp_path / "run" / "run_info.json").exists()

@@ -47,7 +47,7 @@ class EnginePlan:
     # the sampler
     decode_attention: bool  # decode attention on the native kernel (a KV cache of keys before RoPE)
     sampler_rows: bool  # residual add + RMSNorm + cast and the SiLU gate on the native row kernels
-    amx_projections: bool  # bf16 layer products on the AMX tiles (and a decode step's layers in one call)
+    amx_projections: bool  # bf16 layer products on the AMX tiles
     amx_unembedding: bool  # the unembedding on the AMX tiles from bf16 inputs
     onednn_packing: bool  # products on oneDNN weights pre-packed for their row count
     head_inputs: torch.dtype  # what the fp32 unembedding's inputs are rounded to (`model.unembed_inputs`)
@@ -83,12 +83,14 @@ NATIVE_CHOICES = ("decode_attention", "sampler_rows", "amx_projections", "amx_un
                   "train_rows")
 
 
-def _forced_to_torch() -> set[str]:
+def forced_to_torch() -> set[str]:
+    """The choices `PAIREDRL_TORCH_OPS` names; ValueError naming the valid ones for any other name."""
     raw = os.environ.get(TORCH_OPS_ENV, "")
     names = {x.strip() for x in raw.split(",") if x.strip()}
     unknown = sorted(names - set(NATIVE_CHOICES))
     if unknown:
-        raise ValueError(f"{TORCH_OPS_ENV}={raw!r}: unknown choice(s) {unknown}; choose from {', '.join(NATIVE_CHOICES)}")
+        raise ValueError(f"{TORCH_OPS_ENV}={raw!r}: unknown choice(s) {unknown}; choose from "
+                         f"{', '.join(NATIVE_CHOICES)}")
     return names
 
 
@@ -109,7 +111,7 @@ def plan_for(d: Dims, sampler_dtype: torch.dtype, train_dtype: torch.dtype) -> E
         onednn_packing=packing, head_inputs=head_inputs,
         packed_head=packing and (head_inputs == torch.float32 or packed_bf16_inputs_honoured()),
         train_rows=kernels.row_kernels(d.act_name, train_dtype, d.hidden, d.intermediate))
-    off = _forced_to_torch()
+    off = forced_to_torch()
     if "decode_attention" in off:  # the row kernels pair with the decode kernel's cache layout
         off.add("sampler_rows")
     return replace(plan, **{k: False for k in off}) if off else plan

@@ -23,7 +23,7 @@ from trainer.backends.local import ckpt, kernels
 from trainer.backends.local.common import Faults, done_future, failed_future, resolve_path
 from trainer.backends.local.engine import BASE_SNAPSHOT, LoraSnapshot, shared_base, target_modules
 from trainer.backends.local.models import SUPPORTED_MODELS
-from trainer.backends.local.plan import EnginePlan
+from trainer.backends.local.plan import EnginePlan, forced_to_torch
 from trainer.backends.local.precision import DTYPES as _DTYPES
 from trainer.backends.local.precision import auto_precision, dtype_name, training_packing
 from trainer.backends.local.sampling import LocalSamplingClient, SampleScheduler
@@ -87,6 +87,7 @@ class LocalServiceClient:
                                           batch_wait_s=float(sample_batch_wait_s))
         self._clients: weakref.WeakSet[LocalTrainingClient] = weakref.WeakSet()
         self._announced: set[str] = set()
+        forced_to_torch()  # a bad PAIREDRL_TORCH_OPS fails here, before any model is loaded
 
     # ------------------------------------------------------------------ capabilities
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
