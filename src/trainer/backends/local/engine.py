@@ -139,11 +139,13 @@ class SharedBase:
                     self.peft.delete_adapter(name)
 
     def plan(self, sampler_dtype: torch.dtype, train_dtype: torch.dtype) -> EnginePlan:
-        """The engine plan for this model in these dtypes, made on first use and kept (`plan.plan_for`)."""
+        """The engine plan for this model in these dtypes, made on first use and kept (`plan.plan_for`). Made
+        on the compute thread: its probes run products, and a parallel region opened on the caller's thread
+        would start a second OpenMP pool that slows every later kernel (`common.ComputeThread`)."""
         with self.lock:
             key = (sampler_dtype, train_dtype)
             if key not in self._plans:
-                self._plans[key] = plan_for(dims(self.config), sampler_dtype, train_dtype)
+                self._plans[key] = COMPUTE.run(lambda: plan_for(dims(self.config), sampler_dtype, train_dtype))
             return self._plans[key]
 
     def sampler_ops(self, dtype: torch.dtype) -> SamplerOps:
