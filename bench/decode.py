@@ -46,7 +46,7 @@ def main() -> None:
     from trainer.backends.local import sampler_forward as sf
     from trainer.backends.local.common import COMPUTE
     from trainer.backends.local.engine import shared_base
-    from trainer.backends.local.models import SMOLLM2
+    from trainer.model_registry import SMOLLM2
     from trainer.backends.local.ops import sampler_ops
     from trainer.backends.local.sampler_weights import build_weights, with_lora
     from trainer.utils.machine import cpu_model

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from tinker import types  # noqa: E402
 
 from trainer.backends.local import LocalServiceClient  # noqa: E402
-from trainer.backends.local.models import SMOLLM2, resolve_base_model  # noqa: E402
+from trainer.model_registry import SMOLLM2, resolve_base_model  # noqa: E402
 
 
 def prompts(tok, n: int) -> list[list[int]]:

@@ -135,7 +135,7 @@ def trl(prompts: list[str], steps: int, num_iterations: int, bf16: bool) -> dict
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainer.backends.local.models import model_dir
+    from trainer.model_registry import model_dir
 
     path = model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
     tok = AutoTokenizer.from_pretrained(path)

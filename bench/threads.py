@@ -29,7 +29,7 @@ def workload(rows: int, iters: int = 8) -> float:
     import torch
 
     from trainer.backends.local.model import rotary_tables
-    from trainer.backends.local.models import SMOLLM2, resolve_base_model
+    from trainer.model_registry import SMOLLM2, resolve_base_model
     from trainer.backends.local.sampler_forward import decode_step
     from trainer.backends.local.sampler_weights import build_weights
 

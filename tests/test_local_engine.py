@@ -12,7 +12,7 @@ from tinker import types
 
 from trainer.backends.errors import TransientBackendError
 from trainer.backends.local import LocalServiceClient
-from trainer.backends.local import models as local_models
+from trainer import model_registry as local_models
 
 TINY = "pairedrl/tiny-random"
 TEXTS = ["Natalia sold 48 clips in April", "What is 12 + 7? The answer is 19.", "x y", "She earned $10 in 50 min.",

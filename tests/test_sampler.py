@@ -205,7 +205,7 @@ def test_base_model_sampling_client_and_bad_requests(sc, tc):
 
 @pytest.mark.bf16
 def test_bf16_sampler_matches_hf_bf16_and_stays_close_to_fp32(tmp_path, sc):
-    from trainer.backends.local.models import resolve_base_model
+    from trainer.model_registry import resolve_base_model
 
     c = LocalServiceClient(state_dir=tmp_path, sampler_dtype="bfloat16", train_dtype="float32")
     b16 = c.create_sampling_client(base_model=TINY)
@@ -230,7 +230,7 @@ def test_bf16_sampler_matches_hf_bf16_and_stays_close_to_fp32(tmp_path, sc):
 def _tiny_weights(pack, dtype=torch.float32, with_base=False, on_torch=False):
     """The tiny model's sampler weights under this machine's engine plan (`on_torch`: every op on torch)."""
     from trainer.backends.local.model import dims, rotary_tables
-    from trainer.backends.local.models import resolve_base_model
+    from trainer.model_registry import resolve_base_model
     from trainer.backends.local.ops import sampler_ops
     from trainer.backends.local.plan import plan_for
     from trainer.backends.local.sampler_weights import build_weights

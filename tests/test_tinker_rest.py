@@ -245,7 +245,7 @@ def test_topk_prompt_logprobs_match_a_float64_reference(server, sdk):
     import torch
     from tinker import types
 
-    from trainer.backends.local.models import resolve_base_model
+    from trainer.model_registry import resolve_base_model
 
     sc, _, _ = sdk
     sampler = sc.create_sampling_client(base_model=TINY).result()
@@ -494,7 +494,7 @@ def test_downloaded_adapter_loads_with_peft_and_matches_the_engine(server, sdk, 
     from peft import PeftModel
     from tinker import types
 
-    from trainer.backends.local.models import resolve_base_model
+    from trainer.model_registry import resolve_base_model
 
     _, _, tc = sdk
     tc.forward_backward(_datum(), "cross_entropy").result()
@@ -567,7 +567,7 @@ def test_print_env_lets_the_sdk_and_the_cookbook_load_tokenizers_offline(server,
     """`--print-env` seeds a hub cache; with its exports the SDK's `get_tokenizer()` and the cookbook's
     `get_tokenizer(model_name)` load the engine's own tokenizer with the network off. An empty HF_HOME is
     the control: the same program fails there."""
-    from trainer.backends.local.models import resolve_tokenizer
+    from trainer.model_registry import resolve_tokenizer
 
     out = subprocess.run([sys.executable, "-m", "trainer.serve", "--print-env", "--hf-home", str(tmp_path / "hf")],
                          capture_output=True, text=True, timeout=300, env=_env(server))

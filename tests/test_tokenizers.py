@@ -25,7 +25,7 @@ def qwen_tok() -> TmlQwen35Tokenizer:
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A small ChatML tokenizer saved as an HF folder (loaded back through the 'hf' kind)."""
-    from trainer.backends.local.models import build_tiny_tokenizer
+    from trainer.model_registry import build_tiny_tokenizer
 
     out = tmp_path_factory.mktemp("tiny_chatml_tok")
     build_tiny_tokenizer().save_pretrained(out)
@@ -90,7 +90,7 @@ def test_thinking_renderer_refused_for_chatml_without_think(tiny_dir: str) -> No
 
 
 def test_local_kind_uses_local_engine_tokenizer(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    models = pytest.importorskip("trainer.backends.local.models")
+    models = pytest.importorskip("trainer.model_registry")
     monkeypatch.setenv("PAIREDRL_CACHE", str(tmp_path))
     import envs.tokenizers
 

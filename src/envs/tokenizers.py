@@ -2,7 +2,7 @@
 
 - `tml_qwen3_5`: tml-renderers' offline `Qwen35Tokenizer` (vocab inside the wheel, no network),
   wrapped so `encode` splits special tokens like an HF tokenizer does.
-- `local`: the local engine's tokenizer, `trainer.backends.local.models.resolve_tokenizer(base_model)`.
+- `local`: the local engine's tokenizer, `trainer.model_registry.resolve_tokenizer(base_model)`.
 - `hf`: `transformers.AutoTokenizer.from_pretrained(base_model)` (hub id or local folder).
 
 Each tokenizer is also registered with `tinker_cookbook.tokenizer_utils.register_tokenizer` under
@@ -110,10 +110,10 @@ def _build(kind: str, base_model: str) -> Any:
         return TmlQwen35Tokenizer(base_model)
     if kind == "local":
         try:
-            from trainer.backends.local.models import resolve_tokenizer
+            from trainer.model_registry import resolve_tokenizer
         except ImportError as e:
             raise ValueError(
-                f"tokenizer 'local' for {base_model!r} needs trainer.backends.local.models.resolve_tokenizer, "
+                f"tokenizer 'local' for {base_model!r} needs trainer.model_registry.resolve_tokenizer, "
                 f"which could not be imported: {e}") from e
         return resolve_tokenizer(base_model)
     if kind == "hf":

@@ -4,7 +4,7 @@ The SDK and the cookbook find a tokenizer by the model's hub id: `TrainingClient
 `get_info().model_data.tokenizer_id`, `SamplingClient.get_tokenizer()` the base model's name, and
 tinker-cookbook's `tokenizer_utils.get_tokenizer(model_name)` calls `AutoTokenizer.from_pretrained(model_name)`;
 offline (`HF_HUB_OFFLINE=1`) each of them reads the Hugging Face hub cache only. `seed_hf_cache` writes the
-engine's own tokenizer files (the converted model folders, `trainer.backends.local.models.model_dir`) into a
+engine's own tokenizer files (the converted model folders, `trainer.model_registry.model_dir`) into a
 hub cache under the served ids, in the cache's layout (`hub/models--<org>--<name>/refs/main` naming a
 snapshot folder), so those calls resolve with no code change. Weights are not copied: only the server
 loads them. `python -m trainer.serve --print-env [--hf-home DIR]` seeds and prints the exports.
@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from trainer.backends.local.models import SUPPORTED_MODELS, TINY, cache_root, model_dir
+from trainer.model_registry import SUPPORTED_MODELS, TINY, cache_root, model_dir
 
 #: the cookbook renderer that matches SmolLM2's chat template (ChatML `<|im_start|>` / `<|im_end|>` turns);
 #: SmolLM2 is not in the cookbook's model table (`model_info.get_recommended_renderer_name` raises), so

@@ -4,7 +4,7 @@
 `models.SUPPORTED_MODELS`; its clients return tinker's own types and `APIFuture`s.
 """
 
-from trainer.backends.local.models import SUPPORTED_MODELS, resolve_base_model, resolve_tokenizer
+from trainer.model_registry import SUPPORTED_MODELS, resolve_base_model, resolve_tokenizer
 from trainer.backends.local.sampling import LocalSamplingClient
 from trainer.backends.local.service import DEFAULT_LORA_ALPHA, LocalServiceClient
 from trainer.backends.local.training import LocalTrainingClient

@@ -26,7 +26,7 @@ from trainer.backends.local import kernels
 from trainer.backends.local.common import COMPUTE
 from trainer.backends.local.model import (ATTN_PROJ, MLP_PROJ, UNEMBED, check_architecture, dims, fuse_base,
                                           layer_names, rotary_tables, unembed_weight, weight)
-from trainer.backends.local.models import resolve_base_model, spec_for
+from trainer.model_registry import resolve_base_model, spec_for
 from trainer.backends.local.ops import SamplerOps, TrainOps, sampler_ops, train_ops
 from trainer.backends.local.plan import EnginePlan, plan_for
 from trainer.backends.local.sampler_weights import SamplerWeights, build_weights, with_lora
@@ -275,7 +275,7 @@ _bases_lock = threading.Lock()
 
 def shared_base(base_model: str, cache_dir: str | Path | None = None) -> SharedBase:
     """The process-wide `SharedBase` of a model (loaded on first use)."""
-    from trainer.backends.local.models import cache_root
+    from trainer.model_registry import cache_root
 
     key = (spec_for(base_model).base_model, str(cache_root(cache_dir)))
     with _bases_lock:

