@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+
 from trainer.backends.local import custom_ops, kernels
 from trainer.backends.local.model import rms_norm, rope
 from trainer.backends.local.plan import EnginePlan
