@@ -256,10 +256,10 @@ def test_config_is_self_contained_and_torch_free():
 ENGINE = "trainer.backends.local"
 MODEL_CODE = [f"{ENGINE}.{m}" for m in ("sampler_forward", "train_forward", "sampler_weights")]
 # the modules that probe or run the implementation choices, and the probes' names
-CAPABILITY_MODULES = [f"{ENGINE}.{m}" for m in ("kernels", "fused_ops", "precision")]
+CAPABILITY_MODULES = [f"{ENGINE}.{m}" for m in ("kernels", "custom_ops", "precision")]
 PROBES = {"ONEDNN_PACKING", "bf16_inputs_honoured", "packed_bf16_inputs_honoured", "unembed_inputs", "library",
-          "avx512", "amx_head", "row_kernels", "native_decode", "native_attention", "usable", "blocked_linear",
-          "blocked_head", "decode_layers", "auto_precision", "training_packing"}
+          "avx512", "amx_head", "row_kernels", "native_decode", "blocked_linear", "blocked_head", "auto_precision",
+          "training_packing"}
 
 
 def capability_questions(path: Path, name: str) -> list[str]:
