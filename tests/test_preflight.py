@@ -196,6 +196,16 @@ def test_activation_needs_update_2_drift_above_the_on_policy_noise(tmp_path):
     masks_noise, _ = run(1e-6, masked_noise=0.008)
     assert masks_noise["masked-token fraction at update 2 (mean over steps)"] == "pass"
     assert masks_noise["masked-token fraction at update 1 (noise floor)"] == "fail"
+    # a mask that never fires fails with a pointer to the regime where it acts (a comparison here is inert)
+    rows = [{"step": s, "update": u, "loss/dppo_masked_frac": 0.0, "loss/grpo_clip_frac": 0.01,
+             "drift/abs_p_q90": 0.02 if u else 1e-6} for s in range(3) for u in range(2)]
+    d = tmp_path / "pilot_never"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    never = {c.name: c for c in activation(cfg, tmp_path, (d, {"served_model": cfg.model.base_model})).checks}
+    check = never["masked-token fraction at update 2 (mean over steps)"]
+    assert check.status == "fail" and "+experiment=local_dppo_mask" in check.detail
+    assert "local_dppo_mask" not in {c.name: c for c in rep.checks}[check.name].detail
     # the report says which precision the floor belongs to
     assert rep.meta["precision"] == precision and rep.meta["noise_floor"] == {"drift_q90": 1e-6, "masked_frac": 0.0}
     assert all("bfloat16 sampler / bfloat16 trainer (auto: the CPU has AMX)" in c.detail

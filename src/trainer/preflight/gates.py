@@ -251,7 +251,11 @@ def activation(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None =
     report.checks += [
         Check("masked-token fraction at update 2 (mean over steps)", masked, "[0.001, 0.3]",
               _status(masked is not None and 0.001 <= masked <= 0.3),
-              "" if second else "no second update: updates_per_batch < 2"),
+              "no second update: updates_per_batch < 2" if not second else
+              # a comparison in this regime would read `inert` (the arms train alike): say where the rule acts
+              ("the mask (almost) never fires here, so DPPO and GRPO would train alike; the regime where it "
+               "acts on the local engine: +experiment=local_dppo_mask (more updates per batch, a higher lr)"
+               if masked is not None and masked < 0.001 else "")),
         Check("masked-token fraction at update 1 (noise floor)", masked_noise, "update 2 >= 2x this",
               _status(masked is not None and masked_noise is not None and masked >= 2 * masked_noise),
               f"on-policy: masking by numeric noise alone; {ran}"),
