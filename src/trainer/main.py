@@ -29,15 +29,8 @@ from trainer.config.schema import ConfigError, arm_name, validate
 from trainer.hydra_callbacks import probe_output_dir
 from trainer.loop import RLLoop, TrainingClientLost, _ClientFailure
 from trainer.preflight.gates import require_passed
-from trainer.run_info import (
-    batch_arithmetic,
-    config_secrets,
-    format_batch_arithmetic,
-    git_revision,
-    redact_hydra_record,
-    resolved_config_dict,
-    write_run_files,
-)
+from trainer.run_info import (batch_arithmetic, config_secrets, format_batch_arithmetic, git_revision,
+                              redact_hydra_record, resolved_config_dict, write_run_files)
 from trainer.setup import build_components, eval_task, fail, make_loss
 from trainer.utils.io import atomic_write_json, read_json
 from trainer.wandb_run import WandbRun

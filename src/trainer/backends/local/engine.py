@@ -26,11 +26,11 @@ from trainer.backends.local import kernels
 from trainer.backends.local.common import COMPUTE
 from trainer.backends.local.model import (ATTN_PROJ, MLP_PROJ, UNEMBED, check_architecture, dims, fuse_base,
                                           layer_names, rotary_tables, unembed_weight, weight)
-from trainer.model_registry import resolve_base_model, spec_for
 from trainer.backends.local.ops import SamplerOps, TrainOps, sampler_ops, train_ops
 from trainer.backends.local.plan import EnginePlan, plan_for
 from trainer.backends.local.sampler_weights import SamplerWeights, build_weights, with_lora
 from trainer.backends.local.train_forward import Packed, pack_unembed, pack_unembed_grad, pack_weight
+from trainer.model_registry import resolve_base_model, spec_for
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -141,12 +141,17 @@ class SharedBase:
     def plan(self, sampler_dtype: torch.dtype, train_dtype: torch.dtype) -> EnginePlan:
         """The engine plan for this model in these dtypes, made on first use and kept (`plan.plan_for`). Made
         on the compute thread: its probes run products, and a parallel region opened on the caller's thread
-        would start a second OpenMP pool that slows every later kernel (`common.ComputeThread`)."""
+        would start a second OpenMP pool that slows every later kernel (`common.ComputeThread`). Made without
+        the lock held: a caller waiting on the compute thread while that thread waits for the lock (a sampler
+        batch) would never return. Two callers that race make the same plan; the first one kept wins."""
+        key = (sampler_dtype, train_dtype)
         with self.lock:
-            key = (sampler_dtype, train_dtype)
-            if key not in self._plans:
-                self._plans[key] = COMPUTE.run(lambda: plan_for(dims(self.config), sampler_dtype, train_dtype))
-            return self._plans[key]
+            plan = self._plans.get(key)
+        if plan is None:
+            made = COMPUTE.run(lambda: plan_for(dims(self.config), sampler_dtype, train_dtype))
+            with self.lock:
+                plan = self._plans.setdefault(key, made)
+        return plan
 
     def sampler_ops(self, dtype: torch.dtype) -> SamplerOps:
         """The sampler's ops in `dtype` (the sampler's choices do not depend on the training dtype)."""

@@ -168,13 +168,10 @@ def _train_rope_torch(pos_N: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """RoPE of q and k out of a stacked q|k|v product at the packed rows' positions (the rotary rows formed
     once per forward, for every layer); v in q's dtype."""
     cos_N, sin_N = cos[pos_N].unsqueeze(1), sin[pos_N].unsqueeze(1)  # [N, 1, hd]
-    N = pos_N.shape[0]
 
     def qkv_split(qkv: torch.Tensor, outs: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        q, k, v = qkv.split(list(outs), -1)
-        q = rope(q.view(N, nh, hd), cos_N, sin_N)
-        k = rope(k.view(N, nkv, hd), cos_N, sin_N)
-        return q, k, v.view(N, nkv, hd).to(q.dtype)
+        q, k, v = rope_qk(qkv, cos_N, sin_N, nh, nkv, hd)
+        return q, k, v.to(q.dtype)
     return qkv_split
 
 

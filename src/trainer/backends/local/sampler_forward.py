@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.backends.local.model import layer
-from trainer.backends.local.ops import ATTN_DTYPE, decode_attention, rope_qk  # noqa: F401 - re-exported
+from trainer.backends.local.ops import ATTN_DTYPE, rope_qk
 from trainer.backends.local.sampler_weights import ROW_BLOCK, SamplerWeights
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [rows, n_kv, length, head_dim]

@@ -22,13 +22,13 @@ from tinker.lib.public_interfaces.custom_loss import trace_loss
 from trainer.backends.local import ckpt, kernels
 from trainer.backends.local.common import Faults, done_future, failed_future, resolve_path
 from trainer.backends.local.engine import BASE_SNAPSHOT, LoraSnapshot, shared_base, target_modules
-from trainer.model_registry import SUPPORTED_MODELS
 from trainer.backends.local.plan import EnginePlan, forced_to_torch
 from trainer.backends.local.precision import DTYPES as _DTYPES
 from trainer.backends.local.precision import auto_precision, dtype_name, training_packing
 from trainer.backends.local.sampling import LocalSamplingClient, SampleScheduler
 from trainer.backends.local.training import LocalTrainingClient
 from trainer.config.schema import LocalBackendConfig
+from trainer.model_registry import SUPPORTED_MODELS
 
 log = logging.getLogger(__name__)
 

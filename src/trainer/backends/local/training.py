@@ -27,15 +27,8 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.lib.public_interfaces.custom_loss import LossHandle
 
 from trainer.backends.local import ckpt
-from trainer.backends.local.common import (
-    COMPUTE,
-    Faults,
-    OrderedWorker,
-    SelfFuture,
-    check_id,
-    checkpoint_folder,
-    tinker_path,
-)
+from trainer.backends.local.common import (COMPUTE, Faults, OrderedWorker, SelfFuture, check_id,
+                                           checkpoint_folder, tinker_path)
 from trainer.backends.local.engine import LoraSnapshot, SharedBase
 from trainer.backends.local.training_compute import LoraCompute, LossRun
 
