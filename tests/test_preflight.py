@@ -100,6 +100,15 @@ def test_activation_and_feasibility_gates(tmp_path):
     assert p.returncode != 0 and not rep["passed"]
 
 
+def test_a_prompt_over_the_context_fails_the_gate_with_its_reason(tmp_path):
+    """A plan whose prompts do not fit `model.max_seq_len` fails the pilot gates with the reason, not a traceback."""
+    p, rep = preflight("activation", ["model.max_seq_len=16"], tmp_path)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    (check,) = rep["checks"]
+    assert check["status"] == "fail" and "no room under model.max_seq_len=16" in check["detail"]
+    assert "no room under model.max_seq_len=16" in p.stdout
+
+
 def test_sweep_refuses_without_passed_gates(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "train.py"), *LOCAL, f"preflight.dir={tmp_path}",
                         f"hydra.run.dir={tmp_path}/run"], capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -393,3 +393,25 @@ def test_inverse_cdf_matches_the_full_cumsum_and_skips_zero_mass_tokens():
     q = torch.softmax(torch.randn(1, 300, generator=g), -1).expand(100_000, 300).contiguous()
     freq = torch.bincount(inverse_cdf(q, torch.rand(100_000, generator=g, dtype=torch.float64)), minlength=300)
     assert float((freq / 100_000 - q[0]).abs().max()) < 0.005
+
+
+def test_jobs_that_each_fit_the_context_share_a_batch(tc):
+    """A long prompt with a short budget and a short prompt with a long one fit the context alone, so they fit
+    together too (the batch's cache is as long as its longest job, not longest prompt + largest budget), and
+    each returns what it returns alone."""
+    tok = tc.get_tokenizer()
+    scl = tc.save_weights_and_get_sampling_client()
+    ctx = 1024
+    short = mi(tok, PROMPTS[0])
+    long_ids = (tok.encode(PROMPTS[1], add_special_tokens=False) * 200)[: ctx - 40]
+    long_p = types.ModelInput.from_ints(long_ids)
+    long_params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=5, stop=[])
+    short_params = types.SamplingParams(max_tokens=ctx - short.length - 1, temperature=1.0, seed=6, stop=[])
+    alone_long = scl.sample(long_p, 2, long_params).result()
+
+    async def together():
+        return await asyncio.gather(scl.sample(long_p, 2, long_params), scl.sample(short, 1, short_params))
+
+    both_long, both_short = asyncio.run(together())
+    assert [s.tokens for s in both_long.sequences] == [s.tokens for s in alone_long.sequences]
+    assert len(both_short.sequences[0].tokens) == short_params.max_tokens

@@ -123,3 +123,20 @@ def test_hf_missing_folder_is_clear(tmp_path) -> None:
 def test_unknown_renderer_name(qwen_tok: TmlQwen35Tokenizer) -> None:
     with pytest.raises(ValueError, match="no_such_renderer"):
         get_renderer(ModelConfig(name="qwen", base_model="Qwen/Qwen3.5-2B", renderer="no_such_renderer"), qwen_tok)
+
+
+def test_tiny_tokenizer_is_trained_on_the_vendored_gsm8k_corpus(monkeypatch, tmp_path) -> None:
+    """The tiny tokenizer learns its merges from the repository's GSM8K rows: a GSM8K question takes about
+    half a token per character (on the fixed fallback lines alone it takes ~1 per byte), and a missing
+    corpus is an error naming the file, never a different tokenizer under the same cache name."""
+    import envs.gsm8k_data as gsm8k_data
+    from trainer import model_registry
+
+    corpus = model_registry._tiny_corpus()
+    assert len(corpus) >= 2 * model_registry._TINY_CORPUS_LINES
+    tok = model_registry.build_tiny_tokenizer()
+    q = corpus[0]
+    assert len(tok.encode(q, add_special_tokens=False)) < 0.6 * len(q)
+    monkeypatch.setattr(gsm8k_data, "VENDORED_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="train.jsonl"):
+        model_registry._tiny_corpus()

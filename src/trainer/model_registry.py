@@ -42,7 +42,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-_TINY_VERSION = 1  # bump when the tiny recipe changes, so stale caches are rebuilt
+_TINY_VERSION = 2  # bump when the tiny recipe changes, so stale caches are rebuilt
 _TINY_CORPUS_LINES = 400
 _TINY_VOCAB = 512
 
@@ -133,15 +133,22 @@ def _clean_gguf_tokenizer(folder: Path, *, vocab_size: int, chat_template: str) 
 
 # ----------------------------------------------------------------------------------- tiny random
 def _tiny_corpus() -> list[str]:
-    data = Path(__file__).resolve().parents[3] / "envs" / "data" / "gsm8k" / "train.jsonl"
+    """The tiny tokenizer's training text: the first GSM8K train rows, then a few fixed lines.
+
+    The corpus is required, not optional: without it the BPE learns almost no merges, every prompt
+    tokenizes ~4x longer, and the tokenizer silently differs between machines under one cache name."""
+    from envs.gsm8k_data import VENDORED_DIR  # lazy: envs imports this module
+
+    data = VENDORED_DIR / "train.jsonl"
+    if not data.is_file():
+        raise FileNotFoundError(f"the tiny tokenizer's corpus {data} is missing (the vendored GSM8K train split)")
     lines: list[str] = []
-    if data.is_file():
-        with data.open() as f:
-            for i, line in enumerate(f):
-                if i >= _TINY_CORPUS_LINES:
-                    break
-                row = json.loads(line)
-                lines += [row["question"], row["answer"]]
+    with data.open() as f:
+        for i, line in enumerate(f):
+            if i >= _TINY_CORPUS_LINES:
+                break
+            row = json.loads(line)
+            lines += [row["question"], row["answer"]]
     lines += [" ".join(str(d) for d in range(10)), "0123456789 + - * / = ( ) . , ? ! \\boxed{42}",
               "user assistant system"]
     return lines

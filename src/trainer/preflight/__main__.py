@@ -23,6 +23,7 @@ def main(argv: list[str]) -> int:
         activation,
         design,
         feasibility,
+        pilot_failed,
         preflight_dir,
         restoration,
         run_pilot,
@@ -59,8 +60,13 @@ def main(argv: list[str]) -> int:
             report = design(cfg, out, n_seeds)
         else:
             if pilot is None:
-                pilot = run_pilot(cfg, out)
-            report = (activation if g == "activation" else feasibility)(cfg, out, pilot)
+                try:
+                    pilot = run_pilot(cfg, out)
+                except ValueError as e:  # a request the plan makes cannot run (a prompt over the context, ...)
+                    report = pilot_failed(g, cfg, e)
+                    pilot = None
+            if pilot is not None:
+                report = (activation if g == "activation" else feasibility)(cfg, out, pilot)
         report.write(out)
         report.print_table()
         print(f"-> {Path(out) / 'preflight' / (g + '.json')}: {'PASSED' if report.passed else 'FAILED'}")

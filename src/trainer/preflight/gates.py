@@ -217,6 +217,15 @@ def run_pilot(cfg: DictConfig, out_dir: Path) -> tuple[Path, dict[str, Any]]:
     return run_dir, result
 
 
+def pilot_failed(gate: str, cfg: DictConfig, err: Exception) -> GateReport:
+    """The gate's report when the pilot itself could not run: one failed check that says why."""
+    report = GateReport(gate)
+    report.checks.append(Check("pilot run (the treatment arm's first steps)", "failed", "completes", "fail",
+                               " ".join(str(err).split())))
+    report.meta = _meta(cfg)
+    return report
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

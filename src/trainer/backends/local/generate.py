@@ -116,7 +116,7 @@ class _Batch:
     order: list[int]  # job indices, longest prompt first
     rows: list[_Row]  # each job's rows together and in order, jobs in `order`
     job_rows: list[list[int]]  # job -> its row indices
-    cache_len: int  # longest prompt + the largest max_tokens
+    cache_len: int  # the largest prompt + max_tokens of one job
     temp_B: torch.Tensor  # per row: its job's temperature (1 for greedy jobs)
     plen_B: torch.Tensor  # per row: its prompt length
     gens: dict[int, torch.Generator] = field(default_factory=dict)  # per sampling (non-greedy) job
@@ -125,10 +125,14 @@ class _Batch:
 
 
 def _plan(W: SamplerWeights, jobs: Sequence[SampleJob]) -> _Batch:
-    T = max(len(j.prompt) for j in jobs)
-    L = T + max(j.max_tokens for j in jobs)
+    # each job must fit on its own; the cache is as long as the longest job needs (a long prompt with a
+    # short budget and a short prompt with a long one share a batch: rows past their own budget are
+    # finished, and `decode_one_token` holds their position inside the cache)
+    L = max(len(j.prompt) + j.max_tokens for j in jobs)
     if L > W.max_context:
-        raise ValueError(f"longest prompt ({T}) + max_tokens exceeds the model context ({W.max_context})")
+        j = max(jobs, key=lambda j: len(j.prompt) + j.max_tokens)
+        raise ValueError(f"prompt ({len(j.prompt)} tokens) + max_tokens ({j.max_tokens}) exceeds the model "
+                         f"context ({W.max_context})")
     # rows grouped by prompt length (longest first; a job's rows stay together and in order), so the rows
     # attending over the same cache length are one contiguous span at every step
     order = sorted(range(len(jobs)), key=lambda ji: -len(jobs[ji].prompt))
@@ -247,7 +251,9 @@ def compact(batch: _Batch, tok: torch.Tensor, cache: KVCache) -> tuple[torch.Ten
 def decode_one_token(W: SamplerWeights, batch: _Batch, tok: torch.Tensor, step: int, cache: KVCache
                      ) -> torch.Tensor:
     """The next logits of every live row, its token `tok` written at cache index = prompt length + step."""
-    pos = batch.plen_B[batch.live] + step
+    # a finished row (its job done or its own budget spent) still decodes until compaction drops it; its
+    # output is discarded, so its position is held at the cache's last slot instead of running past it
+    pos = (batch.plen_B[batch.live] + step).clamp_(max=batch.cache_len - 1)
     return sampler_forward.decode_step(W, tok, pos, _spans(pos.tolist()), cache)
 
 
