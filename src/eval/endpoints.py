@@ -47,7 +47,10 @@ def load_curve(label: str, eval_dir: Path, eval_name: str, final_step: int,
     """{step: {item index: correct}} of one run; every file must hold the final eval's items."""
     ref = {r["index"]: r["question_sha256"] for r in final_records}
     curve: dict[int, dict[int, bool]] = {}
-    for step, path in curve_files(eval_dir, eval_name, final_step).items():
+    files: dict[int, Path | None] = dict(curve_files(eval_dir, eval_name, final_step))
+    if final_records:  # records held in memory stand for the final eval file
+        files[final_step] = files.get(final_step)
+    for step, path in sorted(files.items()):
         recs = final_records if step == final_step else read_item_records(path)
         m = {r["index"]: r["question_sha256"] for r in recs}
         if m != ref:

@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.config.digest import decision_hash
 from trainer.utils.io import atomic_write_json, atomic_write_text
 from trainer.utils.machine import cpu_model
 
@@ -143,6 +144,11 @@ def write_run_files(run_dir: Path, cfg: DictConfig, extra: dict[str, Any]) -> di
         # the local engine's numbers are reproducible for the same thread count and CPU (docs/engine.md)
         "torch_threads": _torch_threads(),
         "cpu": cpu_model(),
+        # where the run was written, and the decision rule it was trained under: eval.compare reads sweep
+        # membership and the pre-registered rule from these, so a run linked or copied elsewhere, or a
+        # config.yaml edited afterwards, cannot pass for another comparison's
+        "run_dir": str(Path(run_dir).resolve()),
+        "decision_sha256": decision_hash(cfg_d.get("decision")),
         **extra,
     }
     atomic_write_json(run_dir / "run_info.json", redact(info, current_secrets()))

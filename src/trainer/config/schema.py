@@ -420,7 +420,8 @@ class PreflightConfig:
 
 @dataclass
 class DecisionConfig:
-    # the pre-registered test: auto | paired_hoeffding | mcnemar_exact | paired_bootstrap | seed_t (over seeds);
+    # the pre-registered test: auto | paired_hoeffding | mcnemar_exact | paired_bootstrap | seed_t (over seeds)
+    # | sign_flip (exact, over seeds);
     # auto = seed_t with >= 2 seeds per arm (a verdict about the training procedure), paired_hoeffding with one
     method: str = "auto"
     # two-sided error rate of the rule's interval / test (Holm-adjusted over several treatments)
@@ -447,6 +448,12 @@ class DecisionConfig:
     # what target_effect is a gain of: procedure (the loss, across training runs; needs a seed-level method)
     # | checkpoints (the trained checkpoints) | null (the decision method's own scope)
     target_scope: Optional[str] = None
+    # `equivalent` (two one-sided tests) when the rule's two-sided interval lies inside +-this gain (0.02 = 2
+    # accuracy points); null = off (eval.compare then never says `equivalent`)
+    equivalence_margin: Optional[float] = None
+    # seeds per arm at which compare may decide, increasing (e.g. [3, 6, 10]): alpha is spent over them
+    # (O'Brien-Fleming-like), and a look before the last says `inconclusive` and names the next; null = one look
+    looks: Optional[list[int]] = None
     # what the design gate does with a plan whose rule is miscalibrated (false positives above alpha under the
     # stated seed sd, an item-level method for a procedure-level target, seed sd left at 0 with several seeds):
     # fail | warn
@@ -478,6 +485,16 @@ class DecisionConfig:
         if self.target_scope is not None:
             _in_set("target_scope", self.target_scope, ("procedure", "checkpoints"))
         _in_set("design_problems", self.design_problems, ("fail", "warn"))
+        if self.equivalence_margin is not None:
+            _require(0 < self.equivalence_margin < 1, "equivalence_margin", "must be in (0, 1) or null",
+                     self.equivalence_margin)
+        if self.looks is not None:
+            looks = list(self.looks)
+            _require(len(looks) >= 1 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 2
+                                             for x in looks) and looks == sorted(set(looks)), "looks",
+                     "must be null or increasing seeds per arm, each >= 2 (e.g. [3, 6, 10])", self.looks)
+            _require(self.method not in ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap"), "looks",
+                     "needs a seed-level method (auto, seed_t or sign_flip): looks add seeds", self.method)
 @dataclass
 class ReportConfig:
     # write report.md with PNG plots into the run folder at the end of a run (python -m eval.report)
