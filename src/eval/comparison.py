@@ -438,8 +438,9 @@ def inert_reason(row: dict[str, Any]) -> str:
     per = row["activity"]["per_seed"]
     ident = sum(bool(x["identical_training_rows"]) for x in per)
     why = (f"identical training rows at every seed pair ({ident} of {len(per)})" if ident == len(per) else
-           f"no rule of either loss fired at any update ({len(per) - ident} of {len(per)} seed pairs; the rest "
-           "trained identically), and these two losses compute the same unclipped gradient")
+           f"no rule of either loss fired at any update ({len(per) - ident} of {len(per)} seed pairs"
+           + (f"; {ident} with identical training rows" if ident else "")
+           + "), and these two losses compute the same unclipped gradient")
     iv = row.get("rule_ci")
     if iv and (iv[0] > 0 or iv[1] < 0):
         why += (f"; yet the rule's interval [{100 * iv[0]:+.2f}, {100 * iv[1]:+.2f}] pts excludes 0: the arms' "
@@ -584,7 +585,8 @@ def _rule_dict(rule: Rule) -> dict[str, Any]:
             "alpha": rule.alpha, "margin": rule.margin, "endpoint": rule.endpoint,
             "step": rule.step, "threshold": rule.threshold, "baseline": rule.baseline, "source": rule.source,
             "overridden": rule.overridden, "text": rule.text(), "estimand": ESTIMANDS[rule.method],
-            "scope": rule.scope, "bootstrap_resamples": DEFAULT_BOOTSTRAP, "bootstrap_seed": DEFAULT_BOOTSTRAP_SEED}
+            "scope": rule.scope, "equivalence_margin": rule.equivalence_margin, "looks": rule.looks,
+            "bootstrap_resamples": DEFAULT_BOOTSTRAP, "bootstrap_seed": DEFAULT_BOOTSTRAP_SEED}
 
 
 def _load_aa(aa: str | Path, eval_name: str, item_sha: str, ref: Run, rule: Rule, order: list[int],

@@ -114,6 +114,7 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
     for r in rows:
         lines += _methods_section(r, rule, len(rows) > 1)
         lines += _seeds_section(r, result)
+        lines += _effects_section(r)
         if r.get("aa_calibration"):
             lines += _aa_calibration_section(r, result)
     if result.get("curve"):
@@ -161,8 +162,10 @@ def _scope_sentence(result: dict[str, Any]) -> str:
                 "different seeds can differ by as much). Run >= 2 seeds per arm, and an A/A sweep "
                 "(`--multirun loss=<baseline> seed=0,1,2`, passed as `--aa`), to learn about the loss.")
     if result["verdict_scope"] == "across_seeds":
+        at = ", ".join(f"{k} = {v}" for k, v in (result.get("scope_settings") or {}).items())
         return (f"**Scope: this training procedure.** The rule's unit is the seed ({S} seed pairs): the verdict "
-                "is about the loss, with training noise counted.")
+                "is about the loss, with training noise counted, at the settings the arms share"
+                + (f" ({at}): a claim at these values, not beyond them." if at else "."))
     return (f"**Scope: these fixed checkpoints.** The rule is item-level: it treats the {2 * S} trained "
             f"checkpoints as fixed, so it does not count training noise; the seed-level numbers below ({S} "
             "seed pairs) are the ones about the training procedure.")
@@ -208,6 +211,23 @@ def _methods_section(r: dict[str, Any], rule: dict[str, Any], several: bool) -> 
                        "difference is positive / negative, and the bootstrap resamples whole items. Discordant "
                        f"(seed, item) pairs: {r['b']} / {r['c']}.")]
     return lines + [""]
+
+
+def _effects_section(r: dict[str, Any]) -> list[str]:
+    es = r.get("effect_sizes") or {}
+    if "prob_improvement" not in es:
+        return []
+    z = es["gap_in_seed_sd"]
+    share = es["item_sampling_share"]
+    return [f"### Effect sizes ({r['treatment']} - {r['baseline']}; descriptive, none decides)", "",
+            (f"Probability of improvement over the {es['n_seed_pairs']} seed pairs (treatment run above its "
+             f"baseline run; ties count half): {es['prob_improvement']:.2f} [{es['prob_improvement_low']:.2f}, "
+             f"{es['prob_improvement_high']:.2f}] (Wilson). Gap in between-seed sd units: "
+             f"{'-' if z is None else f'{z:+.2f}'} (between-seed sd of one arm {_size(es['between_seed_sd'])})."),
+            (f"Variance of a seed pair's gap (sd {_size(es['gap_sd'])}): item sampling "
+             f"{'-' if share is None else f'{100 * share:.0f}%'}, training (seed) noise "
+             f"{'-' if share is None else f'{100 * (1 - share):.0f}%'}: more items narrow only the first part, "
+             "more seeds both."), ""]
 
 
 def _seeds_section(r: dict[str, Any], result: dict[str, Any]) -> list[str]:
