@@ -310,3 +310,38 @@ def test_the_registry_is_what_the_config_may_name():
 
     assert DECIDING == DECISION_METHODS
     assert {m.scope for m in METHODS.values()} == {"fixed_checkpoints", "across_seeds"}
+
+
+# ----------------------------------------------------------------------------- calibration bounds (quick)
+def _se(n: int) -> float:
+    return math.sqrt(0.025 * 0.975 / n)
+
+
+def test_equivalence_holds_alpha_half_at_the_margin():
+    """At a true gap equal to the margin, `equivalent` in at most alpha / 2 of sweeps (3 Monte Carlo se)."""
+    from eval.calibrate import equivalence
+
+    n = 3000
+    for row in equivalence(n, seed=1, seeds=(3, 6)):
+        assert row["at_margin"] <= 0.025 + 3 * _se(n), row
+    assert row["at_zero"] > row["at_margin"]  # and it says something where the gap is 0
+
+
+def test_planned_looks_hold_alpha_half_and_unplanned_looks_do_not():
+    from eval.calibrate import looks
+
+    n = 4000
+    (null,) = looks(n, seed=2, effects=(0.0,))
+    assert null["validated_sequential"] <= 0.025 + 3 * _se(n), null
+    assert null["validated_every_seed_unplanned"] > 0.05, null  # why looks are planned and counted
+    assert sum(null["levels"]) == pytest.approx(0.05)
+
+
+def test_sign_flip_holds_alpha_half_under_heavy_tailed_seed_noise():
+    from eval.calibrate import sign_flip
+
+    n = 3000
+    for row in sign_flip(n, seed=3, seeds=(3, 6, 8)):
+        assert row["sign_flip_null_normal"] <= 0.025 + 3 * _se(n) and row["sign_flip_null_t3"] <= 0.025 + 3 * _se(n)
+        if row["seeds_per_arm"] == 3:
+            assert row["sign_flip_power"] == 0.0  # p >= 0.25 whatever the data
