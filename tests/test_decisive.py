@@ -350,3 +350,54 @@ def test_sign_flip_holds_alpha_half_under_heavy_tailed_seed_noise():
         assert row["sign_flip_null_normal"] <= 0.025 + 3 * _se(n) and row["sign_flip_null_t3"] <= 0.025 + 3 * _se(n)
         if row["seeds_per_arm"] == 3:
             assert row["sign_flip_power"] == 0.0  # p >= 0.25 whatever the data
+
+
+# ----------------------------------------------------------------------------- K samples per item
+def test_compare_uses_per_item_scores_of_k_samples(tmp_path):
+    """eval.samples_per_item K > 1: each record's `score` (fraction correct of K samples) is the item's value
+    in every paired method; the greedy `correct` (score >= 0.5) is not what is compared."""
+    from test_compare import _records, make_run
+
+    rng = np.random.default_rng(11)
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    scores = {}
+    for job, (loss, s) in enumerate([("grpo", 0), ("grpo", 1), ("dppo", 0), ("dppo", 1)]):
+        k = rng.integers(0, 5, N_ITEMS) if loss == "grpo" else np.minimum(4, rng.integers(0, 5, N_ITEMS) + 1)
+        recs = _records(k >= 2)
+        for r, x in zip(recs, k):
+            r.update(score=float(x) / 4, samples=4, correct=bool(x >= 2))
+        scores[loss, s] = k / 4
+        make_run(sweep / str(job), loss, s, k >= 2, records=recs)
+    res = compare([sweep], n_bootstrap=0, make_plots=False)
+    D = [float(np.mean(scores["dppo", s] - scores["grpo", s])) for s in (0, 1)]
+    assert res["estimate"] == pytest.approx(np.mean(D)) and res["seed_level"]["per_seed_diff"] == pytest.approx(D)
+    assert res["arms"][0]["accuracy"] == pytest.approx(float(np.mean(scores["grpo", 0])))
+    # Hoeffding on [-1, 1] per-item differences stays valid: its half-width is the same formula
+    assert res["hoeffding_half_width"] == pytest.approx(math.sqrt(2 * math.log(40) / N_ITEMS))
+
+
+def test_k_sample_scores_are_validated_in_records(tmp_path):
+    from eval.records import RecordError, read_item_records, write_item_records
+    from test_compare import _records
+
+    recs = _records(np.array([True, False]))
+    recs[0].update(score=float("nan"), samples=4)
+    path = tmp_path / "x.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(RecordError, match="'score' must be a number in \\[0, 1\\]"):
+        read_item_records(path)
+    recs[0]["score"] = 0.75
+    assert read_item_records(write_item_records(path, recs))[0]["score"] == 0.75
+
+
+@pytest.mark.slow
+def test_training_with_k_samples_per_item_writes_scores(tmp_path):
+    from runs import TINY, run_train
+
+    run = tmp_path / "run"
+    p = run_train([*TINY, "eval.samples_per_item=4", "eval.temperature=1.0", f"hydra.run.dir={run}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "eval" / "gsm8k_test.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["samples"] == 4 and r["score"] in (0, 0.25, 0.5, 0.75, 1.0) for r in rows)
+    assert all(r["correct"] == (r["score"] >= 0.5) for r in rows)

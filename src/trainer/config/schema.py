@@ -223,8 +223,16 @@ class EvalConfig:
     max_tokens: int = 512
     # maximum eval requests in flight at once
     concurrency: int = 512
+    # samples per item: 1 = one greedy completion (correct 0/1); K > 1 = K samples at eval.temperature, the
+    # item's score being its fraction correct (less eval noise per item, K times the sampling)
+    samples_per_item: int = 1
+    # sampling temperature of the K samples (used only when samples_per_item > 1)
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
+        _positive_int("samples_per_item", self.samples_per_item)
+        _require(self.samples_per_item <= 64, "samples_per_item", "must be <= 64", self.samples_per_item)
+        _require(self.temperature > 0, "temperature", "must be > 0", self.temperature)
         if self.n_examples is not None:
             _positive_int("n_examples", self.n_examples)
         _nonneg_int("every", self.every)
