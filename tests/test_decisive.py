@@ -51,12 +51,15 @@ def test_gaps_within_half_a_point_read_equivalent_and_real_gaps_do_not(tmp_path,
     assert (res["ci_low"], res["ci_high"]) == pytest.approx((-half, half))
     assert res["decision"]["equivalence_margin"] == 0.05
     # gaps of +3..+8 pts with a margin of 2 pts: the interval [3.6, 7.4] pts is not inside +-2 pts
-    big = _gap_sweep(tmp_path, [6, 8, 10, 12, 14, 16], overrides=("decision.equivalence_margin=0.02",),
-                     name="big")
+    big = _gap_sweep(
+        tmp_path, [6, 8, 10, 12, 14, 16], overrides=("decision.equivalence_margin=0.02",), name="big"
+    )
     res = compare([big], n_bootstrap=0, make_plots=False)
     assert res["verdict"] == "validated" and res["ci_low"] > 0.02
     # an interval that is not inside the margin on both sides is not equivalent: [-0.97, +4.97] pts vs +-3 pts
-    wide = _gap_sweep(tmp_path, [0, 8, -4, 12, 4, 4], overrides=("decision.equivalence_margin=0.03",), name="wide")
+    wide = _gap_sweep(
+        tmp_path, [0, 8, -4, 12, 4, 4], overrides=("decision.equivalence_margin=0.03",), name="wide"
+    )
     res = compare([wide], n_bootstrap=0, make_plots=False)
     assert res["verdict"] == "inconclusive" and res["ci_low"] > -0.03 and res["ci_high"] > 0.03
     # the same sweep without the margin never reads equivalent
@@ -69,7 +72,9 @@ def test_equivalence_margin_on_the_command_line_is_an_override(tmp_path):
     with pytest.raises(CompareError, match=r"equivalence_margin: None -> 0.05.*--override-decision"):
         compare([sweep], n_bootstrap=0, make_plots=False, equivalence_margin=0.05)
     res = compare([sweep], n_bootstrap=0, make_plots=False, equivalence_margin=0.05, override_decision=True)
-    assert res["verdict"] == "equivalent" and res["decision"]["overridden"] == ["equivalence_margin: None -> 0.05"]
+    assert res["verdict"] == "equivalent" and res["decision"]["overridden"] == [
+        "equivalence_margin: None -> 0.05"
+    ]
 
 
 # ----------------------------------------------------------------------------- the exact sign-flip test
@@ -81,8 +86,9 @@ def test_sign_flip_p_is_exact_over_the_sign_patterns():
     assert sign_flip_p([-0.02, 0.01]) == 1.0  # mean below the margin
     assert sign_flip_p([0.03] * 6) == pytest.approx(2 / 64)
     # above the exact limit: the Monte Carlo p is valid ((1 + hits) / (1 + draws)) and near the exact value
-    assert sign_flip_p([0.03] * 18, n_draws=20_000) == pytest.approx(1 / 20_001 * (1 + 20_000 * 2 / 2 ** 18),
-                                                                     abs=3e-4)
+    assert sign_flip_p([0.03] * 18, n_draws=20_000) == pytest.approx(
+        1 / 20_001 * (1 + 20_000 * 2 / 2**18), abs=3e-4
+    )
 
 
 def test_three_seeds_validated_by_seed_t_alone_say_so(tmp_path, capsys):
@@ -173,7 +179,9 @@ def test_runs_of_a_sweep_linked_or_copied_into_a_new_folder_are_named_as_a_subse
     with pytest.raises(CompareError, match=r"inputs: 2 of the 6 runs of the sweep .*left out"):
         compare([copied], n_bootstrap=0, make_plots=False)
     res = compare([copied], n_bootstrap=0, make_plots=False, override_decision=True)
-    assert res["verdict"] == "validated" and any(x.startswith("inputs: 2 of the 6") for x in res["decision"]["overridden"])
+    assert res["verdict"] == "validated" and any(
+        x.startswith("inputs: 2 of the 6") for x in res["decision"]["overridden"]
+    )
 
 
 def test_a_decision_block_edited_after_training_is_refused_without_a_preflight_record(tmp_path, capsys):
@@ -201,8 +209,12 @@ def _metrics(run, frac_by_key: dict[str, float], shift: float):
     with (run / "metrics.jsonl").open("w") as f:
         for step in range(3):
             for u in range(2):
-                f.write(json.dumps({"step": step, "update": u, "env/reward_mean": 0.1 * step + shift,
-                                    **frac_by_key}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"step": step, "update": u, "env/reward_mean": 0.1 * step + shift, **frac_by_key}
+                    )
+                    + "\n"
+                )
 
 
 def test_inert_states_the_condition_and_never_hides_a_gap(tmp_path):
@@ -217,14 +229,19 @@ def test_inert_states_the_condition_and_never_hides_a_gap(tmp_path):
             _metrics(run, zero, 0.01 * int(run.name))
     res = compare([sweep], n_bootstrap=0, make_plots=False)
     assert res["verdict"] == "inert"
-    assert "no rule of either loss fired" in res["headline"] and "the arms trained identically" not in res["headline"]
+    assert (
+        "no rule of either loss fired" in res["headline"]
+        and "the arms trained identically" not in res["headline"]
+    )
     assert "excludes 0" in res["headline"]  # seed t's interval [+22.6, +35.4] pts is said beside it
     # identical rows: that is the condition named
     for run in sweep.iterdir():
         if run.is_dir():
             _rewrite_metrics(run, 0.0)
     res = compare([sweep], n_bootstrap=0, make_plots=False, out=tmp_path / "same")
-    assert res["verdict"] == "inert" and "identical training rows at every seed pair (3 of 3)" in res["headline"]
+    assert (
+        res["verdict"] == "inert" and "identical training rows at every seed pair (3 of 3)" in res["headline"]
+    )
 
 
 def test_gspo_with_no_rule_firing_is_not_inert(tmp_path):
@@ -278,8 +295,9 @@ def test_holm_label_bootstrap_floor_and_mcnemar_wording(tmp_path, capsys):
     b = np.zeros(200, bool)
     t[:40] = True  # 40 items only the treatment gets ... (as AUC-like scores would weigh them)
     b[40:100] = True  # ... 60 items only the baseline gets
-    mc = _sweep(tmp_path, {("dppo", 0): t, ("grpo", 0): b}, overrides=("decision.method=mcnemar_exact",),
-                name="mc")
+    mc = _sweep(
+        tmp_path, {("dppo", 0): t, ("grpo", 0): b}, overrides=("decision.method=mcnemar_exact",), name="mc"
+    )
     res = compare([mc], n_bootstrap=0, make_plots=False)
     assert res["verdict"] == "not_supported"
     assert "no more items favour the treatment than the baseline (b <= c)" in res["headline"]
@@ -290,7 +308,10 @@ def test_design_exits_non_zero_when_it_prints_a_problem():
     from eval.design import main as design_main
 
     # a 3-seed plan with the seed sd unstated is a PROBLEM
-    assert design_main(["eval.n_examples=50", "seed=0,1,2", "--sims", "20", "--bootstrap", "20", "--plot", ""]) == 1
+    assert (
+        design_main(["eval.n_examples=50", "seed=0,1,2", "--sims", "20", "--bootstrap", "20", "--plot", ""])
+        == 1
+    )
     assert design_main(["eval.n_examples=50", "--sims", "20", "--bootstrap", "20", "--plot", ""]) == 0
 
 
@@ -300,7 +321,11 @@ def test_effect_sizes_in_compare_json_and_md(tmp_path):
     res = compare([sweep], n_bootstrap=0, make_plots=False)
     es = res["effect_sizes"]
     # two wins, one tie (half), one loss; the Wilson interval spans 2 to 3 wins of 4
-    assert es["prob_improvement"] == 0.625 and es["prob_improvement_low"] < 0.5 < 0.75 < es["prob_improvement_high"]
+    assert (
+        es["prob_improvement"] == 0.625
+        and es["prob_improvement_low"] < 0.5
+        and es["prob_improvement_high"] > 0.75
+    )
     D = np.array([8, 12, 0, -4]) / N_ITEMS
     assert es["gap_sd"] == pytest.approx(D.std(ddof=1))
     assert es["item_sampling_var"] + es["training_var"] >= es["item_sampling_var"] > 0
@@ -347,7 +372,9 @@ def test_sign_flip_holds_alpha_half_under_heavy_tailed_seed_noise():
 
     n = 3000
     for row in sign_flip(n, seed=3, seeds=(3, 6, 8)):
-        assert row["sign_flip_null_normal"] <= 0.025 + 3 * _se(n) and row["sign_flip_null_t3"] <= 0.025 + 3 * _se(n)
+        assert row["sign_flip_null_normal"] <= 0.025 + 3 * _se(n) and row[
+            "sign_flip_null_t3"
+        ] <= 0.025 + 3 * _se(n)
         if row["seeds_per_arm"] == 3:
             assert row["sign_flip_power"] == 0.0  # p >= 0.25 whatever the data
 
@@ -371,15 +398,18 @@ def test_compare_uses_per_item_scores_of_k_samples(tmp_path):
         make_run(sweep / str(job), loss, s, k >= 2, records=recs)
     res = compare([sweep], n_bootstrap=0, make_plots=False)
     D = [float(np.mean(scores["dppo", s] - scores["grpo", s])) for s in (0, 1)]
-    assert res["estimate"] == pytest.approx(np.mean(D)) and res["seed_level"]["per_seed_diff"] == pytest.approx(D)
+    assert res["estimate"] == pytest.approx(np.mean(D)) and res["seed_level"][
+        "per_seed_diff"
+    ] == pytest.approx(D)
     assert res["arms"][0]["accuracy"] == pytest.approx(float(np.mean(scores["grpo", 0])))
     # Hoeffding on [-1, 1] per-item differences stays valid: its half-width is the same formula
     assert res["hoeffding_half_width"] == pytest.approx(math.sqrt(2 * math.log(40) / N_ITEMS))
 
 
 def test_k_sample_scores_are_validated_in_records(tmp_path):
-    from eval.records import RecordError, read_item_records, write_item_records
     from test_compare import _records
+
+    from eval.records import RecordError, read_item_records, write_item_records
 
     recs = _records(np.array([True, False]))
     recs[0].update(score=float("nan"), samples=4)
@@ -396,7 +426,9 @@ def test_training_with_k_samples_per_item_writes_scores(tmp_path):
     from runs import TINY, run_train
 
     run = tmp_path / "run"
-    p = run_train([*TINY, "eval.samples_per_item=4", "eval.temperature=1.0", f"hydra.run.dir={run}"], tmp_path)
+    p = run_train(
+        [*TINY, "eval.samples_per_item=4", "eval.temperature=1.0", f"hydra.run.dir={run}"], tmp_path
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(x) for x in (run / "eval" / "gsm8k_test.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["samples"] == 4 and r["score"] in (0, 0.25, 0.5, 0.75, 1.0) for r in rows)

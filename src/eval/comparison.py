@@ -268,14 +268,15 @@ def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses:
     if len(decisions) > 1:
         arms = [f"{r.arm} ({r.path})" for r in decisions.values()]
         found.append(f"decision: the runs' `decision` blocks differ ({', '.join(arms)})")
-    edited = [r for r in used if r.info.get("decision_sha256") not in (None, decision_hash(r.config.get("decision")))]
+    edited = [r for r in used
+              if r.info.get("decision_sha256") not in (None, decision_hash(r.config.get("decision")))]
     if edited:
-        found.append(f"decision: the `decision` block in config.yaml of {', '.join(r.arm for r in edited[:4])}"
-                     f"{', ...' if len(edited) > 4 else ''} is not the one the run trained under (run_info.json "
-                     "decision_sha256): the rule was changed after training")
+        names = ", ".join(r.arm for r in edited[:4]) + (", ..." if len(edited) > 4 else "")
+        found.append(f"decision: the `decision` block in config.yaml of {names} is not the one the run "
+                     "trained under (run_info.json decision_sha256): the rule was changed after training")
     if rule.looks and n_seeds not in rule.looks:
-        found.append(f"looks: decision.looks plans decisions at {rule.looks} seeds per arm, this comparison has "
-                     f"{n_seeds}")
+        found.append(f"looks: decision.looks plans decisions at {rule.looks} seeds per arm, this comparison "
+                     f"has {n_seeds}")
     rec, where = preflight_record(used[0])
     if rec is not None and rec.get("plan_hash_without_decision") not in (None, _plan_key(used[0])):
         notes.append(f"the preflight design record {where} is for another plan (its config differs from the runs' "
@@ -385,8 +386,8 @@ def _ledger(runs: list[Run], result: dict[str, Any]) -> tuple[Path, dict[str, An
             "re-deciding as seeds are added raises the false-positive rate above it (plan the looks: "
             "decision.looks)")
     elif looks:
-        result["notes"].append(f"earlier looks at this comparison: {[x['n_seeds'] for x in looks]} seeds per arm "
-                               f"(ledger {path}); decision.looks = {rule['looks']} spends alpha over them")
+        result["notes"].append(f"earlier looks at this comparison: {[x['n_seeds'] for x in looks]} seeds per "
+                               f"arm (ledger {path}); decision.looks = {rule['looks']} spends alpha over them")
     entry = {"n_seeds": result["n_seeds"], "seeds": result["seeds"],
              "verdicts": {v["treatment"]: v["verdict"] for v in result["verdicts"]}}
     return path, entry, key_fields
@@ -443,12 +444,14 @@ def inert_reason(row: dict[str, Any]) -> str:
            + "), and these two losses compute the same unclipped gradient")
     iv = row.get("rule_ci")
     if iv and (iv[0] > 0 or iv[1] < 0):
-        why += (f"; yet the rule's interval [{100 * iv[0]:+.2f}, {100 * iv[1]:+.2f}] pts excludes 0: the arms' "
-                "scores differ although the switch never acted (look at what else differs between the arms)")
+        why += (f"; yet the rule's interval [{100 * iv[0]:+.2f}, {100 * iv[1]:+.2f}] pts excludes 0: the "
+                "arms' scores differ although the switch never acted (look at what else differs between the "
+                "arms)")
     return why
 
 
-def _rule_notes(rows: list[dict[str, Any]], rule: Rule, n_seeds: int, look: dict[str, Any] | None) -> list[str]:
+def _rule_notes(rows: list[dict[str, Any]], rule: Rule, n_seeds: int,
+                look: dict[str, Any] | None) -> list[str]:
     """What the verdict line alone would leave unsaid: a seed-t interval of width 0, a verdict only seed t's
     normal model makes significant, too few seeds to ever decide, the next look."""
     notes = []
@@ -457,9 +460,9 @@ def _rule_notes(rows: list[dict[str, Any]], rule: Rule, n_seeds: int, look: dict
         who = f"{r['treatment']} vs {r['baseline']}"
         sf = r["methods"].get("sign_flip")
         if rule.method == "seed_t" and r["verdict"] == "validated" and sf and sf["p"] >= r["holm_level"]:
-            notes.append(f"{who}: only seed t's normal model makes this significant: the exact sign-flip test over "
-                         f"the {n_seeds} seed pairs gives p = {sf['p']:.4g} (its smallest possible p is "
-                         f"{sf['p_min']:.4g}; a distribution-free claim at alpha = {rule.alpha:g} needs "
+            notes.append(f"{who}: only seed t's normal model makes this significant: the exact sign-flip "
+                         f"test over the {n_seeds} seed pairs gives p = {sf['p']:.4g} (its smallest possible p "
+                         f"is {sf['p_min']:.4g}; a distribution-free claim at alpha = {rule.alpha:g} needs "
                          f"{distribution_free_seeds(rule.alpha)} seeds per arm)")
         sl = r.get("seed_level") or {}
         if rule.method == "seed_t" and sl.get("sd") and r["verdict"] not in ("validated", "inert"):
@@ -467,18 +470,20 @@ def _rule_notes(rows: list[dict[str, Any]], rule: Rule, n_seeds: int, look: dict
             pw = seed_t_power(shift, sl["sd"], n_seeds, rule.alpha)
             if pw < 0.5:
                 notes.append(f"{who}: at {n_seeds} seeds per arm seed t (df {n_seeds - 1}, t crit "
-                             f"{sl['t_crit']:.3g}) detects a gap as large as this one ({100 * shift:.2f} pts, gap sd "
-                             f"{100 * sl['sd']:.2f} pts) with power {pw:.2f} only: below 0.5, so `inconclusive` says "
-                             "little; plan the seeds with python -m eval.design --from <this sweep>")
+                             f"{sl['t_crit']:.3g}) detects a gap as large as this one "
+                             f"({100 * shift:.2f} pts, "
+                             f"gap sd {100 * sl['sd']:.2f} pts) with power {pw:.2f} only: below 0.5, so "
+                             "`inconclusive` says little; plan the seeds with python -m eval.design --from "
+                             "<this sweep>")
         if m.get("note") and r["verdict"] != "inert":
             notes.append(f"{who}: {m['note']}")
         if look and not look["final"] and r["verdict"] != "validated":
             notes.append(f"{who}: look {look['index']} of {look['of']} ({n_seeds} seeds per arm, decided at "
-                         f"alpha {look['level']:.3g}): no decision yet: continue to {look['next_seeds']} seeds per "
-                         "arm")
+                         f"alpha {look['level']:.3g}): no decision yet: continue to {look['next_seeds']} "
+                         "seeds per arm")
     if rule.method == "sign_flip" and n_seeds < distribution_free_seeds(rule.alpha):
-        notes.append(f"sign_flip cannot reach p < {rule.alpha:g} with {n_seeds} seeds per arm (its smallest p is "
-                     f"{min_sign_flip_p(n_seeds):.4g}): it needs {distribution_free_seeds(rule.alpha)}")
+        notes.append(f"sign_flip cannot reach p < {rule.alpha:g} with {n_seeds} seeds per arm (its "
+                     f"smallest p is {min_sign_flip_p(n_seeds):.4g}): it needs {distribution_free_seeds(rule.alpha)}")
     return notes
 
 def _curves_and_scores(runs: list[Run], rule: Rule, order: list[int]) -> tuple[dict, list[int], dict, list[str]]:

@@ -46,8 +46,9 @@ class Sample:
     share, computed once: the item-level paired_compare (no bootstrap), the per-item and per-seed gaps, and
     the item bootstrap's resampled means (on first use)."""
 
-    def __init__(self, t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float, n_bootstrap: int,
-                 seed: int) -> None:
+    def __init__(
+        self, t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float, n_bootstrap: int, seed: int
+    ) -> None:
         self.alpha, self.margin, self.n_bootstrap, self.seed = alpha, margin, n_bootstrap, seed
         self.item = paired_compare(t_SN, b_SN, alpha=alpha, n_bootstrap=0, seed=seed)
         self.d_SN = t_SN.astype(np.float64) - b_SN.astype(np.float64)
@@ -106,19 +107,25 @@ class Method:
 
 
 def _sd_diff(plan: Any, delta: float, n: int, S: int) -> float:
-    return math.sqrt(plan.tau ** 2 / S + max(plan.discordance - delta ** 2, 0.0) / (S * n))
+    return math.sqrt(plan.tau**2 / S + max(plan.discordance - delta**2, 0.0) / (S * n))
 
 
 class PairedHoeffding(Method):
     name, label, scope = "paired_hoeffding", "paired Hoeffding", "fixed_checkpoints"
-    rule_text = ("paired Hoeffding {conf:g}% interval on the per-item difference (each item's difference "
-                 "averaged over its seeds, in [-1, 1]; half-width sqrt(2 ln(2/alpha) / n), n = items)")
+    rule_text = (
+        "paired Hoeffding {conf:g}% interval on the per-item difference (each item's difference "
+        "averaged over its seeds, in [-1, 1]; half-width sqrt(2 ln(2/alpha) / n), n = items)"
+    )
 
     def row(self, s: Sample) -> dict[str, Any]:
         it = s.item
-        return {"estimate": s.diff, "ci_low": it["ci_low"], "ci_high": it["ci_high"],
-                "p": hoeffding_p(s.diff, s.n_items, s.margin),
-                "verdict": interval_verdict(s.diff, it["ci_low"], it["ci_high"], s.margin)}
+        return {
+            "estimate": s.diff,
+            "ci_low": it["ci_low"],
+            "ci_high": it["ci_high"],
+            "p": hoeffding_p(s.diff, s.n_items, s.margin),
+            "verdict": interval_verdict(s.diff, it["ci_low"], it["ci_high"], s.margin),
+        }
 
     def interval(self, s: Sample, level: float) -> tuple[float, float]:
         h = hoeffding_half_width(s.n_items, level)
@@ -136,14 +143,24 @@ class PairedHoeffding(Method):
 class McNemarExact(Method):
     name, label, scope = "mcnemar_exact", "exact McNemar (sign test over items)", "fixed_checkpoints"
     rule_text = "exact McNemar (sign) test over items at two-sided alpha = {alpha:g}"
-    not_supported_text = ("no more items favour the treatment than the baseline (b <= c), whatever the mean "
-                          "gap: the exact test counts items, not points")
+    not_supported_text = (
+        "no more items favour the treatment than the baseline (b <= c), whatever the mean "
+        "gap: the exact test counts items, not points"
+    )
 
     def row(self, s: Sample) -> dict[str, Any]:
         b, c = s.item["b_items"], s.item["c_items"]
         p = mcnemar_directional_p(b, c)
-        return {"estimate": s.diff, "ci_low": None, "ci_high": None, "p": p, "p_two_sided": s.item["mcnemar_p"],
-                "b_items": b, "c_items": c, "verdict": pvalue_verdict(b, c, p, s.alpha)}
+        return {
+            "estimate": s.diff,
+            "ci_low": None,
+            "ci_high": None,
+            "p": p,
+            "p_two_sided": s.item["mcnemar_p"],
+            "b_items": b,
+            "c_items": c,
+            "verdict": pvalue_verdict(b, c, p, s.alpha),
+        }
 
     def verdict_at(self, s: Sample, row: dict[str, Any], level: float) -> str:
         return pvalue_verdict(row["b_items"], row["c_items"], row["p"], level)
@@ -155,7 +172,7 @@ class McNemarExact(Method):
         if delta >= P:
             return 1.0  # every discordant item favours the treatment
         za = _N.inv_cdf(1 - plan.alpha / 2)
-        return _N.cdf((delta * math.sqrt(n) - za * math.sqrt(P)) / math.sqrt(P - delta ** 2))
+        return _N.cdf((delta * math.sqrt(n) - za * math.sqrt(P)) / math.sqrt(P - delta**2))
 
     def simulate(self, sim: Any, d: np.ndarray, d_N: np.ndarray, diff: np.ndarray) -> np.ndarray:
         b, c = (d_N > 0).sum(axis=1), (d_N < 0).sum(axis=1)
@@ -164,15 +181,23 @@ class McNemarExact(Method):
 
 class PairedBootstrap(Method):
     name, label, scope = "paired_bootstrap", "paired bootstrap (items)", "fixed_checkpoints"
-    rule_text = "paired percentile bootstrap {conf:g}% interval, resampling items (each with all of its seeds)"
+    rule_text = (
+        "paired percentile bootstrap {conf:g}% interval, resampling items (each with all of its seeds)"
+    )
     needs_bootstrap = True
 
     def row(self, s: Sample) -> dict[str, Any]:
         means = s.bootstrap_means()
         lo, hi = (float(x) for x in np.quantile(means, [s.alpha / 2, 1 - s.alpha / 2]))
         # a p of 0 means no resample fell at or below the margin: it is below 1 / R, not 0
-        return {"estimate": s.diff, "ci_low": lo, "ci_high": hi, "p": bootstrap_p(means, s.diff, s.margin),
-                "p_resolution": 1.0 / s.n_bootstrap, "verdict": interval_verdict(s.diff, lo, hi, s.margin)}
+        return {
+            "estimate": s.diff,
+            "ci_low": lo,
+            "ci_high": hi,
+            "p": bootstrap_p(means, s.diff, s.margin),
+            "p_resolution": 1.0 / s.n_bootstrap,
+            "verdict": interval_verdict(s.diff, lo, hi, s.margin),
+        }
 
     def interval(self, s: Sample, level: float) -> tuple[float, float]:
         lo, hi = np.quantile(s.bootstrap_means(), [level / 2, 1 - level / 2])
@@ -181,7 +206,7 @@ class PairedBootstrap(Method):
     def power(self, plan: Any, delta: float, n: int, S: int) -> float:
         # the interval is as wide as the item noise alone; the estimate also carries the seeds' noise
         sd = _sd_diff(plan, delta, n, S)
-        sd_items = math.sqrt(max(plan.discordance - delta ** 2, 0.0) / (S * n))
+        sd_items = math.sqrt(max(plan.discordance - delta**2, 0.0) / (S * n))
         x = delta - plan.margin - _N.inv_cdf(1 - plan.alpha / 2) * sd_items
         return (1.0 if x > 0 else 0.0) if sd == 0 else _N.cdf(x / sd)
 
@@ -196,8 +221,13 @@ class SeedT(Method):
 
     def row(self, s: Sample) -> dict[str, Any]:
         st = seed_t_interval(s.D_S, s.alpha, s.margin)
-        out = {"estimate": st["mean"], "ci_low": st["ci_low"], "ci_high": st["ci_high"], "p": st["p"],
-               "verdict": seed_t_verdict(st["mean"], st["ci_low"], st["ci_high"], st["se"], s.margin)}
+        out = {
+            "estimate": st["mean"],
+            "ci_low": st["ci_low"],
+            "ci_high": st["ci_high"],
+            "p": st["p"],
+            "verdict": seed_t_verdict(st["mean"], st["ci_low"], st["ci_high"], st["se"], s.margin),
+        }
         if st["degenerate"]:
             out["note"] = ZERO_SPREAD_NOTE
         return out
@@ -213,7 +243,7 @@ class SeedT(Method):
     def power(self, plan: Any, delta: float, n: int, S: int) -> float | None:
         if S < 2:
             return None
-        sd_D = math.sqrt(plan.tau ** 2 + max(plan.discordance - delta ** 2, 0.0) / n)
+        sd_D = math.sqrt(plan.tau**2 + max(plan.discordance - delta**2, 0.0) / n)
         return seed_t_power(delta - plan.margin, sd_D, S, plan.alpha)
 
     def simulate(self, sim: Any, d: np.ndarray, d_N: np.ndarray, diff: np.ndarray) -> np.ndarray | None:
@@ -225,8 +255,10 @@ class SeedT(Method):
         return D.mean(axis=1) - sim.t_crit * se > sim.plan.margin
 
 
-ZERO_SPREAD_NOTE = ("every seed pair gave the same gap (sd 0): the t interval has no width to read, so the "
-                    "verdict is at best inconclusive")
+ZERO_SPREAD_NOTE = (
+    "every seed pair gave the same gap (sd 0): the t interval has no width to read, so the "
+    "verdict is at best inconclusive"
+)
 
 
 class SignFlip(Method):
@@ -243,8 +275,14 @@ class SignFlip(Method):
     def row(self, s: Sample) -> dict[str, Any]:
         mean = float(np.mean(s.D_S))
         p = sign_flip_p(s.D_S, s.margin)
-        return {"estimate": mean, "ci_low": None, "ci_high": None, "p": p, "p_min": min_sign_flip_p(s.S),
-                "verdict": self._verdict(mean, p, s.margin, s.alpha)}
+        return {
+            "estimate": mean,
+            "ci_low": None,
+            "ci_high": None,
+            "p": p,
+            "p_min": min_sign_flip_p(s.S),
+            "verdict": self._verdict(mean, p, s.margin, s.alpha),
+        }
 
     def verdict_at(self, s: Sample, row: dict[str, Any], level: float) -> str:
         return self._verdict(row["estimate"], row["p"], s.margin, level)
@@ -268,11 +306,11 @@ class SignFlip(Method):
 
 
 def _sign_patterns(S: int) -> np.ndarray:
-    return 1.0 - 2.0 * ((np.arange(2 ** S)[:, None] >> np.arange(S)) & 1)
+    return 1.0 - 2.0 * ((np.arange(2**S)[:, None] >> np.arange(S)) & 1)
 
 
 def min_sign_flip_p(S: int) -> float:
-    return min(1.0, 2.0 / 2 ** S)
+    return min(1.0, 2.0 / 2**S)
 
 
 def distribution_free_seeds(alpha: float) -> int:
@@ -293,24 +331,35 @@ class TwoLevelBootstrap(Method):
 
     def row(self, s: Sample) -> dict[str, Any]:
         lo, hi, _ = two_level_bootstrap_ci(s.d_SN, s.alpha, s.n_bootstrap, s.seed)
-        return {"estimate": s.diff, "ci_low": lo, "ci_high": hi, "p": None, "verdict": None,
-                "note": "descriptive: not calibrated, no verdict"}
+        return {
+            "estimate": s.diff,
+            "ci_low": lo,
+            "ci_high": hi,
+            "p": None,
+            "verdict": None,
+            "note": "descriptive: not calibrated, no verdict",
+        }
 
 
 #: every method, in the order of the methods table; the first four are the order compare.json always had
-METHODS: dict[str, Method] = {m.name: m for m in (PairedHoeffding(), McNemarExact(), PairedBootstrap(), SeedT(),
-                                                  SignFlip(), TwoLevelBootstrap())}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (PairedHoeffding(), McNemarExact(), PairedBootstrap(), SeedT(), SignFlip(), TwoLevelBootstrap())
+}
 #: the methods decision.method may name (trainer.config.enums.DECISION_METHODS states them for the config)
 DECIDING: tuple[str, ...] = tuple(k for k, m in METHODS.items() if m.decides)
 METHOD_SCOPE = {k: m.scope for k, m in METHODS.items()}
-ESTIMANDS = {k: {"fixed_checkpoints": "these fixed checkpoints", "across_seeds": "this training procedure"}[m.scope]
-             for k, m in METHODS.items()}
+ESTIMANDS = {
+    k: {"fixed_checkpoints": "these fixed checkpoints", "across_seeds": "this training procedure"}[m.scope]
+    for k, m in METHODS.items()
+}
 RULE_TEXT = {k: m.rule_text for k, m in METHODS.items() if m.decides}
 LABELS = {k: m.label for k, m in METHODS.items()}
 
 
-def method_table(t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float, n_bootstrap: int,
-                 seed: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]], Sample]:
+def method_table(
+    t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float, n_bootstrap: int, seed: int
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]], Sample]:
     """(item-level paired_compare, {method: estimate/interval/p/verdict/estimand}, the Sample the rule's
     interval is recomputed on at Holm's and the looks' levels)."""
     s = Sample(t_SN, b_SN, alpha, margin, n_bootstrap, seed)
@@ -320,15 +369,26 @@ def method_table(t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float
         if m.applies(s):
             methods[name] = {**m.row(s), "estimand": ESTIMANDS[name]}
     if "paired_bootstrap" in methods:
-        item["bootstrap_low"], item["bootstrap_high"] = methods["paired_bootstrap"]["ci_low"], \
-            methods["paired_bootstrap"]["ci_high"]
+        item["bootstrap_low"], item["bootstrap_high"] = (
+            methods["paired_bootstrap"]["ci_low"],
+            methods["paired_bootstrap"]["ci_high"],
+        )
     seed_level = None
     if s.S >= 2:
         st = seed_t_interval(s.D_S, alpha, margin)
-        seed_level = {"per_seed_diff": st["per_seed"], "mean": st["mean"], "sd": st["sd"], "se": st["se"],
-                      "df": st["df"], "t_crit": st["t_crit"], "t_ci_low": st["ci_low"], "t_ci_high": st["ci_high"],
-                      "t_p": st["p"], "sign_flip_p": methods["sign_flip"]["p"],
-                      "sign_flip_p_min": methods["sign_flip"]["p_min"]}
+        seed_level = {
+            "per_seed_diff": st["per_seed"],
+            "mean": st["mean"],
+            "sd": st["sd"],
+            "se": st["se"],
+            "df": st["df"],
+            "t_crit": st["t_crit"],
+            "t_ci_low": st["ci_low"],
+            "t_ci_high": st["ci_high"],
+            "t_p": st["p"],
+            "sign_flip_p": methods["sign_flip"]["p"],
+            "sign_flip_p_min": methods["sign_flip"]["p_min"],
+        }
         if "two_level_bootstrap" in methods:
             tl = methods["two_level_bootstrap"]
             seed_level.update(two_level_low=tl["ci_low"], two_level_high=tl["ci_high"])
@@ -353,8 +413,9 @@ def seed_t_power(shift: float, sd_D: float, S: int, alpha: float, grid: int = 20
     lam = shift * math.sqrt(S) / sd_D
     u_max = math.sqrt(nu + 12 * math.sqrt(2 * nu) + 60)
     u = np.linspace(1e-9, u_max, grid)
-    log_pdf = ((nu / 2 - 1) * np.log(u ** 2) - u ** 2 / 2 - (nu / 2) * math.log(2) - math.lgamma(nu / 2)
-               + np.log(2 * u))  # chi2 density at u^2 times dV/du
+    log_pdf = (
+        (nu / 2 - 1) * np.log(u**2) - u**2 / 2 - (nu / 2) * math.log(2) - math.lgamma(nu / 2) + np.log(2 * u)
+    )  # chi2 density at u^2 times dV/du
     w = np.exp(log_pdf)
     z = lam - t_crit * u / math.sqrt(nu)
     phi = _norm_cdf(z)
