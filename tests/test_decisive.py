@@ -433,3 +433,23 @@ def test_training_with_k_samples_per_item_writes_scores(tmp_path):
     rows = [json.loads(x) for x in (run / "eval" / "gsm8k_test.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["samples"] == 4 and r["score"] in (0, 0.25, 0.5, 0.75, 1.0) for r in rows)
     assert all(r["correct"] == (r["score"] >= 0.5) for r in rows)
+
+
+def test_compare_runs_decides_on_runs_held_in_memory(tmp_path):
+    """eval.comparison.compare_runs on Run objects with their records set and no run folders behind them
+    (per-item files of another harness, read elsewhere): the same verdict as the folders give."""
+
+    from eval.compare import Run, compare_runs
+
+    sweep = _gap_sweep(tmp_path, [8, 12, 16])
+    on_disk = compare([sweep], n_bootstrap=0, make_plots=False)
+    runs = []
+    for p in sorted(q for q in sweep.iterdir() if q.is_dir()):
+        cfg = yaml.safe_load((p / "config.yaml").read_text())
+        recs = [json.loads(x) for x in (p / "eval" / "arithmetic.jsonl").read_text().splitlines()]
+        runs.append(Run(path=tmp_path / "nowhere" / p.name, config=cfg, info={}, loss=cfg["loss"]["name"],
+                        seed=cfg["seed"], eval_name="arithmetic", records=recs))
+    out = tmp_path / "out"
+    res = compare_runs(runs, out, n_bootstrap=0, make_plots=False)
+    assert res["verdict"] == on_disk["verdict"] and res["estimate"] == pytest.approx(on_disk["estimate"])
+    assert (out / "compare.json").is_file() and res["looks"] == [] and not (tmp_path / "nowhere").exists()

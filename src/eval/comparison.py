@@ -347,9 +347,12 @@ def _home(run: Run) -> Path:
     return Path(rd) if isinstance(rd, str) and rd else run.path.resolve()
 
 
-def _ledger(runs: list[Run], result: dict[str, Any]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+def _ledger(runs: list[Run], result: dict[str, Any]) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:
     """The earlier looks at this comparison, from the ledger beside the runs (eval.sequential) and an earlier
     compare.json in the output folder, into result["looks"] (and a note); returns what _write records."""
+    if not _home(runs[0]).is_dir():  # runs built in memory (no run folder): no ledger beside them
+        result["looks"] = []
+        return None
     key_fields = {"experiment": runs[0].config.get("experiment"), "baseline": result["baseline"],
                   "treatments": sorted(result["treatments"]), "item_set_sha256": result["item_set_sha256"],
                   "endpoint": result["decision"]["endpoint"]}
