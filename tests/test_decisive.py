@@ -273,6 +273,11 @@ def test_a_sweep_that_cannot_reach_power_half_is_warned(tmp_path, capsys):
     sweep = _gap_sweep(tmp_path, [10, 30])  # gap 10 pts, sd 7.1 pts, 1 df: power about 0.08
     rc, out, _ = _cli(capsys, sweep)
     assert rc == 0 and "below 0.5" in out and "python -m eval.design" in out
+    assert "detects a gap as large as this one (10.00 pts" in out
+    # the plan's target, when stated, is the effect the note asks about
+    planned = _gap_sweep(tmp_path, [10, 30], overrides=("decision.target_effect=0.02",), name="planned")
+    rc, out, _ = _cli(capsys, planned)
+    assert rc == 0 and "detects decision.target_effect (2.00 pts" in out and "below 0.5" in out
 
 
 def test_holm_label_bootstrap_floor_and_mcnemar_wording(tmp_path, capsys):

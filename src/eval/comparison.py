@@ -83,6 +83,7 @@ class Rule:
     resolution: str = ""  # how `method` was chosen
     equivalence_margin: float | None = None  # `equivalent` when the rule's interval lies inside +-this
     looks: list[int] | None = None  # seeds per arm at which compare may decide (eval.sequential)
+    target_effect: float | None = None  # the gain the plan means to detect (the power note's effect)
 
     @property
     def scope(self) -> str:
@@ -134,7 +135,7 @@ def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool, n_seeds: 
     return Rule(method=method, alpha=cfg.alpha, margin=cfg.margin, endpoint=cfg.endpoint, step=cfg.step,
                 threshold=cfg.threshold, baseline=cfg.baseline, source=source, overridden=changed,
                 requested=cfg.method, resolution=resolution, equivalence_margin=cfg.equivalence_margin,
-                looks=list(cfg.looks) if cfg.looks else None)
+                looks=list(cfg.looks) if cfg.looks else None, target_effect=cfg.target_effect)
 
 
 def decide_all(rows: list[dict[str, Any]], samples: list[Any], rule: Rule, level: float | None = None,
@@ -469,11 +470,13 @@ def _rule_notes(rows: list[dict[str, Any]], rule: Rule, n_seeds: int,
                          f"{distribution_free_seeds(rule.alpha)} seeds per arm)")
         sl = r.get("seed_level") or {}
         if rule.method == "seed_t" and sl.get("sd") and r["verdict"] not in ("validated", "inert"):
-            shift = abs(sl["mean"]) if sl["mean"] else sl["sd"]
+            # the design's target when the plan states one, else a gap as large as the observed one
+            shift = rule.target_effect or (abs(sl["mean"]) if sl["mean"] else sl["sd"])
+            what = "decision.target_effect" if rule.target_effect else "a gap as large as this one"
             pw = seed_t_power(shift, sl["sd"], n_seeds, rule.alpha)
             if pw < 0.5:
                 notes.append(f"{who}: at {n_seeds} seeds per arm seed t (df {n_seeds - 1}, t crit "
-                             f"{sl['t_crit']:.3g}) detects a gap as large as this one "
+                             f"{sl['t_crit']:.3g}) detects {what} "
                              f"({100 * shift:.2f} pts, "
                              f"gap sd {100 * sl['sd']:.2f} pts) with power {pw:.2f} only: below 0.5, so "
                              "`inconclusive` says little; plan the seeds with python -m eval.design --from "
