@@ -50,9 +50,21 @@ def _stats(server: Server, key: str = "tml-local") -> dict:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("sessions_state"), "--max-models-per-key", "2", "--max-sessions-per-key", "4",
-               "--max-session-metadata-kb", "4", "--max-inflight-per-key", "6", "--read-timeout-s", "2",
-               "--max-loss-cost", "4000000")
+    s = Server(
+        tmp_path_factory.mktemp("sessions_state"),
+        "--max-models-per-key",
+        "2",
+        "--max-sessions-per-key",
+        "4",
+        "--max-session-metadata-kb",
+        "4",
+        "--max-inflight-per-key",
+        "6",
+        "--read-timeout-s",
+        "2",
+        "--max-loss-cost",
+        "4000000",
+    )
     yield s
     assert _peak_rss_kb(s) < MAX_RSS_KB
     s.stop()
@@ -84,8 +96,12 @@ def test_finishing_a_session_while_its_create_runs_leaks_nothing(server):
     """create_model then finish at once, three times: no model survives, and the key's slots are free."""
     for _ in range(3):
         raw = Raw(server.url, "tml-finisher")
-        reply = raw.ok("create_model", types.CreateModelRequest(
-            session_id=raw.session, model_seq_id=0, base_model=BASE, lora_config=types.LoraConfig(rank=4)))
+        reply = raw.ok(
+            "create_model",
+            types.CreateModelRequest(
+                session_id=raw.session, model_seq_id=0, base_model=BASE, lora_config=types.LoraConfig(rank=4)
+            ),
+        )
         assert raw.ok(f"sessions/{raw.session}/finish", {"reason": {"type": "success"}}) is None
         r = raw.post("retrieve_future", types.FutureRetrieveRequest(request_id=reply["request_id"]))
         assert r.status_code in (404, 410) or r.json().get("category") == "user", r.text
@@ -100,11 +116,15 @@ def test_finishing_a_session_while_its_create_runs_leaks_nothing(server):
 
 def test_sessions_per_key_and_their_metadata_are_capped(server):
     raws = [Raw(server.url, "tml-sessions") for _ in range(4)]
-    r = raws[0].post("create_session", types.CreateSessionRequest(sdk_version="t", tags=[], user_metadata=None))
+    r = raws[0].post(
+        "create_session", types.CreateSessionRequest(sdk_version="t", tags=[], user_metadata=None)
+    )
     assert r.status_code == 413 and "--max-sessions-per-key" in r.json()["detail"]
     raws[0].ok(f"sessions/{raws[0].session}/finish", {"reason": {"type": "success"}})
     big = {"k": "x" * 8000}
-    r = raws[1].post("create_session", types.CreateSessionRequest(sdk_version="t", tags=[], user_metadata=big))
+    r = raws[1].post(
+        "create_session", types.CreateSessionRequest(sdk_version="t", tags=[], user_metadata=big)
+    )
     assert r.status_code == 413 and "--max-session-metadata-kb" in r.json()["detail"]
     Raw(server.url, "tml-sessions")  # the finished one's place
 
@@ -114,12 +134,26 @@ def test_in_flight_requests_per_key_are_bounded_and_the_sdk_retries(server):
     then get every sample through."""
     raw = Raw(server.url, "tml-inflight")
     model = raw.model(0)
-    raw.result(raw.ok("save_weights_for_sampler", types.SaveWeightsForSamplerRequest(
-        model_id=model, seq_id=0, sampling_session_seq_id=0))["request_id"])
+    raw.result(
+        raw.ok(
+            "save_weights_for_sampler",
+            types.SaveWeightsForSamplerRequest(model_id=model, seq_id=0, sampling_session_seq_id=0),
+        )["request_id"]
+    )
     sampler = f"{raw.session}:sample:0"
-    replies = [raw.post("asample", types.SampleRequest(
-        num_samples=4, prompt=types.ModelInput.from_ints([5, 6]), sampling_session_id=sampler, seq_id=i,
-        sampling_params=types.SamplingParams(max_tokens=64))) for i in range(12)]
+    replies = [
+        raw.post(
+            "asample",
+            types.SampleRequest(
+                num_samples=4,
+                prompt=types.ModelInput.from_ints([5, 6]),
+                sampling_session_id=sampler,
+                seq_id=i,
+                sampling_params=types.SamplingParams(max_tokens=64),
+            ),
+        )
+        for i in range(12)
+    ]
     codes = [r.status_code for r in replies]
     assert codes.count(200) <= 6 and 429 in codes, codes
     busy = replies[codes.index(429)]
@@ -129,8 +163,10 @@ def test_in_flight_requests_per_key_are_bounded_and_the_sdk_retries(server):
             raw.result(r.json()["request_id"])
     sc = _sdk(server, "tml-inflight-sdk")
     sampling = sc.create_sampling_client(base_model=BASE).result(timeout=300)
-    futs = [sampling.sample(types.ModelInput.from_ints([5, 6]), 2, types.SamplingParams(max_tokens=8, seed=i))
-            for i in range(16)]
+    futs = [
+        sampling.sample(types.ModelInput.from_ints([5, 6]), 2, types.SamplingParams(max_tokens=8, seed=i))
+        for i in range(16)
+    ]
     assert all(len(f.result(timeout=300).sequences) == 2 for f in futs)
     sc.close("success")
 
@@ -141,8 +177,13 @@ def test_session_timeout_must_exceed_the_sdk_heartbeat():
     assert parse_args(["--session-timeout-s", "10.5"]).session_timeout_s == 10.5
     assert parse_args([]).session_timeout_s == 120.0
     for bad in ("10", "3", "nan", "-1"):
-        p = subprocess.run([sys.executable, "-m", "trainer.serve", "--session-timeout-s", bad], capture_output=True,
-                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        p = subprocess.run(  # noqa: PLW1510 - the return code is asserted
+            [sys.executable, "-m", "trainer.serve", "--session-timeout-s", bad],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        )
         assert p.returncode == 2 and "--session-timeout-s must be > 10" in p.stderr, (bad, p.stderr)
 
 
@@ -164,8 +205,12 @@ def test_a_killed_clients_slot_is_free_within_45_s_and_live_clients_never_expire
         live = _sdk(server, "tml-live")
         live_tc = live.create_lora_training_client(BASE, rank=4).result(timeout=300)
         env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TINKER_TELEMETRY": "0"}
-        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, server.url, "tml-killed"], stdout=subprocess.PIPE,
-                                  env=env, text=True)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, server.url, "tml-killed"],
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
         assert holder.stdout.readline().strip() == "ready"
         sc = _sdk(server, "tml-killed")
         with pytest.raises(Exception, match="--max-models-per-key"):  # the slot is taken while it lives
@@ -184,8 +229,15 @@ def test_a_killed_clients_slot_is_free_within_45_s_and_live_clients_never_expire
         freed_s = time.monotonic() - killed_at
         while time.monotonic() - killed_at < 60:  # more than twice the timeout, the live client idle
             time.sleep(2.0)
-        out = live_tc.forward([types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={
-            "target_tokens": [6, 7, 8]})], "cross_entropy").result(timeout=120)
+        out = live_tc.forward(
+            [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints([5, 6, 7]),
+                    loss_fn_inputs={"target_tokens": [6, 7, 8]},
+                )
+            ],
+            "cross_entropy",
+        ).result(timeout=120)
         assert len(out.loss_fn_outputs) == 1
         assert _stats(server, "tml-live")["expired_sessions"] == 1
         print(f"slot freed {freed_s:.1f} s after SIGKILL")
@@ -211,8 +263,9 @@ def test_one_keys_burst_delays_another_keys_request_by_a_bounded_time(tmp_path):
         t = time.monotonic()
         sb.sample(prompt, 2, types.SamplingParams(max_tokens=16, seed=1)).result(timeout=300)
         alone_s = time.monotonic() - t
-        burst = [sa.sample(prompt, 128, types.SamplingParams(max_tokens=500, seed=i, stop=[]))
-                 for i in range(30)]
+        burst = [
+            sa.sample(prompt, 128, types.SamplingParams(max_tokens=500, seed=i, stop=[])) for i in range(30)
+        ]
         deadline = time.monotonic() + 120
         while _stats(server)["requests"].get("asample", 0) < 32 and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -232,8 +285,15 @@ def test_one_keys_burst_delays_another_keys_request_by_a_bounded_time(tmp_path):
 # ----------------------------------------------------------------------------- custom-loss cost
 def _graph(nodes: list[dict], inputs: tuple[str, ...] = ("logprobs",)) -> types.CustomLossGraph:
     head = [{"op": "placeholder", "name": n, "target": n, "args": [], "kwargs": {}} for n in inputs]
-    tail = [{"op": "output", "name": "output", "target": "output",
-             "args": [{"tuple": [{"ref": nodes[-1]["name"]}, {"dict": {}}]}], "kwargs": {}}]
+    tail = [
+        {
+            "op": "output",
+            "name": "output",
+            "target": "output",
+            "args": [{"tuple": [{"ref": nodes[-1]["name"]}, {"dict": {}}]}],
+            "kwargs": {},
+        }
+    ]
     return types.CustomLossGraph.model_validate({"nodes": head + nodes + tail})
 
 
@@ -241,22 +301,39 @@ def _call(name: str, target: str, *args, op: str = "call_function") -> dict:
     return {"op": op, "name": name, "target": target, "args": list(args), "kwargs": {}}
 
 
-POW = [_call("p", "operator.pow", 7, 20_000_000), _call("m", "operator.mod", {"ref": "p"}, 2),
-       _call("s", "torch.sum", {"ref": "logprobs"}), _call("loss", "operator.add", {"ref": "s"}, {"ref": "m"})]
-CAT = [_call("c1", "torch.cat", [{"ref": "logprobs"}] * 4096),
-       _call("c2", "torch.cat", [{"ref": "c1"}] * 4096), _call("loss", "torch.sum", {"ref": "c2"})]
-OUTER = [_call("u", "torch.unsqueeze", {"ref": "logprobs"}, 1), _call("v", "torch.unsqueeze", {"ref": "logprobs"}, 0),
-         _call("o", "torch.matmul", {"ref": "u"}, {"ref": "v"}),
-         *[_call(f"m{i}", "torch.matmul", {"ref": "o"}, {"ref": "o"}) for i in range(400)],
-         _call("loss", "torch.sum", {"ref": "m399"})]
+POW = [
+    _call("p", "operator.pow", 7, 20_000_000),
+    _call("m", "operator.mod", {"ref": "p"}, 2),
+    _call("s", "torch.sum", {"ref": "logprobs"}),
+    _call("loss", "operator.add", {"ref": "s"}, {"ref": "m"}),
+]
+CAT = [
+    _call("c1", "torch.cat", [{"ref": "logprobs"}] * 4096),
+    _call("c2", "torch.cat", [{"ref": "c1"}] * 4096),
+    _call("loss", "torch.sum", {"ref": "c2"}),
+]
+OUTER = [
+    _call("u", "torch.unsqueeze", {"ref": "logprobs"}, 1),
+    _call("v", "torch.unsqueeze", {"ref": "logprobs"}, 0),
+    _call("o", "torch.matmul", {"ref": "u"}, {"ref": "v"}),
+    *[_call(f"m{i}", "torch.matmul", {"ref": "o"}, {"ref": "o"}) for i in range(400)],
+    _call("loss", "torch.sum", {"ref": "m399"}),
+]
 STRING = [_call("t", "operator.mul", "ab", 3 * 10**9), _call("loss", "torch.sum", {"ref": "logprobs"})]
-SQUARE = [_call("u", "torch.unsqueeze", {"ref": "logprobs"}, 1), _call("v", "torch.unsqueeze", {"ref": "logprobs"}, 0),
-          _call("o", "torch.matmul", {"ref": "u"}, {"ref": "v"}), _call("m", "torch.matmul", {"ref": "o"}, {"ref": "o"}),
-          _call("loss", "torch.sum", {"ref": "m"})]
+SQUARE = [
+    _call("u", "torch.unsqueeze", {"ref": "logprobs"}, 1),
+    _call("v", "torch.unsqueeze", {"ref": "logprobs"}, 0),
+    _call("o", "torch.matmul", {"ref": "u"}, {"ref": "v"}),
+    _call("m", "torch.matmul", {"ref": "o"}, {"ref": "o"}),
+    _call("loss", "torch.sum", {"ref": "m"}),
+]
 
 
 def test_a_method_on_a_constant_is_refused_when_the_graph_is_rebuilt():
-    nodes = [_call("p", "__pow__", 7, 20_000_000, op="call_method"), _call("loss", "torch.sum", {"ref": "logprobs"})]
+    nodes = [
+        _call("p", "__pow__", 7, 20_000_000, op="call_method"),
+        _call("loss", "torch.sum", {"ref": "logprobs"}),
+    ]
     with pytest.raises(ValueError, match="on a constant"):
         wire.rebuild_graph(_graph(nodes))
 
@@ -319,7 +396,8 @@ def test_a_graph_at_the_bound_runs_in_bounded_time():
     t = time.perf_counter()
     gm(lp)[0].backward()
     took = time.perf_counter() - t
-    print(f"cost {cost} ({cost / Limits().loss_cost:.2f} of the bound) ran in {took:.2f} s, load {os.getloadavg()}")
+    share = cost / Limits().loss_cost
+    print(f"cost {cost} ({share:.2f} of the bound) ran in {took:.2f} s, load {os.getloadavg()}")
     assert took < 20
 
 
@@ -333,7 +411,12 @@ def test_pow_graph_is_refused_while_health_checks_answer(server):
     def poll() -> None:
         while not stop.is_set():
             t = time.perf_counter()
-            assert httpx.get(server.url + "/api/v1/healthz", headers={"X-API-Key": "tml-h"}, timeout=60).status_code == 200
+            assert (
+                httpx.get(
+                    server.url + "/api/v1/healthz", headers={"X-API-Key": "tml-h"}, timeout=60
+                ).status_code
+                == 200
+            )
             health.append(time.perf_counter() - t)
             time.sleep(0.05)
 
@@ -341,9 +424,16 @@ def test_pow_graph_is_refused_while_health_checks_answer(server):
     th.start()
     try:
         t = time.perf_counter()
-        r = raw.post("create_custom_loss", types.CreateCustomLossRequest(
-            session_id=raw.session, custom_loss_seq_id=0, name="pow", graph=_graph(POW),
-            inputs=[types.CustomLossInput(name="logprobs", rank=1)]))
+        r = raw.post(
+            "create_custom_loss",
+            types.CreateCustomLossRequest(
+                session_id=raw.session,
+                custom_loss_seq_id=0,
+                name="pow",
+                graph=_graph(POW),
+                inputs=[types.CustomLossInput(name="logprobs", rank=1)],
+            ),
+        )
         took = time.perf_counter() - t
     finally:
         stop.set()
@@ -355,9 +445,16 @@ def test_pow_graph_is_refused_while_health_checks_answer(server):
 def test_forward_backward_over_the_cost_bound_is_a_400_naming_the_flag(server):
     raw = Raw(server.url, "tml-cost")
     model = raw.model(0)
-    r = raw.ok("create_custom_loss", types.CreateCustomLossRequest(
-        session_id=raw.session, custom_loss_seq_id=0, name="square", graph=_graph(SQUARE),
-        inputs=[types.CustomLossInput(name="logprobs", rank=1)]))
+    r = raw.ok(
+        "create_custom_loss",
+        types.CreateCustomLossRequest(
+            session_id=raw.session,
+            custom_loss_seq_id=0,
+            name="square",
+            graph=_graph(SQUARE),
+            inputs=[types.CustomLossInput(name="logprobs", rank=1)],
+        ),
+    )
     loss_id = raw.result(r["request_id"]).json()["loss_id"]
     from test_serve_security import fwdbwd_body
 
@@ -365,8 +462,14 @@ def test_forward_backward_over_the_cost_bound_is_a_400_naming_the_flag(server):
     r = raw.http.post("/forward_backward", content=body, headers={"content-type": "application/x-protobuf"})
     assert r.status_code == 400 and "--max-loss-cost" in r.json()["detail"], r.text
     body = fwdbwd_body(model, 1, loss_fn="custom", config={"loss_id": loss_id}, tokens=20)  # under it: runs
-    assert raw.result(raw.http.post("/forward_backward", content=body, headers={
-        "content-type": "application/x-protobuf"}).json()["request_id"]).status_code == 200
+    assert (
+        raw.result(
+            raw.http.post(
+                "/forward_backward", content=body, headers={"content-type": "application/x-protobuf"}
+            ).json()["request_id"]
+        ).status_code
+        == 200
+    )
 
 
 # ----------------------------------------------------------------------------- bounded state, errors as JSON
@@ -394,8 +497,10 @@ def test_a_stalled_body_is_answered_408_and_closed(server):
     408 (JSON) and its connection closed, instead of holding it forever."""
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: tml-slow\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        s.sendall(
+            b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: tml-slow\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+        )
         t = time.monotonic()
         data = b""
         while chunk := s.recv(65536):
@@ -411,16 +516,33 @@ def test_api_key_file_keeps_the_key_off_the_command_line(tmp_path):
     server = Server(tmp_path / "state", "--api-key-file", str(tmp_path / "keys"))
     try:
         assert key not in Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().decode(errors="replace")
-        assert httpx.get(server.url + "/api/v1/healthz", headers={"X-API-Key": key}, timeout=30).status_code == 200
-        assert httpx.get(server.url + "/api/v1/healthz", headers={"X-API-Key": "tml-other-key-99"},
-                         timeout=30).status_code == 401
+        assert (
+            httpx.get(server.url + "/api/v1/healthz", headers={"X-API-Key": key}, timeout=30).status_code
+            == 200
+        )
+        assert (
+            httpx.get(
+                server.url + "/api/v1/healthz", headers={"X-API-Key": "tml-other-key-99"}, timeout=30
+            ).status_code
+            == 401
+        )
     finally:
         server.stop()
-    p = subprocess.run([sys.executable, "-m", "trainer.serve", "--help"], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    p = subprocess.run(  # noqa: PLW1510 - the return code is asserted
+        [sys.executable, "-m", "trainer.serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
     assert "--api-key-file" in p.stdout and "ps" in p.stdout
-    p = subprocess.run([sys.executable, "-m", "trainer.serve", "--api-key-file", str(tmp_path / "missing")],
-                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    p = subprocess.run(  # noqa: PLW1510 - the return code is asserted
+        [sys.executable, "-m", "trainer.serve", "--api-key-file", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
@@ -431,7 +553,10 @@ def test_url_credentials_are_redacted_like_keys(tmp_path):
 
     url = "http://alice:URLSECRET42@127.0.0.1:8000/api"
     assert "URLSECRET42" not in json.dumps(redact({"backend": {"base_url": url}}, []))
-    assert redact({"backend": {"base_url": url}}, [])["backend"]["base_url"] == "http://<redacted>@127.0.0.1:8000/api"
+    assert (
+        redact({"backend": {"base_url": url}}, [])["backend"]["base_url"]
+        == "http://<redacted>@127.0.0.1:8000/api"
+    )
     assert redact("http://127.0.0.1:8000/a@b", []) == "http://127.0.0.1:8000/a@b"  # no userinfo: unchanged
     assert "URLSECRET42" not in " ".join(redact_argv([f"backend.base_url={url}", "x=1"], []))
     hydra = tmp_path / "run" / ".hydra"

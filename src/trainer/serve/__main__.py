@@ -69,12 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "command line shows in `ps` to every local user: prefer --api-key-file or "
                         "$PAIREDRL_SERVE_API_KEY (comma-separated)")
     p.add_argument("--api-key-file", default=None,
-                   help="read the accepted keys from this file (one a line; blank lines and # comments skipped)")
+                   help="read the accepted keys from this file (one a line; blank lines, # comments skipped)")
     p.add_argument("--session-timeout-s", type=float, default=SESSION_TIMEOUT_S,
-                   help=f"a session whose heartbeats (the SDK sends one every {SDK_HEARTBEAT_S:g} s) stop ends after "
-                        f"this long, releasing its models, samplers and futures (default {SESSION_TIMEOUT_S:g}, "
-                        "when the SDK warns that the session will be terminated; must be > "
-                        f"{SDK_HEARTBEAT_S:g})")
+                   help=f"a session whose heartbeats (the SDK sends one every {SDK_HEARTBEAT_S:g} s) stop "
+                        "ends after this long, releasing its models, samplers and futures (default "
+                        f"{SESSION_TIMEOUT_S:g}, when the SDK warns that the session will be terminated; "
+                        f"must be > {SDK_HEARTBEAT_S:g})")
     p.add_argument("--read-timeout-s", type=float, default=30.0,
                    help="a client that sends no byte of its request (headers or body) for this long is "
                         "answered 408 / disconnected (default 30)")
@@ -92,7 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         try:
             lines = Path(args.api_key_file).read_text().splitlines()
         except (OSError, UnicodeDecodeError) as e:
-            p.error(f"--api-key-file {args.api_key_file}: cannot read it ({getattr(e, 'strerror', None) or e})")
+            why = getattr(e, "strerror", None) or e
+            p.error(f"--api-key-file {args.api_key_file}: cannot read it ({why})")
         file_keys = [x.strip() for x in lines if x.strip() and not x.strip().startswith("#")]
         if not file_keys:
             p.error(f"--api-key-file {args.api_key_file} holds no key")
@@ -108,8 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "$PAIREDRL_SERVE_API_KEY) so that only holders of the key can use it, or pass "
                 "--insecure-allow-remote to accept anyone who can reach the port")
     if not args.session_timeout_s > SDK_HEARTBEAT_S:  # NaN fails too
-        p.error(f"--session-timeout-s must be > {SDK_HEARTBEAT_S:g} (the SDK heartbeats every {SDK_HEARTBEAT_S:g} s; "
-                "a shorter timeout would end live sessions)")
+        p.error(f"--session-timeout-s must be > {SDK_HEARTBEAT_S:g} (the SDK heartbeats every "
+                f"{SDK_HEARTBEAT_S:g} s; a shorter timeout would end live sessions)")
     if not 0 < args.read_timeout_s <= 3600:
         p.error("--read-timeout-s must be in (0, 3600]")
     if not args.ttl_sweep_s > 0:
@@ -144,7 +145,8 @@ async def serve(args: argparse.Namespace) -> None:
     # the connection opens); `TinkerServer._read` bounds the body, and after a reply to a request whose body
     # was not read aiohttp drains it for at most lingering_time (default 10 s) before closing
     runner = JsonErrorRunner(server.app(), access_log=None, handle_signals=False,
-                             keepalive_timeout=args.read_timeout_s, lingering_time=min(1.0, args.read_timeout_s))
+                             keepalive_timeout=args.read_timeout_s,
+                             lingering_time=min(1.0, args.read_timeout_s))
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

@@ -315,7 +315,7 @@ class TinkerServer:
                   **extra: Any) -> dict:
         rid = f"req-{secrets.token_hex(12)}"
         owner = request["owner"]
-        session = _session_of(str(extra.get("model_id") or extra.get("session") or request.get("session", "")))
+        session = _session_of(str(extra.get("model_id") or extra.get("session") or ""))
         extra.pop("session", None)
         self.futures[rid] = _Pending(future, encode, session)
         self.owner[rid] = owner
@@ -383,9 +383,9 @@ class TinkerServer:
     def _session(self, session_id: str | None, request: web.Request) -> str:
         """A session this boot issued to the request's key (ids from another boot or key are refused)."""
         if not session_id or self.sessions.get(session_id) != request["owner"]:
-            raise Refused(404, f"unknown session_id {str(session_id)[:100]}: create a session on this server first "
-                               "(ids from before a restart, or of a session that expired or was finished, are not "
-                               "valid)")
+            raise Refused(404, f"unknown session_id {str(session_id)[:100]}: create a session on this "
+                               "server first (ids from before a restart, or of a session that expired or was "
+                               "finished, are not valid)")
         self._touch(session_id)
         return session_id
 
@@ -419,7 +419,8 @@ class TinkerServer:
                 chunk = await asyncio.wait_for(request.content.read(1 << 16), self.read_timeout_s)
             except TimeoutError:
                 request["close"] = True  # the rest of the body will not be read: close after the reply
-                raise Refused(408, f"no body bytes for {self.read_timeout_s:g} s (--read-timeout-s)") from None
+                raise Refused(408, f"no body bytes for {self.read_timeout_s:g} s (--read-timeout-s)"
+                              ) from None
             if not chunk:
                 break
             size += len(chunk)
@@ -438,13 +439,15 @@ class TinkerServer:
 
     def _new_model_slot(self, request: web.Request, model_id: str) -> None:
         """Reserve one of the key's model slots at submission (a create still running holds its slot, so
-        concurrent creates cannot pass the limit together); freed when the session ends or the create fails."""
+        concurrent creates cannot pass the limit together); freed when the session ends or the create
+        fails."""
         with self._lock:
             mine = self.slots.setdefault(request["owner"], set())
             if model_id not in mine and len(mine) >= self.limits.models_per_key:
                 raise LimitExceeded(f"this key already has {len(mine)} live models, this server's limit "
-                                    f"({Limits.flag('models_per_key')}); finish a session to free its models (a "
-                                    f"session whose heartbeats stop ends after {self.session_timeout_s:g} s)")
+                                    f"({Limits.flag('models_per_key')}); finish a session to free its models "
+                                    "(a session whose heartbeats stop ends after "
+                                    f"{self.session_timeout_s:g} s)")
             mine.add(model_id)
 
     def _free_slot(self, owner: str, model_id: str) -> None:
@@ -465,7 +468,8 @@ class TinkerServer:
             if hasattr(tc, "close"):
                 tc.close()
             self._free_slot(owner, model_id)
-            raise ValueError(f"session {_session_of(model_id)} ended while model {model_id} was being created")
+            raise ValueError(f"session {_session_of(model_id)} ended while model {model_id} was being "
+                             "created")
 
     # ------------------------------------------------------------------ session
     async def client_config(self, request: web.Request) -> web.Response:
@@ -487,7 +491,8 @@ class TinkerServer:
             if live >= self.limits.sessions_per_key:
                 raise LimitExceeded(f"this key already has {live} live sessions, this server's limit "
                                     f"({Limits.flag('sessions_per_key')}); close a ServiceClient, or wait "
-                                    f"{self.session_timeout_s:g} s for those whose heartbeats stopped to expire")
+                                    f"{self.session_timeout_s:g} s for those whose heartbeats stopped to "
+                                    "expire")
             self.sessions[sid] = owner
             self.last_seen[sid] = time.monotonic()
         self.rest.on_session(sid, owner, req.user_metadata)
@@ -499,8 +504,8 @@ class TinkerServer:
         (tinker 0.38 `internal_client_holder.py::_session_heartbeat` returns on a 410)."""
         req, _ = await self._body(request, types.SessionHeartbeatRequest)
         if self.sessions.get(req.session_id) != request["owner"]:
-            raise Refused(410, f"session {str(req.session_id)[:100]} is finished or unknown on this server (a "
-                               f"session ends {self.session_timeout_s:g} s after its last heartbeat)")
+            raise Refused(410, f"session {str(req.session_id)[:100]} is finished or unknown on this server "
+                               f"(a session ends {self.session_timeout_s:g} s after its last heartbeat)")
         self._touch(req.session_id)
         return web.json_response({"type": "session_heartbeat"})
 
@@ -580,9 +585,9 @@ class TinkerServer:
         def create() -> types.CreateModelResponse:
             try:
                 tc = self.engine.create_lora_training_client(
-                    req.base_model, rank=lc.rank, seed=lc.seed, train_mlp=lc.train_mlp, train_attn=lc.train_attn,
-                    train_unembed=lc.train_unembed, optimizer=req.optimizer_config, run_id=model_id,
-                    user_metadata=req.user_metadata)
+                    req.base_model, rank=lc.rank, seed=lc.seed, train_mlp=lc.train_mlp,
+                    train_attn=lc.train_attn, train_unembed=lc.train_unembed, optimizer=req.optimizer_config,
+                    run_id=model_id, user_metadata=req.user_metadata)
             except BaseException:
                 self._free_slot(owner, model_id)
                 raise
@@ -738,7 +743,8 @@ class TinkerServer:
             def publish(_: Any) -> types.SaveWeightsForSamplerResponseInternal:
                 with self._lock:  # not into a session that ended while the snapshot was taken
                     if self.sessions.get(_session_of(model_id)) != request["owner"]:
-                        raise ValueError(f"session {_session_of(model_id)} ended before its sampler was ready")
+                        raise ValueError(f"session {_session_of(model_id)} ended before its sampler was "
+                                         "ready")
                     self.owner[sid] = request["owner"]
                     self.samplers[sid] = holder["sc"]
                 self.rest.on_sampler(sid, _session_of(model_id))
@@ -766,8 +772,8 @@ class TinkerServer:
             self.losses[loss_id] = LossHandle(name=req.name, inputs=tuple(req.inputs),
                                               session_id=self.engine.session_id, graph=graph, loss_id=loss_id)
             self.owner[loss_id] = request["owner"]
-            return self._register(request, _done(types.CreateCustomLossResponse(loss_id=loss_id)), json_result,
-                                  session=loss_id)
+            reply = types.CreateCustomLossResponse(loss_id=loss_id)
+            return self._register(request, _done(reply), json_result, session=loss_id)
 
         return self._once(request, ("loss", loss_id), digest, make)
 
@@ -810,7 +816,8 @@ class TinkerServer:
                             prompt_logprobs_last_n=req.prompt_logprobs_last_n).future()
             # one id per sample, fixed at submission (the SDK stamps them onto the sequences)
             ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(req.num_samples)]
-            return self._register(request, fut, _sample, sample_sequence_ids=ids, session=req.sampling_session_id)
+            return self._register(request, fut, _sample, sample_sequence_ids=ids,
+                                  session=req.sampling_session_id)
 
         return self._once(request, ("sample", req.sampling_session_id, req.seq_id), digest, make)
 

@@ -72,18 +72,24 @@ def _check_scalar_op(target: Any, args: Sequence[Any]) -> None:
     seq = next((x for x in (a, b) if isinstance(x, (str, bytes, tuple, list))), None)
     if target in (operator.pow, math.pow) and ints:
         if b > 0 and abs(a) > 1 and b * abs(a).bit_length() > MAX_INT_BITS:
-            raise CostExceeded(f"custom loss computes {a} ** {b} on Python integers, past {MAX_INT_BITS} bits "
-                               "(fixed bound: integer work runs outside torch and holds the server's lock)")
+            raise CostExceeded(
+                f"custom loss computes {a} ** {b} on Python integers, past {MAX_INT_BITS} bits "
+                "(fixed bound: integer work runs outside torch and holds the server's lock)"
+            )
     elif target is operator.mul and ints:
         if a.bit_length() + b.bit_length() > MAX_INT_BITS:
-            raise CostExceeded(f"custom loss multiplies Python integers past {MAX_INT_BITS} bits (fixed bound)")
+            raise CostExceeded(
+                f"custom loss multiplies Python integers past {MAX_INT_BITS} bits (fixed bound)"
+            )
     elif target is operator.mul and seq is not None:
         n = b if seq is a else a
         if not isinstance(n, int) or len(seq) * max(n, 0) > MAX_SEQ_ITEMS:
-            raise CostExceeded(f"custom loss repeats a {type(seq).__name__} past {MAX_SEQ_ITEMS} items (fixed bound)")
-    elif target is operator.add and seq is not None and isinstance(a, type(seq)) and isinstance(b, type(seq)):
-        if len(a) + len(b) > MAX_SEQ_ITEMS:
-            raise CostExceeded(f"custom loss joins sequences past {MAX_SEQ_ITEMS} items (fixed bound)")
+            raise CostExceeded(
+                f"custom loss repeats a {type(seq).__name__} past {MAX_SEQ_ITEMS} items (fixed bound)"
+            )
+    elif (target is operator.add and seq is not None and isinstance(a, type(seq)) and isinstance(b, type(seq))
+          and len(a) + len(b) > MAX_SEQ_ITEMS):
+        raise CostExceeded(f"custom loss joins sequences past {MAX_SEQ_ITEMS} items (fixed bound)")
 
 
 def _numel(out: Any) -> int:
@@ -92,8 +98,9 @@ def _numel(out: Any) -> int:
     if isinstance(out, (tuple, list)):
         return sum(_numel(o) for o in out)
     if isinstance(out, int) and not isinstance(out, bool) and out.bit_length() > MAX_INT_BITS:
-        raise CostExceeded(f"custom loss makes a Python integer of {out.bit_length()} bits (fixed bound "
-                           f"{MAX_INT_BITS})")
+        raise CostExceeded(
+            f"custom loss makes a Python integer of {out.bit_length()} bits (fixed bound {MAX_INT_BITS})"
+        )
     if isinstance(out, (str, bytes)) and len(out) > MAX_SEQ_ITEMS:
         raise CostExceeded(f"custom loss makes a sequence of {len(out)} items (fixed bound {MAX_SEQ_ITEMS})")
     return 0
@@ -111,27 +118,37 @@ class _Meter(torch.fx.Interpreter):
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         _check_scalar_op(target, args)
         if target is torch.masked_select:  # its size depends on the mask's values: the upper bound
-            return torch.empty(torch.broadcast_shapes(args[0].shape, args[1].shape).numel(), dtype=args[0].dtype)
+            return torch.empty(
+                torch.broadcast_shapes(args[0].shape, args[1].shape).numel(), dtype=args[0].dtype
+            )
         return super().call_function(target, args, kwargs)
 
     def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
         if not args or not isinstance(args[0], torch.Tensor):  # e.g. (7).__pow__(10**7) as a method call
-            raise CostExceeded(f"custom loss calls method {target!r} on a {type(args[0]).__name__ if args else 'nothing'}"
-                               "; methods may be called on tensors only")
+            raise CostExceeded(
+                f"custom loss calls method {target!r} on a {type(args[0]).__name__ if args else 'nothing'}"
+                "; methods may be called on tensors only"
+            )
         if target == "masked_select":
-            return torch.empty(torch.broadcast_shapes(args[0].shape, args[1].shape).numel(), dtype=args[0].dtype)
+            return torch.empty(
+                torch.broadcast_shapes(args[0].shape, args[1].shape).numel(), dtype=args[0].dtype
+            )
         return super().call_method(target, args, kwargs)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         try:
             out = super().run_node(n)
         except DynamicOutputShapeException:
-            raise CostExceeded(f"custom loss node {n.name!r} ({n.target}) has an output whose size depends on "
-                               "tensor values; its cost cannot be bounded before it runs") from None
+            raise CostExceeded(
+                f"custom loss node {n.name!r} ({n.target}) has an output whose size depends on "
+                "tensor values; its cost cannot be bounded before it runs"
+            ) from None
         except RuntimeError as e:
             if "data-dependent" in str(e) or "Data dependent" in str(e):
-                raise CostExceeded(f"custom loss node {n.name!r} ({n.target}) depends on tensor values; its cost "
-                                   "cannot be bounded before it runs") from None
+                raise CostExceeded(
+                    f"custom loss node {n.name!r} ({n.target}) depends on tensor values; its cost "
+                    "cannot be bounded before it runs"
+                ) from None
             raise
         if n.op in ("call_function", "call_method"):
             # what it reads and what it writes: a reduction reads far more than it returns
@@ -142,8 +159,9 @@ class _Meter(torch.fx.Interpreter):
         return out
 
 
-def datum_cost(gm: torch.fx.GraphModule, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype],
-               budget: float) -> int:
+def datum_cost(
+    gm: torch.fx.GraphModule, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype], budget: float
+) -> int:
     """The cost of one run of `gm` on inputs of these shapes (logprobs first); `_OverBudget` as soon as it
     passes `budget` (the caller names the bound)."""
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -155,13 +173,16 @@ def datum_cost(gm: torch.fx.GraphModule, shapes: Sequence[tuple[int, ...]], dtyp
 
 
 def _refuse(what: str, limits: Limits) -> CostExceeded:
-    return CostExceeded(f"custom loss costs more than this server's bound of {limits.loss_cost} element operations "
-                        f"per forward_backward ({_flag()}) {what}")
+    return CostExceeded(
+        f"custom loss costs more than this server's bound of {limits.loss_cost} element operations "
+        f"per forward_backward ({_flag()}) {what}"
+    )
 
 
 def check_at_upload(gm: torch.fx.GraphModule, ranks: Sequence[int], limits: Limits) -> None:
-    """`ranks`: of the graph's inputs, logprobs first (`CustomLossInput.rank`). Refuse a graph whose cost on one small datum already passes the bound, or that grows Python numbers or
-    sequences past their fixed bounds. Other failures on the nominal shapes are left to the real inputs."""
+    """Refuse a graph whose cost on one small datum already passes the bound, or that grows Python numbers
+    or sequences past their fixed bounds; `ranks` are its inputs' (`CustomLossInput.rank`), logprobs first.
+    Other failures on the nominal shapes are left to the check with the real inputs."""
     shapes = [(UPLOAD_T, UPLOAD_K)[:r] for r in ranks]
     try:
         datum_cost(gm, shapes, [torch.float32] * len(shapes), limits.loss_cost)
@@ -169,12 +190,13 @@ def check_at_upload(gm: torch.fx.GraphModule, ranks: Sequence[int], limits: Limi
         raise _refuse(f"on a single datum of {UPLOAD_T} tokens", limits) from None
     except CostExceeded as e:
         raise CostExceeded(e.detail) from None
-    except Exception:  # noqa: BLE001, S110 - the graph may need other shapes; checked again with the real ones
+    except Exception:  # noqa: BLE001, S110 - it may need other shapes; checked again with the real ones
         pass
 
 
-def check_request(gm: torch.fx.GraphModule, inputs: Sequence[Sequence[tuple[tuple[int, ...], torch.dtype]]],
-                  limits: Limits) -> int:
+def check_request(
+    gm: torch.fx.GraphModule, inputs: Sequence[Sequence[tuple[tuple[int, ...], torch.dtype]]], limits: Limits
+) -> int:
     """The cost of one forward_backward: the graph on the largest datum's shapes, times the datums.
 
     `inputs[i]` holds (shape, dtype) of datum i's logprobs (shaped like its target tokens) and then of
@@ -193,8 +215,9 @@ def check_request(gm: torch.fx.GraphModule, inputs: Sequence[Sequence[tuple[tupl
     try:
         cost = datum_cost(gm, shapes, dtypes, budget)
     except _OverBudget:
-        raise _refuse(f"on {len(inputs)} datum(s) of up to {shapes[0][0] if shapes[0] else 1} tokens",
-                      limits) from None
+        raise _refuse(
+            f"on {len(inputs)} datum(s) of up to {shapes[0][0] if shapes[0] else 1} tokens", limits
+        ) from None
     except CostExceeded as e:
         raise CostExceeded(e.detail) from None
     return cost * len(inputs)

@@ -22,8 +22,9 @@ Sampling conventions (Tinker leaves them undocumented):
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any, Generator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F

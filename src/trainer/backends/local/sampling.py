@@ -162,9 +162,9 @@ class SampleScheduler:
             tenant = min(running, key=lambda t: self._served.get(t, -1))
             self._turns += 1
             self._served[tenant] = self._turns
-            run = running[tenant]
+            run, shared = running[tenant], len(running) > 1
             try:
-                outs = COMPUTE.run(lambda: self._advance(run, len(running) > 1))
+                outs = COMPUTE.run(lambda run=run, shared=shared: self._advance(run, shared))
             except BaseException as e:  # noqa: BLE001
                 del running[tenant]
                 self._fail(run.live, e)
@@ -208,7 +208,9 @@ class SampleScheduler:
                     next(run.steps)
                 except StopIteration as done:
                     return done.value
-                if time.monotonic() >= end and (shared or COMPUTE.waiting() or self._others_waiting(run.tenant)):
+                if time.monotonic() < end:
+                    continue
+                if shared or COMPUTE.waiting() or self._others_waiting(run.tenant):
                     return None  # a training request, or another tenant, takes a turn
 
     def _steps(self, live: list[_Request]) -> Any:
