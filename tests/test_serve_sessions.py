@@ -277,6 +277,7 @@ def test_one_keys_burst_delays_another_keys_request_by_a_bounded_time(tmp_path):
         assert len(out.sequences) == 2
         assert waited_s < 30, (alone_s, waited_s)
         assert not any(f.done() for f in burst[-5:]), "the burst finished first: the test measured nothing"
+        assert _peak_rss_kb(server) < MAX_RSS_KB
     finally:
         server.proc.send_signal(signal.SIGKILL)  # the burst's remaining batches are not waited for
         server.proc.wait()
