@@ -565,3 +565,29 @@ def test_url_credentials_are_redacted_like_keys(tmp_path):
     (hydra / "overrides.yaml").write_text(f"- backend.base_url={url}\n")
     redact_hydra_record(tmp_path / "run", None, [])
     assert "URLSECRET42" not in (hydra / "overrides.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_a_credential_in_base_url_is_written_nowhere(tmp_path):
+    """A run against the server with `backend.base_url=http://user:pass@...`: the password is in no file of
+    the run folder (config.yaml, .hydra/, wandb's offline files) nor in its output."""
+    from runs import run_train
+    from test_tinker_wire import WIRE
+
+    server = Server(tmp_path / "state")
+    try:
+        url = server.url.replace("http://", "http://alice:URLSECRET42@")
+        run = tmp_path / "run"
+        env = {k: v for k, v in os.environ.items() if k != "TINKER_BASE_URL"}
+        p = run_train([*WIRE, "schedule.num_steps=1", "eval=none", "logger=wandb", f"backend.base_url={url}",
+                       f"hydra.run.dir={run}"], tmp_path, env={**env, "TINKER_API_KEY": "tml-local",
+                                                               "WANDB_MODE": "offline", "TINKER_TELEMETRY": "0"})
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert list((run / "wandb").glob("offline-run-*")), "wandb did not run offline"
+        assert "URLSECRET42" not in p.stdout + p.stderr
+        files = [f for f in run.rglob("*") if f.is_file()]
+        assert any(f.name == "overrides.yaml" for f in files)
+        for f in files:
+            assert b"URLSECRET42" not in f.read_bytes(), f
+    finally:
+        server.stop()
