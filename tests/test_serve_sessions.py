@@ -321,6 +321,7 @@ OUTER = [
     _call("loss", "torch.sum", {"ref": "m399"}),
 ]
 STRING = [_call("t", "operator.mul", "ab", 3 * 10**9), _call("loss", "torch.sum", {"ref": "logprobs"})]
+FORMAT = [_call("t", "operator.mod", "%0999999999d", 1), _call("loss", "torch.sum", {"ref": "logprobs"})]
 SQUARE = [
     _call("u", "torch.unsqueeze", {"ref": "logprobs"}, 1),
     _call("v", "torch.unsqueeze", {"ref": "logprobs"}, 0),
@@ -339,7 +340,7 @@ def test_a_method_on_a_constant_is_refused_when_the_graph_is_rebuilt():
         wire.rebuild_graph(_graph(nodes))
 
 
-@pytest.mark.parametrize("nodes", [POW, STRING], ids=["pow", "string"])
+@pytest.mark.parametrize("nodes", [POW, STRING, FORMAT], ids=["pow", "string", "format"])
 def test_python_level_blowups_are_refused_at_upload_in_milliseconds(nodes):
     gm = wire.rebuild_graph(_graph(nodes))
     graph_cost.check_at_upload(wire.rebuild_graph(_graph(SQUARE)), [1], Limits())  # imports and caches warm

@@ -90,6 +90,9 @@ def _check_scalar_op(target: Any, args: Sequence[Any]) -> None:
     elif (target is operator.add and seq is not None and isinstance(a, type(seq)) and isinstance(b, type(seq))
           and len(a) + len(b) > MAX_SEQ_ITEMS):
         raise CostExceeded(f"custom loss joins sequences past {MAX_SEQ_ITEMS} items (fixed bound)")
+    elif target in (operator.mod, math.fmod) and isinstance(a, (str, bytes)):
+        # `"%0999999999d" % 1` formats a string of any width the client picks
+        raise CostExceeded("custom loss formats a string with %; only numbers and tensors may be computed")
 
 
 def _numel(out: Any) -> int:
