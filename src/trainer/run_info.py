@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from trainer.utils.machine import cpu_model
 
 SECRET_ENV_VARS = ("TINKER_API_KEY", "WANDB_API_KEY")
 _SECRET_KEYS = ("api_key", "apikey", "token", "access_token", "secret", "password")
+# the userinfo of a URL (`http://user:password@host`, `https://token@host`): a credential whatever the key
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s?#'\"]+@")
 
 
 def package_versions() -> dict[str, str]:
@@ -42,7 +45,8 @@ def git_revision(repo: Path | None = None) -> dict[str, Any]:
 
 
 def redact(obj: Any, secrets: list[str]) -> Any:
-    """Drop secret values wherever they appear (keys that look secret, or the values themselves)."""
+    """Drop secret values wherever they appear (keys that look secret, the values themselves, and the
+    credentials inside URLs such as `backend.base_url=http://user:password@host`)."""
     if isinstance(obj, dict):
         return {k: ("<redacted>" if _is_secret_key(str(k)) else redact(v, secrets)) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -51,6 +55,7 @@ def redact(obj: Any, secrets: list[str]) -> Any:
         for s in secrets:
             if s and s in obj:
                 obj = obj.replace(s, "<redacted>")
+        obj = _URL_USERINFO.sub(r"\g<scheme><redacted>@", obj)
     return obj
 
 
@@ -106,8 +111,6 @@ def redact_hydra_record(run_dir: Path, sweep_dir: Path | None, secrets: list[str
     """Rewrite Hydra's own record of the invocation (`<run>/.hydra/*.yaml`, `<sweep>/multirun.yaml`) with the
     secrets replaced, as config.yaml has them: Hydra writes the composed config and the overrides as given
     before the task runs."""
-    if not secrets:
-        return
     files = sorted((run_dir / ".hydra").glob("*.yaml")) + ([sweep_dir / "multirun.yaml"] if sweep_dir else [])
     for f in files:
         try:
