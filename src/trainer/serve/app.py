@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from pydantic import ValidationError
 from tinker import types
 from tinker.lib.public_interfaces.custom_loss import LossHandle
 
@@ -87,6 +88,31 @@ class ModelLost(RuntimeError):
 class _Pending:
     future: Future
     encode: Callable[[Any], tuple[bytes, str]]
+
+
+# tinker's StableReinforce needs per-sequence information the service records at sampling time
+# (`record_stability_info=True`); its docs (tinker-docs "Losses > StableReinforce", alpha) describe what a
+# client sends but not the objective or what is recorded, and neither the SDK 0.38 (`types/loss_fn_type.py`,
+# `types/sample_request.py`) nor tinker-cookbook 0.6.1 (`rl/train.py`, which only names the loss) defines
+# them, so the engine cannot reproduce it and refuses it with the workaround.
+STABLE_REINFORCE_REFUSAL = (
+    "loss_fn 'stable_reinforce' is not implemented by this server: its objective uses stability information "
+    "the Tinker service records at sampling time, which no public source defines; train with "
+    "loss_fn='importance_sampling' (tinker-cookbook: loss_fn=importance_sampling), or ppo / cispo")
+
+
+class _Inflight:
+    """An `inflight` sampling session: it samples with the latest weights its model published inflight.
+
+    A sample already queued keeps the snapshot it was given (the SDK's contract lets a generation span
+    updates and promises only "the weights saved when the client was created, or newer")."""
+
+    def __init__(self, model_id: str, current: Any):
+        self.model_id = model_id
+        self.current = current
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.current, name)
 
 
 def _fb(out: types.ForwardBackwardOutput) -> tuple[bytes, str]:
@@ -327,8 +353,11 @@ class TinkerServer:
         raw = await self._read(request)
         try:
             return cls.model_validate_json(raw), _digest(raw)
+        except ValidationError as e:  # one line per field, as every other refusal
+            why = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:5])
+            raise Refused(400, f"bad {cls.__name__}: {why[:300]}") from None
         except Exception as e:  # noqa: BLE001 - a malformed body is the client's fault
-            raise Refused(400, f"bad {cls.__name__}: {str(e)[:300]}") from None
+            raise Refused(400, f"bad {cls.__name__}: {' '.join(str(e).split())[:300]}") from None
 
     def _new_model_slot(self, request: web.Request, model_id: str) -> None:
         live = sum(1 for m in self.models if self.owner.get(m) == request["owner"])
@@ -463,6 +492,8 @@ class TinkerServer:
 
         _, seq_id, data, loss_fn, config, forward_only = await asyncio.get_running_loop().run_in_executor(
             self._pool, decode)
+        if loss_fn == "stable_reinforce":
+            raise Refused(400, STABLE_REINFORCE_REFUSAL)
 
         def submit(tc: Any) -> Any:
             if loss_fn == "custom":
@@ -495,7 +526,16 @@ class TinkerServer:
             json_result, model_id=req.model_id))
 
     async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
-        req, digest = await self._body(request, types.SaveWeightsForSamplerRequest)
+        """A named sampler checkpoint, or (no `path`) a sampling session on a snapshot of the weights.
+
+        The SDK takes a new `sampling_session_seq_id` each time it sends the unnamed form, resends included
+        (tinker 0.38 `training_client.py::_save_weights_for_sampler_impl`, inside `execute_with_retries`),
+        so that field is left out of the resend digest: a resend is the same request and gets the first
+        reply (whose sampler id the SDK then uses). `kind="inflight"`: every inflight sampler of the model
+        follows the model's latest inflight save (`_Inflight`), as the SDK's `SamplingClientKind` describes.
+        """
+        req, _ = await self._body(request, types.SaveWeightsForSamplerRequest)
+        digest = _digest(req.model_dump_json(exclude={"sampling_session_seq_id"}))
         model_id = req.model_id
         self._model(model_id, request)
         if req.path is not None:
@@ -518,7 +558,13 @@ class TinkerServer:
 
             def publish(_: Any) -> types.SaveWeightsForSamplerResponseInternal:
                 self.owner[sid] = request["owner"]
-                self.samplers[sid] = holder["sc"]
+                sc = holder["sc"]
+                if req.kind == "inflight":  # the save completes once every inflight sampler has the new weights
+                    for other in list(self.samplers.values()):
+                        if isinstance(other, _Inflight) and other.model_id == model_id:
+                            other.current = sc
+                    sc = _Inflight(model_id, sc)
+                self.samplers[sid] = sc
                 self.rest.on_sampler(sid, _session_of(model_id))
                 return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sid)
 
@@ -569,6 +615,13 @@ class TinkerServer:
         req, digest = await self._body(request, types.SampleRequest)
         sc = self._owned(self.samplers, req.sampling_session_id, request, "sampling session")
         check_sample(req, self.limits)
+        asked = [f for f, on in (("topk_sample_logprobs", req.topk_sample_logprobs),
+                                 ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
+                                 ("prompt_alt_tokens_k", req.prompt_alt_tokens_k)) if on]
+        if asked:  # answering without them would read as "none": the SDK would take that as the result
+            raise Refused(400, f"{', '.join(asked)}: not implemented by this server's engine, which returns "
+                               "sampled-token logprobs, prompt logprobs and top-k prompt logprobs (all positions, "
+                               "or the last n) only")
 
         def make() -> dict:
             fut = sc.sample(req.prompt, req.num_samples, req.sampling_params,

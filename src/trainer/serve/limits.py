@@ -102,10 +102,20 @@ def check_sample(req: types.SampleRequest, limits: Limits) -> None:
             raise LimitExceeded(f"{k} = {getattr(req, k)} exceeds this server's limit {MAX_TOPK} (fixed)")
 
 
-def check_adam(p: types.AdamParams | None) -> None:
-    """AdamW's hyper-parameters inside the ranges where an update is defined (NaN would destroy the adapter)."""
+def check_adam(p: types.AdamParams | types.OptimParamsBase | None) -> None:
+    """AdamW's hyper-parameters inside the ranges where an update is defined (NaN would destroy the adapter).
+
+    `OptimStepRequest.optim_params` parses any other family (`DimuonParams`, or a `type` this SDK does not
+    know) as an `OptimParamsBase`, which has none of Adam's fields: it is refused here by its family name,
+    since the engine (like `create_model`, which refuses `DimuonOptimizerConfig`) implements AdamW only.
+    """
     if p is None:
         return
+    if not isinstance(p, types.AdamParams):
+        family = str(getattr(p, "type", type(p).__name__))[:40]
+        raise ValueError(f"optim_params of type {family!r}: this server implements the AdamW optimizer only "
+                         "(send tinker.AdamParams; a training client made with DimuonOptimizerConfig is refused "
+                         "at creation too)")
     finite_in("learning_rate", p.learning_rate, 0.0, 1.0)
     finite_in("beta1", p.beta1, 0.0, 1.0)
     finite_in("beta2", p.beta2, 0.0, 1.0)
