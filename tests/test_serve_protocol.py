@@ -10,15 +10,15 @@ itself resends a 5xx for minutes and would hide it.
 from __future__ import annotations
 
 import itertools
-import typing
 import sys
 import time
+import typing
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_tinker_wire import Server  # noqa: E402
+from test_tinker_wire import Server
 
 TINY = "pairedrl/tiny-random"
 KEY = "tml-proto"
@@ -154,7 +154,8 @@ def test_every_request_type_with_every_params_type_gets_2xx_or_a_one_line_4xx(se
                 types.SaveWeightsRequest(model_id=mid, path="../x", seq_id=next(seq)),
                 types.SaveWeightsRequest(model_id=mid, path="w2", seq_id=next(seq), ttl_seconds=3600),
                 types.SaveWeightsForSamplerRequest(model_id=mid, path="s1", seq_id=next(seq)),
-                types.SaveWeightsForSamplerRequest(model_id=mid, seq_id=next(seq), sampling_session_seq_id=50),
+                types.SaveWeightsForSamplerRequest(model_id=mid, seq_id=next(seq),
+                                                   sampling_session_seq_id=50),
                 types.SaveWeightsForSamplerRequest(model_id=mid, seq_id=next(seq), sampling_session_seq_id=51,
                                                    kind="inflight")):
         endpoint = "save_weights" if isinstance(req, types.SaveWeightsRequest) else "save_weights_for_sampler"
@@ -164,8 +165,8 @@ def test_every_request_type_with_every_params_type_gets_2xx_or_a_one_line_4xx(se
     run = mid
     for path, optimizer in ((f"tinker://{run}/weights/w1", True), (f"tinker://{run}/weights/nope", False),
                             ("tinker://../../etc", False)):
-        status, body = raw.post("load_weights", types.LoadWeightsRequest(model_id=mid, seq_id=next(seq), path=path,
-                                                                         optimizer=optimizer))
+        status, body = raw.post("load_weights", types.LoadWeightsRequest(
+            model_id=mid, seq_id=next(seq), path=path, optimizer=optimizer))
         if status < 300:
             raw.settle(body)
     # sampling: each option of SampleRequest, each in and out of range
@@ -180,14 +181,14 @@ def test_every_request_type_with_every_params_type_gets_2xx_or_a_one_line_4xx(se
                {"prompt_logprobs": True, "prompt_logprobs_last_n": 2},
                {"prompt_logprobs": True, "prompt_logprobs_last_n": 99}, {"prompt_logprobs_last_n": 2},
                {"record_stability_info": True}, {"num_samples": 0}, {"num_samples": 10**9}]
-    params = [types.SamplingParams(max_tokens=3), types.SamplingParams(max_tokens=3, seed=7, temperature=0.5),
-              types.SamplingParams(max_tokens=3, top_k=2, top_p=0.9), types.SamplingParams(max_tokens=3, stop=["x"]),
-              types.SamplingParams(max_tokens=3, stop=[5]), types.SamplingParams(max_tokens=0),
-              types.SamplingParams(max_tokens=3, top_k=0), types.SamplingParams(max_tokens=3, temperature=-1.0),
-              types.SamplingParams(max_tokens=10**7)]
+    sp = types.SamplingParams
+    params = [sp(max_tokens=3), sp(max_tokens=3, seed=7, temperature=0.5),
+              sp(max_tokens=3, top_k=2, top_p=0.9), sp(max_tokens=3, stop=["x"]), sp(max_tokens=3, stop=[5]),
+              sp(max_tokens=0), sp(max_tokens=3, top_k=0), sp(max_tokens=3, temperature=-1.0),
+              sp(max_tokens=10**7)]
     for opt, p in itertools.chain(((o, params[0]) for o in options), (({}, p) for p in params)):
-        req = types.SampleRequest(prompt=prompt, sampling_params=p, sampling_session_id=ssid, seq_id=next(seq),
-                                  **{"num_samples": 1, **opt})
+        req = types.SampleRequest(prompt=prompt, sampling_params=p, sampling_session_id=ssid,
+                                  seq_id=next(seq), **{"num_samples": 1, **opt})
         status, body = raw.post("asample", req)
         if status < 300:
             raw.settle(body)
@@ -200,8 +201,8 @@ def test_every_request_type_with_every_params_type_gets_2xx_or_a_one_line_4xx(se
         update={"target": "torch.load"}), graph.nodes[2]]})
     for i, g in enumerate((graph, bad)):
         status, body = raw.post("create_custom_loss", types.CreateCustomLossRequest(
-            session_id=sid, custom_loss_seq_id=i, name="l", inputs=[types.CustomLossInput(name="logprobs", rank=1)],
-            graph=g))
+            session_id=sid, custom_loss_seq_id=i, name="l",
+            inputs=[types.CustomLossInput(name="logprobs", rank=1)], graph=g))
         if status < 300:
             raw.settle(body)
     # futures, heartbeats and the end of the session, with ids that exist and ids that do not
@@ -245,7 +246,8 @@ def test_a_resent_sampler_save_with_a_new_sampling_session_id_is_the_same_reques
         tc = sc.create_lora_training_client(TINY, rank=4, seed=0).result()
         t0 = time.monotonic()
         sampler = tc.save_weights_and_get_sampling_client().result()
-        out = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 2, types.SamplingParams(max_tokens=3, seed=1))
+        out = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 2,
+                             types.SamplingParams(max_tokens=3, seed=1))
         assert len(out.result().sequences) == 2
         assert time.monotonic() - t0 < 120
         stats = s.stats()
@@ -293,7 +295,8 @@ def test_cookbook_06_surface_sequence_ids_provenance_inflight_and_stable_reinfor
     for _ in range(3):  # move the weights far enough to change the greedy continuation
         tc.forward_backward([_datum(6, target_tokens=[9, 9, 9, 9, 9])], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=0.5)).result()
-    assert list(inflight.sample(prompt, 1, greedy).result().sequences[0].tokens) == before  # not yet published
+    # not yet published
+    assert list(inflight.sample(prompt, 1, greedy).result().sequences[0].tokens) == before
     later = tc.save_weights_and_get_sampling_client(kind="inflight").result()
     moved = list(later.sample(prompt, 1, greedy).result().sequences[0].tokens)
     assert moved != before

@@ -354,7 +354,8 @@ class TinkerServer:
         try:
             return cls.model_validate_json(raw), _digest(raw)
         except ValidationError as e:  # one line per field, as every other refusal
-            why = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:5])
+            why = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}"
+                            for err in e.errors()[:5])
             raise Refused(400, f"bad {cls.__name__}: {why[:300]}") from None
         except Exception as e:  # noqa: BLE001 - a malformed body is the client's fault
             raise Refused(400, f"bad {cls.__name__}: {' '.join(str(e).split())[:300]}") from None
@@ -559,7 +560,7 @@ class TinkerServer:
             def publish(_: Any) -> types.SaveWeightsForSamplerResponseInternal:
                 self.owner[sid] = request["owner"]
                 sc = holder["sc"]
-                if req.kind == "inflight":  # the save completes once every inflight sampler has the new weights
+                if req.kind == "inflight":  # done once each inflight sampler of the model has the new weights
                     for other in list(self.samplers.values()):
                         if isinstance(other, _Inflight) and other.model_id == model_id:
                             other.current = sc
@@ -620,8 +621,8 @@ class TinkerServer:
                                  ("prompt_alt_tokens_k", req.prompt_alt_tokens_k)) if on]
         if asked:  # answering without them would read as "none": the SDK would take that as the result
             raise Refused(400, f"{', '.join(asked)}: not implemented by this server's engine, which returns "
-                               "sampled-token logprobs, prompt logprobs and top-k prompt logprobs (all positions, "
-                               "or the last n) only")
+                               "sampled-token logprobs, prompt logprobs and top-k prompt logprobs (all "
+                               "positions, or the last n) only")
 
         def make() -> dict:
             fut = sc.sample(req.prompt, req.num_samples, req.sampling_params,

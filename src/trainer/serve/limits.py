@@ -113,9 +113,10 @@ def check_adam(p: types.AdamParams | types.OptimParamsBase | None) -> None:
         return
     if not isinstance(p, types.AdamParams):
         family = str(getattr(p, "type", type(p).__name__))[:40]
-        raise ValueError(f"optim_params of type {family!r}: this server implements the AdamW optimizer only "
-                         "(send tinker.AdamParams; a training client made with DimuonOptimizerConfig is refused "
-                         "at creation too)")
+        raise ValueError(  # noqa: TRY004 - the middleware answers a ValueError with a 400 (a TypeError: 500)
+            f"optim_params of type {family!r}: this server implements the AdamW optimizer only (send "
+            "tinker.AdamParams; a training client made with DimuonOptimizerConfig is refused at creation "
+            "too)")
     finite_in("learning_rate", p.learning_rate, 0.0, 1.0)
     finite_in("beta1", p.beta1, 0.0, 1.0)
     finite_in("beta2", p.beta2, 0.0, 1.0)

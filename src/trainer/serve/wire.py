@@ -93,7 +93,8 @@ def decode_forward_backward(body: bytes) -> tuple[str, int, list[types.Datum], s
         n_target = target.shape[0] if target is not None and target.shape and len(target.shape) == 1 else None
         loss_spans = _spans(i, "loss_fn_input_spans", d.loss_fn_input_spans, n_target)
         if (spans is None) != (loss_spans is None):
-            raise ValueError(f"datum[{i}]: provenance comes as a pair (model_input_spans and loss_fn_input_spans)")
+            raise ValueError(f"datum[{i}]: provenance comes as a pair (model_input_spans and "
+                             "loss_fn_input_spans)")
         data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=inputs,
                                 model_input_spans=spans, loss_fn_input_spans=loss_spans))
     config: dict[str, Any] = {k: float(v) for k, v in msg.loss_fn_config.items()}
@@ -118,8 +119,8 @@ def _spans(i: int, field: str, msgs: Any, length: int | None) -> list | None:
         r = getattr(m, kind)
         cls = types.PromptProvenanceSpan if kind == "prompt_tokens" else types.SampledProvenanceSpan
         if not r.sequence_id or len(r.sequence_id) > 256 or r.offset < 0 or r.length < 0:
-            raise ValueError(f"datum[{i}].{field}: a run needs a sequence_id (<= 256 characters), offset >= 0 "
-                             "and length >= 0")
+            raise ValueError(f"datum[{i}].{field}: a run needs a sequence_id (<= 256 characters), "
+                             "offset >= 0 and length >= 0")
         out.append(cls(sequence_id=r.sequence_id, offset=int(r.offset), length=int(r.length)))
     total = sum(r.length for r in out)
     if length is not None and total != length:
