@@ -61,6 +61,7 @@ from trainer.serve.limits import (
     check_batch,
     check_checkpoint_name,
     check_lora,
+    check_optimizer_config,
     check_sample,
 )
 from trainer.serve.replies import Refused, error_response, json_result
@@ -418,6 +419,7 @@ class TinkerServer:
         model_id = f"{self._session(req.session_id, request)}:train:{req.model_seq_id}"
         lc = req.lora_config or types.LoraConfig(rank=32)
         check_lora(lc.rank, self.limits)
+        check_optimizer_config(req.optimizer_config)
         self._new_model_slot(request, model_id)
 
         def create() -> types.CreateModelResponse:
@@ -440,6 +442,7 @@ class TinkerServer:
         if req.model_id is None:  # 0.38: a new training client created from a checkpoint
             if req.session_id is None or req.model_seq_id is None:
                 raise Refused(400, "load_weights needs model_id, or session_id and model_seq_id")
+            check_optimizer_config(req.optimizer_config)
             model_id = f"{self._session(req.session_id, request)}:train:{req.model_seq_id}"
             self._new_model_slot(request, model_id)
             make = (self.engine.create_training_client_from_state_with_optimizer if req.optimizer

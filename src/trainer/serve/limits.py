@@ -125,6 +125,15 @@ def check_adam(p: types.AdamParams | types.OptimParamsBase | None) -> None:
     finite_in("grad_clip_norm", p.grad_clip_norm, 0.0, 1e6)
 
 
+def check_optimizer_config(cfg: Any) -> None:
+    """A new training client's optimizer family: AdamW only, refused before the model is built (its
+    `optim_step` would be refused anyway; see `check_adam`)."""
+    family = str(getattr(cfg, "type", "adamw"))[:40]
+    if cfg is not None and family != "adamw":
+        raise ValueError(f"optimizer_config of type {family!r}: this server implements the AdamW optimizer "
+                         "only (leave optimizer unset, or pass tinker.AdamOptimizerConfig())")
+
+
 def check_lora(rank: int, limits: Limits) -> None:
     at_most("lora_config.rank", rank, limits, "lora_rank")
     if rank < 1:
