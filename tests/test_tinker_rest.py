@@ -624,6 +624,44 @@ def test_cookbook_math_rl_arithmetic_runs_and_resumes_unmodified(server, tmp_pat
         run.training_run_id).result().checkpoints}
 
 
+@pytest.mark.slow
+@covers("tinker_cookbook 0.6.1 recipes.math_rl.train env=arithmetic loss_fn=importance_sampling (run, then resume)")
+def test_cookbook_061_math_rl_runs_with_importance_sampling_and_names_the_workaround(server, tmp_path):
+    """tinker-cookbook 0.6.1 (installed with --no-deps into a throwaway folder: it wants tml-renderers>=0.4.1,
+    which its math_rl recipe with a ChatML renderer never imports). Its default loss, `stable_reinforce`,
+    samples with `record_stability_info=True` and sends provenance spans, which the server takes; the loss
+    itself is refused, and the run stops with the server's reason naming the workaround. With
+    `loss_fn=importance_sampling` it runs two steps and resumes to a third, unmodified."""
+    target = tmp_path / "cookbook-0.6.1"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
+                          "tinker-cookbook==0.6.1"], capture_output=True, text=True, timeout=300, check=False)
+    if pip.returncode != 0:
+        pytest.skip(f"tinker-cookbook 0.6.1 cannot be installed here: {pip.stderr.strip()[-300:]}")
+    hf = subprocess.run([sys.executable, "-m", "trainer.serve", "--print-env", "--hf-home", str(tmp_path / "hf")],
+                        capture_output=True, text=True, timeout=300, env=_env(server), check=False)
+    assert hf.returncode == 0, hf.stderr[-2000:]
+    env = {**_env(server), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "WANDB_MODE": "disabled", "PYTHONPATH": os.pathsep.join([str(target), str(ROOT / "src")])}
+    probe = subprocess.run([sys.executable, "-c", "import tinker_cookbook; print(tinker_cookbook.__version__)"],
+                           capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert probe.stdout.strip() == "0.6.1", probe.stderr[-1000:]
+    log = tmp_path / "math_rl"
+    common = [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={TINY}",
+              "renderer_name=qwen3_instruct", "env=arithmetic", "group_size=2", "groups_per_batch=2",
+              "max_tokens=8", "eval_every=0", "save_every=1", "lora_rank=4", f"log_path={log}"]
+    default = subprocess.run([*common, "max_steps=1", "behavior_if_log_dir_exists=delete"], capture_output=True,
+                             text=True, timeout=900, env=env, check=False)
+    assert default.returncode != 0
+    assert "loss_fn='importance_sampling'" in default.stderr, default.stderr[-3000:]
+    runs = [[*common, "loss_fn=importance_sampling", "max_steps=2", "behavior_if_log_dir_exists=delete"],
+            [*common, "loss_fn=importance_sampling", "max_steps=3", "behavior_if_log_dir_exists=resume"]]
+    for cmd in runs:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, check=False)
+        assert out.returncode == 0, out.stderr[-3000:]
+    batches = [json.loads(line).get("progress/batch") for line in (log / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(b for b in batches if b is not None) == [0, 1, 2]
+
+
 @covers("RestClient.get_server_capabilities", "ServiceClient.get_server_capabilities",
         "ServiceClient.create_rest_client", "ServiceClient.close")
 def test_capabilities(server, sdk):
