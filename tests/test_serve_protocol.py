@@ -258,6 +258,28 @@ def test_a_resent_sampler_save_with_a_new_sampling_session_id_is_the_same_reques
         s.stop()
 
 
+def test_a_sampler_save_resent_with_another_session_seq_id_gets_the_first_reply(server):
+    """At the wire: the same `seq_id` with only `sampling_session_seq_id` changed is the same request (the
+    first reply, the first sampler); any other change under a taken `seq_id` is still refused with 409."""
+    from tinker import types
+
+    raw = Raw(server.url)
+    sid = _session(raw)
+    _, body = raw.post("create_model", types.CreateModelRequest(
+        session_id=sid, model_seq_id=0, base_model=TINY, lora_config=types.LoraConfig(rank=4),
+        optimizer_config=types.AdamOptimizerConfig()))
+    mid = raw.settle(body)["model_id"]
+    first = raw.post("save_weights_for_sampler", types.SaveWeightsForSamplerRequest(
+        model_id=mid, seq_id=1, sampling_session_seq_id=0))
+    again = raw.post("save_weights_for_sampler", types.SaveWeightsForSamplerRequest(
+        model_id=mid, seq_id=1, sampling_session_seq_id=1))
+    assert first == again and first[0] == 200
+    assert raw.settle(first[1])["sampling_session_id"] == f"{sid}:sample:0"
+    other = raw.http.post("/api/v1/save_weights_for_sampler", json=types.SaveWeightsForSamplerRequest(
+        model_id=mid, seq_id=1, sampling_session_seq_id=2, kind="inflight").model_dump(mode="json"))
+    assert other.status_code == 409
+
+
 def test_cookbook_06_surface_sequence_ids_provenance_inflight_and_stable_reinforce(server):
     """tinker-cookbook 0.6's RL path through the SDK: a sampler made with `record_stability_info=True` returns
     a distinct `sequence_id` per sequence; a datum carrying provenance spans naming them trains with
