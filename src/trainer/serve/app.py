@@ -21,7 +21,8 @@ samplers and losses are only created under a session this boot issued to the sam
 
 De-duplication of resends is keyed by `(key, model or session, seq_id)` and checks a digest of the
 body: an identical resend gets the first reply; a different request with a taken `seq_id` is refused
-(409, marked not to be retried), so one request can never receive another's future.
+(409, marked not to be retried), so one request can never receive another's future. The one field the
+SDK changes on a resend, a sampler save's `sampling_session_seq_id`, is left out of that digest.
 
 Limits (`trainer.serve.limits`): body size per endpoint (413 before the body is read), and each size
 and number a request names, checked before anything is queued; a `forward_backward` protobuf is
