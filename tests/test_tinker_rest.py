@@ -2,10 +2,11 @@
 
 One server subprocess on loopback serves the whole module (tiny model, TTL sweeper every 0.3 s); every call
 goes through the SDK's `ServiceClient` / `RestClient` or the CLI (`python -m tinker.cli`), as a user's program
-would. Each test names the SDK calls it shows working (or refused, with why) through `covers`; the
-compatibility table in docs/tinker.md is generated from those marks (`python tests/test_tinker_rest.py`
-rewrites it) and `test_compatibility_table_is_current` fails when the doc, the marks or the SDK's public
-surface drift apart.
+would. Each test names the SDK calls it shows working through `covers`; the compatibility table in
+docs/tinker.md is generated from those marks and from the calls `tinker_compat.observe` makes against this
+module's server (refusals, options, the CLI: each row as it happened), and
+`test_compatibility_table_is_current` fails when the doc, the marks, the server's answers or the SDK's
+public surface drift apart (`python tests/tinker_compat.py` rewrites it).
 """
 
 from __future__ import annotations
@@ -623,84 +624,42 @@ def test_cookbook_math_rl_arithmetic_runs_and_resumes_unmodified(server, tmp_pat
         run.training_run_id).result().checkpoints}
 
 
-# ----------------------------------------------------------------------------- refused
-@covers("RestClient.search_sessions", refused="session search is a hosted-service feature (no search index offline)")
-def test_search_sessions_is_refused_with_why(server):
-    import tinker
-
-    with pytest.raises(tinker.BadRequestError, match="no search index offline"):
-        _rest(server, KEY).search_sessions(tinker.types.SessionSearchRequest()).result()
-
-
-@covers("RestClient.export_session_trace", refused="session traces are not recorded offline")
-def test_export_session_trace_is_refused_with_why(server, sdk):
-    import tinker
-
-    _, rc, _ = sdk
-    sid = rc.list_sessions().result().sessions[0]
-    with pytest.raises(tinker.BadRequestError, match="not recorded offline"):
-        rc.export_session_trace(sid).result()
-
-
-@covers("RestClient.assign_session_project", refused="projects are a hosted-service feature")
-def test_assign_session_project_is_refused_with_why(server, sdk):
-    import tinker
-
-    _, rc, _ = sdk
-    with pytest.raises(tinker.BadRequestError, match="projects are a hosted-service feature"):
-        rc.assign_session_project(rc.list_sessions().result().sessions[0], "p").result()
-
-
-@covers("RestClient.copy_weights", "ServiceClient.copy_weights",
-        refused="projects are a hosted-service feature (copy_weights copies between them)")
-def test_copy_weights_is_refused_with_why(server, sdk):
-    import tinker
-
-    _, rc, tc = sdk
-    path = tc.save_state("copy-src").result().path
-    with pytest.raises(tinker.BadRequestError, match="copies between them"):
-        rc.copy_weights(path, "proj").result()
-
-
-@covers("RestClient.whoami", refused="needs JWT auth: the SDK reads the identity from a JWT's claims, and this "
-                                     "server uses plain API keys (`pjwt_auth_enabled=false`)")
-def test_whoami_needs_jwt_auth(server):
-    with pytest.raises(RuntimeError, match="requires JWT auth"):
-        _rest(server, KEY).whoami().result()
-
-
-@covers("RestClient.get_audit_log", refused="no audit log is kept offline")
-@covers("RestClient.get_billing_usage", "RestClient.get_current_checkpoint_storage_usage",
-        refused="billing is a hosted-service feature")
-def test_admin_calls_are_refused_with_why(server):
-    import tinker
-
-    rc = _rest(server, KEY)
-    for call, why in ((rc.get_audit_log, "no audit log"),
-                      (lambda: rc.get_billing_usage("2026-01-01", "2026-02-01"), "billing"),
-                      (rc.get_current_checkpoint_storage_usage, "billing")):
-        with pytest.raises(tinker.BadRequestError, match=why):
-            call().result()
-
-
-@covers("TrainingClient.forward_backward(loss_fn='stable_reinforce')",
-        refused="not implemented: its objective uses stability info the service records at sampling time "
-                "(`record_stability_info=True`, sequence ids), which neither the SDK nor the service documentation "
-                "defines; the engine has cross_entropy, importance_sampling, ppo, cispo, dro, gspo and custom losses")
-@covers("SamplingClient.sample(topk_sample_logprobs / target_prompt_logprobs / prompt_alt_tokens_k)",
-        refused="not implemented: the engine returns sampled-token logprobs, prompt logprobs and top-k prompt "
-                "logprobs (all positions, or the last n) only")
-def test_engine_features_not_implemented_are_refused_with_why(server, sdk):
-    import tinker
-    from tinker import types
-
-    sc, _, tc = sdk
-    with pytest.raises(tinker.TinkerError, match="unknown loss_fn 'stable_reinforce'"):
-        tc.forward_backward(_datum(), "stable_reinforce").result()
-    sampler = tc.save_weights_and_get_sampling_client()
-    with pytest.raises(tinker.TinkerError, match="top-k sample"):
-        sampler.sample(types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2),
-                       topk_sample_logprobs=2).result()
+@pytest.mark.slow
+@covers("tinker_cookbook 0.6.1 recipes.math_rl.train env=arithmetic loss_fn=importance_sampling (run, then resume)")
+def test_cookbook_061_math_rl_runs_with_importance_sampling_and_names_the_workaround(server, tmp_path):
+    """tinker-cookbook 0.6.1 (installed with --no-deps into a throwaway folder: it wants tml-renderers>=0.4.1,
+    which its math_rl recipe with a ChatML renderer never imports). Its default loss, `stable_reinforce`,
+    samples with `record_stability_info=True` and sends provenance spans, which the server takes; the loss
+    itself is refused, and the run stops with the server's reason naming the workaround. With
+    `loss_fn=importance_sampling` it runs two steps and resumes to a third, unmodified."""
+    target = tmp_path / "cookbook-0.6.1"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
+                          "tinker-cookbook==0.6.1"], capture_output=True, text=True, timeout=300, check=False)
+    if pip.returncode != 0:
+        pytest.skip(f"tinker-cookbook 0.6.1 cannot be installed here: {pip.stderr.strip()[-300:]}")
+    hf = subprocess.run([sys.executable, "-m", "trainer.serve", "--print-env", "--hf-home", str(tmp_path / "hf")],
+                        capture_output=True, text=True, timeout=300, env=_env(server), check=False)
+    assert hf.returncode == 0, hf.stderr[-2000:]
+    env = {**_env(server), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "WANDB_MODE": "disabled", "PYTHONPATH": os.pathsep.join([str(target), str(ROOT / "src")])}
+    probe = subprocess.run([sys.executable, "-c", "import tinker_cookbook; print(tinker_cookbook.__version__)"],
+                           capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert probe.stdout.strip() == "0.6.1", probe.stderr[-1000:]
+    log = tmp_path / "math_rl"
+    common = [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={TINY}",
+              "renderer_name=qwen3_instruct", "env=arithmetic", "group_size=2", "groups_per_batch=2",
+              "max_tokens=8", "eval_every=0", "save_every=1", "lora_rank=4", f"log_path={log}"]
+    default = subprocess.run([*common, "max_steps=1", "behavior_if_log_dir_exists=delete"], capture_output=True,
+                             text=True, timeout=900, env=env, check=False)
+    assert default.returncode != 0
+    assert "loss_fn='importance_sampling'" in default.stderr, default.stderr[-3000:]
+    runs = [[*common, "loss_fn=importance_sampling", "max_steps=2", "behavior_if_log_dir_exists=delete"],
+            [*common, "loss_fn=importance_sampling", "max_steps=3", "behavior_if_log_dir_exists=resume"]]
+    for cmd in runs:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, check=False)
+        assert out.returncode == 0, out.stderr[-3000:]
+    batches = [json.loads(line).get("progress/batch") for line in (log / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(b for b in batches if b is not None) == [0, 1, 2]
 
 
 @covers("RestClient.get_server_capabilities", "ServiceClient.get_server_capabilities",
@@ -723,27 +682,39 @@ def _public_calls() -> list[str]:
     return sorted(out)
 
 
-def render_table() -> str:
-    rows = {**ELSEWHERE, **COMPAT}
-    lines = ["| SDK call (tinker 0.38; each `*_async` twin behaves as its call) | status | evidence / why |",
-             "|---|---|---|"]
+def render_table(observed: dict[str, tuple[str, str]]) -> str:
+    rows = {**ELSEWHERE, **COMPAT, **observed}
+    lines = ["| SDK call / CLI command (tinker 0.38; each `*_async` twin behaves as its call) | status | "
+             "evidence / why |", "|---|---|---|"]
     for call in sorted(rows, key=lambda c: (c.startswith("tinker "), c)):
         status, why = rows[call]
         lines.append(f"| `{call}` | {status} | {why} |")
     return "\n".join(lines)
 
 
-def test_compatibility_table_is_current():
-    rows = {**ELSEWHERE, **COMPAT}
-    missing = [c for c in _public_calls() if c not in rows]
-    assert not missing, f"SDK calls without a row (add a test or an ELSEWHERE entry): {missing}"
-    doc = DOC.read_text()
-    table = doc[doc.index(BEGIN) + len(BEGIN):doc.index(END)].strip()
-    assert table == render_table(), "docs/tinker.md's table is stale: run `python tests/test_tinker_rest.py`"
-
-
-if __name__ == "__main__":  # rewrite the table in docs/tinker.md
+def write_table(observed: dict[str, tuple[str, str]]) -> None:
     doc = DOC.read_text()
     head, tail = doc[:doc.index(BEGIN) + len(BEGIN)], doc[doc.index(END):]
-    DOC.write_text(f"{head}\n{render_table()}\n{tail}")
+    DOC.write_text(f"{head}\n{render_table(observed)}\n{tail}")
     print(f"wrote the compatibility table of {DOC}")
+
+
+def test_compatibility_table_is_current(server):
+    """The table from this run: the refused and probe-only rows as `tinker_compat.observe` saw them against
+    this server, the rest from the `covers` marks of this module's tests. It fails when a row differs from
+    docs/tinker.md, when a probed call got a 5xx, or when an SDK call or CLI command has no row."""
+    from tinker_compat import cli_commands, observe
+
+    observed = observe(server.url, KEY)
+    broken = {c: r for c, r in observed.items() if r[0] == "broken"}
+    assert not broken, broken
+    rows = {**ELSEWHERE, **COMPAT, **observed}
+    missing = [c for c in _public_calls() + cli_commands() if c not in rows]
+    assert not missing, f"SDK calls or CLI commands without a row (add a probe or a test): {missing}"
+    doc = DOC.read_text()
+    table = doc[doc.index(BEGIN) + len(BEGIN):doc.index(END)].strip()
+    assert table == render_table(observed), "docs/tinker.md's table is stale: run `python tests/tinker_compat.py`"
+
+
+if __name__ == "__main__":
+    sys.exit(subprocess.call([sys.executable, str(Path(__file__).with_name("tinker_compat.py"))]))

@@ -28,6 +28,8 @@ ENGINE = ["--lora-alpha", "8", "--sampler-dtype", "float32", "--train-dtype", "f
 ARGS = [a for a in TINY if not a.startswith("backend.")]
 LOCAL = [*ARGS, "backend.sampler_dtype=float32", "backend.train_dtype=float32"]
 WIRE = [*ARGS, "backend=tinker"]
+# a seeded request draws one random stream for all its samples, so both sides split groups alike
+SPLIT_PIN = ["sampling.requests=per_group"]
 
 
 class Server:
@@ -96,8 +98,7 @@ def rollouts(run: Path) -> list[tuple]:
 def test_wire_run_equals_in_process_run(tmp_path, server, path):
     # one request per group on both sides (the local engine's default; the wire's is per_sample, pinned by
     # the resume and fault tests below)
-    extra = [f"backend.loss_path={path}", "sampling.requests=per_group"] + (["eval=none"] if path == "two_pass"
-                                                                          else [])
+    extra = [f"backend.loss_path={path}", *SPLIT_PIN] + (["eval=none"] if path == "two_pass" else [])
     local, wire = tmp_path / "local", tmp_path / "wire"
     p = run_train([*LOCAL, *extra, f"hydra.run.dir={local}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -449,4 +450,50 @@ def test_optim_step_is_sent_before_forward_backward_returns(tmp_path):
     assert events[:2] == ["fb submitted", "optim submitted"]
     assert events[2:] == ["fb submitted", "optim submitted after fb finished"]
     assert outs[0] == pytest.approx(outs[1], rel=1e-6)
+    sc.close()
+
+
+def test_the_readme_names_every_pin_the_rehearsal_test_needs():
+    """README's rehearsal paragraph lists exactly what `test_wire_run_equals_in_process_run` pins: the
+    server's fp32 flags and the model's LoRA alpha, the local run's fp32 overrides, the request split."""
+    import yaml
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    flags = dict(zip(ENGINE[::2], ENGINE[1::2]))
+    assert yaml.safe_load((ROOT / "conf" / "model" / "tiny_random.yaml").read_text())["lora_alpha"] == float(
+        flags["--lora-alpha"])
+    assert "--lora-alpha A` (A = the model config's `lora_alpha`" in text
+    for pin in [f"{k} {v}" for k, v in flags.items() if k != "--lora-alpha"] + LOCAL[len(ARGS):] + SPLIT_PIN:
+        assert pin in text, pin
+
+
+def test_a_groups_tokens_depend_on_how_it_is_split_into_requests(tmp_path):
+    """Why the rehearsal pins the split: one seeded request for a group draws one stream shared by its
+    samples, so the same group sent as one request per sample (seeded per sample, the wire's `auto`) gets
+    other tokens, while each split alone reruns identically."""
+    import asyncio
+
+    import tinker
+
+    from trainer.backends.local import LocalServiceClient
+    from trainer.config.compose import compose_config
+    from trainer.retry import RetryPolicy
+    from trainer.rollouts import sample_batch
+    from trainer.setup import build_components
+
+    cfg = compose_config(["model=tiny_random", "env=gsm8k", "env.n_examples=4", "env.convo_prefix=none"])
+    _, _, task = build_components(cfg)
+    sc = LocalServiceClient(state_dir=tmp_path / "engine", sampler_dtype="float32", train_dtype="float32")
+    sampler = sc.create_sampling_client(base_model="pairedrl/tiny-random")
+
+    def draw(per_sample: bool) -> list:
+        params = tinker.SamplingParams(max_tokens=8, temperature=1.0, top_p=1.0, top_k=-1)
+        groups = asyncio.run(sample_batch(task, task.train_problems()[:2], sampler, params, seed=0, step=0,
+                                          group_size=4, max_seq_len=512, concurrency=8, retry=RetryPolicy(),
+                                          per_sample=per_sample))
+        return [[r.tokens for r in g] for g in groups]
+
+    per_group, per_sample = draw(False), draw(True)
+    assert draw(False) == per_group and draw(True) == per_sample
+    assert per_group != per_sample
     sc.close()

@@ -21,7 +21,8 @@ samplers and losses are only created under a session this boot issued to the sam
 
 De-duplication of resends is keyed by `(key, model or session, seq_id)` and checks a digest of the
 body: an identical resend gets the first reply; a different request with a taken `seq_id` is refused
-(409, marked not to be retried), so one request can never receive another's future.
+(409, marked not to be retried), so one request can never receive another's future. The one field the
+SDK changes on a resend, a sampler save's `sampling_session_seq_id`, is left out of that digest.
 
 Limits (`trainer.serve.limits`): body size per endpoint (413 before the body is read), and each size
 and number a request names, checked before anything is queued; a `forward_backward` protobuf is
@@ -52,6 +53,7 @@ from typing import Any
 
 import torch
 from aiohttp import web, web_protocol, web_server
+from pydantic import ValidationError
 from tinker import types
 from tinker.lib.public_interfaces.custom_loss import LossHandle, check_loss_inputs
 
@@ -67,6 +69,7 @@ from trainer.serve.limits import (
     check_checkpoint_name,
     check_lora,
     check_metadata,
+    check_optimizer_config,
     check_sample,
 )
 from trainer.serve.replies import Refused, error_response, json_result
@@ -123,6 +126,31 @@ class _Pending:
     future: Future
     encode: Callable[[Any], tuple[bytes, str]]
     session: str  # released with its session (finished or expired)
+
+
+# tinker's StableReinforce needs per-sequence information the service records at sampling time
+# (`record_stability_info=True`); its docs (tinker-docs "Losses > StableReinforce", alpha) describe what a
+# client sends but not the objective or what is recorded, and neither the SDK 0.38 (`types/loss_fn_type.py`,
+# `types/sample_request.py`) nor tinker-cookbook 0.6.1 (`rl/train.py`, which only names the loss) defines
+# them, so the engine cannot reproduce it and refuses it with the workaround.
+STABLE_REINFORCE_REFUSAL = (
+    "loss_fn 'stable_reinforce' is not implemented by this server: its objective uses stability information "
+    "the Tinker service records at sampling time, which no public source defines; train with "
+    "loss_fn='importance_sampling' (tinker-cookbook: loss_fn=importance_sampling), or ppo / cispo")
+
+
+class _Inflight:
+    """An `inflight` sampling session: it samples with the latest weights its model published inflight.
+
+    A sample already queued keeps the snapshot it was given (the SDK's contract lets a generation span
+    updates and promises only "the weights saved when the client was created, or newer")."""
+
+    def __init__(self, model_id: str, current: Any):
+        self.model_id = model_id
+        self.current = current
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.current, name)
 
 
 def _fb(out: types.ForwardBackwardOutput) -> tuple[bytes, str]:
@@ -434,8 +462,12 @@ class TinkerServer:
         raw = await self._read(request)
         try:
             return cls.model_validate_json(raw), _digest(raw)
+        except ValidationError as e:  # one line per field, as every other refusal
+            why = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}"
+                            for err in e.errors()[:5])
+            raise Refused(400, f"bad {cls.__name__}: {why[:300]}") from None
         except Exception as e:  # noqa: BLE001 - a malformed body is the client's fault
-            raise Refused(400, f"bad {cls.__name__}: {str(e)[:300]}") from None
+            raise Refused(400, f"bad {cls.__name__}: {' '.join(str(e).split())[:300]}") from None
 
     def _new_model_slot(self, request: web.Request, model_id: str) -> None:
         """Reserve one of the key's model slots at submission (a create still running holds its slot, so
@@ -578,6 +610,7 @@ class TinkerServer:
         lc = req.lora_config or types.LoraConfig(rank=32)
         check_lora(lc.rank, self.limits)
         check_metadata(req.user_metadata, self.limits)
+        check_optimizer_config(req.optimizer_config)
         self._new_model_slot(request, model_id)
 
         owner = request["owner"]
@@ -607,6 +640,7 @@ class TinkerServer:
         if req.model_id is None:  # 0.38: a new training client created from a checkpoint
             if req.session_id is None or req.model_seq_id is None:
                 raise Refused(400, "load_weights needs model_id, or session_id and model_seq_id")
+            check_optimizer_config(req.optimizer_config)
             model_id = f"{self._session(req.session_id, request)}:train:{req.model_seq_id}"
             check_metadata(req.user_metadata, self.limits)
             self._new_model_slot(request, model_id)
@@ -669,6 +703,8 @@ class TinkerServer:
 
         _, seq_id, data, loss_fn, config, forward_only = await asyncio.get_running_loop().run_in_executor(
             self._pool, decode)
+        if loss_fn == "stable_reinforce":
+            raise Refused(400, STABLE_REINFORCE_REFUSAL)
 
         def submit(tc: Any) -> Any:
             if loss_fn == "custom":
@@ -718,7 +754,16 @@ class TinkerServer:
             json_result, model_id=req.model_id))
 
     async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
-        req, digest = await self._body(request, types.SaveWeightsForSamplerRequest)
+        """A named sampler checkpoint, or (no `path`) a sampling session on a snapshot of the weights.
+
+        The SDK takes a new `sampling_session_seq_id` each time it sends the unnamed form, resends included
+        (tinker 0.38 `training_client.py::_save_weights_for_sampler_impl`, inside `execute_with_retries`),
+        so that field is left out of the resend digest: a resend is the same request and gets the first
+        reply (whose sampler id the SDK then uses). `kind="inflight"`: every inflight sampler of the model
+        follows the model's latest inflight save (`_Inflight`), as the SDK's `SamplingClientKind` describes.
+        """
+        req, _ = await self._body(request, types.SaveWeightsForSamplerRequest)
+        digest = _digest(req.model_dump_json(exclude={"sampling_session_seq_id"}))
         model_id = req.model_id
         self._model(model_id, request)
         if req.path is not None:
@@ -746,7 +791,13 @@ class TinkerServer:
                         raise ValueError(f"session {_session_of(model_id)} ended before its sampler was "
                                          "ready")
                     self.owner[sid] = request["owner"]
-                    self.samplers[sid] = holder["sc"]
+                    sc = holder["sc"]
+                    if req.kind == "inflight":  # each inflight sampler of the model follows the new weights
+                        for other in list(self.samplers.values()):
+                            if isinstance(other, _Inflight) and other.model_id == model_id:
+                                other.current = sc
+                        sc = _Inflight(model_id, sc)
+                    self.samplers[sid] = sc
                 self.rest.on_sampler(sid, _session_of(model_id))
                 return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sid)
 
@@ -807,6 +858,13 @@ class TinkerServer:
         req, digest = await self._body(request, types.SampleRequest)
         sc = self._owned(self.samplers, req.sampling_session_id, request, "sampling session")
         check_sample(req, self.limits)
+        asked = [f for f, on in (("topk_sample_logprobs", req.topk_sample_logprobs),
+                                 ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
+                                 ("prompt_alt_tokens_k", req.prompt_alt_tokens_k)) if on]
+        if asked:  # answering without them would read as "none": the SDK would take that as the result
+            raise Refused(400, f"{', '.join(asked)}: not implemented by this server's engine, which returns "
+                               "sampled-token logprobs, prompt logprobs and top-k prompt logprobs (all "
+                               "positions, or the last n) only")
 
         def make() -> dict:
             fut = sc.sample(req.prompt, req.num_samples, req.sampling_params,

@@ -113,10 +113,21 @@ def check_sample(req: types.SampleRequest, limits: Limits) -> None:
             raise LimitExceeded(f"{k} = {getattr(req, k)} exceeds this server's limit {MAX_TOPK} (fixed)")
 
 
-def check_adam(p: types.AdamParams | None) -> None:
-    """AdamW's hyper-parameters inside the ranges where an update is defined (NaN would destroy the adapter)."""
+def check_adam(p: types.AdamParams | types.OptimParamsBase | None) -> None:
+    """AdamW's hyper-parameters inside the ranges where an update is defined (NaN would destroy the adapter).
+
+    `OptimStepRequest.optim_params` parses any other family (`DimuonParams`, or a `type` this SDK does not
+    know) as an `OptimParamsBase`, which has none of Adam's fields: it is refused here by its family name,
+    since the engine (like `create_model`, which refuses `DimuonOptimizerConfig`) implements AdamW only.
+    """
     if p is None:
         return
+    if not isinstance(p, types.AdamParams):
+        family = str(getattr(p, "type", type(p).__name__))[:40]
+        raise ValueError(  # noqa: TRY004 - the middleware answers a ValueError with a 400 (a TypeError: 500)
+            f"optim_params of type {family!r}: this server implements the AdamW optimizer only (send "
+            "tinker.AdamParams; a training client made with DimuonOptimizerConfig is refused at creation "
+            "too)")
     finite_in("learning_rate", p.learning_rate, 0.0, 1.0)
     finite_in("beta1", p.beta1, 0.0, 1.0)
     finite_in("beta2", p.beta2, 0.0, 1.0)
@@ -132,6 +143,15 @@ def check_metadata(meta: dict[str, Any] | None, limits: Limits, what: str = "use
         if size > limits.session_metadata_kb * 1024:
             raise LimitExceeded(f"{what} of {size} bytes exceeds this server's limit "
                                 f"{limits.session_metadata_kb:g} kB ({Limits.flag('session_metadata_kb')})")
+
+
+def check_optimizer_config(cfg: Any) -> None:
+    """A new training client's optimizer family: AdamW only, refused before the model is built (its
+    `optim_step` would be refused anyway; see `check_adam`)."""
+    family = str(getattr(cfg, "type", "adamw"))[:40]
+    if cfg is not None and family != "adamw":
+        raise ValueError(f"optimizer_config of type {family!r}: this server implements the AdamW optimizer "
+                         "only (leave optimizer unset, or pass tinker.AdamOptimizerConfig())")
 
 
 def check_lora(rank: int, limits: Limits) -> None:

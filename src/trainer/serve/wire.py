@@ -88,11 +88,44 @@ def decode_forward_backward(body: bytes) -> tuple[str, int, list[types.Datum], s
                 raise ValueError(f"datum[{i}]: this server takes token chunks only")
             tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
         inputs = {name: _tensor_data_from_proto(t) for name, t in d.loss_fn_inputs.items()}
-        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=inputs))
+        spans = _spans(i, "model_input_spans", d.model_input_spans, len(tokens))
+        target = inputs.get("target_tokens")
+        n_target = target.shape[0] if target is not None and target.shape and len(target.shape) == 1 else None
+        loss_spans = _spans(i, "loss_fn_input_spans", d.loss_fn_input_spans, n_target)
+        if (spans is None) != (loss_spans is None):
+            raise ValueError(f"datum[{i}]: provenance comes as a pair (model_input_spans and "
+                             "loss_fn_input_spans)")
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=inputs,
+                                model_input_spans=spans, loss_fn_input_spans=loss_spans))
     config: dict[str, Any] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():  # the SDK dual-writes numbers; strings only live in v2
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
     return msg.model_id, int(msg.seq_id), data, msg.loss_fn, config, bool(msg.forward_only)
+
+
+def _spans(i: int, field: str, msgs: Any, length: int | None) -> list | None:
+    """A datum's provenance runs (`Datum.with_provenance`), checked as the SDK checks them: lengths and
+    offsets >= 0, sequence ids named, and the runs tiling the field they annotate. The engine's losses
+    do not read them (no loss here uses sampling-time records), so they are checked and carried only."""
+    if not msgs:
+        return None
+    if length is not None and len(msgs) > max(length, 1):
+        raise ValueError(f"datum[{i}].{field}: {len(msgs)} runs for a field of {length} positions")
+    out = []
+    for m in msgs:
+        kind = m.WhichOneof("span")
+        if kind is None:
+            raise ValueError(f"datum[{i}].{field}: a run names neither prompt_tokens nor sampled_tokens")
+        r = getattr(m, kind)
+        cls = types.PromptProvenanceSpan if kind == "prompt_tokens" else types.SampledProvenanceSpan
+        if not r.sequence_id or len(r.sequence_id) > 256 or r.offset < 0 or r.length < 0:
+            raise ValueError(f"datum[{i}].{field}: a run needs a sequence_id (<= 256 characters), "
+                             "offset >= 0 and length >= 0")
+        out.append(cls(sequence_id=r.sequence_id, offset=int(r.offset), length=int(r.length)))
+    total = sum(r.length for r in out)
+    if length is not None and total != length:
+        raise ValueError(f"datum[{i}].{field}: the runs cover {total} positions but the field has {length}")
+    return out
 
 
 def encode_forward_backward_output(out: types.ForwardBackwardOutput) -> bytes:
