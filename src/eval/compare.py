@@ -625,6 +625,31 @@ def aa_calibration(aa: dict[str, Any], gap_S: list[float], alpha: float) -> dict
             "exceeds_aa_noise": bool(abs(gap) > t_crit * se),
             "exceeds_every_aa_pair": bool(abs(gap) > (aa["max_abs_pair_diff"] or 0.0))}
 
+# ----------------------------------------------------------------------------- the verdict on loaded scores
+def score_rows(arms_SN: dict[str, np.ndarray], labels: dict[str, list[str]], base: str, treatments: list[str],
+               seeds: list[int], rule: Rule, n_bootstrap: int, seed: int) -> tuple[list[dict[str, Any]], list[dict]]:
+    """(one comparison row per treatment, the helpers Holm read) from scores already read and paired:
+    `arms_SN[arm]` holds one row per seed (in `seeds` order) over one shared item order, `labels[arm]` each
+    row's run label. Every method, each seed pair's row and the Holm step-down over the treatments
+    (decide_all): what compare does once a sweep's runs are read, and what eval.items does with per-item files
+    written elsewhere, so both give one verdict on the same scores."""
+    b_SN = arms_SN[base]
+    rows, helpers = [], []
+    for loss in treatments:
+        t_SN = arms_SN[loss]
+        item, methods, h = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
+        per_seed = []
+        for i, s in enumerate(seeds):
+            r = per_seed_row(t_SN[i], b_SN[i], rule, n_bootstrap, seed)
+            r.update(seed=s, treatment_arm=labels[loss][i], baseline_arm=labels[base][i])
+            per_seed.append(r)
+        rows.append({"treatment": loss, "baseline": base, **item_level(item), "per_seed": per_seed,
+                     "methods": methods, "bootstrap_resamples": int(n_bootstrap), "bootstrap_seed": int(seed)})
+        helpers.append(h)
+    decide_all(rows, helpers, rule)
+    return rows, helpers
+
+
 # ----------------------------------------------------------------------------- quiet paths to a verdict
 #: the bootstrap's resamples and RNG seed are part of the rule when the bootstrap decides (its verdict on a
 #: borderline sweep depends on them): other values are an override
@@ -1005,24 +1030,13 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
                                         switch, tuple([base] + treatments))
         notes += aa_notes
 
-    rows, helpers = [], []
-    for loss in treatments:
-        t_SN = _stack(scores, [pairs[s][loss] for s in seeds])
-        b_SN = _stack(scores, [pairs[s][base] for s in seeds])
-        item, methods, h = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
-        per_seed = []
-        for i, s in enumerate(seeds):
-            r = per_seed_row(t_SN[i], b_SN[i], rule, n_bootstrap, seed)
-            r.update(seed=s, treatment_arm=pairs[s][loss].arm, baseline_arm=pairs[s][base].arm)
-            per_seed.append(r)
-        row = {"treatment": loss, "baseline": base, **item_level(item), "per_seed": per_seed, "methods": methods,
-               "bootstrap_resamples": int(n_bootstrap), "bootstrap_seed": int(seed)}
+    arms_SN = {loss: _stack(scores, [pairs[s][loss] for s in seeds]) for loss in [base] + treatments}
+    labels = {loss: [pairs[s][loss].arm for s in seeds] for loss in [base] + treatments}
+    rows, helpers = score_rows(arms_SN, labels, base, treatments, seeds, rule, n_bootstrap, seed)
+    for row, h in zip(rows, helpers):
         if aa_spread_ is not None:
-            row["aa_calibration"] = aa_calibration(aa_spread_, list(h.get("per_seed_diff", [item["diff"]])),
+            row["aa_calibration"] = aa_calibration(aa_spread_, list(h.get("per_seed_diff", [row["diff"]])),
                                                    rule.alpha)
-        rows.append(row)
-        helpers.append(h)
-    decide_all(rows, helpers, rule)
     for row, loss in zip(rows, treatments):
         row["activity"], act_notes = switch_activity({s: (pairs[s][loss], pairs[s][base]) for s in seeds},
                                                      loss_switch=switch == "loss")
@@ -1210,7 +1224,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Config keys allowed to differ between runs: "
                                        + ", ".join(IGNORED_CONFIG_KEYS))
-    p.add_argument("paths", nargs="+", help="a sweep folder (A/B or A/A), or two run folders")
+    p.add_argument("paths", nargs="*", help="a sweep folder (A/B or A/A), or two run folders")
     p.add_argument("--treatment", default=None,
                    help="loss(es) of the treatment arm(s), comma-separated (default: every loss but the baseline)")
     p.add_argument("--baseline", default=None, help="loss of the baseline arm (default: decision.baseline)")
@@ -1245,7 +1259,23 @@ def main(argv: list[str] | None = None) -> int:
                    help="do not log the comparison to wandb (default: logged when the arms logged to wandb)")
     p.add_argument("--json", action="store_true",
                    help="print compare.json on stdout (default: the verdict lines, notes and the report's paths)")
+    items = p.add_argument_group("runs trained elsewhere: per-item result files (eval/items.py, docs/verdict.md)")
+    items.add_argument("--items", nargs="+", default=None, metavar="NAME=FILE[,FILE...]",
+                       help="two or more arms (or one arm at >= 2 seeds), each its per-item files, one per seed")
+    items.add_argument("--format", default=None, help="the files' format (default: detected from the file)")
+    items.add_argument("--metric", default=None, help="the per-item metric (default: the format's primary one)")
+    items.add_argument("--decision", default=None, metavar="PLAN.yaml",
+                       help="the pre-registered rule: a YAML of the decision block's keys")
     args = p.parse_args(argv)
+    if args.items is not None:
+        return _main_items(args)
+    if not args.paths:
+        p.error("give a sweep folder, two run folders, or --items")
+    items_only = [k for k, v in (("--format", args.format), ("--metric", args.metric), ("--decision", args.decision))
+                  if v is not None]
+    if items_only:  # a sweep's rule is its runs' own `decision` block, its scores their eval files
+        print(f"eval.compare: error: {', '.join(items_only)} apply to --items, not to sweep folders", file=sys.stderr)
+        return 2
     try:
         result = compare(args.paths, treatment=args.treatment, baseline=args.baseline, alpha=args.alpha,
                          eval_name=args.eval_name, allow_config_diff=args.allow_config_diff,
@@ -1266,6 +1296,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eval.compare: the comparison was not logged to wandb: {type(e).__name__}: {e}",
                   file=sys.stderr)
     print(json.dumps(result, indent=2, sort_keys=True) if args.json else summary(result))
+    return 0
+
+
+def _main_items(args: argparse.Namespace) -> int:
+    """`--items`: the verdict on per-item files (eval.items); the sweep-only options are refused."""
+    from eval.items import compare_items, items_summary
+
+    sweep_only = {"paths": args.paths, "--treatment": args.treatment, "--aa": args.aa, "--eval-name": args.eval_name,
+                  "--endpoint": args.endpoint, "--step": args.step, "--threshold": args.threshold}
+    given = [k for k, v in sweep_only.items() if v]
+    try:
+        if given:
+            raise CompareError(f"{', '.join(given)} apply to sweep folders, not to --items")
+        result = compare_items(args.items, fmt=args.format, metric=args.metric, plan=args.decision,
+                               baseline=args.baseline, method=args.method, alpha=args.alpha, margin=args.margin,
+                               override_decision=args.override_decision, n_bootstrap=args.bootstrap,
+                               seed=args.seed, out=args.out)
+    except (CompareError, ValueError) as e:
+        print(f"eval.compare: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2, sort_keys=True) if args.json else items_summary(result))
     return 0
 
 
