@@ -105,7 +105,10 @@ def match_items(arms: list[Arm]) -> tuple[list[str], list[str] | None]:
                 f"item sets differ: {ra.name} ({ref.path}) has {len(ref_ids)} items, {arm.name} ({f.path}) has "
                 f"{len(ids)}; {len(only_ref)} only in the first (e.g. {only_ref[:5]}), {len(only_f)} only in the "
                 f"second (e.g. {only_f[:5]}): paired results need the same items in every file")
-    order = sorted(ref_ids)
+    # the item order is part of the bootstrap's draw: integer ids ascending, as compare orders a sweep's item
+    # indices (so a sweep read back from files gets the sweep's own numbers), other ids in the first file's order
+    order = (sorted(ref.ids, key=int) if all(i.isdigit() and (i == "0" or i[0] != "0") for i in ref.ids)
+             else list(ref.ids))
     cats = [f.categories_by_id() for _, f in files]
     if all(c is None for c in cats):
         return order, None
@@ -312,7 +315,7 @@ def _arm_row(arm: Arm, f: ItemFile, seed: int, alpha: float, order: list[str], r
     n, total = len(order), float(s_N.sum())
     # a score in [0, 1] with mean p has variance <= p (1 - p), so the Wilson interval of round(sum) / n is a
     # (conservative) interval for the mean of fractional scores too
-    lo, hi = wilson_interval(int(round(total)), n, alpha)
+    lo, hi = wilson_interval(round(total), n, alpha)
     return {"arm": arm.label(seed), "role": role, "loss": arm.name, "value": arm.name, "seed": seed,
             "run": str(f.path), "job": None, "run_name": arm.name, "eval_file": str(f.path), "format": f.format,
             "metric": f.metric, "repeats": f.repeats, "endpoint_mean": total / n, "n": n, "accuracy": total / n,
@@ -350,7 +353,8 @@ def items_summary(result: dict[str, Any]) -> str:
     """compare's summary lines, then the per-category secondary results and where the rule came from."""
     from eval.compare import summary
 
-    lines = [summary(result), f"rule source: {result['decision']['source']}"]
+    lines = [(f"items: {result['n_items']} ({result['format']} files, metric {result['metric']}) x "
+              f"{result['n_seeds']} seed(s) per arm"), summary(result), f"rule source: {result['decision']['source']}"]
     cats = result.get("categories")
     if cats:
         lines.append(f"secondary, per category ({cats['multiplicity']}, {cats['family_size']} rows; they decide "
@@ -360,3 +364,64 @@ def items_summary(result: dict[str, Any]) -> str:
             lines.append(f"  {r['arm']} vs {r['baseline']} [{r['category']}] ({r['n_items']} items): "
                          f"{100 * r['estimate']:+.2f} pts{iv}, Holm p {r['p_holm']:.4g}: {r['verdict']}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- design from per-item files
+def pilot_from_items(specs: list[str], fmt: str | None = None, metric: str | None = None,
+                     baseline: str | None = None) -> dict[str, Any]:
+    """The design's inputs from per-item files (`python -m eval.design --from ...`): items, seeds per arm, the
+    share of items the arms disagree on (mean |T - B| per item, the discordance for 0/1 scores) and the
+    between-seed sd of one arm's mean (one arm at >= 2 seeds: their sd; two arms at >= 2 seeds: the sd of
+    the per-seed gaps / sqrt(2), as eval.design.pilot_estimates does for a sweep)."""
+    specs = [s if "=" in s else f"arm{k}={s}" for k, s in enumerate(specs)]
+    arms = load_arms(specs, fmt, metric)
+    seeds = pair_seeds(arms)
+    order, _ = match_items(arms)
+    n = len(order)
+    arms_SN = {a.name: np.stack([f.scores_in(order) for f in a.files]) for a in arms}
+    what = f"{len(arms)} arm(s) x {len(seeds)} seed(s) of {arms[0].files[0].format} files ({arms[0].files[0].metric})"
+    if len(arms) == 1:
+        s_SN = arms_SN[arms[0].name]
+        if len(seeds) < 2:
+            raise ItemsError("--from: one arm with one file; give two arms, or one arm at >= 2 seeds")
+        disc = [float(np.abs(s_SN[i] - s_SN[j]).mean()) for i in range(len(seeds)) for j in range(i + 1, len(seeds))]
+        sd = float(np.std(s_SN.mean(axis=1), ddof=1))
+        return {"n_items": n, "n_seeds": len(seeds), "discordance": max(float(np.mean(disc)), 1.0 / n),
+                "seed_sd": sd, "source": f"A/A {what}"}
+    base = baseline if baseline is not None else arms[0].name
+    if base not in arms_SN:
+        raise ItemsError(f"--from: the baseline {base!r} names no arm ({list(arms_SN)})")
+    b_SN = arms_SN[base]
+    disc, gaps = [], []
+    for name, t_SN in arms_SN.items():
+        if name != base:
+            disc += [float(x) for x in np.abs(t_SN - b_SN).mean(axis=1)]
+            gaps += [float(x) for x in (t_SN - b_SN).mean(axis=1)]
+    sd = float(np.std(gaps, ddof=1) / np.sqrt(2)) if len(gaps) >= 2 else None
+    return {"n_items": n, "n_seeds": len(seeds), "discordance": max(float(np.mean(disc)), 1.0 / n), "seed_sd": sd,
+            "source": f"A/B {what}, baseline {base}"}
+
+
+def plan_from_items(specs: list[str], plan_path: str | None, fmt: str | None = None, metric: str | None = None,
+                    n_seeds: int | None = None, discordance: float | None = None, seed_sd: float | None = None,
+                    target_effect: float | None = None) -> Any:
+    """eval.design's Plan for a question asked of per-item files: the items of the files, the seeds per arm
+    (--seeds, else the files'), the rule of the plan YAML (the decision block's defaults without one), and
+    the discordance and seed sd measured on the files unless given."""
+    from eval.design import DEFAULT_DISCORDANCE, Plan, _first_given
+    from eval.stats import resolve_method
+    from trainer.config.schema import DecisionConfig
+
+    d = DecisionConfig(**(load_plan(plan_path) if plan_path else {}))
+    est = pilot_from_items(specs, fmt, metric, d.baseline if plan_path and d.baseline != "grpo" else None)
+    S = n_seeds or est["n_seeds"]
+    sources = {}
+    P, sources["discordance"] = _first_given((discordance, "--discordance"), (est["discordance"], est["source"]),
+                                             (DEFAULT_DISCORDANCE, "assumed"))
+    sd, sources["seed_sd"] = _first_given(
+        (seed_sd, "--seed-sd"), (est["seed_sd"], est["source"]), (d.seed_sd, "decision.seed_sd"),
+        (0.0, "assumed 0 (the files have one seed per arm: no training noise measured; pass --seed-sd)"))
+    method, sources["method"] = resolve_method(d.method, S)
+    target = target_effect if target_effect is not None else d.target_effect
+    return Plan(n_items=est["n_items"], n_seeds=S, alpha=d.alpha, power=d.power, margin=d.margin, discordance=P,
+                seed_sd=sd, method=method, target_effect=target, target_scope=d.target_scope, sources=sources)
