@@ -153,10 +153,13 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "missing metric": ([f"A={add}", f"B={add_b}", "--metric", "f1"], (r"no metric 'f1' \(this sample has "
                                                                           r"\['acc', 'acc_norm'\]\)")),
         "empty file": ([f"A={other}", f"B={empty}"], r"empty\.jsonl: no items \(an empty file\)"),
+        "empty file, format named": ([f"A={verl_a}", f"B={empty}", "--format", "verl"],
+                                     r"empty\.jsonl: no items \(an empty file"),
     }
 
 
-@pytest.mark.parametrize("case", ["mismatched items", "duplicated id", "missing metric", "empty file"])
+@pytest.mark.parametrize("case", ["mismatched items", "duplicated id", "missing metric", "empty file",
+                                  "empty file, format named"])
 def test_bad_item_files_give_one_line_and_exit_2(tmp_path, capsys, case):
     argv, pattern = _bad_inputs(tmp_path)[case]
     out = tmp_path / "out"
