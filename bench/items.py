@@ -6,8 +6,8 @@ Writes one file per (arm, seed) into a temporary folder (plain JSONL: item_id, c
 `--log_samples` lines of the sample's size, doc and arguments included), then times reading them
 (eval.items.load_arms: parse, validate, check ids), pairing and matching the item sets, and stacking the
 score matrices the statistics take. `--verdict` also times the whole comparison (the default rule: seed t
-over seeds, Holm over the arms - 1 treatments, the descriptive bootstraps at 10000 resamples). Prints
-the load average beside the figures."""
+over seeds, Holm over the arms - 1 treatments, the descriptive bootstraps at `--bootstrap` resamples).
+Prints the load average beside the figures."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def main() -> None:
     p.add_argument("--items", type=int, default=10000)
     p.add_argument("--format", choices=("jsonl", "lm_eval"), default="jsonl")
     p.add_argument("--verdict", action="store_true", help="also time the whole comparison")
+    p.add_argument("--bootstrap", type=int, default=10000, help="bootstrap resamples of the comparison")
     a = p.parse_args()
     from eval.items import compare_items, load_arms, match_items, pair_seeds
 
@@ -80,8 +81,9 @@ def main() -> None:
               f"(load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs)")
         if a.verdict:
             t0 = time.perf_counter()
-            res = compare_items(specs, out=Path(tmp) / "out")
-            print(f"whole comparison ({res['decision']['method']}, {len(res['treatments'])} treatments, Holm): "
+            res = compare_items(specs, out=Path(tmp) / "out", n_bootstrap=a.bootstrap)
+            print(f"whole comparison ({res['decision']['method']}, {len(res['treatments'])} treatments, Holm, "
+                  f"{a.bootstrap} bootstrap resamples): "
                   f"{time.perf_counter() - t0:.2f} s (load average now: {os.getloadavg()[0]:.2f})")
 
 
