@@ -46,7 +46,8 @@ def main() -> None:
     p.add_argument("--verdict", action="store_true", help="also time the whole comparison")
     p.add_argument("--bootstrap", type=int, default=10000, help="bootstrap resamples of the comparison")
     a = p.parse_args()
-    from eval.items import compare_items, load_arms, match_items, pair_seeds
+    from eval.compare import compare_items
+    from eval.items import load_arms, match_items, pair_seeds
 
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="bench_items_") as tmp:

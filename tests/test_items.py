@@ -22,9 +22,8 @@ import yaml
 from test_compare import EVAL
 from test_verdict import _sweep, _with_gap
 
-from eval.compare import compare, main
+from eval.compare import compare, compare_items, main
 from eval.item_formats import ItemsError, read_items
-from eval.items import compare_items
 from eval.stats import holm_adjust
 
 DATA = Path(__file__).resolve().parent / "data" / "items"

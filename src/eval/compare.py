@@ -1299,9 +1299,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def compare_items(specs: list[str], **kw: Any) -> dict[str, Any]:
+    """The verdict on per-item files of runs trained elsewhere (`--items`): eval.items reads, matches and
+    pairs them, this module's rule and statistics decide (score_rows, as for a sweep). eval.items is imported
+    here, so it gets this module as an argument instead of importing it back (no import circle)."""
+    from eval import items
+
+    return items.compare_items(sys.modules[__name__], specs, **kw)
+
+
 def _main_items(args: argparse.Namespace) -> int:
     """`--items`: the verdict on per-item files (eval.items); the sweep-only options are refused."""
-    from eval.items import compare_items, items_summary
+    from eval.items import items_summary
 
     sweep_only = {"paths": args.paths, "--treatment": args.treatment, "--aa": args.aa, "--eval-name": args.eval_name,
                   "--endpoint": args.endpoint, "--step": args.step, "--threshold": args.threshold}
@@ -1316,7 +1325,7 @@ def _main_items(args: argparse.Namespace) -> int:
     except (CompareError, ValueError) as e:
         print(f"eval.compare: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2, sort_keys=True) if args.json else items_summary(result))
+    print(json.dumps(result, indent=2, sort_keys=True) if args.json else items_summary(result, summary))
     return 0
 
 

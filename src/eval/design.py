@@ -562,7 +562,7 @@ def render(result: dict[str, Any]) -> str:
 
 def _plan_from_files(args: argparse.Namespace, files: list[str], pilots: list[str]) -> Plan:
     """The plan of a question asked of per-item files (eval.items): no Hydra config is composed."""
-    from eval.items import ItemsError, plan_from_items
+    from eval.items import ItemsError
 
     if len(files) != len(pilots) or args.overrides:
         raise DesignError("--from per-item files takes no pilot folder and no Hydra overrides beside them (the "
@@ -572,6 +572,31 @@ def _plan_from_files(args: argparse.Namespace, files: list[str], pilots: list[st
                                args.seed_sd, args.target_effect)
     except ItemsError as e:
         raise DesignError(f"--from: {e}") from None
+
+
+def plan_from_items(specs: list[str], plan_path: str | None, fmt: str | None = None, metric: str | None = None,
+                    n_seeds: int | None = None, discordance: float | None = None, seed_sd: float | None = None,
+                    target_effect: float | None = None) -> Plan:
+    """The Plan of a question asked of per-item files: the files' items, the seeds per arm (--seeds, else
+    the files'), the rule of the plan YAML (the decision block's defaults without one), and the discordance
+    and seed sd measured on the files (eval.items.pilot_from_items) unless given."""
+    from eval.items import load_plan, pilot_from_items
+    from trainer.config.schema import DecisionConfig
+
+    raw = load_plan(plan_path) if plan_path else {}
+    d = DecisionConfig(**raw)
+    est = pilot_from_items(specs, fmt, metric, raw.get("baseline"))
+    S = n_seeds or est["n_seeds"]
+    sources = {}
+    P, sources["discordance"] = _first_given((discordance, "--discordance"), (est["discordance"], est["source"]),
+                                             (DEFAULT_DISCORDANCE, "assumed"))
+    sd, sources["seed_sd"] = _first_given(
+        (seed_sd, "--seed-sd"), (est["seed_sd"], est["source"]), (d.seed_sd, "decision.seed_sd"),
+        (0.0, "assumed 0 (the files have one seed per arm: no training noise measured; pass --seed-sd)"))
+    method, sources["method"] = resolve_method(d.method, S)
+    target = target_effect if target_effect is not None else d.target_effect
+    return Plan(n_items=est["n_items"], n_seeds=S, alpha=d.alpha, power=d.power, margin=d.margin, discordance=P,
+                seed_sd=sd, method=method, target_effect=target, target_scope=d.target_scope, sources=sources)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -182,12 +183,10 @@ def load_plan(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def resolve_items_rule(plan_path: str | None, cli: dict[str, Any], override: bool, first_arm: str,
-                       n_seeds: int) -> Any:
+def resolve_items_rule(stats: ModuleType, plan_path: str | None, cli: dict[str, Any], override: bool,
+                       first_arm: str, n_seeds: int) -> Any:
     """The Rule of compare.resolve_rule, from a plan file (command-line changes to it need --override-decision)
     or, with no plan, from the command line alone (then nothing was pre-registered, and the rule says so)."""
-    from eval.compare import CompareError, Run, resolve_rule
-
     if cli.get("endpoint") not in (None, "final"):
         raise ItemsError("--endpoint: per-item files hold one score per item (endpoint final only)")
     if plan_path is not None:
@@ -199,35 +198,29 @@ def resolve_items_rule(plan_path: str | None, cli: dict[str, Any], override: boo
         plan = {"baseline": first_arm, **{k: v for k, v in cli.items() if v is not None}}
         source = "the command line (no --decision plan: not pre-registered)"
         given, override = {}, False
-    stub = Run(path=Path(plan_path or "."), config={"decision": plan}, info={}, loss="", seed=0, eval_name="items")
+    stub = stats.Run(path=Path(plan_path or "."), config={"decision": plan}, info={}, loss="", seed=0,
+                     eval_name="items")
     try:
-        rule = resolve_rule([stub], given, override, n_seeds=n_seeds)
-    except CompareError as e:
+        rule = stats.resolve_rule([stub], given, override, n_seeds=n_seeds)
+    except stats.CompareError as e:
         raise ItemsError(str(e).replace(f"run {stub.path}: decision config", f"--decision {plan_path}")) from None
     rule.source = source
     return rule
 
 
 # ----------------------------------------------------------------------------- the comparison
-def compare_items(specs: list[str], fmt: str | None = None, metric: str | None = None, plan: str | None = None,
+def compare_items(stats: ModuleType, specs: list[str], fmt: str | None = None, metric: str | None = None, plan: str | None = None,
                   baseline: str | None = None, method: str | None = None, alpha: float | None = None,
                   margin: float | None = None, override_decision: bool = False, n_bootstrap: int | None = None,
                   seed: int | None = None, out: str | Path | None = None) -> dict[str, Any]:
-    """Read, match and pair the arms' files, decide, and write compare.json / compare.md (no plots: there are
-    no training curves) into `out` (default: the files' common folder). Every check runs before anything is
-    written."""
-    from eval.compare import (
-        DEFAULT_BOOTSTRAP,
-        DEFAULT_BOOTSTRAP_SEED,
-        SCOPE_TEXT,
-        CompareError,
-        _rule_dict,
-        _write,
-        aa_spread,
-        record_looks,
-        score_rows,
-    )
+    """Read, match and pair the arms' files, decide with `stats` (the eval.compare module: its rule, its
+    statistics, its writer) and write compare.json / compare.md (no plots: there are no training curves) into
+    `out` (default: the files' common folder). Every check runs before anything is written. eval.compare's
+    CLI imports this module, so this one takes eval.compare's functions as an argument rather than importing
+    them back (tests/test_architecture.py: no import circle); call it as eval.compare.compare_items."""
+    from eval.stats import SCOPE_TEXT
 
+    DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED = stats.DEFAULT_BOOTSTRAP, stats.DEFAULT_BOOTSTRAP_SEED
     n_bootstrap = DEFAULT_BOOTSTRAP if n_bootstrap is None else n_bootstrap
     seed = DEFAULT_BOOTSTRAP_SEED if seed is None else seed
     if n_bootstrap < 0:
@@ -239,7 +232,7 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
     order, cats = match_items(arms)
     by_name = {a.name: a for a in arms}
     cli = {"method": method, "alpha": alpha, "margin": margin, "baseline": baseline}
-    rule = resolve_items_rule(plan, cli, override_decision, arms[0].name, len(seeds))
+    rule = resolve_items_rule(stats, plan, cli, override_decision, arms[0].name, len(seeds))
     if (n_bootstrap, seed) != (DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED) and rule.method == "paired_bootstrap":
         if not override_decision:
             raise ItemsError(f"the bootstrap decides, and --bootstrap {n_bootstrap} / --seed {seed} are not its "
@@ -260,21 +253,22 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
     item_sha = hashlib.sha256("\n".join(order).encode()).hexdigest()
     arm_rows = [_arm_row(a, f, s, rule.alpha, order, role="") for a in arms for f, s in zip(a.files, seeds)]
     common = {"source": "items", "format": first.format, "metric": first.metric, "eval_name": first.eval_name,
-              "n_seeds": len(seeds), "seeds": seeds, "n_items": len(order), "decision": _rule_dict(rule),
+              "n_seeds": len(seeds), "seeds": seeds, "n_items": len(order),
               "config_diff": [], "ignored_config_keys": [], "item_set_sha256": item_sha,
               "inputs": [str(f.path) for f in files], "output_dir": str(out_dir), "plots": {}, "notes": notes,
               "alpha": rule.alpha, "method": rule.method, "decision_rule": rule.text()}
+    common["decision"] = stats._rule_dict(rule)
     if len(arms) == 1:
         if len(seeds) < 2:
             raise ItemsError(f"one arm ({arms[0].name}) with one file: nothing to compare (two arms, or one arm at "
                              ">= 2 seeds for the between-seed spread)")
-        spread = aa_spread({s: arms_SN[arms[0].name][i] for i, s in enumerate(seeds)}, rule.alpha)
+        spread = stats.aa_spread({s: arms_SN[arms[0].name][i] for i, s in enumerate(seeds)}, rule.alpha)
         spread.update(sweep=None, loss=arms[0].name)
         for r in arm_rows:
             r["role"] = "A/A"
         result = {"mode": "aa", "verdict": None, "verdict_scope": "across_seeds", "baseline": arms[0].name,
                   "treatments": [], "aa": spread, "arms": arm_rows, **common}
-        return _write(result, [], {}, out_dir, False, "")
+        return stats._write(result, [], {}, out_dir, False, "")
     base = rule.baseline
     if base not in by_name:
         raise ItemsError(f"the baseline {base!r} (--baseline / decision.baseline) names no arm; the arms are "
@@ -286,26 +280,22 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
         raise ItemsError("the decision rule is paired_bootstrap, but --bootstrap 0 turns the bootstrap off")
     treatments = [a.name for a in arms if a.name != base]
     try:
-        rows, _ = score_rows(arms_SN, labels, base, treatments, seeds, rule, n_bootstrap, seed)
-        categories = (category_rows(arms_SN, labels, cats, base, treatments, seeds, rule, n_bootstrap, seed)
+        rows, _ = stats.score_rows(arms_SN, labels, base, treatments, seeds, rule, n_bootstrap, seed)
+        categories = (category_rows(stats, arms_SN, cats, base, treatments, rule, n_bootstrap, seed)
                       if cats is not None else None)
-    except (CompareError, ValueError) as e:
+    except (stats.CompareError, ValueError) as e:
         raise ItemsError(str(e)) from None
     for r in arm_rows:
         r["role"] = "baseline" if r["value"] == base else "treatment"
     result = {"mode": "ab", "switch": "arm", "treatments": treatments, "baseline": base,
               "verdict_scope": rule.scope, "verdict_about": SCOPE_TEXT[rule.scope], "comparisons": rows,
-              "verdicts": [{k: r[k] for k in _VERDICT_KEYS} for r in rows], "curve": None, "aa": None,
+              "verdicts": [{k: r[k] for k in stats._VERDICT_KEYS} for r in rows], "curve": None, "aa": None,
               "arms": arm_rows, "categories": categories, **common}
-    record_looks(result, out_dir)
+    stats.record_looks(result, out_dir)
     if len(rows) == 1:
         result.update({k: v for k, v in rows[0].items() if k not in result or k in ("verdict", "method")},
                       treatment=treatments[0])
-    return _write(result, [], {}, out_dir, False, f" ({', '.join(treatments)} vs {base})")
-
-
-_VERDICT_KEYS = ("treatment", "baseline", "verdict", "verdict_scope", "verdict_about", "headline", "method",
-                 "estimate", "ci_low", "ci_high", "p", "holm_level")
+    return stats._write(result, [], {}, out_dir, False, f" ({', '.join(treatments)} vs {base})")
 
 
 def _arm_row(arm: Arm, f: ItemFile, seed: int, alpha: float, order: list[str], role: str) -> dict[str, Any]:
@@ -322,15 +312,12 @@ def _arm_row(arm: Arm, f: ItemFile, seed: int, alpha: float, order: list[str], r
             "wilson_low": lo, "wilson_high": hi}
 
 
-def category_rows(arms_SN: dict[str, np.ndarray], labels: dict[str, list[str]], cats: list[str], base: str,
-                  treatments: list[str], seeds: list[int], rule: Any, n_bootstrap: int,
-                  seed: int) -> dict[str, Any]:
+def category_rows(stats: ModuleType, arms_SN: dict[str, np.ndarray], cats: list[str], base: str,
+                  treatments: list[str], rule: Any, n_bootstrap: int, seed: int) -> dict[str, Any]:
     """Secondary results: the rule on each category's items, one row per (treatment, category), decided by
     Holm's step-down over all of those rows together (decide_all on the whole family), so that reading the
     best category out of many does not inflate the error rate. They decide nothing: the verdict is the one
     over all items."""
-    from eval.compare import decide_all, method_table
-
     names = sorted(set(cats))
     cats_N = np.asarray(cats)
     rows, helpers = [], []
@@ -338,21 +325,20 @@ def category_rows(arms_SN: dict[str, np.ndarray], labels: dict[str, list[str]], 
         for c in names:
             cols = np.flatnonzero(cats_N == c)
             t_SN, b_SN = arms_SN[t][:, cols], arms_SN[base][:, cols]
-            item, methods, h = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
+            item, methods, h = stats.method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
             rows.append({"treatment": f"{t} [{c}]", "baseline": base, "arm": t, "category": c,
                          "n_items": int(cols.size), "diff": item["diff"], "methods": methods})
             helpers.append(h)
-    decide_all(rows, helpers, rule)
+    stats.decide_all(rows, helpers, rule)
     for r in rows:
         r.pop("methods")
     return {"names": names, "family_size": len(rows), "multiplicity": "Holm step-down over every (treatment, "
             "category) row", "rows": rows}
 
 
-def items_summary(result: dict[str, Any]) -> str:
-    """compare's summary lines, then the per-category secondary results and where the rule came from."""
-    from eval.compare import summary
-
+def items_summary(result: dict[str, Any], summary: Any) -> str:
+    """compare's summary lines (`summary`), where the rule came from, then the per-category secondary
+    results."""
     lines = [(f"items: {result['n_items']} ({result['format']} files, metric {result['metric']}) x "
               f"{result['n_seeds']} seed(s) per arm"), summary(result), f"rule source: {result['decision']['source']}"]
     cats = result.get("categories")
@@ -400,28 +386,3 @@ def pilot_from_items(specs: list[str], fmt: str | None = None, metric: str | Non
     sd = float(np.std(gaps, ddof=1) / np.sqrt(2)) if len(gaps) >= 2 else None
     return {"n_items": n, "n_seeds": len(seeds), "discordance": max(float(np.mean(disc)), 1.0 / n), "seed_sd": sd,
             "source": f"A/B {what}, baseline {base}"}
-
-
-def plan_from_items(specs: list[str], plan_path: str | None, fmt: str | None = None, metric: str | None = None,
-                    n_seeds: int | None = None, discordance: float | None = None, seed_sd: float | None = None,
-                    target_effect: float | None = None) -> Any:
-    """eval.design's Plan for a question asked of per-item files: the items of the files, the seeds per arm
-    (--seeds, else the files'), the rule of the plan YAML (the decision block's defaults without one), and
-    the discordance and seed sd measured on the files unless given."""
-    from eval.design import DEFAULT_DISCORDANCE, Plan, _first_given
-    from eval.stats import resolve_method
-    from trainer.config.schema import DecisionConfig
-
-    d = DecisionConfig(**(load_plan(plan_path) if plan_path else {}))
-    est = pilot_from_items(specs, fmt, metric, d.baseline if plan_path and d.baseline != "grpo" else None)
-    S = n_seeds or est["n_seeds"]
-    sources = {}
-    P, sources["discordance"] = _first_given((discordance, "--discordance"), (est["discordance"], est["source"]),
-                                             (DEFAULT_DISCORDANCE, "assumed"))
-    sd, sources["seed_sd"] = _first_given(
-        (seed_sd, "--seed-sd"), (est["seed_sd"], est["source"]), (d.seed_sd, "decision.seed_sd"),
-        (0.0, "assumed 0 (the files have one seed per arm: no training noise measured; pass --seed-sd)"))
-    method, sources["method"] = resolve_method(d.method, S)
-    target = target_effect if target_effect is not None else d.target_effect
-    return Plan(n_items=est["n_items"], n_seeds=S, alpha=d.alpha, power=d.power, margin=d.margin, discordance=P,
-                seed_sd=sd, method=method, target_effect=target, target_scope=d.target_scope, sources=sources)
