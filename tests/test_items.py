@@ -148,7 +148,8 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
     return {
         "mismatched items": ([f"A={verl_a}", f"B={short}"], (r"item sets differ: .* has 6 items, B .* has 5; 1 only "
                                                              r"in the first")),
-        "duplicated id": ([f"A={other}", f"B={dup}"], r"dup\.jsonl:3: duplicate item id 'q1' \(first on line 1\)"),
+        "duplicated id": ([f"A={other}", f"B={dup}"], (r"dup\.jsonl:3: duplicate item id 'q1' \(first on line 1\); "
+                                                        r"1 line\(s\) repeat an id of 2 items")),
         "missing metric": ([f"A={add}", f"B={add_b}", "--metric", "f1"], (r"no metric 'f1' \(this sample has "
                                                                           r"\['acc', 'acc_norm'\]\)")),
         "empty file": ([f"A={other}", f"B={empty}"], r"empty\.jsonl: no items \(an empty file\)"),

@@ -12,7 +12,8 @@ interval), notes and those paths (`--json`: compare.json itself). Bad input exit
 A sweep of one loss at several seeds (A/A) gets the between-seed spread instead of a verdict; given
 as `--aa` beside an A/B sweep it says whether the A/B gap exceeds that spread.
 Every check runs before anything is written, so a refused comparison leaves an existing
-compare.json untouched.
+compare.json untouched. `--items NAME=FILE[,FILE...] ...` compares per-item files written by other frameworks
+instead (eval/items.py, eval/item_formats.py) with the same rule and statistics (score_rows).
 """
 
 from __future__ import annotations

@@ -133,15 +133,18 @@ def _collect(path: Path, fmt: str, metric: str, eval_name: str, rows: list[tuple
     first: dict[str, int] = {}
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
+    dups: list[tuple[str, int]] = []
     for item, score, lineno in rows:
         if item in first:
-            if not repeats_ok:
-                raise ItemsError(f"{path}:{lineno}: duplicate item id {item!r} (first on line {first[item]}); an id "
-                                 "must name one item")
+            dups.append((item, lineno))
             sums[item] += score
             counts[item] += 1
         else:
             first[item], sums[item], counts[item] = lineno, score, 1
+    if dups and not repeats_ok:
+        item, lineno = dups[0]
+        raise ItemsError(f"{path}:{lineno}: duplicate item id {item!r} (first on line {first[item]}); "
+                         f"{len(dups)} line(s) repeat an id of {len(first)} items: an id must name one item")
     ids = list(first)
     k = set(counts.values())
     if len(k) > 1:
