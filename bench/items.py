@@ -33,8 +33,8 @@ def _lm_eval_line(i: int, acc: bool) -> str:
         "arguments": {f"gen_args_{k}": {"arg_0": q, "arg_1": f" {c}"} for k, c in enumerate("abcd")},
         "resps": [[[str(-0.5 - k / 10), "False"]] for k in range(4)],
         "filtered_resps": [[str(-0.5 - k / 10), "False"] for k in range(4)], "filter": "none",
-        "metrics": ["acc", "acc_norm"], "doc_hash": "0" * 64, "prompt_hash": "1" * 64, "target_hash": "2" * 64,
-        "acc": float(acc), "acc_norm": float(acc)})
+        "metrics": ["acc", "acc_norm"], "doc_hash": "0" * 64, "prompt_hash": "1" * 64,
+        "target_hash": "2" * 64, "acc": float(acc), "acc_norm": float(acc)})
 
 
 def main() -> None:
@@ -62,8 +62,9 @@ def main() -> None:
                 path.parent.mkdir(exist_ok=True)
                 with path.open("w") as f:
                     for i in range(a.items):
-                        f.write(json.dumps({"item_id": f"q{i}", "correct": bool(c[i])}) + "\n" if a.format == "jsonl"
-                                else _lm_eval_line(i, bool(c[i])) + "\n")
+                        line = (json.dumps({"item_id": f"q{i}", "correct": bool(c[i])}) if a.format == "jsonl"
+                                else _lm_eval_line(i, bool(c[i])))
+                        f.write(line + "\n")
                 size += path.stat().st_size
                 files.append(str(path))
             specs.append(f"arm{arm}=" + ",".join(files))
@@ -77,14 +78,14 @@ def main() -> None:
         stacked = {x.name: np.stack([f.scores_in(order) for f in x.files]) for x in arms}
         t_all = time.perf_counter() - t0
         assert len(seeds) == a.seeds and all(v.shape == (a.seeds, a.items) for v in stacked.values())
-        print(f"{a.arms} arms x {a.seeds} seeds x {a.items} items ({a.format}, {size / 1e6:.0f} MB, written in "
-              f"{made:.1f} s): read {t_read:.2f} s, read + pair + match + stack {t_all:.2f} s "
+        print(f"{a.arms} arms x {a.seeds} seeds x {a.items} items ({a.format}, {size / 1e6:.0f} MB, written "
+              f"in {made:.1f} s): read {t_read:.2f} s, read + pair + match + stack {t_all:.2f} s "
               f"(load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs)")
         if a.verdict:
             t0 = time.perf_counter()
             res = compare_items(specs, out=Path(tmp) / "out", n_bootstrap=a.bootstrap)
-            print(f"whole comparison ({res['decision']['method']}, {len(res['treatments'])} treatments, Holm, "
-                  f"{a.bootstrap} bootstrap resamples): "
+            print(f"whole comparison ({res['decision']['method']}, {len(res['treatments'])} treatments, "
+                  f"Holm, {a.bootstrap} bootstrap resamples): "
                   f"{time.perf_counter() - t0:.2f} s (load average now: {os.getloadavg()[0]:.2f})")
 
 

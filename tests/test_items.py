@@ -35,6 +35,11 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def _acc(arm: str, seed: int) -> list[float]:
+    """Every task's `acc` values of one lm-eval run folder, in task order."""
+    return [r["acc"] for p in sorted((LM / f"{arm}_seed{seed}").glob("*.jsonl")) for r in _lines(p)]
+
+
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
     rc = main(list(argv))
     out, err = capsys.readouterr()
@@ -70,8 +75,7 @@ def test_lm_eval_runs_compared_with_per_task_secondaries(tmp_path, capsys):
     assert res["format"] == "lm_eval" and res["n_items"] == 16 and res["seeds"] == [0, 1]
     assert res["decision"]["method"] == "seed_t" and res["verdict_scope"] == "across_seeds"
     # the per-seed gaps from the files themselves: each seed's accuracy difference over both tasks
-    acc = {(a, s): np.mean([r["acc"] for p in sorted((LM / f"{a}_seed{s}").glob("*.jsonl")) for r in _lines(p)])
-           for a in "ab" for s in (0, 1)}
+    acc = {(a, s): np.mean(_acc(a, s)) for a in "ab" for s in (0, 1)}
     gaps = [acc["b", s] - acc["a", s] for s in (0, 1)]
     assert res["seed_level"]["per_seed_diff"] == pytest.approx(gaps)
     cats = res["categories"]
@@ -92,7 +96,8 @@ def test_tinker_cookbook_eval_store_matches_the_librarys_own_reader():
         assert f.ids == [t.example_id for t in trajs]
         # the runner's own accuracy: reward > 0 (BenchmarkBuilder.aggregate)
         assert f.scores_N.tolist() == [1.0 if t.reward > 0 else 0.0 for t in trajs]
-        (c,) = read_items(COOK / arm / "runs" / f"arm_{arm}" / "gsm8k" / "trajectories.jsonl", metric="correct")
+        (c,) = read_items(COOK / arm / "runs" / f"arm_{arm}" / "gsm8k" / "trajectories.jsonl",
+                          metric="correct")
         assert c.scores_N.tolist() == [t.metrics["correct"] for t in trajs]
 
 
@@ -146,10 +151,10 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
     add = next((LM / "a_seed0").glob("samples_arith_add_*.jsonl"))
     add_b = next((LM / "b_seed0").glob("samples_arith_add_*.jsonl"))
     return {
-        "mismatched items": ([f"A={verl_a}", f"B={short}"], (r"item sets differ: .* has 6 items, B .* has 5; 1 only "
-                                                             r"in the first")),
-        "duplicated id": ([f"A={other}", f"B={dup}"], (r"dup\.jsonl:3: duplicate item id 'q1' \(first on line 1\); "
-                                                        r"1 line\(s\) repeat an id of 2 items")),
+        "mismatched items": ([f"A={verl_a}", f"B={short}"],
+                             r"item sets differ: .* has 6 items, B .* has 5; 1 only in the first"),
+        "duplicated id": ([f"A={other}", f"B={dup}"],
+                          r"dup\.jsonl:3: duplicate item id 'q1' \(first on line 1\); 1 line\(s\) repeat an id"),
         "missing metric": ([f"A={add}", f"B={add_b}", "--metric", "f1"], (r"no metric 'f1' \(this sample has "
                                                                           r"\['acc', 'acc_norm'\]\)")),
         "empty file": ([f"A={other}", f"B={empty}"], r"empty\.jsonl: no items \(an empty file\)"),
@@ -212,7 +217,7 @@ def test_a_sweep_converted_to_plain_jsonl_gets_the_sweeps_verdict(tmp_path):
     assert {v["verdict"] for v in got["verdicts"]} == {"validated", "inconclusive"}  # Holm decided both ways
 
 
-# ----------------------------------------------------------------------------- categories, the plan, the design
+# ----------------------------------------------------------------------------- categories, plan, design
 def _category_files(tmp: Path) -> list[str]:
     """Two arms, one seed, 3 categories of 200 items: the treatment gains 20 pts on `algebra` only."""
     rng = np.random.default_rng(2)
@@ -287,15 +292,14 @@ def test_design_from_item_files_says_items_and_seeds_needed(tmp_path, capsys):
     res = json.loads(out)
     assert res["n_items"] == 16 and res["n_seeds"] == 2 and res["decision_method"] == "seed_t"
     # the discordance measured on the files: share of (seed, item) results the arms disagree on
-    acc = {(a, s): np.array([r["acc"] for p in sorted((LM / f"{a}_seed{s}").glob("*.jsonl")) for r in _lines(p)])
-           for a in "ab" for s in (0, 1)}
+    acc = {(a, s): np.array(_acc(a, s)) for a in "ab" for s in (0, 1)}
     disc = np.mean([np.mean(acc["a", s] != acc["b", s]) for s in (0, 1)])
     assert res["discordance"] == pytest.approx(disc)
     assert res["seed_sd"] == 0.02 and res["assumptions"]["seed_sd"] == "--seed-sd"
     assert set(res["items_needed"]) == set(res["seeds_needed"]) >= {"seed_t", "paired_hoeffding"}
     assert res["seeds_needed"]["seed_t"] is not None and res["seeds_needed"]["seed_t"] >= 2
-    rc = design_main(["--from", f"a={specs[0]}", "--from", f"b={specs[1]}", "--sims", "20", "--bootstrap", "10",
-                      "--plot", ""])
+    rc = design_main(["--from", f"a={specs[0]}", "--from", f"b={specs[1]}", "--sims", "20", "--bootstrap",
+                      "10", "--plot", ""])
     out, _ = capsys.readouterr()
     assert rc == 0 and "design: 16 items x 2 seed(s) per arm" in out and "no target effect" in out
     rc = design_main(["--from", f"a={specs[0]}", "--from", str(tmp_path)])

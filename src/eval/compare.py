@@ -628,7 +628,8 @@ def aa_calibration(aa: dict[str, Any], gap_S: list[float], alpha: float) -> dict
 
 # ----------------------------------------------------------------------------- the verdict on loaded scores
 def score_rows(arms_SN: dict[str, np.ndarray], labels: dict[str, list[str]], base: str, treatments: list[str],
-               seeds: list[int], rule: Rule, n_bootstrap: int, seed: int) -> tuple[list[dict[str, Any]], list[dict]]:
+               seeds: list[int], rule: Rule, n_bootstrap: int,
+               seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(one comparison row per treatment, the helpers Holm read) from scores already read and paired:
     `arms_SN[arm]` holds one row per seed (in `seeds` order) over one shared item order, `labels[arm]` each
     row's run label. Every method, each seed pair's row and the Holm step-down over the treatments
@@ -645,7 +646,8 @@ def score_rows(arms_SN: dict[str, np.ndarray], labels: dict[str, list[str]], bas
             r.update(seed=s, treatment_arm=labels[loss][i], baseline_arm=labels[base][i])
             per_seed.append(r)
         rows.append({"treatment": loss, "baseline": base, **item_level(item), "per_seed": per_seed,
-                     "methods": methods, "bootstrap_resamples": int(n_bootstrap), "bootstrap_seed": int(seed)})
+                     "methods": methods, "bootstrap_resamples": int(n_bootstrap),
+                     "bootstrap_seed": int(seed)})
         helpers.append(h)
     decide_all(rows, helpers, rule)
     return rows, helpers
@@ -1260,11 +1262,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="do not log the comparison to wandb (default: logged when the arms logged to wandb)")
     p.add_argument("--json", action="store_true",
                    help="print compare.json on stdout (default: the verdict lines, notes and the report's paths)")
-    items = p.add_argument_group("runs trained elsewhere: per-item result files (eval/items.py, docs/verdict.md)")
+    items = p.add_argument_group("runs trained elsewhere: per-item result files (eval/items.py, "
+                                 "docs/verdict.md)")
     items.add_argument("--items", nargs="+", default=None, metavar="NAME=FILE[,FILE...]",
-                       help="two or more arms (or one arm at >= 2 seeds), each its per-item files, one per seed")
+                       help="two or more arms (or one arm at >= 2 seeds), each its per-item files, one per "
+                            "seed")
     items.add_argument("--format", default=None, help="the files' format (default: detected from the file)")
-    items.add_argument("--metric", default=None, help="the per-item metric (default: the format's primary one)")
+    items.add_argument("--metric", default=None,
+                       help="the per-item metric (default: the format's primary one)")
     items.add_argument("--decision", default=None, metavar="PLAN.yaml",
                        help="the pre-registered rule: a YAML of the decision block's keys")
     args = p.parse_args(argv)
@@ -1272,10 +1277,11 @@ def main(argv: list[str] | None = None) -> int:
         return _main_items(args)
     if not args.paths:
         p.error("give a sweep folder, two run folders, or --items")
-    items_only = [k for k, v in (("--format", args.format), ("--metric", args.metric), ("--decision", args.decision))
-                  if v is not None]
+    items_only = [k for k, v in (("--format", args.format), ("--metric", args.metric),
+                                 ("--decision", args.decision)) if v is not None]
     if items_only:  # a sweep's rule is its runs' own `decision` block, its scores their eval files
-        print(f"eval.compare: error: {', '.join(items_only)} apply to --items, not to sweep folders", file=sys.stderr)
+        print(f"eval.compare: error: {', '.join(items_only)} apply to --items, not to sweep folders",
+              file=sys.stderr)
         return 2
     try:
         result = compare(args.paths, treatment=args.treatment, baseline=args.baseline, alpha=args.alpha,
@@ -1313,16 +1319,17 @@ def _main_items(args: argparse.Namespace) -> int:
     """`--items`: the verdict on per-item files (eval.items); the sweep-only options are refused."""
     from eval.items import items_summary
 
-    sweep_only = {"paths": args.paths, "--treatment": args.treatment, "--aa": args.aa, "--eval-name": args.eval_name,
-                  "--endpoint": args.endpoint, "--step": args.step, "--threshold": args.threshold}
+    sweep_only = {"paths": args.paths, "--treatment": args.treatment, "--aa": args.aa,
+                  "--eval-name": args.eval_name, "--endpoint": args.endpoint, "--step": args.step,
+                  "--threshold": args.threshold}
     given = [k for k, v in sweep_only.items() if v]
     try:
         if given:
             raise CompareError(f"{', '.join(given)} apply to sweep folders, not to --items")
         result = compare_items(args.items, fmt=args.format, metric=args.metric, plan=args.decision,
-                               baseline=args.baseline, method=args.method, alpha=args.alpha, margin=args.margin,
-                               override_decision=args.override_decision, n_bootstrap=args.bootstrap,
-                               seed=args.seed, out=args.out)
+                               baseline=args.baseline, method=args.method, alpha=args.alpha,
+                               margin=args.margin, override_decision=args.override_decision,
+                               n_bootstrap=args.bootstrap, seed=args.seed, out=args.out)
     except (CompareError, ValueError) as e:
         print(f"eval.compare: error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """`python -m eval.design +experiment=<name> [overrides] [--discordance P] [--seed-sd S] [--from DIR]
-[--target-effect E] [--json]`: what the plan can detect, before the budget is spent. `--from NAME=FILE[,FILE...]`
-(once per arm, no overrides, `--decision PLAN.yaml`) asks the same of per-item files written elsewhere.
+[--target-effect E] [--json]`: what the plan can detect, before the budget is spent.
+`--from NAME=FILE[,FILE...]` (once per arm, no overrides, `--decision PLAN.yaml`) asks the same of per-item
+files written elsewhere.
 
 For the plan's items (eval.n_examples), seeds per arm (the sweep's `seed=` values), decision.alpha and
 decision.power, the minimum detectable effect (MDE) of each method: paired Hoeffding, exact McNemar,
@@ -541,8 +542,8 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"  {k:18s} power {'-' if pw is None else f'{pw:.3f}'}, items needed "
                          f"{result['items_needed'][k]}, seeds needed {result['seeds_needed'][k]}")
     else:
-        lines += ["", ("(no target effect: pass --target-effect E, or decision.target_effect, for the items and "
-                       "seeds a gain of E needs)")]
+        lines += ["", ("(no target effect: pass --target-effect E, or decision.target_effect, for the items "
+                       "and seeds a gain of E needs)")]
     if any(v is None for v in list(result["mde"].values()) + list(result["mde_closed_form"].values())):
         lines.append(f"(none: no effect up to the discordance, {100 * result['discordance']:.1f} pts, reaches power "
                      f"{result['power']:g}, or no closed form for this design)")
@@ -565,8 +566,8 @@ def _plan_from_files(args: argparse.Namespace, files: list[str], pilots: list[st
     from eval.items import ItemsError
 
     if len(files) != len(pilots) or args.overrides:
-        raise DesignError("--from per-item files takes no pilot folder and no Hydra overrides beside them (the "
-                          "rule comes from --decision PLAN.yaml)")
+        raise DesignError("--from per-item files takes no pilot folder and no Hydra overrides beside them "
+                          "(the rule comes from --decision PLAN.yaml)")
     try:
         return plan_from_items(files, args.decision, args.format, args.metric, args.seeds, args.discordance,
                                args.seed_sd, args.target_effect)
@@ -574,9 +575,9 @@ def _plan_from_files(args: argparse.Namespace, files: list[str], pilots: list[st
         raise DesignError(f"--from: {e}") from None
 
 
-def plan_from_items(specs: list[str], plan_path: str | None, fmt: str | None = None, metric: str | None = None,
-                    n_seeds: int | None = None, discordance: float | None = None, seed_sd: float | None = None,
-                    target_effect: float | None = None) -> Plan:
+def plan_from_items(specs: list[str], plan_path: str | None, fmt: str | None = None,
+                    metric: str | None = None, n_seeds: int | None = None, discordance: float | None = None,
+                    seed_sd: float | None = None, target_effect: float | None = None) -> Plan:
     """The Plan of a question asked of per-item files: the files' items, the seeds per arm (--seeds, else
     the files'), the rule of the plan YAML (the decision block's defaults without one), and the discordance
     and seed sd measured on the files (eval.items.pilot_from_items) unless given."""
@@ -588,15 +589,17 @@ def plan_from_items(specs: list[str], plan_path: str | None, fmt: str | None = N
     est = pilot_from_items(specs, fmt, metric, raw.get("baseline"))
     S = n_seeds or est["n_seeds"]
     sources = {}
-    P, sources["discordance"] = _first_given((discordance, "--discordance"), (est["discordance"], est["source"]),
+    P, sources["discordance"] = _first_given((discordance, "--discordance"),
+                                             (est["discordance"], est["source"]),
                                              (DEFAULT_DISCORDANCE, "assumed"))
     sd, sources["seed_sd"] = _first_given(
         (seed_sd, "--seed-sd"), (est["seed_sd"], est["source"]), (d.seed_sd, "decision.seed_sd"),
         (0.0, "assumed 0 (the files have one seed per arm: no training noise measured; pass --seed-sd)"))
     method, sources["method"] = resolve_method(d.method, S)
     target = target_effect if target_effect is not None else d.target_effect
-    return Plan(n_items=est["n_items"], n_seeds=S, alpha=d.alpha, power=d.power, margin=d.margin, discordance=P,
-                seed_sd=sd, method=method, target_effect=target, target_scope=d.target_scope, sources=sources)
+    return Plan(n_items=est["n_items"], n_seeds=S, alpha=d.alpha, power=d.power, margin=d.margin,
+                discordance=P, seed_sd=sd, method=method, target_effect=target, target_scope=d.target_scope,
+                sources=sources)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -606,8 +609,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--discordance", type=float, default=None, help="share of items the arms disagree on, in (0, 1]")
     p.add_argument("--seed-sd", type=float, default=None, help="between-seed sd of one arm's accuracy (A/A)")
     p.add_argument("--from", dest="pilot", action="append", default=None, metavar="DIR | NAME=FILE[,FILE...]",
-                   help="a pilot run or sweep folder to estimate both from; or per-item files of runs trained "
-                        "elsewhere, one NAME=FILE[,FILE...] per arm (repeat --from), with no Hydra overrides")
+                   help="a pilot run or sweep folder to estimate both from; or per-item files of runs "
+                        "trained elsewhere, one NAME=FILE[,FILE...] per arm (repeat --from), with no Hydra "
+                        "overrides")
     p.add_argument("--decision", default=None, metavar="PLAN.yaml",
                    help="with --from files: the rule (a YAML of the decision block's keys)")
     p.add_argument("--format", default=None, help="with --from files: their format (default: detected)")
@@ -632,8 +636,8 @@ def main(argv: list[str] | None = None) -> int:
             plan = _plan_from_files(args, files, pilots)
         else:
             if len(pilots) > 1 or args.decision or args.format or args.metric:
-                raise DesignError("--from DIR takes one pilot folder; --decision, --format and --metric go with "
-                                  "--from per-item files")
+                raise DesignError("--from DIR takes one pilot folder; --decision, --format and --metric go "
+                                  "with --from per-item files")
             from trainer.config.compose import compose_config
             from trainer.config.schema import ConfigError, validate
 
@@ -643,8 +647,8 @@ def main(argv: list[str] | None = None) -> int:
                 validate(cfg)
             except ConfigError as e:
                 raise DesignError(f"config: {e}") from None
-            plan = plan_from_config(cfg, args.seeds or n_seeds, args.discordance, args.seed_sd, args.target_effect,
-                                    pilots[0] if pilots else None)
+            plan = plan_from_config(cfg, args.seeds or n_seeds, args.discordance, args.seed_sd,
+                                    args.target_effect, pilots[0] if pilots else None)
         plot = args.plot
         if plot is None:  # beside what it was estimated from, never loose in the working directory
             where = Path(files[0].split("=", 1)[-1].split(",")[0]).parent if files else \

@@ -6,8 +6,8 @@ writer's own source at the version named:
 
 - `lm_eval`: lm-evaluation-harness 0.4.13 `--log_samples`, `samples_<task>_<date>.jsonl`
   (lm_eval/evaluator.py `evaluate`, the `example` dict: `doc_id`, `doc`, `target`, `arguments`, `resps`,
-  `filtered_resps`, `filter`, `metrics` (the names), `doc_hash`, `prompt_hash`, `target_hash`, then one key per
-  metric; lm_eval/loggers/evaluation_tracker.py `save_results_samples` writes one JSON line per sample and
+  `filtered_resps`, `filter`, `metrics` (the names), `doc_hash`, `prompt_hash`, `target_hash`, then one key
+  per metric; lm_eval/loggers/evaluation_tracker.py `save_results_samples` writes one JSON line per sample and
   filter). The item id is `doc_id`; `--metric acc` or `acc,<filter>`; the default is the first metric of the
   file's first filter. A run's output folder gives one category per task (a group's subtasks).
 - `tinker_cookbook`: tinker-cookbook 0.5.8 EvalStore, `runs/<run_id>/<benchmark>/trajectories.jsonl`
@@ -100,7 +100,8 @@ def _lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ItemsError(f"{path}:{lineno}: not valid JSON ({e.msg}); truncated or corrupted file?") from None
+                raise ItemsError(f"{path}:{lineno}: not valid JSON ({e.msg}); truncated or corrupted "
+                                 "file?") from None
             if not isinstance(obj, dict):
                 raise ItemsError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             n += 1
@@ -118,15 +119,17 @@ def _score(value: Any, what: str, where: str) -> float:
         if math.isfinite(x) and 0.0 <= x <= 1.0:
             return x
     if isinstance(value, (list, dict)):
-        raise ItemsError(f"{where}: {what} is {type(value).__name__}, not a per-item score (a corpus-level metric "
-                         "such as bleu keeps its inputs per item, not a score): pick a per-item metric with --metric")
-    raise ItemsError(f"{where}: {what} = {value!r} is not a score in [0, 1] (a finite number or true/false); rewards "
-                     "on another scale are refused, not rescaled")
+        raise ItemsError(f"{where}: {what} is {type(value).__name__}, not a per-item score (a corpus-level "
+                         "metric such as bleu keeps its inputs per item, not a score): pick a per-item "
+                         "metric with --metric")
+    raise ItemsError(f"{where}: {what} = {value!r} is not a score in [0, 1] (a finite number or "
+                     "true/false); rewards on another scale are refused, not rescaled")
 
 
 def _collect(path: Path, fmt: str, metric: str, eval_name: str, rows: list[tuple[str, float, int]],
              repeats_ok: bool, notes: list[str] | None = None) -> ItemFile:
-    """ItemFile from (id, score, line) rows: duplicates refused, or (repeats_ok) averaged at an equal count."""
+    """ItemFile from (id, score, line) rows: duplicates refused, or (repeats_ok) averaged at an equal
+    count."""
     if not rows:
         raise ItemsError(f"{path}: no items (an empty file, or no line for {metric})")
     notes = list(notes or [])
@@ -149,8 +152,9 @@ def _collect(path: Path, fmt: str, metric: str, eval_name: str, rows: list[tuple
     k = set(counts.values())
     if len(k) > 1:
         few = min(ids, key=lambda i: counts[i])
-        raise ItemsError(f"{path}: items have different numbers of samples ({sorted(k)}; e.g. {few!r} has "
-                         f"{counts[few]}): an item's score is the mean of its samples, so every item needs as many")
+        raise ItemsError(f"{path}: items have different numbers of samples ({sorted(k)}; e.g. {few!r} "
+                         f"has {counts[few]}): an item's score is the mean of its samples, so every item "
+                         "needs as many")
     repeats = k.pop()
     if repeats > 1:
         notes.append(f"{fmt} files hold {repeats} samples per item: each item's score is their mean")
@@ -172,7 +176,8 @@ def read_lm_eval(path: Path, metric: str | None) -> ItemFile:
     for lineno, obj in _lines(path):
         for key in ("doc_id", "filter", "metrics"):
             if key not in obj:
-                raise ItemsError(f"{path}:{lineno}: no `{key}` (not an lm-evaluation-harness --log_samples line?)")
+                raise ItemsError(f"{path}:{lineno}: no `{key}` (not an lm-evaluation-harness --log_samples "
+                                 "line?)")
         by_filter.setdefault(str(obj["filter"]), []).append((lineno, obj))
     if not by_filter:
         raise ItemsError(f"{path}: no items (an empty file)")
@@ -194,11 +199,13 @@ def read_lm_eval(path: Path, metric: str | None) -> ItemFile:
     for lineno, obj in lines:
         where = f"{path}:{lineno}"
         if name not in obj:
-            raise ItemsError(f"{where}: no metric {name!r} (this sample has {obj.get('metrics')}); name one with "
-                             "--metric")
-        rows.append((_item_id(obj["doc_id"], where, "doc_id"), _score(obj[name], f"metric {name!r}", where), lineno))
+            raise ItemsError(f"{where}: no metric {name!r} (this sample has {obj.get('metrics')}); name one "
+                             "with --metric")
+        item = _item_id(obj["doc_id"], where, "doc_id")
+        rows.append((item, _score(obj[name], f"metric {name!r}", where), lineno))
     task = _LM_EVAL_FILE.match(path.name)
-    return _collect(path, "lm_eval", f"{name},{flt}", task.group(1) if task else path.stem, rows, False, notes)
+    eval_name = task.group(1) if task else path.stem
+    return _collect(path, "lm_eval", f"{name},{flt}", eval_name, rows, False, notes)
 
 
 def read_tinker_cookbook(path: Path, metric: str | None) -> ItemFile:
@@ -226,7 +233,8 @@ def read_tinker_cookbook(path: Path, metric: str | None) -> ItemFile:
                                  f"{sorted(ms)})")
             score = _score(ms[metric], f"metric {metric!r}", where)
         rows.append((_item_id(item, where, "example_id"), score, lineno))
-    notes = ["tinker-cookbook items without an example_id are matched by their position (idx)"] if positional else []
+    notes = (["tinker-cookbook items without an example_id are matched by their position (idx)"]
+             if positional else [])
     name = ",".join(sorted(benchmarks)) or path.parent.name
     return _collect(path, "tinker_cookbook", metric or "reward>0", name, rows, True, notes)
 
@@ -246,11 +254,12 @@ def read_prime_rl(path: Path, metric: str | None) -> ItemFile:
         else:
             ms = obj.get("metrics") or {}
             if metric not in ms:
-                raise ItemsError(f"{where}: no metric {metric!r} (this rollout has reward and metrics {sorted(ms)})")
+                raise ItemsError(f"{where}: no metric {metric!r} (this rollout has reward and metrics "
+                                 f"{sorted(ms)})")
             score = _score(ms[metric], f"metric {metric!r}", where)
         rows.append((_item_id(obj["example_id"], where, "example_id"), score, lineno))
-    notes = [f"{path}: {errors} rollout(s) ended in an error; they count with the reward prime-rl gave them"] \
-        if errors else []
+    notes = ([f"{path}: {errors} rollout(s) ended in an error; they count with the reward prime-rl gave them"]
+             if errors else [])
     name = ",".join(sorted(e for e in envs if e)) or path.stem
     return _collect(path, "prime_rl", metric or "reward", name, rows, True, notes)
 
@@ -285,8 +294,8 @@ def _plain_rows(path: Path, records: Iterator[tuple[int, dict[str, Any]]], metri
     for lineno, rec in records:
         where = f"{path}:{lineno}"
         if "item_id" not in rec:
-            raise ItemsError(f"{where}: no `item_id` (the plain format: item_id, score or correct, optional seed, "
-                             "category)")
+            raise ItemsError(f"{where}: no `item_id` (the plain format: item_id, score or correct, optional "
+                             "seed, category)")
         if name is None:
             name = "score" if "score" in rec else "correct" if "correct" in rec else None
             if name is None:
@@ -302,7 +311,8 @@ def _plain_rows(path: Path, records: Iterator[tuple[int, dict[str, Any]]], metri
                 try:
                     value = float(low)
                 except ValueError:
-                    raise ItemsError(f"{where}: {name} = {rec[name]!r} is not a number or true/false") from None
+                    raise ItemsError(f"{where}: {name} = {rec[name]!r} is not a number or "
+                                     "true/false") from None
         seed = rec.get("seed")
         if seed in (None, ""):
             seed = None
@@ -359,8 +369,10 @@ FORMATS: dict[str, Callable[[Path, str | None], Any]] = {
     "verl": read_verl, "jsonl": read_jsonl, "csv": read_csv,
 }
 # the keys that tell a format from its first line
-_SIGNATURES = (("lm_eval", ("doc_id", "filter", "metrics")), ("tinker_cookbook", ("idx", "benchmark", "reward")),
-               ("prime_rl", ("example_id", "reward", "is_truncated")), ("verl", ("input", "output", "score")),
+_SIGNATURES = (("lm_eval", ("doc_id", "filter", "metrics")),
+               ("tinker_cookbook", ("idx", "benchmark", "reward")),
+               ("prime_rl", ("example_id", "reward", "is_truncated")),
+               ("verl", ("input", "output", "score")),
                ("jsonl", ("item_id",)))
 _LM_EVAL_FILE = re.compile(r"^samples_(.+)_(\d{4}-\d{2}-\d{2}T[0-9.\-]+)\.jsonl$")
 # one run's folder: the files of each format inside it, and the category each file gives its items
@@ -375,8 +387,8 @@ def detect_format(path: Path) -> str:
         for fmt, keys in _SIGNATURES:
             if all(k in obj for k in keys):
                 return fmt
-        raise ItemsError(f"{path}: format not recognised from its first line (keys {sorted(obj)[:12]}); name it "
-                         f"with --format ({', '.join(FORMATS)})")
+        raise ItemsError(f"{path}: format not recognised from its first line (keys {sorted(obj)[:12]}); name "
+                         f"it with --format ({', '.join(FORMATS)})")
     raise ItemsError(f"{path}: no items (an empty file)")
 
 
@@ -387,9 +399,9 @@ def _folder_files(folder: Path, fmt: str | None) -> tuple[str, list[tuple[Path, 
     found = {f: ps for f, ps in found.items() if ps}
     if len(found) != 1:
         what = "none" if not found else ", ".join(sorted(found))
-        raise ItemsError(f"{folder}: a folder must be one run's output of lm_eval (samples_<task>_<date>.jsonl), "
-                         f"tinker_cookbook (<benchmark>/trajectories.jsonl) or prime_rl (eval_rollouts*.jsonl) "
-                         f"files; found {what}: name the file(s)")
+        raise ItemsError(f"{folder}: a folder must be one run's output of lm_eval "
+                         "(samples_<task>_<date>.jsonl), tinker_cookbook (<benchmark>/trajectories.jsonl) or "
+                         f"prime_rl (eval_rollouts*.jsonl) files; found {what}: name the file(s)")
     (f, paths), = found.items()
     if f == "lm_eval":
         tasks: dict[str, Path] = {}
@@ -397,8 +409,8 @@ def _folder_files(folder: Path, fmt: str | None) -> tuple[str, list[tuple[Path, 
             m = _LM_EVAL_FILE.match(p.name)
             task = m.group(1) if m else p.stem
             if task in tasks:
-                raise ItemsError(f"{folder}: two sample files of task {task!r} ({tasks[task].name}, {p.name}): "
-                                 "runs at two dates in one folder; name the file(s)")
+                raise ItemsError(f"{folder}: two sample files of task {task!r} ({tasks[task].name}, "
+                                 f"{p.name}): runs at two dates in one folder; name the file(s)")
             tasks[task] = p
         return f, [(p, t) for t, p in sorted(tasks.items())]
     if f == "tinker_cookbook":
@@ -416,16 +428,17 @@ def read_items(path: str | Path, fmt: str | None = None, metric: str | None = No
             return files
         metrics = {f.metric for f in files}
         if len(metrics) > 1:
-            raise ItemsError(f"{path}: its files score different metrics ({sorted(metrics)}); name one with --metric")
+            raise ItemsError(f"{path}: its files score different metrics ({sorted(metrics)}); name one with "
+                             "--metric")
         ids, scores, cats, notes = [], [], [], []
         for f, (_, cat) in zip(files, parts):
             ids += [f"{cat}/{i}" for i in f.ids]
             cats += [cat] * len(f.ids)
             scores.append(f.scores_N)
             notes += f.notes
-        return [ItemFile(path=path, format=fmt, metric=files[0].metric, eval_name=",".join(c for _, c in parts),
-                         ids=ids, scores_N=np.concatenate(scores), categories=cats,
-                         repeats=max(f.repeats for f in files), notes=notes)]
+        return [ItemFile(path=path, format=fmt, metric=files[0].metric,
+                         eval_name=",".join(c for _, c in parts), ids=ids, scores_N=np.concatenate(scores),
+                         categories=cats, repeats=max(f.repeats for f in files), notes=notes)]
     if not path.is_file():
         raise ItemsError(f"{path}: not found")
     fmt = fmt or detect_format(path)

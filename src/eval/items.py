@@ -1,5 +1,5 @@
-"""The paired verdict on per-item results written anywhere: `python -m eval.compare --items NAME=FILE[,FILE...]
-NAME=FILE[,FILE...] [--baseline NAME] [--format F] [--metric M] [--decision plan.yaml]`.
+"""The paired verdict on per-item results written anywhere: `python -m eval.compare --items
+NAME=FILE[,FILE...] NAME=FILE[,FILE...] [--baseline NAME] [--format F] [--metric M] [--decision plan.yaml]`.
 
 Each arm is one or more per-item result files (one per seed or checkpoint, in seed order), read by a format
 adapter (eval/item_formats.py: lm-evaluation-harness `--log_samples`, the tinker-cookbook EvalStore,
@@ -51,8 +51,8 @@ def parse_arm(spec: str) -> tuple[str, list[Path]]:
         raise ItemsError(f"--items {spec!r}: expected NAME=FILE[,FILE...] (an arm's name, then its per-item "
                          "files, one per seed, comma-separated)")
     if not _ARM_NAME.match(name):
-        raise ItemsError(f"--items {spec!r}: arm name {name!r} must be 1-64 characters of letters, digits and "
-                         "_ . + : - (starting with a letter or digit)")
+        raise ItemsError(f"--items {spec!r}: arm name {name!r} must be 1-64 characters of letters, digits "
+                         "and _ . + : - (starting with a letter or digit)")
     paths = [Path(p) for p in rest.split(",")]
     if any(not str(p) for p in paths) or len(paths) > MAX_FILES_PER_ARM:
         raise ItemsError(f"--items {spec!r}: an empty file name, or more than {MAX_FILES_PER_ARM} files")
@@ -79,8 +79,8 @@ def load_arms(specs: list[str], fmt: str | None = None, metric: str | None = Non
         for p in paths:
             where = p.resolve()
             if where in seen:
-                raise ItemsError(f"--items: {p} is given twice ({seen[where]} and {name}): a file compared with "
-                                 "itself says nothing")
+                raise ItemsError(f"--items: {p} is given twice ({seen[where]} and {name}): a file compared "
+                                 "with itself says nothing")
             seen[where] = name
             arm.files += read_items(p, fmt, metric)
         arms.append(arm)
@@ -103,11 +103,12 @@ def match_items(arms: list[Arm]) -> tuple[list[str], list[str] | None]:
         if ids != ref_ids:
             only_ref, only_f = sorted(ref_ids - ids), sorted(ids - ref_ids)
             raise ItemsError(
-                f"item sets differ: {ra.name} ({ref.path}) has {len(ref_ids)} items, {arm.name} ({f.path}) has "
-                f"{len(ids)}; {len(only_ref)} only in the first (e.g. {only_ref[:5]}), {len(only_f)} only in the "
-                f"second (e.g. {only_f[:5]}): paired results need the same items in every file")
-    # the item order is part of the bootstrap's draw: integer ids ascending, as compare orders a sweep's item
-    # indices (so a sweep read back from files gets the sweep's own numbers), other ids in the first file's order
+                f"item sets differ: {ra.name} ({ref.path}) has {len(ref_ids)} items, {arm.name} ({f.path}) "
+                f"has {len(ids)}; {len(only_ref)} only in the first (e.g. {only_ref[:5]}), {len(only_f)} "
+                f"only in the second (e.g. {only_f[:5]}): paired results need the same items in every file")
+    # the item order is part of the bootstrap's draw: integer ids ascending, as compare orders a sweep's
+    # item indices (a sweep read back from files gets the sweep's own numbers), other ids in the first
+    # file's order
     order = (sorted(ref.ids, key=int) if all(i.isdigit() and (i == "0" or i[0] != "0") for i in ref.ids)
              else list(ref.ids))
     cats = [f.categories_by_id() for _, f in files]
@@ -120,8 +121,9 @@ def match_items(arms: list[Arm]) -> tuple[list[str], list[str] | None]:
     for (arm, f), c in zip(others, cats[1:]):
         bad = [i for i in order if c[i] != ref_cat[i]]
         if bad:
-            raise ItemsError(f"item categories differ: {len(bad)} item(s) of {arm.name} ({f.path}) have another "
-                             f"category than in {ref.path}, e.g. {bad[0]!r}: {c[bad[0]]!r} vs {ref_cat[bad[0]]!r}")
+            raise ItemsError(f"item categories differ: {len(bad)} item(s) of {arm.name} ({f.path}) have "
+                             f"another category than in {ref.path}, e.g. {bad[0]!r}: {c[bad[0]]!r} vs "
+                             f"{ref_cat[bad[0]]!r}")
     return order, [ref_cat[i] for i in order]
 
 
@@ -133,28 +135,30 @@ def pair_seeds(arms: list[Arm]) -> list[int]:
         for a in arms:
             seeds = [f.seed for f in a.files]
             if len(set(seeds)) != len(seeds):
-                raise ItemsError(f"arm {a.name}: two files hold seed {next(s for s in seeds if seeds.count(s) > 1)}")
+                twice = next(s for s in seeds if seeds.count(s) > 1)
+                raise ItemsError(f"arm {a.name}: two files hold seed {twice}")
             a.files.sort(key=lambda f: f.seed)
         want = [f.seed for f in arms[0].files]
         for a in arms[1:]:
             have = [f.seed for f in a.files]
             if have != want:
-                raise ItemsError(f"arm {a.name} has seeds {have}, arm {arms[0].name} {want}: a seed present in one "
-                                 "arm only cannot be paired")
+                raise ItemsError(f"arm {a.name} has seeds {have}, arm {arms[0].name} {want}: a seed present "
+                                 "in one arm only cannot be paired")
         return [int(s) for s in want]
     if any(given):
-        raise ItemsError("some files name their seed (a `seed` column) and some do not: pairing by seed and by "
-                         "position cannot be mixed")
+        raise ItemsError("some files name their seed (a `seed` column) and some do not: pairing by seed and "
+                         "by position cannot be mixed")
     counts = {a.name: len(a.files) for a in arms}
     if len(set(counts.values())) != 1:
-        raise ItemsError(f"the arms have different numbers of files {counts}: files are paired by position (one "
-                         "per seed, in seed order), so every arm needs as many")
+        raise ItemsError(f"the arms have different numbers of files {counts}: files are paired by position "
+                         "(one per seed, in seed order), so every arm needs as many")
     return list(range(len(arms[0].files)))
 
 
 # ----------------------------------------------------------------------------- the pre-registered rule
 def load_plan(path: str | Path) -> dict[str, Any]:
-    """The decision rule of a YAML file: the `decision` block's keys, at the top level or under `decision:`."""
+    """The decision rule of a YAML file: the `decision` block's keys, at the top level or under
+    `decision:`."""
     from trainer.config.schema import ConfigError, DecisionConfig
 
     path = Path(path)
@@ -167,7 +171,7 @@ def load_plan(path: str | Path) -> dict[str, Any]:
     if isinstance(raw, dict) and set(raw) == {"decision"}:
         raw = raw["decision"]
     if not isinstance(raw, dict) or not raw:
-        raise ItemsError(f"--decision {path}: expected a mapping of decision keys (method, alpha, margin, ...)")
+        raise ItemsError(f"--decision {path}: expected a mapping of decision keys (method, alpha, ...)")
     known = set(DecisionConfig.__dataclass_fields__)
     unknown = sorted(str(k) for k in raw if k not in known)
     if unknown:
@@ -178,15 +182,16 @@ def load_plan(path: str | Path) -> dict[str, Any]:
     except (ConfigError, TypeError) as e:
         raise ItemsError(f"--decision {path}: decision.{e}") from None
     if raw.get("endpoint", "final") != "final":
-        raise ItemsError(f"--decision {path}: endpoint {raw['endpoint']!r} needs eval curves; per-item files hold "
-                         "one score per item (endpoint: final)")
+        raise ItemsError(f"--decision {path}: endpoint {raw['endpoint']!r} needs eval curves; per-item files "
+                         "hold one score per item (endpoint: final)")
     return raw
 
 
 def resolve_items_rule(stats: ModuleType, plan_path: str | None, cli: dict[str, Any], override: bool,
                        first_arm: str, n_seeds: int) -> Any:
-    """The Rule of compare.resolve_rule, from a plan file (command-line changes to it need --override-decision)
-    or, with no plan, from the command line alone (then nothing was pre-registered, and the rule says so)."""
+    """The Rule of compare.resolve_rule, from a plan file (command-line changes to it need
+    --override-decision) or, with no plan, from the command line alone (then nothing was pre-registered, and
+    the rule says so)."""
     if cli.get("endpoint") not in (None, "final"):
         raise ItemsError("--endpoint: per-item files hold one score per item (endpoint final only)")
     if plan_path is not None:
@@ -203,16 +208,18 @@ def resolve_items_rule(stats: ModuleType, plan_path: str | None, cli: dict[str, 
     try:
         rule = stats.resolve_rule([stub], given, override, n_seeds=n_seeds)
     except stats.CompareError as e:
-        raise ItemsError(str(e).replace(f"run {stub.path}: decision config", f"--decision {plan_path}")) from None
+        msg = str(e).replace(f"run {stub.path}: decision config", f"--decision {plan_path}")
+        raise ItemsError(msg) from None
     rule.source = source
     return rule
 
 
 # ----------------------------------------------------------------------------- the comparison
-def compare_items(stats: ModuleType, specs: list[str], fmt: str | None = None, metric: str | None = None, plan: str | None = None,
-                  baseline: str | None = None, method: str | None = None, alpha: float | None = None,
-                  margin: float | None = None, override_decision: bool = False, n_bootstrap: int | None = None,
-                  seed: int | None = None, out: str | Path | None = None) -> dict[str, Any]:
+def compare_items(stats: ModuleType, specs: list[str], fmt: str | None = None, metric: str | None = None,
+                  plan: str | None = None, baseline: str | None = None, method: str | None = None,
+                  alpha: float | None = None, margin: float | None = None, override_decision: bool = False,
+                  n_bootstrap: int | None = None, seed: int | None = None,
+                  out: str | Path | None = None) -> dict[str, Any]:
     """Read, match and pair the arms' files, decide with `stats` (the eval.compare module: its rule, its
     statistics, its writer) and write compare.json / compare.md (no plots: there are no training curves) into
     `out` (default: the files' common folder). Every check runs before anything is written. eval.compare's
@@ -233,11 +240,13 @@ def compare_items(stats: ModuleType, specs: list[str], fmt: str | None = None, m
     by_name = {a.name: a for a in arms}
     cli = {"method": method, "alpha": alpha, "margin": margin, "baseline": baseline}
     rule = resolve_items_rule(stats, plan, cli, override_decision, arms[0].name, len(seeds))
-    if (n_bootstrap, seed) != (DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED) and rule.method == "paired_bootstrap":
+    moved = (n_bootstrap, seed) != (DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED)
+    if moved and rule.method == "paired_bootstrap":
         if not override_decision:
-            raise ItemsError(f"the bootstrap decides, and --bootstrap {n_bootstrap} / --seed {seed} are not its "
-                             f"pre-registered {DEFAULT_BOOTSTRAP} resamples, seed {DEFAULT_BOOTSTRAP_SEED}; pass "
-                             "--override-decision to decide anyway (the report says so)")
+            raise ItemsError(f"the bootstrap decides, and --bootstrap {n_bootstrap} / --seed {seed} are not "
+                             f"its pre-registered {DEFAULT_BOOTSTRAP} resamples, seed "
+                             f"{DEFAULT_BOOTSTRAP_SEED}; pass --override-decision to decide anyway (the report "
+                             "says so)")
         rule.overridden.append(f"bootstrap: {DEFAULT_BOOTSTRAP} resamples, seed {DEFAULT_BOOTSTRAP_SEED} -> "
                                f"{n_bootstrap} resamples, seed {seed}")
     arms_SN = {a.name: np.stack([f.scores_in(order) for f in a.files]) for a in arms}
@@ -260,8 +269,8 @@ def compare_items(stats: ModuleType, specs: list[str], fmt: str | None = None, m
     common["decision"] = stats._rule_dict(rule)
     if len(arms) == 1:
         if len(seeds) < 2:
-            raise ItemsError(f"one arm ({arms[0].name}) with one file: nothing to compare (two arms, or one arm at "
-                             ">= 2 seeds for the between-seed spread)")
+            raise ItemsError(f"one arm ({arms[0].name}) with one file: nothing to compare (two arms, or one "
+                             "arm at >= 2 seeds for the between-seed spread)")
         spread = stats.aa_spread({s: arms_SN[arms[0].name][i] for i, s in enumerate(seeds)}, rule.alpha)
         spread.update(sweep=None, loss=arms[0].name)
         for r in arm_rows:
@@ -274,8 +283,8 @@ def compare_items(stats: ModuleType, specs: list[str], fmt: str | None = None, m
         raise ItemsError(f"the baseline {base!r} (--baseline / decision.baseline) names no arm; the arms are "
                          f"{[a.name for a in arms]}")
     if rule.method == "seed_t" and len(seeds) < 2:
-        raise ItemsError("the decision rule is seed_t (over seeds), but each arm has one file; give one file per "
-                         "seed (>= 2) or decide with an item-level method (--method paired_hoeffding)")
+        raise ItemsError("the decision rule is seed_t (over seeds), but each arm has one file; give one file "
+                         "per seed (>= 2) or decide with an item-level method (--method paired_hoeffding)")
     if rule.method == "paired_bootstrap" and n_bootstrap == 0:
         raise ItemsError("the decision rule is paired_bootstrap, but --bootstrap 0 turns the bootstrap off")
     treatments = [a.name for a in arms if a.name != base]
@@ -307,9 +316,9 @@ def _arm_row(arm: Arm, f: ItemFile, seed: int, alpha: float, order: list[str], r
     # (conservative) interval for the mean of fractional scores too
     lo, hi = wilson_interval(round(total), n, alpha)
     return {"arm": arm.label(seed), "role": role, "loss": arm.name, "value": arm.name, "seed": seed,
-            "run": str(f.path), "job": None, "run_name": arm.name, "eval_file": str(f.path), "format": f.format,
-            "metric": f.metric, "repeats": f.repeats, "endpoint_mean": total / n, "n": n, "accuracy": total / n,
-            "wilson_low": lo, "wilson_high": hi}
+            "run": str(f.path), "job": None, "run_name": arm.name, "eval_file": str(f.path),
+            "format": f.format, "metric": f.metric, "repeats": f.repeats, "endpoint_mean": total / n, "n": n,
+            "accuracy": total / n, "wilson_low": lo, "wilson_high": hi}
 
 
 def category_rows(stats: ModuleType, arms_SN: dict[str, np.ndarray], cats: list[str], base: str,
@@ -340,13 +349,15 @@ def items_summary(result: dict[str, Any], summary: Any) -> str:
     """compare's summary lines (`summary`), where the rule came from, then the per-category secondary
     results."""
     lines = [(f"items: {result['n_items']} ({result['format']} files, metric {result['metric']}) x "
-              f"{result['n_seeds']} seed(s) per arm"), summary(result), f"rule source: {result['decision']['source']}"]
+              f"{result['n_seeds']} seed(s) per arm"), summary(result),
+             f"rule source: {result['decision']['source']}"]
     cats = result.get("categories")
     if cats:
-        lines.append(f"secondary, per category ({cats['multiplicity']}, {cats['family_size']} rows; they decide "
-                     "nothing):")
+        lines.append(f"secondary, per category ({cats['multiplicity']}, {cats['family_size']} rows; they "
+                     "decide nothing):")
         for r in cats["rows"]:
-            iv = "" if r["ci_low"] is None else f", interval [{100 * r['ci_low']:+.2f}, {100 * r['ci_high']:+.2f}] pts"
+            iv = ("" if r["ci_low"] is None
+                  else f", interval [{100 * r['ci_low']:+.2f}, {100 * r['ci_high']:+.2f}] pts")
             lines.append(f"  {r['arm']} vs {r['baseline']} [{r['category']}] ({r['n_items']} items): "
                          f"{100 * r['estimate']:+.2f} pts{iv}, Holm p {r['p_holm']:.4g}: {r['verdict']}")
     return "\n".join(lines)
@@ -365,12 +376,14 @@ def pilot_from_items(specs: list[str], fmt: str | None = None, metric: str | Non
     order, _ = match_items(arms)
     n = len(order)
     arms_SN = {a.name: np.stack([f.scores_in(order) for f in a.files]) for a in arms}
-    what = f"{len(arms)} arm(s) x {len(seeds)} seed(s) of {arms[0].files[0].format} files ({arms[0].files[0].metric})"
+    f0 = arms[0].files[0]
+    what = f"{len(arms)} arm(s) x {len(seeds)} seed(s) of {f0.format} files ({f0.metric})"
     if len(arms) == 1:
         s_SN = arms_SN[arms[0].name]
         if len(seeds) < 2:
             raise ItemsError("--from: one arm with one file; give two arms, or one arm at >= 2 seeds")
-        disc = [float(np.abs(s_SN[i] - s_SN[j]).mean()) for i in range(len(seeds)) for j in range(i + 1, len(seeds))]
+        S = len(seeds)
+        disc = [float(np.abs(s_SN[i] - s_SN[j]).mean()) for i in range(S) for j in range(i + 1, S)]
         sd = float(np.std(s_SN.mean(axis=1), ddof=1))
         return {"n_items": n, "n_seeds": len(seeds), "discordance": max(float(np.mean(disc)), 1.0 / n),
                 "seed_sd": sd, "source": f"A/A {what}"}
@@ -384,5 +397,5 @@ def pilot_from_items(specs: list[str], fmt: str | None = None, metric: str | Non
             disc += [float(x) for x in np.abs(t_SN - b_SN).mean(axis=1)]
             gaps += [float(x) for x in (t_SN - b_SN).mean(axis=1)]
     sd = float(np.std(gaps, ddof=1) / np.sqrt(2)) if len(gaps) >= 2 else None
-    return {"n_items": n, "n_seeds": len(seeds), "discordance": max(float(np.mean(disc)), 1.0 / n), "seed_sd": sd,
-            "source": f"A/B {what}, baseline {base}"}
+    return {"n_items": n, "n_seeds": len(seeds), "discordance": max(float(np.mean(disc)), 1.0 / n),
+            "seed_sd": sd, "source": f"A/B {what}, baseline {base}"}

@@ -294,13 +294,15 @@ def _categories(result: dict[str, Any]) -> list[str]:
     cats = result.get("categories")
     if not cats:
         return []
-    lines = ["", (f"## Per category (secondary: {cats['multiplicity']}, {cats['family_size']} rows; they decide "
-                  "nothing)"), "", ("| treatment | category | items | diff | rule interval at its Holm level | rule p "
-                                    "| Holm p | result |"), "|---|---|---:|---:|---|---:|---:|---|"]
+    lines = ["", (f"## Per category (secondary: {cats['multiplicity']}, {cats['family_size']} rows; they "
+                  "decide nothing)"), "",
+             ("| treatment | category | items | diff | rule interval at its Holm level | rule p | Holm p "
+              "| result |"),
+             "|---|---|---:|---:|---|---:|---:|---|"]
     for r in cats["rows"]:
         lines.append(f"| {r['arm']} | {r['category']} | {r['n_items']} | {_pts(r['estimate'])} | "
-                     f"{_ci(r['rule_ci'])} (alpha {r['holm_level']:.4g}) | {_p(r['p_rule'])} | {_p(r['p_holm'])} | "
-                     f"{r['verdict']} |")
+                     f"{_ci(r['rule_ci'])} (alpha {r['holm_level']:.4g}) | {_p(r['p_rule'])} | "
+                     f"{_p(r['p_holm'])} | {r['verdict']} |")
     return lines
 
 

@@ -1,8 +1,9 @@
 """Writes the per-item sample files of tests/test_items.py (run from the repository root; the files are
 committed, so the tests need none of these libraries).
 
-- lm_eval/: written by lm-evaluation-harness 0.4.13 itself (`pip install --target DIR --no-deps lm-eval==0.4.13
-  sacrebleu portalocker tabulate sqlitedict word2number more_itertools evaluate`, then PYTHONPATH=DIR): its
+- lm_eval/: written by lm-evaluation-harness 0.4.13 itself (`pip install --target DIR --no-deps
+  lm-eval==0.4.13 sacrebleu portalocker tabulate sqlitedict word2number more_itertools evaluate`, then
+  PYTHONPATH=DIR): its
   `dummy` model (random log-likelihoods, seeded by `--seed`) on a two-task group `arith` (arith_add,
   arith_mul: 8 multiple-choice items each, metrics acc and acc_norm) defined in lm_eval_tasks/, with
   `--log_samples`. Arm a is seeds 0 and 1, arm b seeds 100 and 101. Skipped when lm_eval is not importable.
@@ -74,14 +75,15 @@ def tinker_cookbook() -> None:
     questions = [f"What is {a} + {a + 3}?" for a in range(6)]
     for arm, right in (("a", {0, 2, 3}), ("b", {0, 1, 2, 3, 5})):
         store = EvalStore(out / arm)
-        run_id = store.create_run(model_name="Qwen/Qwen3-8B", benchmarks=["gsm8k"], checkpoint_name=f"arm_{arm}",
-                                  run_id=f"arm_{arm}")
+        run_id = store.create_run(model_name="Qwen/Qwen3-8B", benchmarks=["gsm8k"],
+                                  checkpoint_name=f"arm_{arm}", run_id=f"arm_{arm}")
         for idx, q in enumerate(questions):
             ok = idx in right
+            answer = f"\\boxed{{{2 * idx + 3 if ok else 0}}}"
             store.write_trajectory(run_id, "gsm8k", StoredTrajectory(
                 idx=idx, benchmark="gsm8k", example_id=make_example_id("gsm8k", q),
                 turns=[StoredTurn(role="user", content=q, token_count=9),
-                       StoredTurn(role="assistant", content=f"\\boxed{{{2 * idx + 3 if ok else 0}}}", token_count=5)],
+                       StoredTurn(role="assistant", content=answer, token_count=5)],
                 reward=1.0 if ok else 0.0, metrics={"correct": float(ok)},
                 logs={"expected": str(2 * idx + 3), "extracted": str(2 * idx + 3 if ok else 0)},
                 time_seconds=0.5))
@@ -102,12 +104,14 @@ def prime_rl() -> None:
                 for _ in range(2):  # group_size = 2 rollouts per example
                     ok = rng.random() < p
                     row = {
-                        "example_id": example_id, "prompt": [{"role": "user", "content": f"question {example_id}"}],
+                        "example_id": example_id,
+                        "prompt": [{"role": "user", "content": f"question {example_id}"}],
                         "completion": [{"role": "assistant", "content": "\\boxed{4}" if ok else "5"}],
                         "answer": "4", "info": {}, "reward": 1.0 if ok else 0.0, "error": None,
                         "timing": {"generation_ms": 812.0, "scoring_ms": 3.0, "total_ms": 815.0},
                         "is_completed": True, "is_truncated": False, "stop_condition": "no_tools_called",
-                        "metrics": {"correct_answer": 1.0 if ok else 0.0, "num_turns": 1.0}, "tool_defs": None,
+                        "metrics": {"correct_answer": 1.0 if ok else 0.0, "num_turns": 1.0},
+                        "tool_defs": None,
                         "token_usage": {"input_tokens": 42.0, "output_tokens": 17.0},
                         "env_name": "gsm8k", "group_id": group, "policy_version": 20,
                         "off_policy_steps": 0, "rollout_id": str(uuid.UUID(int=rng.getrandbits(128))),
@@ -131,11 +135,13 @@ def verl() -> None:
             scores.append(1.0 if ok else 0.0)
             accs.append(ok)
         base = {"input": inputs, "output": outputs, "gts": gts, "score": scores, "step": [40] * 6}
-        extra = {"reward": scores, "acc": accs}  # reward_extra_infos_dict: _validate's reward, the scorer's acc
+        # reward_extra_infos_dict: _validate's `reward`, the scorer's `acc`
+        extra = {"reward": scores, "acc": accs}
         base.update({k: v for k, v in extra.items() if len(v) == 6})
         with path.open("w") as f:
             for i in range(6):
-                f.write(json.dumps({k: v[i] for k, v in base.items()}, ensure_ascii=False, default=str) + "\n")
+                entry = {k: v[i] for k, v in base.items()}
+                f.write(json.dumps(entry, ensure_ascii=False, default=str) + "\n")
 
 
 def plain() -> None:
