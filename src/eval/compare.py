@@ -1280,7 +1280,7 @@ def main(argv: list[str] | None = None) -> int:
     items_only = [k for k, v in (("--format", args.format), ("--metric", args.metric),
                                  ("--decision", args.decision)) if v is not None]
     if items_only:  # a sweep's rule is its runs' own `decision` block, its scores their eval files
-        print(f"eval.compare: error: {', '.join(items_only)} apply to --items, not to sweep folders",
+        print(f"eval.compare: error: {', '.join(items_only)}: for --items only, not for sweep folders",
               file=sys.stderr)
         return 2
     try:
@@ -1325,7 +1325,7 @@ def _main_items(args: argparse.Namespace) -> int:
     given = [k for k, v in sweep_only.items() if v]
     try:
         if given:
-            raise CompareError(f"{', '.join(given)} apply to sweep folders, not to --items")
+            raise CompareError(f"{', '.join(given)}: for sweep folders only, not for --items")
         result = compare_items(args.items, fmt=args.format, metric=args.metric, plan=args.decision,
                                baseline=args.baseline, method=args.method, alpha=args.alpha,
                                margin=args.margin, override_decision=args.override_decision,
