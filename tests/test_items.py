@@ -304,3 +304,11 @@ def test_design_from_item_files_says_items_and_seeds_needed(tmp_path, capsys):
     assert rc == 0 and "design: 16 items x 2 seed(s) per arm" in out and "no target effect" in out
     rc = design_main(["--from", f"a={specs[0]}", "--from", str(tmp_path)])
     assert rc == 2 and "no pilot folder and no Hydra overrides" in capsys.readouterr().err
+
+
+def test_sweep_and_items_options_do_not_mix(tmp_path, capsys):
+    rc, _, err = _run(capsys, str(tmp_path), "--decision", str(tmp_path / "plan.yaml"))
+    assert rc == 2 and err == "eval.compare: error: --decision: for --items only, not for sweep folders\n"
+    rc, _, err = _run(capsys, "--items", f"A={DATA / 'plain.jsonl'}", "--treatment", "B", "--out", str(tmp_path))
+    assert rc == 2 and err == "eval.compare: error: --treatment: for sweep folders only, not for --items\n"
+    assert not (tmp_path / "compare.json").exists()
