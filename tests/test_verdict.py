@@ -64,6 +64,19 @@ def _sweep(root, arms: dict[tuple[str, int], np.ndarray], overrides=(), curves=N
     return sweep
 
 
+def _trained_under(run, **decision):
+    """Rewrite a run's `decision` block as if it had been trained under it: config.yaml and the hash train.py
+    records in run_info.json (a block edited after training is what compare refuses)."""
+    from trainer.config.digest import decision_hash
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["decision"].update(decision)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    info = json.loads((run / "run_info.json").read_text())
+    info["decision_sha256"] = decision_hash(cfg["decision"])
+    (run / "run_info.json").write_text(json.dumps(info))
+
+
 # ----------------------------------------------------------------------------- stats
 def test_t_distribution_matches_tables_and_closed_forms():
     for df, q in T975.items():
@@ -154,9 +167,7 @@ def test_large_between_seed_variance_item_level_significant_seed_level_not(tmp_p
     for method in ("auto", "seed_t"):
         for run in sweep.iterdir():
             if run.is_dir():
-                cfg = yaml.safe_load((run / "config.yaml").read_text())
-                cfg["decision"]["method"] = method
-                (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+                _trained_under(run, method=method)
         seedv = compare([sweep], n_bootstrap=400, make_plots=False, out=tmp_path / method)
         assert seedv["verdict"] == "inconclusive" and seedv["verdict_scope"] == "across_seeds"
         assert seedv["decision"]["method"] == "seed_t" and seedv["decision"]["overridden"] == []

@@ -39,7 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from eval.stats import METHOD_SCOPE, SCOPE_TEXT, hoeffding_half_width, resolve_method, t_quantile
+from eval.methods import METHOD_SCOPE, distribution_free_seeds, seed_t_power  # noqa: F401 - re-exported
+from eval.methods import METHODS as REGISTRY
+from eval.stats import SCOPE_TEXT, hoeffding_half_width, resolve_method, t_quantile
 from trainer.config.enums import DECISION_METHODS
 
 METHODS = DECISION_METHODS  # decision.method: the config states the list once
@@ -90,11 +92,6 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------- closed forms
-def _sd_diff(plan: Plan, delta: float, n: int | None = None, S: int | None = None) -> float:
-    n, S = n or plan.n_items, S or plan.n_seeds
-    return math.sqrt(plan.tau ** 2 / S + max(plan.discordance - delta ** 2, 0.0) / (S * n))
-
-
 def _solve(f: Any, hi: float) -> float | None:
     """Smallest delta in (0, hi] with f(delta) >= 0 (f increasing), None if f(hi) < 0."""
     if f(hi) < 0:
@@ -110,60 +107,11 @@ def _solve(f: Any, hi: float) -> float | None:
 
 
 def power_closed_form(method: str, plan: Plan, delta: float, n: int | None = None, S: int | None = None) -> float | None:
-    """Normal-approximation power of `method` at effect delta (None where no closed form is used)."""
-    n, S = n or plan.n_items, S or plan.n_seeds
-    a, m, P = plan.alpha, plan.margin, plan.discordance
-    if method == "paired_hoeffding":
-        sd = _sd_diff(plan, delta, n, S)
-        x = delta - m - hoeffding_half_width(n, a)
-        return (1.0 if x > 0 else 0.0) if sd == 0 else _N.cdf(x / sd)
-    if method == "paired_bootstrap":
-        # the interval is as wide as the item noise alone; the estimate also carries the seeds' noise
-        sd = _sd_diff(plan, delta, n, S)
-        sd_items = math.sqrt(max(P - delta ** 2, 0.0) / (S * n))
-        x = delta - m - _N.inv_cdf(1 - a / 2) * sd_items
-        return (1.0 if x > 0 else 0.0) if sd == 0 else _N.cdf(x / sd)
-    if method == "mcnemar_exact":
-        if S != 1 or plan.tau > 0:
-            return None
-        if delta >= P:
-            return 1.0  # every discordant item favours the treatment
-        za = _N.inv_cdf(1 - a / 2)
-        return _N.cdf((delta * math.sqrt(n) - za * math.sqrt(P)) / math.sqrt(P - delta ** 2))
-    if method == "seed_t":
-        if S < 2:
-            return None
-        sd_D = math.sqrt(plan.tau ** 2 + max(P - delta ** 2, 0.0) / n)
-        return seed_t_power(delta - m, sd_D, S, a)
-    raise DesignError(f"unknown method {method!r}; expected one of {list(METHODS)}")
-
-
-def seed_t_power(shift: float, sd_D: float, S: int, alpha: float, grid: int = 2000) -> float:
-    """P(mean - t_crit s / sqrt(S) > 0) for S normal per-seed gaps (mean shift, sd sd_D): the noncentral-t
-    tail, integrated over the chi-square of (S-1) s^2 / sd_D^2 (substituting V = u^2, trapezoid rule)."""
-    nu = S - 1
-    t_crit = t_quantile(1 - alpha / 2, nu)
-    if sd_D == 0:
-        return 1.0 if shift > 0 else 0.0
-    lam = shift * math.sqrt(S) / sd_D
-    u_max = math.sqrt(nu + 12 * math.sqrt(2 * nu) + 60)
-    u = np.linspace(1e-9, u_max, grid)
-    log_pdf = ((nu / 2 - 1) * np.log(u ** 2) - u ** 2 / 2 - (nu / 2) * math.log(2) - math.lgamma(nu / 2)
-               + np.log(2 * u))  # chi2 density at u^2 times dV/du
-    w = np.exp(log_pdf)
-    z = lam - t_crit * u / math.sqrt(nu)
-    phi = _norm_cdf(z)
-    num = np.trapezoid(w * phi, u)
-    return float(num / np.trapezoid(w, u))
-
-
-def _norm_cdf(z: np.ndarray) -> np.ndarray:
-    """Vectorised standard normal CDF via erf (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7)."""
-    x = np.abs(z) / math.sqrt(2.0)
-    t = 1.0 / (1.0 + 0.3275911 * x)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    erf = 1.0 - poly * np.exp(-x * x)
-    return 0.5 * (1.0 + np.sign(z) * erf)
+    """Normal-approximation power of `method` at effect delta (None where no closed form is used): the
+    method's own `power` (eval.methods)."""
+    if method not in REGISTRY:
+        raise DesignError(f"unknown method {method!r}; expected one of {list(METHODS)}")
+    return REGISTRY[method].power(plan, delta, n or plan.n_items, S or plan.n_seeds)
 
 
 def mde_closed_form(method: str, plan: Plan, n: int | None = None, S: int | None = None) -> float | None:
@@ -197,7 +145,7 @@ def seeds_needed(method: str, plan: Plan, target: float, max_seeds: int = 1000) 
     def ok(S: int) -> bool:
         mde = mde_closed_form(method, plan, S=S)
         return mde is not None and mde <= target
-    lo = 2 if method == "seed_t" else 1
+    lo = REGISTRY[method].min_seeds
     if method == "mcnemar_exact":
         return 1 if ok(1) else None
     if not ok(max_seeds):
@@ -242,28 +190,21 @@ class Simulator:
         self.t_crit = t_quantile(1 - plan.alpha / 2, S - 1) if S >= 2 else None
 
     def decisions(self, delta: float, methods: tuple[str, ...] = METHODS) -> dict[str, np.ndarray]:
-        """Per method, a bool per simulated sweep: did the method validate?"""
+        """Per method, a bool per simulated sweep: did the method validate? (each method's `simulate`)"""
         p = self.plan
-        P, m, S, n = p.discordance, p.margin, p.n_seeds, p.n_items
+        P, S, n = p.discordance, p.n_seeds, p.n_items
         delta_S = np.clip(delta + p.tau * self.Z, -P, P)[:, :, None]
         d = (self.U < (P + delta_S) / 2).astype(np.int8) - (self.U >= 1 - (P - delta_S) / 2).astype(np.int8)
         d_N = d.sum(axis=1)  # S x the per-item mean over seeds, exact integers
         diff = d_N.sum(axis=1) / (S * n)
         out: dict[str, np.ndarray] = {}
-        if "paired_hoeffding" in methods:
-            out["paired_hoeffding"] = diff - self.h > m
-        if "mcnemar_exact" in methods:
-            b, c = (d_N > 0).sum(axis=1), (d_N < 0).sum(axis=1)
-            out["mcnemar_exact"] = (b > c) & (c <= self.crit[b + c])
-        if "paired_bootstrap" in methods:
-            out["paired_bootstrap"] = self._bootstrap(d_N, diff)
-        if "seed_t" in methods and S >= 2:
-            D = d.sum(axis=2) / n
-            se = D.std(axis=1, ddof=1) / math.sqrt(S)
-            out["seed_t"] = D.mean(axis=1) - self.t_crit * se > m
+        for k in methods:
+            v = REGISTRY[k].simulate(self, d, d_N, diff)
+            if v is not None:
+                out[k] = v
         return out
 
-    def _bootstrap(self, d_N: np.ndarray, diff: np.ndarray) -> np.ndarray:
+    def bootstrap(self, d_N: np.ndarray, diff: np.ndarray) -> np.ndarray:
         """The item bootstrap's percentile lower bound > margin, per sweep: the item values take 2S+1 levels,
         so a resample of n items is a multinomial draw of the level counts (the same law as drawing items)."""
         p = self.plan
@@ -305,7 +246,7 @@ def _crossing(deltas: np.ndarray, power: list[float], target: float) -> float | 
 def design(plan: Plan, n_sims: int = 1000, n_bootstrap: int = 400, grid: int = 31, seed: int = 0,
            plot: str | Path | None = None) -> dict[str, Any]:
     """MDEs (simulated and closed form), power at the target, items/seeds needed, false positives."""
-    methods = tuple(k for k in METHODS if k != "seed_t" or plan.n_seeds >= 2)
+    methods = tuple(k for k in METHODS if plan.n_seeds >= REGISTRY[k].min_seeds)
     closed = {k: mde_closed_form(k, plan) for k in METHODS}
     top = max([v for v in closed.values() if v is not None] + [plan.target_effect or 0.0, 0.02])
     d_max = min(plan.discordance, 1.6 * top)
@@ -328,6 +269,13 @@ def design(plan: Plan, n_sims: int = 1000, n_bootstrap: int = 400, grid: int = 3
     if plan.seed_sd > 0:
         out["notes"].append(f"tau = sqrt(2 seed_sd^2 - P / n) = {plan.tau:.4f} assumes the A/A sweep's seed-pair "
                             f"discordance equals the arms' discordance P = {plan.discordance:g}")
+    # the exact sign-flip test's smallest p is 2 / 2^S: below this many seeds per arm only seed t's normal
+    # model can make a procedure-level verdict significant
+    out["distribution_free_min_seeds"] = distribution_free_seeds(plan.alpha)
+    if plan.n_seeds < out["distribution_free_min_seeds"]:
+        out["notes"].append(f"a distribution-free claim (sign_flip over seed pairs) needs >= "
+                            f"{out['distribution_free_min_seeds']} seeds per arm at alpha {plan.alpha:g}; at "
+                            f"{plan.n_seeds} a procedure-level verdict rests on seed t's normal model alone")
     out["scope"] = METHOD_SCOPE[plan.method]
     out["problems"], out["warnings"] = plan_problems(plan, out["false_positive_rate"].get(plan.method))
     if plan.target_effect is not None:
@@ -450,7 +398,7 @@ def pilot_estimates(path: str | Path) -> dict[str, Any]:
     discordance, sd of accuracy), an A/B sweep (between-arm discordance; with >= 2 seeds the per-seed gaps'
     sd / sqrt(2)) or one run (discordance bounded by 2 p (1 - p), the chance agreement of two independent
     runs at accuracy p; no seed sd)."""
-    from eval.compare import CompareError, check_item_sets, discover_runs, load_records, load_run
+    from eval.runs import CompareError, check_item_sets, discover_runs, load_records, load_run
 
     path = Path(path).resolve()
     try:
@@ -550,6 +498,9 @@ def render(result: dict[str, Any]) -> str:
     if result["tau"] > 0:
         lines.append("(training noise tau > 0: the item-level methods' power counts validations that are partly "
                      "seed noise, as their false-positive rate at 0 shows; only seed_t's MDE is about the loss)")
+    if result.get("distribution_free_min_seeds"):
+        lines.append(f"seeds per arm a distribution-free claim (sign_flip) needs: "
+                     f">= {result['distribution_free_min_seeds']}")
     for n in result.get("notes", []):
         lines.append(f"note: {n}")
     for n in result.get("problems", []):
@@ -660,7 +611,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eval.design: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, sort_keys=True) if args.json else render(result))
-    return 0
+    # a plan with a PROBLEM is not one to run: a script that checks the status must see it
+    return 1 if result.get("problems") else 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,18 @@ class EndpointError(ValueError):
     """An eval curve or endpoint cannot be built; the message names the run and file."""
 
 
+def item_score(rec: dict[str, Any]) -> bool | float:
+    """An item's score: its fraction correct over K samples (`score`, eval.samples_per_item > 1), else its
+    greedy `correct`."""
+    return float(rec["score"]) if rec.get("score") is not None else bool(rec["correct"])
+
+
+def _scores(values: list[Any]) -> np.ndarray:
+    """bool where every score is 0/1 (greedy correctness), else float64 scores in [0, 1]."""
+    a = np.array(values, dtype=np.float64)
+    return a.astype(np.bool_) if np.isin(a, (0.0, 1.0)).all() else a
+
+
 def curve_files(eval_dir: Path, eval_name: str, final_step: int) -> dict[int, Path]:
     """{step: file} of one run's evals (start, periodic, final)."""
     files: dict[int, Path] = {}
@@ -47,7 +59,10 @@ def load_curve(label: str, eval_dir: Path, eval_name: str, final_step: int,
     """{step: {item index: correct}} of one run; every file must hold the final eval's items."""
     ref = {r["index"]: r["question_sha256"] for r in final_records}
     curve: dict[int, dict[int, bool]] = {}
-    for step, path in curve_files(eval_dir, eval_name, final_step).items():
+    files: dict[int, Path | None] = dict(curve_files(eval_dir, eval_name, final_step))
+    if final_records:  # records held in memory stand for the final eval file
+        files[final_step] = files.get(final_step)
+    for step, path in sorted(files.items()):
         recs = final_records if step == final_step else read_item_records(path)
         m = {r["index"]: r["question_sha256"] for r in recs}
         if m != ref:
@@ -59,7 +74,7 @@ def load_curve(label: str, eval_dir: Path, eval_name: str, final_step: int,
                 f"eval ({len(ref)} items): indices only in the step-{step} eval {only_here}, only in the final "
                 f"eval {only_final}, other questions at {changed}; every eval of a run must use the final "
                 "eval's items for the curve to be paired")
-        curve[step] = {r["index"]: bool(r["correct"]) for r in recs}
+        curve[step] = {r["index"]: item_score(r) for r in recs}
     return curve
 
 
@@ -88,13 +103,13 @@ def endpoint_scores(curve: dict[int, dict[int, bool]], endpoint: str, step: int 
                     order: list[int], final_step: int, label: str) -> np.ndarray:
     """One run's per-item values of the endpoint, in item order."""
     if endpoint == "final":
-        return np.array([curve[final_step][i] for i in order], dtype=np.bool_)
+        return _scores([curve[final_step][i] for i in order])
     if endpoint == "step":
         if step not in curve:
             raise EndpointError(f"endpoint=step needs an eval at step {step}, but run {label} has evals at "
                                 f"steps {sorted(curve)} (eval.every, eval.at_start and schedule.num_steps "
                                 "decide which steps are evaluated)")
-        return np.array([curve[step][i] for i in order], dtype=np.bool_)
+        return _scores([curve[step][i] for i in order])
     if endpoint == "auc":
         return auc_scores(curve, steps, order)
     raise EndpointError(f"unknown endpoint {endpoint!r} (final | step | auc)")

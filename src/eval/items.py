@@ -6,9 +6,12 @@ adapter (eval/item_formats.py: lm-evaluation-harness `--log_samples`, the tinker
 prime-rl eval rollouts, verl validation dumps, plain JSONL/CSV). Items are matched by their stable id (a
 content hash where the format has none): every file must hold the same item set, and an id seen twice in a
 file, an item missing from one file, a metric missing from a line or an empty file is refused with a count,
-never dropped. The scores then go through the same decision as a sweep (eval.compare.score_rows): one file
-per arm gives a verdict about these checkpoints, several seeds per arm the seed-level rule (decision.method
-= auto), Holm over several treatments. The rule is pre-registered in a YAML of the `decision` block's keys
+never dropped. The scores then go through the same decision as a sweep (eval.comparison.score_rows, the
+methods of eval.methods, sign_flip and equivalence included): one file per arm gives a verdict about these
+checkpoints, several seeds per arm the seed-level rule (decision.method = auto), Holm over several
+treatments. Planned sequential looks (decision.looks) are refused: their ledger lives beside the training
+runs (eval.sequential), and files written elsewhere say nothing of where those ran or which looks came
+before. The rule is pre-registered in a YAML of the `decision` block's keys
 (`--decision plan.yaml`); without one the command line's options are the rule, and the report says that it
 was not pre-registered. Items that carry a category (lm-eval subtasks, a `category` column) also get one
 secondary result per (treatment, category), Holm-adjusted over all of them (they decide nothing).
@@ -21,13 +24,29 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import yaml
 
+from eval.comparison import (
+    _VERDICT_KEYS,
+    DEFAULT_BOOTSTRAP,
+    DEFAULT_BOOTSTRAP_SEED,
+    Rule,
+    _rule_dict,
+    _rule_notes,
+    _write,
+    aa_spread,
+    decide_all,
+    earlier_looks,
+    resolve_rule,
+    score_rows,
+)
 from eval.item_formats import FORMATS, ItemFile, ItemsError, read_items
+from eval.methods import METHODS, method_table
+from eval.runs import CompareError, Run
+from eval.stats import SCOPE_TEXT, wilson_interval
 
 __all__ = ["Arm", "ItemsError", "compare_items", "load_arms", "load_plan", "match_items", "parse_arm"]
 
@@ -184,12 +203,16 @@ def load_plan(path: str | Path) -> dict[str, Any]:
     if raw.get("endpoint", "final") != "final":
         raise ItemsError(f"--decision {path}: endpoint {raw['endpoint']!r} needs eval curves; per-item files "
                          "hold one score per item (endpoint: final)")
+    if raw.get("looks"):
+        raise ItemsError(f"--decision {path}: looks {raw['looks']} are not supported for per-item files: the "
+                         "looks ledger lives beside the training runs (eval.sequential), and files written "
+                         "elsewhere do not say which looks came before; drop `looks` (one look at alpha)")
     return raw
 
 
-def resolve_items_rule(stats: ModuleType, plan_path: str | None, cli: dict[str, Any], override: bool,
-                       first_arm: str, n_seeds: int) -> Any:
-    """The Rule of compare.resolve_rule, from a plan file (command-line changes to it need
+def resolve_items_rule(plan_path: str | None, cli: dict[str, Any], override: bool, first_arm: str,
+                       n_seeds: int) -> Rule:
+    """The Rule of eval.comparison.resolve_rule, from a plan file (command-line changes to it need
     --override-decision) or, with no plan, from the command line alone (then nothing was pre-registered, and
     the rule says so)."""
     if cli.get("endpoint") not in (None, "final"):
@@ -203,31 +226,29 @@ def resolve_items_rule(stats: ModuleType, plan_path: str | None, cli: dict[str, 
         plan = {"baseline": first_arm, **{k: v for k, v in cli.items() if v is not None}}
         source = "the command line (no --decision plan: not pre-registered)"
         given, override = {}, False
-    stub = stats.Run(path=Path(plan_path or "."), config={"decision": plan}, info={}, loss="", seed=0,
+    stub = Run(path=Path(plan_path or "."), config={"decision": plan}, info={}, loss="", seed=0,
                      eval_name="items")
     try:
-        rule = stats.resolve_rule([stub], given, override, n_seeds=n_seeds)
-    except stats.CompareError as e:
+        rule = resolve_rule([stub], given, override, n_seeds=n_seeds)
+    except CompareError as e:
         msg = str(e).replace(f"run {stub.path}: decision config", f"--decision {plan_path}")
         raise ItemsError(msg) from None
+    if rule.looks:  # with no plan file: the decision block's default has none, and no option sets it
+        raise ItemsError("decision.looks: not supported for per-item files (no looks ledger)")
     rule.source = source
     return rule
 
 
 # ----------------------------------------------------------------------------- the comparison
-def compare_items(stats: ModuleType, specs: list[str], fmt: str | None = None, metric: str | None = None,
+def compare_items(specs: list[str], fmt: str | None = None, metric: str | None = None,
                   plan: str | None = None, baseline: str | None = None, method: str | None = None,
-                  alpha: float | None = None, margin: float | None = None, override_decision: bool = False,
+                  alpha: float | None = None, margin: float | None = None,
+                  equivalence_margin: float | None = None, override_decision: bool = False,
                   n_bootstrap: int | None = None, seed: int | None = None,
                   out: str | Path | None = None) -> dict[str, Any]:
-    """Read, match and pair the arms' files, decide with `stats` (the eval.compare module: its rule, its
-    statistics, its writer) and write compare.json / compare.md (no plots: there are no training curves) into
-    `out` (default: the files' common folder). Every check runs before anything is written. eval.compare's
-    CLI imports this module, so this one takes eval.compare's functions as an argument rather than importing
-    them back (tests/test_architecture.py: no import circle); call it as eval.compare.compare_items."""
-    from eval.stats import SCOPE_TEXT
-
-    DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED = stats.DEFAULT_BOOTSTRAP, stats.DEFAULT_BOOTSTRAP_SEED
+    """Read, match and pair the arms' files, decide with the rule and methods a sweep gets
+    (eval.comparison.score_rows) and write compare.json / compare.md (no plots: there are no training
+    curves) into `out` (default: the files' common folder). Every check runs before anything is written."""
     n_bootstrap = DEFAULT_BOOTSTRAP if n_bootstrap is None else n_bootstrap
     seed = DEFAULT_BOOTSTRAP_SEED if seed is None else seed
     if n_bootstrap < 0:
@@ -238,8 +259,9 @@ def compare_items(stats: ModuleType, specs: list[str], fmt: str | None = None, m
     seeds = pair_seeds(arms)
     order, cats = match_items(arms)
     by_name = {a.name: a for a in arms}
-    cli = {"method": method, "alpha": alpha, "margin": margin, "baseline": baseline}
-    rule = resolve_items_rule(stats, plan, cli, override_decision, arms[0].name, len(seeds))
+    cli = {"method": method, "alpha": alpha, "margin": margin, "baseline": baseline,
+           "equivalence_margin": equivalence_margin}
+    rule = resolve_items_rule(plan, cli, override_decision, arms[0].name, len(seeds))
     moved = (n_bootstrap, seed) != (DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED)
     if moved and rule.method == "paired_bootstrap":
         if not override_decision:
@@ -266,50 +288,51 @@ def compare_items(stats: ModuleType, specs: list[str], fmt: str | None = None, m
               "config_diff": [], "ignored_config_keys": [], "item_set_sha256": item_sha,
               "inputs": [str(f.path) for f in files], "output_dir": str(out_dir), "plots": {}, "notes": notes,
               "alpha": rule.alpha, "method": rule.method, "decision_rule": rule.text()}
-    common["decision"] = stats._rule_dict(rule)
+    common["decision"] = _rule_dict(rule)
     if len(arms) == 1:
         if len(seeds) < 2:
             raise ItemsError(f"one arm ({arms[0].name}) with one file: nothing to compare (two arms, or one "
                              "arm at >= 2 seeds for the between-seed spread)")
-        spread = stats.aa_spread({s: arms_SN[arms[0].name][i] for i, s in enumerate(seeds)}, rule.alpha)
+        spread = aa_spread({s: arms_SN[arms[0].name][i] for i, s in enumerate(seeds)}, rule.alpha)
         spread.update(sweep=None, loss=arms[0].name)
         for r in arm_rows:
             r["role"] = "A/A"
         result = {"mode": "aa", "verdict": None, "verdict_scope": "across_seeds", "baseline": arms[0].name,
                   "treatments": [], "aa": spread, "arms": arm_rows, **common}
-        return stats._write(result, [], {}, out_dir, False, "")
+        return _write(result, [], {}, out_dir, False, "")
     base = rule.baseline
     if base not in by_name:
         raise ItemsError(f"the baseline {base!r} (--baseline / decision.baseline) names no arm; the arms are "
                          f"{[a.name for a in arms]}")
-    if rule.method == "seed_t" and len(seeds) < 2:
-        raise ItemsError("the decision rule is seed_t (over seeds), but each arm has one file; give one file "
-                         "per seed (>= 2) or decide with an item-level method (--method paired_hoeffding)")
-    if rule.method == "paired_bootstrap" and n_bootstrap == 0:
-        raise ItemsError("the decision rule is paired_bootstrap, but --bootstrap 0 turns the bootstrap off")
+    decider = METHODS[rule.method]
+    if len(seeds) < decider.min_seeds:
+        raise ItemsError(f"the decision rule is {rule.method} (over seeds), but each arm has {len(seeds)} "
+                         f"file(s); give one file per seed (>= {decider.min_seeds}) or decide with an "
+                         "item-level method (--method paired_hoeffding)")
+    if decider.needs_bootstrap and n_bootstrap == 0:
+        raise ItemsError(f"the decision rule is {rule.method}, but --bootstrap 0 turns the bootstrap off")
     treatments = [a.name for a in arms if a.name != base]
     try:
-        rows, _ = stats.score_rows(arms_SN, labels, base, treatments, seeds, rule, n_bootstrap, seed)
-        categories = (category_rows(stats, arms_SN, cats, base, treatments, rule, n_bootstrap, seed)
+        rows, _ = score_rows(arms_SN, labels, base, treatments, seeds, rule, n_bootstrap, seed)
+        categories = (category_rows(arms_SN, cats, base, treatments, rule, n_bootstrap, seed)
                       if cats is not None else None)
-    except (stats.CompareError, ValueError) as e:
+    except ValueError as e:  # CompareError included
         raise ItemsError(str(e)) from None
+    notes += _rule_notes(rows, rule, len(seeds), None)
     for r in arm_rows:
         r["role"] = "baseline" if r["value"] == base else "treatment"
     result = {"mode": "ab", "switch": "arm", "treatments": treatments, "baseline": base,
               "verdict_scope": rule.scope, "verdict_about": SCOPE_TEXT[rule.scope], "comparisons": rows,
-              "verdicts": [{k: r[k] for k in stats._VERDICT_KEYS} for r in rows], "curve": None, "aa": None,
+              "verdicts": [{k: r[k] for k in _VERDICT_KEYS} for r in rows], "curve": None, "aa": None,
               "arms": arm_rows, "categories": categories, **common}
-    stats.record_looks(result, out_dir)
+    earlier_looks(result, None, plannable=False)
     if len(rows) == 1:
         result.update({k: v for k, v in rows[0].items() if k not in result or k in ("verdict", "method")},
                       treatment=treatments[0])
-    return stats._write(result, [], {}, out_dir, False, f" ({', '.join(treatments)} vs {base})")
+    return _write(result, [], {}, out_dir, False, f" ({', '.join(treatments)} vs {base})")
 
 
 def _arm_row(arm: Arm, f: ItemFile, seed: int, alpha: float, order: list[str], role: str) -> dict[str, Any]:
-    from eval.stats import wilson_interval
-
     s_N = f.scores_in(order)
     n, total = len(order), float(s_N.sum())
     # a score in [0, 1] with mean p has variance <= p (1 - p), so the Wilson interval of round(sum) / n is a
@@ -321,8 +344,8 @@ def _arm_row(arm: Arm, f: ItemFile, seed: int, alpha: float, order: list[str], r
             "accuracy": total / n, "wilson_low": lo, "wilson_high": hi}
 
 
-def category_rows(stats: ModuleType, arms_SN: dict[str, np.ndarray], cats: list[str], base: str,
-                  treatments: list[str], rule: Any, n_bootstrap: int, seed: int) -> dict[str, Any]:
+def category_rows(arms_SN: dict[str, np.ndarray], cats: list[str], base: str,
+                  treatments: list[str], rule: Rule, n_bootstrap: int, seed: int) -> dict[str, Any]:
     """Secondary results: the rule on each category's items, one row per (treatment, category), decided by
     Holm's step-down over all of those rows together (decide_all on the whole family), so that reading the
     best category out of many does not inflate the error rate. They decide nothing: the verdict is the one
@@ -334,11 +357,11 @@ def category_rows(stats: ModuleType, arms_SN: dict[str, np.ndarray], cats: list[
         for c in names:
             cols = np.flatnonzero(cats_N == c)
             t_SN, b_SN = arms_SN[t][:, cols], arms_SN[base][:, cols]
-            item, methods, h = stats.method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
+            item, methods, h = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
             rows.append({"treatment": f"{t} [{c}]", "baseline": base, "arm": t, "category": c,
                          "n_items": int(cols.size), "diff": item["diff"], "methods": methods})
             helpers.append(h)
-    stats.decide_all(rows, helpers, rule)
+    decide_all(rows, helpers, rule)
     for r in rows:
         r.pop("methods")
     return {"names": names, "family_size": len(rows), "multiplicity": "Holm step-down over every (treatment, "

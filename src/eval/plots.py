@@ -15,7 +15,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 REWARD_KEY = "env/reward_mean"
 MASKED_KEY = "loss/dppo_masked_frac"

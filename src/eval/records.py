@@ -7,6 +7,11 @@ Each record has (at least) these keys:
   parsed           str | null, the answer parsed from the completion
   gold             str | number, the reference answer
   correct          bool
+and, with eval.samples_per_item K > 1 (K samples at eval.temperature instead of one greedy completion),
+  score            float in [0, 1], the fraction of the K samples graded correct (`correct` is then
+                   score >= 0.5, and `completion` / `parsed` are the first sample's)
+  samples          int, K
+eval.compare and summarize read `score` where present: the per-item score every paired method uses.
 Extra keys are kept as they are.
 """
 
@@ -55,6 +60,10 @@ def validate_record(rec: Any) -> None:
         raise ValueError(f"'gold' must be a string or number, got {gold!r}")
     if not isinstance(rec["correct"], bool):
         raise ValueError(f"'correct' must be true/false, got {rec['correct']!r}")
+    score = rec.get("score")
+    if score is not None and (isinstance(score, bool) or not isinstance(score, (int, float))
+                              or not 0.0 <= score <= 1.0):  # NaN fails both comparisons
+        raise ValueError(f"'score' must be a number in [0, 1] or absent, got {score!r}")
 
 
 def write_item_records(path: str | Path, records: Iterable[dict[str, Any]]) -> Path:
@@ -114,6 +123,12 @@ def summarize(records: list[dict[str, Any]], *, alpha: float = 0.05, **extra: An
     n = len(records)
     if n == 0:
         raise ValueError("summarize: no records")
+    if any(r.get("score") is not None for r in records):
+        # K samples per item: the mean score; Wilson's interval on the nearest whole count of items (the
+        # item, not the sample, is the unit: K samples of one item are not K independent items)
+        total = sum(float(r["score"]) if r.get("score") is not None else float(r["correct"]) for r in records)
+        low, high = wilson_interval(round(total), n, alpha)
+        return {"n": n, "accuracy": total / n, "wilson_low": low, "wilson_high": high, **extra}
     k = sum(1 for r in records if r["correct"] is True)
     low, high = wilson_interval(k, n, alpha)
     return {"n": n, "accuracy": k / n, "wilson_low": low, "wilson_high": high, **extra}

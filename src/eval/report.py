@@ -20,7 +20,9 @@ _VERDICT_TEXT = {
     "inconclusive": "the treatment scored higher, but the decision rule's bound is not above the margin",
     "not_supported": "the treatment did not score higher than the baseline, or the interval rules out a gain "
                      "above the margin",
-    "inert": "the switch never acted in these runs (the arms trained identically); nothing is said about it",
+    "equivalent": "the rule's interval lies inside +-the equivalence margin (two one-sided tests at the rule's "
+                  "level): any difference is smaller than the margin",
+    "inert": "the switch never acted in these runs; nothing is said about it",
 }
 _SCOPE_TEXT = {"fixed_checkpoints": "these checkpoints", "across_seeds": "this training procedure"}
 
@@ -29,9 +31,18 @@ def verdict_text(verdict: str, scope: str) -> str:
     return _VERDICT_TEXT.get((verdict, scope)) or _VERDICT_TEXT[verdict]
 
 
-def headline(verdict: str, scope: str, treatment: str, baseline: str) -> str:
-    """`<verdict> (<scope>): <treatment> vs <baseline>: <what it means>`, the line a reader sees first."""
-    return f"{verdict} ({_SCOPE_TEXT[scope]}): {treatment} vs {baseline}: {verdict_text(verdict, scope)}"
+def headline(verdict: str, scope: str, treatment: str, baseline: str, method: str | None = None,
+             reason: str | None = None) -> str:
+    """`<verdict> (<scope>): <treatment> vs <baseline>: <what it means>`, the line a reader sees first. A
+    method's own sentence replaces the generic one where that would not fit its numbers (the exact McNemar
+    test's `not_supported` counts items, not points); `reason` says which condition fired (inert)."""
+    from eval.methods import METHODS
+
+    own = getattr(METHODS.get(method or ""), "not_supported_text", None) if verdict == "not_supported" else None
+    text = own or verdict_text(verdict, scope)
+    if reason:
+        text = text.replace("; nothing is said", f" ({reason}); nothing is said")
+    return f"{verdict} ({_SCOPE_TEXT[scope]}): {treatment} vs {baseline}: {text}"
 _PLOT_TITLES = {
     "reward": "Training reward (env/reward_mean) per rollout step",
     "masked_frac": "DPPO masked fraction (loss/dppo_masked_frac) per update",
@@ -40,13 +51,10 @@ _PLOT_TITLES = {
     "accuracy": "Eval accuracy per arm with Wilson intervals",
     "eval_curve": "Eval accuracy vs step per arm (paired items)",
 }
-_METHOD_NAMES = {
-    "paired_hoeffding": "paired Hoeffding",
-    "mcnemar_exact": "exact McNemar (sign test over items)",
-    "paired_bootstrap": "paired bootstrap (items)",
-    "seed_t": "t over seeds",
-    "two_level_bootstrap": "two-level bootstrap (seeds, then items)",
-}
+def _name(method: str) -> str:
+    from eval.methods import LABELS
+
+    return LABELS[method]
 
 
 def render_markdown(result: dict[str, Any], out_dir: str | Path) -> str:
@@ -107,6 +115,7 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
     for r in rows:
         lines += _methods_section(r, rule, len(rows) > 1)
         lines += _seeds_section(r, result)
+        lines += _effects_section(r)
         if r.get("aa_calibration"):
             lines += _aa_calibration_section(r, result)
     if result.get("curve"):
@@ -118,9 +127,16 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
 def verdict_line(r: dict[str, Any], rule: dict[str, Any]) -> str:
     """The headline with the rule's estimate and its interval (or p), as compare.md and the terminal show it."""
     conf = 100.0 * (1.0 - r.get("holm_level", rule["alpha"]))
-    interval = (f"{conf:.4g}% interval [{_pts(r['ci_low'])}, {_pts(r['ci_high'])}]" if r.get("ci_low") is not None
-                else f"p = {_p(r['p'])}")
-    return f"{r['headline']}: {_METHOD_NAMES[rule['method']]} estimate {_pts(r['estimate'])} ({interval})."
+    m = (r.get("methods") or {}).get(rule["method"]) or {}
+    p = _p(r["p"], m.get("p_resolution"))
+    p_text = f"Holm-adjusted p = {p}" if r.get("p_adjusted") == "holm" else f"p = {p}"
+    interval = (f"{conf:.4g}% interval [{_pts(r['ci_low'])}, {_pts(r['ci_high'])}]"
+                if r.get("ci_low") is not None else p_text)
+    if rule["method"] == "mcnemar_exact" and m.get("b_items") is not None:
+        interval += (f"; items favouring the treatment b = {m['b_items']}, the baseline c = {m['c_items']}, "
+                     f"two-sided p = {_p(m['p_two_sided'])}")
+    why = f" {m['note'][0].upper()}{m['note'][1:]}." if m.get("note") and r.get("verdict") != "inert" else ""
+    return f"{r['headline']}: {_name(rule['method'])} estimate {_pts(r['estimate'])} ({interval}).{why}"
 
 
 def _inert_section(r: dict[str, Any]) -> list[str]:
@@ -147,8 +163,10 @@ def _scope_sentence(result: dict[str, Any]) -> str:
                 "different seeds can differ by as much). Run >= 2 seeds per arm, and an A/A sweep "
                 "(`--multirun loss=<baseline> seed=0,1,2`, passed as `--aa`), to learn about the loss.")
     if result["verdict_scope"] == "across_seeds":
+        at = ", ".join(f"{k} = {v}" for k, v in (result.get("scope_settings") or {}).items())
         return (f"**Scope: this training procedure.** The rule's unit is the seed ({S} seed pairs): the verdict "
-                "is about the loss, with training noise counted.")
+                "is about the loss, with training noise counted, at the settings the arms share"
+                + (f" ({at}): a claim at these values, not beyond them." if at else "."))
     return (f"**Scope: these fixed checkpoints.** The rule is item-level: it treats the {2 * S} trained "
             f"checkpoints as fixed, so it does not count training noise; the seed-level numbers below ({S} "
             "seed pairs) are the ones about the training procedure.")
@@ -163,9 +181,10 @@ def _methods_section(r: dict[str, Any], rule: dict[str, Any], several: bool) -> 
         iv = "-" if m["ci_low"] is None else f"[{_pts(m['ci_low'])}, {_pts(m['ci_high'])}]"
         role = ("**decision**" if name == rule["method"] else "descriptive" if m["verdict"] is None
                 else "secondary")
-        lines.append(f"| {_METHOD_NAMES[name]} | {m['estimand']} | {_pts(m['estimate'])} | {iv} | "
-                     f"{'-' if m['p'] is None else _p(m['p'])} | {m['verdict'] or '-'} | {role} |")
-    notes = [f"{_METHOD_NAMES[name]}: {m['note']}" for name, m in r["methods"].items() if m.get("note")]
+        lines.append(f"| {_name(name)} | {m['estimand']} | {_pts(m['estimate'])} | {iv} | "
+                     f"{'-' if m['p'] is None else _p(m['p'], m.get('p_resolution'))} | {m['verdict'] or '-'} "
+                     f"| {role} |")
+    notes = [f"{_name(name)}: {m['note']}" for name, m in r["methods"].items() if m.get("note")]
     if notes:
         lines += [""] + [f"- {x}" for x in notes]
     item_rule = r["per_seed"] and r["per_seed"][0].get("method")
@@ -181,7 +200,7 @@ def _methods_section(r: dict[str, Any], rule: dict[str, Any], several: bool) -> 
         lines.append(f"| {label} | {x['n']} | {x['acc_treatment']:.4f} | {x['acc_baseline']:.4f} | {_pts(x['diff'])} "
                      f"| [{_pts(x['hoeffding_ci_low'])}, {_pts(x['hoeffding_ci_high'])}] | {x['b_items']} "
                      f"| {x['c_items']} | {_p(x['mcnemar_p'])} | {boot} | {x.get('verdict') or '-'} |")
-    lines += ["", (f"Per seed pair, the rule's verdict is {_METHOD_NAMES[item_rule]}'s on that pair alone (these "
+    lines += ["", (f"Per seed pair, the rule's verdict is {_name(item_rule)}'s on that pair alone (these "
                    "two checkpoints)." if item_rule else
                    "The rule is seed-level: one seed pair has no verdict of its own.")]
     lines += ["", ("b = items the treatment got right and the baseline wrong; c = the reverse. Bootstrap: "
@@ -193,6 +212,23 @@ def _methods_section(r: dict[str, Any], rule: dict[str, Any], several: bool) -> 
                        "difference is positive / negative, and the bootstrap resamples whole items. Discordant "
                        f"(seed, item) pairs: {r['b']} / {r['c']}.")]
     return lines + [""]
+
+
+def _effects_section(r: dict[str, Any]) -> list[str]:
+    es = r.get("effect_sizes") or {}
+    if "prob_improvement" not in es:
+        return []
+    z = es["gap_in_seed_sd"]
+    share = es["item_sampling_share"]
+    return [f"### Effect sizes ({r['treatment']} - {r['baseline']}; descriptive, none decides)", "",
+            (f"Probability of improvement over the {es['n_seed_pairs']} seed pairs (treatment run above its "
+             f"baseline run; ties count half): {es['prob_improvement']:.2f} [{es['prob_improvement_low']:.2f}, "
+             f"{es['prob_improvement_high']:.2f}] (Wilson). Gap in between-seed sd units: "
+             f"{'-' if z is None else f'{z:+.2f}'} (between-seed sd of one arm {_size(es['between_seed_sd'])})."),
+            (f"Variance of a seed pair's gap (sd {_size(es['gap_sd'])}): item sampling "
+             f"{'-' if share is None else f'{100 * share:.0f}%'}, training (seed) noise "
+             f"{'-' if share is None else f'{100 * (1 - share):.0f}%'}: more items narrow only the first part, "
+             "more seeds both."), ""]
 
 
 def _seeds_section(r: dict[str, Any], result: dict[str, Any]) -> list[str]:
@@ -356,7 +392,10 @@ def _pts(x: float | None) -> str:
     return f"{100.0 * x:+.2f} pts"
 
 
-def _p(p: float) -> str:
+def _p(p: float, resolution: float | None = None) -> str:
+    """A p-value; a resampling p of 0 (no resample at or beyond the observed) is `< 1/R`, R resamples."""
+    if p == 0 and resolution:
+        return f"< {resolution:.2g} (1/R)"
     if p == 0 or (p < 1e-4 and not math.isnan(p)):
         return f"{p:.2e}"
     return f"{p:.4f}"

@@ -41,7 +41,8 @@ import numpy as np
 
 from trainer.config.enums import DECISION_METHODS
 
-VERDICTS = ("validated", "inconclusive", "not_supported", "inert")  # inert: eval.compare.switch_activity
+# inert: eval.activity.switch_activity; equivalent: decision.equivalence_margin (eval.methods.equivalent)
+VERDICTS = ("validated", "inconclusive", "not_supported", "equivalent", "inert")
 METHOD = "paired_hoeffding"
 
 DECISION_RULE = (
@@ -311,6 +312,34 @@ def seed_t_verdict(mean: float, low: float, high: float, se: float, margin: floa
     return verdict
 
 
+#: up to this many seed pairs the sign-flip test enumerates all 2^S patterns; beyond, it draws patterns
+SIGN_FLIP_EXACT_MAX = 16
+
+
+def sign_flip_p(diff_S: Any, margin: float = 0.0, n_draws: int = 100_000, seed: int = 0) -> float:
+    """Exact two-sided sign-flip (randomisation) p of "mean gap > margin" over S seed pairs: the share of the
+    2^S sign patterns of (D_s - margin) whose |mean| is at least the observed one, when the mean is above the
+    margin (1 otherwise, as seed_t_interval's p). Its smallest value is 2 / 2^S. Above SIGN_FLIP_EXACT_MAX
+    seeds, n_draws random patterns give the valid Monte Carlo p (1 + hits) / (1 + n_draws)."""
+    d = np.asarray(diff_S, dtype=np.float64).ravel() - margin
+    S = int(d.size)
+    if S < 1 or not np.isfinite(d).all():
+        raise ValueError(f"sign_flip_p: need >= 1 finite per-seed gap, got {diff_S!r}")
+    obs = float(d.mean())
+    if obs <= 0:
+        return 1.0
+    tol = 1e-12 * max(1.0, float(np.abs(d).max()))  # ties (a pattern equal to the observed) count as extreme
+    if S <= SIGN_FLIP_EXACT_MAX:
+        signs = 1.0 - 2.0 * ((np.arange(2 ** S)[:, None] >> np.arange(S)) & 1)
+        return float(np.mean(np.abs(signs @ d) / S >= obs - tol))
+    rng = np.random.default_rng(seed)
+    hits = 0
+    for start in range(0, n_draws, 10_000):
+        signs = rng.choice((-1.0, 1.0), size=(min(10_000, n_draws - start), S))
+        hits += int((np.abs(signs @ d) / S >= obs - tol).sum())
+    return (1 + hits) / (1 + n_draws)
+
+
 def two_level_bootstrap_ci(diff_SN: Any, alpha: float = 0.05, n_resamples: int = 10000, seed: int = 0,
                            chunk: int = 500) -> tuple[float, float, np.ndarray]:
     """Percentile CI of the mean paired difference, resampling seeds, then items within each seed.
@@ -341,9 +370,7 @@ AUTO_METHOD = "auto"
 #: what a verdict is about, by the rule's unit: the item (the trained checkpoints held fixed) or the seed
 #: (a fresh training run of each arm: the procedure, training noise counted)
 SCOPE_TEXT = {"fixed_checkpoints": "these checkpoints", "across_seeds": "this training procedure"}
-METHOD_SCOPE = {"paired_hoeffding": "fixed_checkpoints", "mcnemar_exact": "fixed_checkpoints",
-                "paired_bootstrap": "fixed_checkpoints", "seed_t": "across_seeds",
-                "two_level_bootstrap": "across_seeds"}
+# each method's scope, estimand, rule text and name in the report: eval.methods (the registry)
 
 
 def resolve_method(method: str, n_seeds: int) -> tuple[str, str]:
@@ -355,23 +382,6 @@ def resolve_method(method: str, n_seeds: int) -> tuple[str, str]:
     if n_seeds >= 2:
         return "seed_t", f"decision.method = auto -> seed_t ({n_seeds} seeds per arm)"
     return "paired_hoeffding", f"decision.method = auto -> paired_hoeffding ({n_seeds} seed per arm)"
-
-ESTIMANDS = {
-    "paired_hoeffding": "these fixed checkpoints",
-    "mcnemar_exact": "these fixed checkpoints",
-    "paired_bootstrap": "these fixed checkpoints",
-    "seed_t": "this training procedure",
-    "two_level_bootstrap": "this training procedure",
-}
-RULE_TEXT = {
-    "paired_hoeffding": "paired Hoeffding {conf:g}% interval on the per-item difference (each item's "
-                        "difference averaged over its seeds, in [-1, 1]; half-width sqrt(2 ln(2/alpha) / n), "
-                        "n = items)",
-    "mcnemar_exact": "exact McNemar (sign) test over items at two-sided alpha = {alpha:g}",
-    "paired_bootstrap": "paired percentile bootstrap {conf:g}% interval, resampling items (each with all "
-                        "of its seeds)",
-    "seed_t": "Student t {conf:g}% interval over seeds of the per-seed paired difference",
-}
 
 
 def hoeffding_p(diff: float, n_items: int, margin: float = 0.0) -> float:

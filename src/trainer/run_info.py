@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.config.digest import decision_hash
 from trainer.utils.io import atomic_write_json, atomic_write_text
 from trainer.utils.machine import cpu_model
 
 SECRET_ENV_VARS = ("TINKER_API_KEY", "WANDB_API_KEY")
 _SECRET_KEYS = ("api_key", "apikey", "token", "access_token", "secret", "password")
+# the userinfo of a URL (`http://user:password@host`, `https://token@host`): a credential whatever the key
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s?#'\"]+@")
 
 
 def package_versions() -> dict[str, str]:
@@ -41,7 +45,8 @@ def git_revision(repo: Path | None = None) -> dict[str, Any]:
 
 
 def redact(obj: Any, secrets: list[str]) -> Any:
-    """Drop secret values wherever they appear (keys that look secret, or the values themselves)."""
+    """Drop secret values wherever they appear (keys that look secret, the values themselves, and the
+    credentials inside URLs such as `backend.base_url=http://user:password@host`)."""
     if isinstance(obj, dict):
         return {k: ("<redacted>" if _is_secret_key(str(k)) else redact(v, secrets)) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -50,6 +55,7 @@ def redact(obj: Any, secrets: list[str]) -> Any:
         for s in secrets:
             if s and s in obj:
                 obj = obj.replace(s, "<redacted>")
+        obj = _URL_USERINFO.sub(r"\g<scheme><redacted>@", obj)
     return obj
 
 
@@ -105,8 +111,6 @@ def redact_hydra_record(run_dir: Path, sweep_dir: Path | None, secrets: list[str
     """Rewrite Hydra's own record of the invocation (`<run>/.hydra/*.yaml`, `<sweep>/multirun.yaml`) with the
     secrets replaced, as config.yaml has them: Hydra writes the composed config and the overrides as given
     before the task runs."""
-    if not secrets:
-        return
     files = sorted((run_dir / ".hydra").glob("*.yaml")) + ([sweep_dir / "multirun.yaml"] if sweep_dir else [])
     for f in files:
         try:
@@ -143,6 +147,11 @@ def write_run_files(run_dir: Path, cfg: DictConfig, extra: dict[str, Any]) -> di
         # the local engine's numbers are reproducible for the same thread count and CPU (docs/engine.md)
         "torch_threads": _torch_threads(),
         "cpu": cpu_model(),
+        # where the run was written, and the decision rule it was trained under: eval.compare reads sweep
+        # membership and the pre-registered rule from these, so a run linked or copied elsewhere, or a
+        # config.yaml edited afterwards, cannot pass for another comparison's
+        "run_dir": str(Path(run_dir).resolve()),
+        "decision_sha256": decision_hash(cfg_d.get("decision")),
         **extra,
     }
     atomic_write_json(run_dir / "run_info.json", redact(info, current_secrets()))

@@ -23,3 +23,9 @@ def config_hash(cfg_dict: dict, ignored: tuple[str, ...] = RESUME_IGNORED_KEYS) 
         if isinstance(node, dict):
             node.pop(parts[-1], None)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def decision_hash(decision: dict | None) -> str:
+    """16 hex digits of a run's `decision` block: train.py records it in run_info.json (`decision_sha256`),
+    and eval.compare refuses runs whose config.yaml holds another block than the one they trained under."""
+    return config_hash({"decision": decision or {}}, ())

@@ -58,7 +58,8 @@ WANDB_MODES: tuple[str, ...] = ("online", "offline", "auto")
 
 # ----------------------------------------------------------------------------- decision
 #: the pre-registered tests of eval.compare (eval/stats.py, eval/design.py)
-DECISION_METHODS: tuple[str, ...] = ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap", "seed_t")
+DECISION_METHODS: tuple[str, ...] = ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap", "seed_t",
+                                     "sign_flip")
 #: what decision.method may say: one of the tests, or `auto` (seed_t with >= 2 seeds per arm, else
 #: paired_hoeffding; eval.stats.resolve_method, recorded in compare.json and the design gate's record)
 DECISION_METHOD_CHOICES: tuple[str, ...] = ("auto", *DECISION_METHODS)

@@ -223,8 +223,16 @@ class EvalConfig:
     max_tokens: int = 512
     # maximum eval requests in flight at once
     concurrency: int = 512
+    # samples per item: 1 = one greedy completion (correct 0/1); K > 1 = K samples at eval.temperature, the
+    # item's score being its fraction correct (less eval noise per item, K times the sampling)
+    samples_per_item: int = 1
+    # sampling temperature of the K samples (used only when samples_per_item > 1)
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
+        _positive_int("samples_per_item", self.samples_per_item)
+        _require(self.samples_per_item <= 64, "samples_per_item", "must be <= 64", self.samples_per_item)
+        _require(self.temperature > 0, "temperature", "must be > 0", self.temperature)
         if self.n_examples is not None:
             _positive_int("n_examples", self.n_examples)
         _nonneg_int("every", self.every)
@@ -420,7 +428,8 @@ class PreflightConfig:
 
 @dataclass
 class DecisionConfig:
-    # the pre-registered test: auto | paired_hoeffding | mcnemar_exact | paired_bootstrap | seed_t (over seeds);
+    # the pre-registered test: auto | paired_hoeffding | mcnemar_exact | paired_bootstrap | seed_t (over seeds)
+    # | sign_flip (exact, over seeds);
     # auto = seed_t with >= 2 seeds per arm (a verdict about the training procedure), paired_hoeffding with one
     method: str = "auto"
     # two-sided error rate of the rule's interval / test (Holm-adjusted over several treatments)
@@ -447,6 +456,12 @@ class DecisionConfig:
     # what target_effect is a gain of: procedure (the loss, across training runs; needs a seed-level method)
     # | checkpoints (the trained checkpoints) | null (the decision method's own scope)
     target_scope: Optional[str] = None
+    # `equivalent` (two one-sided tests) when the rule's two-sided interval lies inside +-this gain (0.02 = 2
+    # accuracy points); null = off (eval.compare then never says `equivalent`)
+    equivalence_margin: Optional[float] = None
+    # seeds per arm at which compare may decide, increasing (e.g. [3, 6, 10]): alpha is spent over them
+    # (O'Brien-Fleming-like), and a look before the last says `inconclusive` and names the next; null = one look
+    looks: Optional[list[int]] = None
     # what the design gate does with a plan whose rule is miscalibrated (false positives above alpha under the
     # stated seed sd, an item-level method for a procedure-level target, seed sd left at 0 with several seeds):
     # fail | warn
@@ -478,6 +493,16 @@ class DecisionConfig:
         if self.target_scope is not None:
             _in_set("target_scope", self.target_scope, ("procedure", "checkpoints"))
         _in_set("design_problems", self.design_problems, ("fail", "warn"))
+        if self.equivalence_margin is not None:
+            _require(0 < self.equivalence_margin < 1, "equivalence_margin", "must be in (0, 1) or null",
+                     self.equivalence_margin)
+        if self.looks is not None:
+            looks = list(self.looks)
+            _require(len(looks) >= 1 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 2
+                                             for x in looks) and looks == sorted(set(looks)), "looks",
+                     "must be null or increasing seeds per arm, each >= 2 (e.g. [3, 6, 10])", self.looks)
+            _require(self.method not in ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap"), "looks",
+                     "needs a seed-level method (auto, seed_t or sign_flip): looks add seeds", self.method)
 @dataclass
 class ReportConfig:
     # write report.md with PNG plots into the run folder at the end of a run (python -m eval.report)

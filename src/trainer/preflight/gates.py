@@ -348,6 +348,10 @@ def design(cfg: DictConfig, out_dir: Path, n_seeds: int = 1, n_sims: int = 400) 
         mde = res["mde"][k]
         report.checks.append(Check(f"MDE at power {plan.power:g}: {k}", mde, "info", "pass",
                                    "decision method" if k == plan.method else "secondary"))
+    report.checks.append(Check("seeds per arm for a distribution-free claim (sign_flip)",
+                               plan.n_seeds, f">= {res['distribution_free_min_seeds']}", "pass",
+                               "info: below it only seed t's normal model can make a procedure-level verdict "
+                               "significant"))
     mde = res["mde"][plan.method]
     if plan.target_effect is None:
         report.checks.append(Check("decision method detects the target effect", mde, "no target", "pass",

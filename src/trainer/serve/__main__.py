@@ -5,9 +5,11 @@ Serves the embedded engine over tinker 0.38's HTTP protocol, so that
 real SDK end to end offline. The first stdout line is exactly `listening on http://HOST:PORT` (with the
 port the OS picked for `--port 0`). Access: by default the server listens on loopback and answers
 loopback clients only, with any key of the form `tml-<name>` (each key sees only what it created).
-`--api-key KEY` (repeatable, or `$PAIREDRL_SERVE_API_KEY`, comma-separated) accepts exactly those keys
-and is required for a non-loopback `--host`; `--insecure-allow-remote` lifts that with a warning.
-The `--max-*` flags bound what one request may ask for. SIGINT / SIGTERM stop it cleanly. The engine
+`--api-key-file FILE` (one key a line), `$PAIREDRL_SERVE_API_KEY` (comma-separated) or `--api-key KEY`
+(repeatable; visible to every local user in `ps`, so prefer the file or the variable) accept exactly
+those keys and are required for a non-loopback `--host`; `--insecure-allow-remote` lifts that with a
+warning. The `--max-*` flags bound what one request, one key or one custom loss may ask for; a session
+ends `--session-timeout-s` after its last heartbeat. SIGINT / SIGTERM stop it cleanly. The engine
 options mirror `backend=local` (`conf/backend/local.yaml`); LoRA alpha is not part of the Tinker protocol,
 so a rehearsal of a model config with another alpha passes `--lora-alpha`.
 """
@@ -24,7 +26,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from trainer.serve import is_loopback
-from trainer.serve.limits import Limits
+from trainer.serve.limits import SDK_HEARTBEAT_S, SESSION_TIMEOUT_S, Limits
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,8 +65,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--api-key", action="append", default=[],
-                   help="accept only this key (repeatable; also $PAIREDRL_SERVE_API_KEY, comma-separated); "
-                        "required for a non-loopback --host")
+                   help="accept only this key (repeatable; required for a non-loopback --host). A key on the "
+                        "command line shows in `ps` to every local user: prefer --api-key-file or "
+                        "$PAIREDRL_SERVE_API_KEY (comma-separated)")
+    p.add_argument("--api-key-file", default=None,
+                   help="read the accepted keys from this file (one a line; blank lines, # comments skipped)")
+    p.add_argument("--session-timeout-s", type=float, default=SESSION_TIMEOUT_S,
+                   help=f"a session whose heartbeats (the SDK sends one every {SDK_HEARTBEAT_S:g} s) stop "
+                        "ends after this long, releasing its models, samplers and futures (default "
+                        f"{SESSION_TIMEOUT_S:g}, when the SDK warns that the session will be terminated; "
+                        f"must be > {SDK_HEARTBEAT_S:g})")
+    p.add_argument("--read-timeout-s", type=float, default=30.0,
+                   help="a client that sends no byte of its request (headers or body) for this long is "
+                        "answered 408 / disconnected (default 30)")
     p.add_argument("--insecure-allow-remote", action="store_true",
                    help="bind a non-loopback --host without --api-key (anyone who reaches the port can train "
                         "and sample; a warning is printed)")
@@ -74,7 +87,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        default=getattr(defaults, f.name), help=f"limit (default {getattr(defaults, f.name)}; see trainer/serve/limits.py)")
     args = p.parse_args(argv)
     env_keys = [k.strip() for k in os.environ.get("PAIREDRL_SERVE_API_KEY", "").split(",") if k.strip()]
-    args.api_key = [*args.api_key, *env_keys]
+    file_keys: list[str] = []
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or e
+            p.error(f"--api-key-file {args.api_key_file}: cannot read it ({why})")
+        file_keys = [x.strip() for x in lines if x.strip() and not x.strip().startswith("#")]
+        if not file_keys:
+            p.error(f"--api-key-file {args.api_key_file} holds no key")
+    args.api_key = [*args.api_key, *env_keys, *file_keys]
     if any(not k.startswith("tml-") or len(k) < 12 for k in args.api_key):
         p.error("--api-key must start with 'tml-' (the SDK refuses other keys) and be at least 12 characters")
     try:
@@ -85,6 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--host {args.host} is not a loopback address: start the server with --api-key (or "
                 "$PAIREDRL_SERVE_API_KEY) so that only holders of the key can use it, or pass "
                 "--insecure-allow-remote to accept anyone who can reach the port")
+    if not args.session_timeout_s > SDK_HEARTBEAT_S:  # NaN fails too
+        p.error(f"--session-timeout-s must be > {SDK_HEARTBEAT_S:g} (the SDK heartbeats every "
+                f"{SDK_HEARTBEAT_S:g} s; a shorter timeout would end live sessions)")
+    if not 0 < args.read_timeout_s <= 3600:
+        p.error("--read-timeout-s must be in (0, 3600]")
     if not args.ttl_sweep_s > 0:
         p.error("--ttl-sweep-s must be > 0")
     if not 0 < args.poll_s < 45:
@@ -96,7 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
     from trainer.backends.local import LocalServiceClient
-    from trainer.serve.app import TinkerServer
+    from trainer.serve.app import JsonErrorRunner, TinkerServer
     from trainer.serve.faults import FaultPlan
 
     faults = FaultPlan.parse(args.faults)
@@ -107,12 +135,18 @@ async def serve(args: argparse.Namespace) -> None:
     server = TinkerServer(engine, faults, poll_s=args.poll_s, server_side_loss=not args.client_side_loss,
                           latency_s=args.latency_s, api_keys=args.api_key, limits=args.limits,
                           allow_remote=args.insecure_allow_remote and not args.api_key,
-                          ttl_sweep_s=args.ttl_sweep_s)
+                          ttl_sweep_s=args.ttl_sweep_s, session_timeout_s=args.session_timeout_s,
+                          read_timeout_s=args.read_timeout_s)
     if not is_loopback(args.host) and not args.api_key:
         print(f"WARNING: --insecure-allow-remote: {args.host}:{args.port} accepts any 'tml-' key from any client "
               "that can reach it; custom losses and checkpoints run and load on this machine", file=sys.stderr,
               flush=True)
-    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+    # keepalive_timeout also bounds a connection that never completes its headers (aiohttp arms it when
+    # the connection opens); `TinkerServer._read` bounds the body, and after a reply to a request whose body
+    # was not read aiohttp drains it for at most lingering_time (default 10 s) before closing
+    runner = JsonErrorRunner(server.app(), access_log=None, handle_signals=False,
+                             keepalive_timeout=args.read_timeout_s,
+                             lingering_time=min(1.0, args.read_timeout_s))
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

@@ -36,30 +36,37 @@ category `user` for a request the engine refused (ValueError), `server` otherwis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import itertools
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
-from aiohttp import web
+import torch
+from aiohttp import web, web_protocol, web_server
 from tinker import types
-from tinker.lib.public_interfaces.custom_loss import LossHandle
+from tinker.lib.public_interfaces.custom_loss import LossHandle, check_loss_inputs
 
 from trainer.serve import is_loopback
 from trainer.serve.faults import FaultPlan
+from trainer.serve.graph_cost import CostExceeded, check_at_upload, check_request
 from trainer.serve.limits import (
+    SESSION_TIMEOUT_S,
     LimitExceeded,
     Limits,
     check_adam,
     check_batch,
     check_checkpoint_name,
     check_lora,
+    check_metadata,
     check_sample,
 )
 from trainer.serve.replies import Refused, error_response, json_result
@@ -79,6 +86,34 @@ PROTO = "application/x-protobuf"
 MAX_FUTURES = 50_000
 
 
+class _JsonErrorHandler(web_protocol.RequestHandler):
+    """aiohttp answers a request it cannot parse (headers over 8190 bytes, a bad request line) itself,
+    before any middleware, in plain text; the same reply here in the SDK's JSON error shape."""
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs, and refuses once bytes were sent
+        reason = getattr(exc, "message", None) or HTTPStatus(status).phrase
+        resp = error_response(status, f"{HTTPStatus(status).phrase}: {str(reason).splitlines()[0][:200]}")
+        resp.force_close()
+        return resp
+
+
+class _JsonErrorServer(web_server.Server):
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class JsonErrorRunner(web.AppRunner):
+    """`web.AppRunner` whose connections answer unparseable requests in JSON (aiohttp 3.14:
+    `web_protocol.RequestHandler.handle_error`, `web_server.Server.__call__`)."""
+
+    async def _make_server(self) -> web_server.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer
+        return server
+
+
 class ModelLost(RuntimeError):
     """The model was dropped by an injected `poison` fault; its requests fail from then on."""
 
@@ -87,6 +122,7 @@ class ModelLost(RuntimeError):
 class _Pending:
     future: Future
     encode: Callable[[Any], tuple[bytes, str]]
+    session: str  # released with its session (finished or expired)
 
 
 def _fb(out: types.ForwardBackwardOutput) -> tuple[bytes, str]:
@@ -95,6 +131,11 @@ def _fb(out: types.ForwardBackwardOutput) -> tuple[bytes, str]:
 
 def _sample(resp: types.SampleResponse) -> tuple[bytes, str]:
     return encode_sample_response(resp), PROTO
+
+
+def _shape(td: types.TensorData, dtype: torch.dtype | None = None) -> tuple[tuple[int, ...], torch.dtype]:
+    shape = tuple(td.shape) if td.shape is not None else (len(td.data),)
+    return shape, dtype or (torch.int64 if td.dtype == "int64" else torch.float32)
 
 
 def _done(value: Any) -> Future:
@@ -109,8 +150,9 @@ def _failed(exc: BaseException) -> Future:
     return f
 
 
-def _session_of(model_id: str) -> str:
-    return model_id.split(":train:")[0]
+def _session_of(ident: str) -> str:
+    """The session an id was created under (`s-<hex>:train:N`, `s-<hex>:sample:N`, `s-<hex>:loss:N`)."""
+    return ident.split(":")[0]
 
 
 def _digest(*parts: bytes | str) -> str:
@@ -124,7 +166,8 @@ def _digest(*parts: bytes | str) -> str:
 class TinkerServer:
     def __init__(self, engine: Any, faults: FaultPlan | None = None, poll_s: float = 20.0,
                  server_side_loss: bool = True, latency_s: float = 0.0, api_keys: Iterable[str] = (),
-                 limits: Limits | None = None, allow_remote: bool = False, ttl_sweep_s: float = 60.0):
+                 limits: Limits | None = None, allow_remote: bool = False, ttl_sweep_s: float = 60.0,
+                 session_timeout_s: float = SESSION_TIMEOUT_S, read_timeout_s: float = 30.0):
         self.engine = engine
         self.allow_remote = allow_remote  # --insecure-allow-remote: any tml- key from anywhere
         self.faults = faults or FaultPlan()
@@ -141,10 +184,17 @@ class TinkerServer:
         self.samplers: dict[str, Any] = {}
         self.losses: dict[str, LossHandle] = {}
         self.futures: dict[str, _Pending] = {}
-        self.expired: set[str] = set()
+        self.expired: dict[str, None] = {}  # ids of released futures (410), oldest first
+        self.session_timeout_s = session_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.last_seen: dict[str, float] = {}  # session id -> monotonic time of its last heartbeat or use
+        self.expired_sessions = 0
+        self.slots: dict[str, set[str]] = {}  # owner -> model ids reserved (created or being created)
+        self.inflight: dict[str, int] = {}  # owner -> accepted requests whose future is not done
         self.taken: dict[tuple, tuple[str, dict]] = {}  # (owner, kind, id, seq) -> (body digest, reply given)
-        self.counts: dict[str, int] = {}  # requests per endpoint (benchmarks read them from /stats)
-        self._lock = threading.Lock()
+        # requests per routed endpoint (benchmarks read them from /stats); never keyed by a path's text
+        self.counts: dict[str, int] = {}
+        self._lock = threading.RLock()  # _once holds it while make() registers the future
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="serve-load")
         # runs, checkpoints, sessions, downloads (trainer.serve.rest); told of each session, run and sampler
         self.rest = RestSurface(self, engine.state_dir, sweep_s=ttl_sweep_s)
@@ -172,6 +222,8 @@ class TinkerServer:
         r.add_get("/api/v1/samplers/{sampler_id}", self.get_sampler)
         r.add_get("/stats", self.stats)
         add_rest_routes(app, self.rest)
+        app.on_startup.append(self._start_expiry)
+        app.on_cleanup.append(self._stop_expiry)
         return app
 
     def _authorize(self, request: web.Request) -> str:
@@ -200,7 +252,9 @@ class TinkerServer:
             if request.content_length is not None and request.content_length > limit:
                 raise Refused(413, f"request body of {request.content_length} bytes exceeds this server's limit of "
                                    f"{limit} bytes for {endpoint} ({flag})")
-            self.counts[endpoint] = self.counts.get(endpoint, 0) + 1
+            resource = request.match_info.route.resource
+            name = resource.canonical.removeprefix("/api/v1/") if resource is not None else "(no route)"
+            self.counts[name] = self.counts.get(name, 0) + 1
             if self.latency_s > 0 and endpoint not in ("telemetry", "session_heartbeat", "client/config",
                                                        "client/dynamic_config"):
                 await asyncio.sleep(self.latency_s)
@@ -221,7 +275,10 @@ class TinkerServer:
                 raise asyncio.CancelledError()
             return resp
         except Refused as e:
-            return error_response(e.status, e.detail)
+            resp = error_response(e.status, e.detail)
+            if request.get("close"):
+                resp.force_close()
+            return resp
         except LimitExceeded as e:
             return error_response(413, str(e))
         except ValueError as e:  # a check of the request's fields (limits.*) before any work
@@ -231,6 +288,10 @@ class TinkerServer:
                 return error_response(404, f"no endpoint {request.method} {request.path} on this server")
             if e.status == 413:
                 return error_response(413, f"request body exceeds this server's limit for {endpoint}")
+            if e.status == 405:
+                return error_response(405, f"method {request.method} is not allowed on {request.path[:200]}")
+            if e.status >= 400:
+                return error_response(e.status, e.reason)
             raise
 
     @staticmethod
@@ -241,33 +302,63 @@ class TinkerServer:
         return handler
 
     async def stats(self, request: web.Request) -> web.Response:
-        return web.json_response({"requests": self.counts, "faults": self.faults.injected,
-                                  "sessions": len(self.sessions)})
+        me = request["owner"]
+        return web.json_response({
+            "requests": self.counts, "faults": self.faults.injected, "sessions": len(self.sessions),
+            "models": len(self.models), "expired_sessions": self.expired_sessions,
+            "key": {"sessions": sum(1 for o in self.sessions.values() if o == me),  # the asking key's own
+                    "models": sum(1 for m in self.models if self.owner.get(m) == me),
+                    "model_slots": len(self.slots.get(me, ())), "inflight": self.inflight.get(me, 0)}})
 
     # ------------------------------------------------------------------ helpers
     def _register(self, request: web.Request, future: Future, encode: Callable[[Any], tuple[bytes, str]],
                   **extra: Any) -> dict:
         rid = f"req-{secrets.token_hex(12)}"
-        self.futures[rid] = _Pending(future, encode)
-        self.owner[rid] = request["owner"]
+        owner = request["owner"]
+        session = _session_of(str(extra.get("model_id") or extra.get("session") or ""))
+        extra.pop("session", None)
+        self.futures[rid] = _Pending(future, encode, session)
+        self.owner[rid] = owner
+        with self._lock:  # released by the done callback, from whichever thread finishes the future
+            self.inflight[owner] = self.inflight.get(owner, 0) + 1
+        future.add_done_callback(lambda _: self._release_inflight(owner))
         if len(self.futures) > MAX_FUTURES:  # the oldest finished results expire, as promises do on the service
             for old in [k for k, p in itertools.islice(self.futures.items(), len(self.futures) // 4)
                         if p.future.done()]:
-                del self.futures[old]
-                self.owner.pop(old, None)
-                self.expired.add(old)
+                self._forget_future(old)
             if len(self.taken) > 2 * MAX_FUTURES:
                 for k in list(itertools.islice(self.taken, len(self.taken) // 2)):
                     del self.taken[k]
         return {"request_id": rid, **{k: v for k, v in extra.items() if v is not None}}
 
+    def _release_inflight(self, owner: str) -> None:
+        with self._lock:
+            self.inflight[owner] -= 1
+            if not self.inflight[owner]:
+                del self.inflight[owner]
+
+    def _forget_future(self, rid: str) -> None:
+        """Drop a future's result; asking for it again is answered 410 (expired), as on the service."""
+        self.futures.pop(rid, None)
+        self.owner.pop(rid, None)
+        self.expired[rid] = None
+        if len(self.expired) > 4 * MAX_FUTURES:
+            for k in list(itertools.islice(self.expired, len(self.expired) // 2)):
+                del self.expired[k]
+
     def _once(self, request: web.Request, key: tuple, digest: str, make: Callable[[], dict]) -> web.Response:
         """The future reply of a request; a resend of the same request gets the first reply again, and a
-        different request under a key already taken is refused."""
-        key = (request["owner"], *key)
+        different request under a key already taken is refused. A new request past the key's in-flight
+        bound is answered 429, which the SDK retries with backoff (`_base_client.py::_should_retry`)."""
+        owner = request["owner"]
+        key = (owner, *key)
         with self._lock:
             seen = self.taken.get(key)
             if seen is None:
+                busy = self.inflight.get(owner, 0)
+                if busy >= self.limits.inflight_per_key:
+                    raise Refused(429, f"this key has {busy} requests in flight, this server's limit "
+                                       f"({Limits.flag('inflight_per_key')}); retry when some have finished")
                 reply = make()
                 self.taken[key] = (digest, reply)
                 return web.json_response(reply)
@@ -281,13 +372,21 @@ class TinkerServer:
         obj = table.get(ident or "")
         if obj is None or self.owner.get(ident or "") != request["owner"]:
             raise Refused(404, f"unknown {what} {str(ident)[:100]}")
+        self._touch(_session_of(ident))
         return obj
+
+    def _touch(self, session_id: str) -> None:
+        """A session in use is alive (besides its heartbeats, which a raw-HTTP client may not send)."""
+        if session_id in self.last_seen:
+            self.last_seen[session_id] = time.monotonic()
 
     def _session(self, session_id: str | None, request: web.Request) -> str:
         """A session this boot issued to the request's key (ids from another boot or key are refused)."""
         if not session_id or self.sessions.get(session_id) != request["owner"]:
-            raise Refused(404, f"unknown session_id {str(session_id)[:100]}: create a session on this server first "
-                               "(ids from before a restart are not valid)")
+            raise Refused(404, f"unknown session_id {str(session_id)[:100]}: create a session on this "
+                               "server first (ids from before a restart, or of a session that expired or was "
+                               "finished, are not valid)")
+        self._touch(session_id)
         return session_id
 
     def _model(self, model_id: str, request: web.Request) -> Any:
@@ -315,7 +414,15 @@ class TinkerServer:
         endpoint = request.path.removeprefix("/api/v1/")
         limit, flag = self.limits.body_limit(endpoint)
         chunks, size = [], 0
-        while chunk := await request.content.read(1 << 16):
+        while True:
+            try:  # a client that stops sending mid-body must not hold its connection (and a file) forever
+                chunk = await asyncio.wait_for(request.content.read(1 << 16), self.read_timeout_s)
+            except TimeoutError:
+                request["close"] = True  # the rest of the body will not be read: close after the reply
+                raise Refused(408, f"no body bytes for {self.read_timeout_s:g} s (--read-timeout-s)"
+                              ) from None
+            if not chunk:
+                break
             size += len(chunk)
             if size > limit:
                 raise Refused(413, f"request body exceeds this server's limit of {limit} bytes for {endpoint} ({flag})")
@@ -331,11 +438,38 @@ class TinkerServer:
             raise Refused(400, f"bad {cls.__name__}: {str(e)[:300]}") from None
 
     def _new_model_slot(self, request: web.Request, model_id: str) -> None:
-        live = sum(1 for m in self.models if self.owner.get(m) == request["owner"])
-        if model_id not in self.models and live >= self.limits.models_per_key:
-            raise LimitExceeded(f"this key already has {live} live models, this server's limit "
-                                f"({Limits.flag('models_per_key')}); "
-                                "finish a session to free its models")
+        """Reserve one of the key's model slots at submission (a create still running holds its slot, so
+        concurrent creates cannot pass the limit together); freed when the session ends or the create
+        fails."""
+        with self._lock:
+            mine = self.slots.setdefault(request["owner"], set())
+            if model_id not in mine and len(mine) >= self.limits.models_per_key:
+                raise LimitExceeded(f"this key already has {len(mine)} live models, this server's limit "
+                                    f"({Limits.flag('models_per_key')}); finish a session to free its models "
+                                    "(a session whose heartbeats stop ends after "
+                                    f"{self.session_timeout_s:g} s)")
+            mine.add(model_id)
+
+    def _free_slot(self, owner: str, model_id: str) -> None:
+        with self._lock:
+            mine = self.slots.get(owner, set())
+            mine.discard(model_id)
+            if not mine:
+                self.slots.pop(owner, None)
+
+    def _adopt(self, owner: str, model_id: str, tc: Any) -> None:
+        """Publish a model made on a loader thread, unless its session ended meanwhile (then it is closed
+        and its slot freed: a finish or an expiry during a create leaks nothing)."""
+        with self._lock:
+            alive = self.sessions.get(_session_of(model_id)) == owner
+            if alive:
+                self.models[model_id] = tc
+        if not alive:
+            if hasattr(tc, "close"):
+                tc.close()
+            self._free_slot(owner, model_id)
+            raise ValueError(f"session {_session_of(model_id)} ended while model {model_id} was being "
+                             "created")
 
     # ------------------------------------------------------------------ session
     async def client_config(self, request: web.Request) -> web.Response:
@@ -349,9 +483,19 @@ class TinkerServer:
 
     async def create_session(self, request: web.Request) -> web.Response:
         req, _ = await self._body(request, types.CreateSessionRequest)
+        owner = request["owner"]
+        check_metadata(req.user_metadata, self.limits)
         sid = f"s-{secrets.token_hex(12)}"
-        self.sessions[sid] = request["owner"]
-        self.rest.on_session(sid, request["owner"], req.user_metadata)
+        with self._lock:
+            live = sum(1 for o in self.sessions.values() if o == owner)
+            if live >= self.limits.sessions_per_key:
+                raise LimitExceeded(f"this key already has {live} live sessions, this server's limit "
+                                    f"({Limits.flag('sessions_per_key')}); close a ServiceClient, or wait "
+                                    f"{self.session_timeout_s:g} s for those whose heartbeats stopped to "
+                                    "expire")
+            self.sessions[sid] = owner
+            self.last_seen[sid] = time.monotonic()
+        self.rest.on_session(sid, owner, req.user_metadata)
         return web.json_response({"type": "create_session", "session_id": sid})
 
     async def session_heartbeat(self, request: web.Request) -> web.Response:
@@ -360,7 +504,9 @@ class TinkerServer:
         (tinker 0.38 `internal_client_holder.py::_session_heartbeat` returns on a 410)."""
         req, _ = await self._body(request, types.SessionHeartbeatRequest)
         if self.sessions.get(req.session_id) != request["owner"]:
-            raise Refused(410, f"session {str(req.session_id)[:100]} is finished or unknown on this server")
+            raise Refused(410, f"session {str(req.session_id)[:100]} is finished or unknown on this server "
+                               f"(a session ends {self.session_timeout_s:g} s after its last heartbeat)")
+        self._touch(req.session_id)
         return web.json_response({"type": "session_heartbeat"})
 
     async def finish_session(self, request: web.Request) -> web.Response:
@@ -368,16 +514,59 @@ class TinkerServer:
         nothing more is created under it (the SDK documents a finished session as terminal). Finishing a
         session this key does not hold is a no-op, as a client closing after a restart does."""
         sid = request.match_info["session_id"]
-        if self.sessions.get(sid) != request["owner"]:
-            return web.json_response(None)
-        del self.sessions[sid]
-        for table in (self.models, self.samplers, self.losses):
-            for ident in [i for i in table if i.startswith(sid + ":")]:
-                obj = table.pop(ident)
-                self.owner.pop(ident, None)
-                if table is self.models and hasattr(obj, "close"):
-                    obj.close()
+        if self.sessions.get(sid) == request["owner"]:
+            self._end_session(sid)
         return web.json_response(None)
+
+    def _end_session(self, sid: str) -> None:
+        """Release everything of a session: models (and the key's slots), samplers, losses, futures and
+        de-duplication records. Work already on the engine finishes; its result is dropped."""
+        with self._lock:
+            owner = self.sessions.pop(sid, None)
+            self.last_seen.pop(sid, None)
+            if owner is None:
+                return
+            prefix = sid + ":"
+            for ident in [m for m in self.slots.get(owner, ()) if m.startswith(prefix)]:
+                self._free_slot(owner, ident)
+            closing = []
+            for table in (self.models, self.samplers, self.losses):
+                for ident in [i for i in table if i.startswith(prefix)]:
+                    obj = table.pop(ident)
+                    self.owner.pop(ident, None)
+                    if table is self.models:
+                        closing.append(obj)
+            for rid in [r for r, p in self.futures.items() if p.session == sid]:
+                self._forget_future(rid)
+            for k in [k for k in self.taken if str(k[2]).startswith(prefix) or k[2] == sid]:
+                del self.taken[k]
+        for obj in closing:
+            if hasattr(obj, "close"):
+                obj.close()
+        # ended sessions stay listed (REST `sessions`) up to the per-key cap, newest first
+        ended = sorted((s.created_at, i) for i, s in self.rest.sessions.items()
+                       if s.owner == owner and i not in self.sessions)
+        for _, i in ended[:max(0, len(ended) - self.limits.sessions_per_key)]:
+            del self.rest.sessions[i]
+
+    async def _expire_sessions(self) -> None:
+        """End each session not heard from (heartbeat or use) for `session_timeout_s`."""
+        every = min(5.0, self.session_timeout_s / 10)
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for sid in [s for s, t in list(self.last_seen.items()) if now - t > self.session_timeout_s]:
+                log.info("session %s expired (no heartbeat for %.0f s)", sid, self.session_timeout_s)
+                self.expired_sessions += 1
+                self._end_session(sid)
+
+    async def _start_expiry(self, app: web.Application) -> None:
+        self._expiry = asyncio.get_running_loop().create_task(self._expire_sessions())
+
+    async def _stop_expiry(self, app: web.Application) -> None:
+        self._expiry.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._expiry
 
     async def capabilities(self, request: web.Request) -> web.Response:
         return web.json_response(self.engine.get_server_capabilities().model_dump(mode="json"))
@@ -388,13 +577,21 @@ class TinkerServer:
         model_id = f"{self._session(req.session_id, request)}:train:{req.model_seq_id}"
         lc = req.lora_config or types.LoraConfig(rank=32)
         check_lora(lc.rank, self.limits)
+        check_metadata(req.user_metadata, self.limits)
         self._new_model_slot(request, model_id)
 
+        owner = request["owner"]
+
         def create() -> types.CreateModelResponse:
-            self.models[model_id] = self.engine.create_lora_training_client(
-                req.base_model, rank=lc.rank, seed=lc.seed, train_mlp=lc.train_mlp, train_attn=lc.train_attn,
-                train_unembed=lc.train_unembed, optimizer=req.optimizer_config, run_id=model_id,
-                user_metadata=req.user_metadata)
+            try:
+                tc = self.engine.create_lora_training_client(
+                    req.base_model, rank=lc.rank, seed=lc.seed, train_mlp=lc.train_mlp,
+                    train_attn=lc.train_attn, train_unembed=lc.train_unembed, optimizer=req.optimizer_config,
+                    run_id=model_id, user_metadata=req.user_metadata)
+            except BaseException:
+                self._free_slot(owner, model_id)
+                raise
+            self._adopt(owner, model_id, tc)
             self.rest.on_run(model_id, request["owner"], req.session_id, req.base_model, lc, req.user_metadata)
             return types.CreateModelResponse(model_id=model_id)
 
@@ -411,12 +608,19 @@ class TinkerServer:
             if req.session_id is None or req.model_seq_id is None:
                 raise Refused(400, "load_weights needs model_id, or session_id and model_seq_id")
             model_id = f"{self._session(req.session_id, request)}:train:{req.model_seq_id}"
+            check_metadata(req.user_metadata, self.limits)
             self._new_model_slot(request, model_id)
+            owner = request["owner"]
             make = (self.engine.create_training_client_from_state_with_optimizer if req.optimizer
                     else self.engine.create_training_client_from_state)
 
             def load() -> types.LoadWeightsResponse:
-                tc = self.models[model_id] = make(req.path, run_id=model_id, user_metadata=req.user_metadata)
+                try:
+                    tc = make(req.path, run_id=model_id, user_metadata=req.user_metadata)
+                except BaseException:
+                    self._free_slot(owner, model_id)
+                    raise
+                self._adopt(owner, model_id, tc)
                 self.rest.on_run(model_id, request["owner"], req.session_id, tc.base_model, types.LoraConfig(
                     rank=tc.rank, train_mlp=tc.trains("mlp"), train_attn=tc.trains("attn"),
                     train_unembed=tc.trains("unembed")), req.user_metadata, source_path=req.path)
@@ -459,6 +663,8 @@ class TinkerServer:
             if out[0] != model_id:  # a second model_id field would win in the full decode
                 raise Refused(400, "bad ForwardBackwardRequest: model_id appears more than once")
             check_batch(out[2], out[4], self.limits)
+            if out[3] == "custom":
+                self._check_loss_cost(out[4], out[2], request["owner"])
             return out
 
         _, seq_id, data, loss_fn, config, forward_only = await asyncio.get_running_loop().run_in_executor(
@@ -476,6 +682,23 @@ class TinkerServer:
 
         return self._once(request, ("train", model_id, seq_id), _digest(body), lambda: self._register(
             request, self._train(model_id, request, submit), _fb, model_id=model_id))
+
+    def _check_loss_cost(self, config: dict[str, Any], data: list[types.Datum], owner: str) -> None:
+        """A registered loss's cost on this request's shapes, before it is queued (`graph_cost`)."""
+        loss_id = str(config.get("loss_id"))
+        handle = self.losses.get(loss_id)
+        if handle is None or self.owner.get(loss_id) != owner:
+            return  # the engine refuses it by name, as before
+        check_loss_inputs(handle, data)
+        shapes = [[_shape(d.loss_fn_inputs["target_tokens"], torch.float32),
+                   *(_shape(d.loss_fn_inputs[n]) for n in handle.input_names)] for d in data]
+        try:
+            check_request(handle.graph, shapes, self.limits)
+        except CostExceeded:
+            raise
+        except Exception as e:  # noqa: BLE001 - the graph fails on these shapes: it would fail when run too
+            raise ValueError(f"custom loss {handle.name[:80]!r} fails on this request's input shapes: "
+                             f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
 
     async def optim_step(self, request: web.Request) -> web.Response:
         req, digest = await self._body(request, types.OptimStepRequest)
@@ -511,14 +734,19 @@ class TinkerServer:
 
             def submit(tc: Any) -> Any:
                 sc = tc.save_weights_and_get_sampling_client()  # the snapshot runs in the client's order
+                sc.tenant = request["owner"]  # the engine's sampler takes keys in turn
                 holder["sc"] = sc
                 return sc._snap_future
 
             fut = self._train(model_id, request, submit)
 
             def publish(_: Any) -> types.SaveWeightsForSamplerResponseInternal:
-                self.owner[sid] = request["owner"]
-                self.samplers[sid] = holder["sc"]
+                with self._lock:  # not into a session that ended while the snapshot was taken
+                    if self.sessions.get(_session_of(model_id)) != request["owner"]:
+                        raise ValueError(f"session {_session_of(model_id)} ended before its sampler was "
+                                         "ready")
+                    self.owner[sid] = request["owner"]
+                    self.samplers[sid] = holder["sc"]
                 self.rest.on_sampler(sid, _session_of(model_id))
                 return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sid)
 
@@ -530,15 +758,22 @@ class TinkerServer:
         req, digest = await self._body(request, types.CreateCustomLossRequest)
         loss_id = f"{self._session(req.session_id, request)}:loss:{req.custom_loss_seq_id}"
 
+        def build() -> Any:
+            graph = rebuild_graph(req.graph)
+            check_at_upload(graph, [i.rank for i in req.inputs], self.limits)  # logprobs first
+            return graph
+
+        try:  # off the event loop: the cost check runs the graph on fake tensors
+            graph = await asyncio.get_running_loop().run_in_executor(self._pool, build)
+        except ValueError as e:  # refused before it is stored: nothing of it ever runs
+            raise Refused(400, str(e)) from None
+
         def make() -> dict:
-            try:
-                graph = rebuild_graph(req.graph)
-            except ValueError as e:  # refused before it is stored: nothing of it ever runs
-                raise Refused(400, str(e)) from None
             self.losses[loss_id] = LossHandle(name=req.name, inputs=tuple(req.inputs),
                                               session_id=self.engine.session_id, graph=graph, loss_id=loss_id)
             self.owner[loss_id] = request["owner"]
-            return self._register(request, _done(types.CreateCustomLossResponse(loss_id=loss_id)), json_result)
+            reply = types.CreateCustomLossResponse(loss_id=loss_id)
+            return self._register(request, _done(reply), json_result, session=loss_id)
 
         return self._once(request, ("loss", loss_id), digest, make)
 
@@ -554,9 +789,12 @@ class TinkerServer:
                     model_path=req.model_path, base_model=req.base_model))
             except (ValueError, KeyError, FileNotFoundError) as e:
                 raise Refused(400, str(e)[:300]) from None
-            self.samplers[sid] = sc
+            sc.tenant = request["owner"]  # the engine's sampler takes keys in turn
+            with self._lock:
+                self._session(req.session_id, request)  # it may have ended while the sampler was made
+                self.samplers[sid] = sc
+                self.owner[sid] = request["owner"]
             self.rest.on_sampler(sid, req.session_id)
-            self.owner[sid] = request["owner"]
         return web.json_response({"type": "create_sampling_session", "sampling_session_id": sid})
 
     async def get_sampler(self, request: web.Request) -> web.Response:
@@ -578,7 +816,8 @@ class TinkerServer:
                             prompt_logprobs_last_n=req.prompt_logprobs_last_n).future()
             # one id per sample, fixed at submission (the SDK stamps them onto the sequences)
             ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(req.num_samples)]
-            return self._register(request, fut, _sample, sample_sequence_ids=ids)
+            return self._register(request, fut, _sample, sample_sequence_ids=ids,
+                                  session=req.sampling_session_id)
 
         return self._once(request, ("sample", req.sampling_session_id, req.seq_id), digest, make)
 
@@ -588,6 +827,7 @@ class TinkerServer:
         if req.request_id in self.expired:  # the SDK resubmits on 410 where it can
             return web.json_response({"detail": f"promise {req.request_id} expired"}, status=410)
         pending = self._owned(self.futures, req.request_id, request, "request_id")
+        self._touch(pending.session)
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending.future)), timeout=self.poll_s)
         except TimeoutError:

@@ -19,8 +19,10 @@ mutate shared state or allocate a size the client chooses (`torch.zeros(n)`, `to
 `torch.arange`, `torch.randn`, `Tensor.repeat`, `Tensor.expand`, `Tensor.new_*`, `resize_`), in-place
 methods (they would write into the engine's tensors), and methods that leave torch (`item`,
 `tolist`, `numpy`) or run autograd (`backward`), which the SDK's tracer refuses too
-(`custom_loss.py::_check_graph`). A loss needing another function is a one-line addition here,
-reviewed like any other change to what a client may run on the server.
+(`custom_loss.py::_check_graph`). How much work the allowed functions may add up to in one request is
+bounded separately, before the graph runs (`graph_cost.py`, `--max-loss-cost`). A loss needing another
+function is a one-line addition here, reviewed like any other change to what a client may run on the
+server.
 """
 
 from __future__ import annotations

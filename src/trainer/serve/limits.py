@@ -10,6 +10,7 @@ field, its value and the bound; nothing has been queued when that happens.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, fields
@@ -19,6 +20,12 @@ import numpy as np
 from tinker import types
 
 MiB = 2**20
+# a session whose heartbeats stop ends after SESSION_TIMEOUT_S: the SDK heartbeats every 10 s and warns after
+# 120 s without one that "the session will be terminated" (tinker 0.38,
+# `lib/internal_client_holder.py::_session_heartbeat`: SESSION_HEARTBEAT_PERIOD_SEC,
+# SESSION_MISSED_HEARTBEAT_WARNING_THRESHOLD_SEC)
+SDK_HEARTBEAT_S = 10.0
+SESSION_TIMEOUT_S = 120.0
 # a checkpoint name becomes a folder name under the state dir: a plain word, never a path
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
@@ -41,6 +48,10 @@ class Limits:
     batch_datums: int = 4096
     lora_rank: int = 128
     models_per_key: int = 8
+    sessions_per_key: int = 32  # live sessions; each heartbeats, so a dead client's expire and free theirs
+    inflight_per_key: int = 256  # accepted requests of one key whose result is not ready yet (429 beyond)
+    session_metadata_kb: float = 64.0  # user_metadata of one session or model, as JSON
+    loss_cost: int = 2**27  # a custom-loss graph's cost in one forward_backward (`graph_cost.py`)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -112,6 +123,15 @@ def check_adam(p: types.AdamParams | None) -> None:
     finite_in("eps", p.eps, 0.0, 1.0)
     finite_in("weight_decay", p.weight_decay, 0.0, 1.0)
     finite_in("grad_clip_norm", p.grad_clip_norm, 0.0, 1e6)
+
+
+def check_metadata(meta: dict[str, Any] | None, limits: Limits, what: str = "user_metadata") -> None:
+    """`user_metadata` is kept in memory (and in run.json) for as long as its session or run: bounded."""
+    if meta:
+        size = len(json.dumps(meta, default=str))
+        if size > limits.session_metadata_kb * 1024:
+            raise LimitExceeded(f"{what} of {size} bytes exceeds this server's limit "
+                                f"{limits.session_metadata_kb:g} kB ({Limits.flag('session_metadata_kb')})")
 
 
 def check_lora(rank: int, limits: Limits) -> None:

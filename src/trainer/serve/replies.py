@@ -22,8 +22,9 @@ class Refused(Exception):
 
 def error_response(status: int, detail: str) -> web.Response:
     """The SDK's error shape (`{"detail": ...}`); a 4xx is marked not to be retried (the SDK obeys
-    `x-should-retry`, `_base_client.py::_should_retry`, and would otherwise retry a 409)."""
-    headers = {"x-should-retry": "false"} if 400 <= status < 500 else None
+    `x-should-retry`, `_base_client.py::_should_retry`, and would otherwise retry a 409), except 429:
+    a key over its in-flight bound is asked to come back, which the SDK does with backoff."""
+    headers = {"x-should-retry": "false"} if 400 <= status < 500 and status != 429 else None
     return web.json_response({"detail": detail}, status=status, headers=headers)
 
 

@@ -327,7 +327,7 @@ class RestSurface:
 
     async def weights_info(self, request: web.Request) -> web.Response:
         try:
-            body = await request.json()
+            body = json.loads(await self.server._read(request))
             path = body["tinker_path"]
         except (ValueError, KeyError, TypeError):
             raise Refused(400, 'weights_info needs a JSON body {"tinker_path": ...}') from None
@@ -353,7 +353,7 @@ class RestSurface:
     async def set_ttl(self, request: web.Request) -> web.Response:
         rec, _, cid, _ = self._owned_checkpoint(request)
         try:
-            ttl = (await request.json())["ttl_seconds"]
+            ttl = json.loads(await self.server._read(request))["ttl_seconds"]
         except (ValueError, KeyError, TypeError):
             raise Refused(400, 'set_checkpoint_ttl needs a JSON body {"ttl_seconds": int | null}') from None
         if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or not 1 <= ttl <= MAX_TTL_S):

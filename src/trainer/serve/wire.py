@@ -238,6 +238,9 @@ def rebuild_graph(graph: types.CustomLossGraph) -> torch.fx.GraphModule:
                                  "of a tensor may be read")
             out = g.call_function(fn, args, kwargs)
         elif node.op == "call_method":
+            if not args or not isinstance(args[0], torch.fx.Node):  # fx would write `7.__pow__(...)` as code
+                raise ValueError(f"custom loss calls method {node.target[:80]!r} on a constant; methods are "
+                                 "called on the graph's values only")
             if node.target not in METHODS:
                 raise ValueError(f"custom loss calls method {node.target[:80]!r}, which this server does not "
                                  "allow (see trainer/serve/graph_ops.py)")

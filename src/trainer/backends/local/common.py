@@ -84,6 +84,10 @@ class ComputeThread:
             return fn()
         return self._pool.submit(self._enter, fn).result()
 
+    def waiting(self) -> bool:
+        """Whether work is queued behind the running call (a long call then yields its turn: `sampling`)."""
+        return not self._pool._work_queue.empty()
+
 
 COMPUTE = ComputeThread()
 

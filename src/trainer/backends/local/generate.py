@@ -22,6 +22,7 @@ Sampling conventions (Tinker leaves them undocumented):
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -257,13 +258,26 @@ def decode_one_token(W: SamplerWeights, batch: _Batch, tok: torch.Tensor, step: 
     return sampler_forward.decode_step(W, tok, pos, _spans(pos.tolist()), cache)
 
 
-@torch.no_grad()
 def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None) -> list[SampleResult]:
     """Sample all `jobs` together: the prompts prefilled in one pass, then one decode loop over all rows.
 
     Every row's numbers are independent of the other jobs in the batch (see `sampler_forward`), and its
     draws come from its job's generator, so a seeded job returns the same tokens and bit-identical
     logprobs alone or in any batch (same machine and thread count)."""
+    steps = generate_steps(W, jobs, tokenizer)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+@torch.no_grad()
+def generate_steps(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None
+                   ) -> Generator[None, None, list[SampleResult]]:
+    """`generate` one step at a time: yields after the prefill and after each decode step, returns the
+    results. The scheduler interleaves batches of different clients this way; a batch's numbers do not
+    depend on what runs between its steps (its state is its own: cache, rows, generators)."""
     if not jobs:
         return []
     batch = _plan(W, jobs)
@@ -272,6 +286,7 @@ def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None
     batch.gens = _generators(jobs)
     max_steps = max(j.max_tokens for j in jobs)
     for step in range(max_steps):
+        yield
         tok, lp = sample(batch, logits)
         record(batch, tok, lp, tokenizer)
         if all(batch.job_done) or step == max_steps - 1:

@@ -5,6 +5,14 @@ worker thread drains it, grouping requests for the same snapshot (and kind) into
 `max_sample_batch` sequences, so the hundreds of concurrent one-group requests of an RL step or the
 1319 requests of an eval run as a few large batches. A single request with more samples than
 `max_sample_batch` runs alone.
+
+Fairness: each request carries its sampling client's `tenant` (the server sets it to the key that made
+the client; in-process clients share one). Each tenant has at most one running batch, and up to
+`MAX_ACTIVE` tenants' batches run at once, interleaved on the compute thread in slices of `SLICE_S`
+seconds of decode steps (`generate.generate_steps`), least recently served tenant first. A request of
+a tenant with nothing running therefore starts within one burst wait (`max_wait_s`) and one slice,
+and then shares the compute equally with the other running tenants, however many requests (or long
+batches) one tenant queued. A batch's numbers do not depend on the interleaving (`generate`).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
 
 from trainer.backends.local.common import COMPUTE, Faults, SelfFuture, failed_future
 from trainer.backends.local.engine import LoraSnapshot, SharedBase
-from trainer.backends.local.generate import SampleJob, SampleResult, generate
+from trainer.backends.local.generate import SampleJob, SampleResult, generate_steps
 from trainer.backends.local.sampler_forward import score
 from trainer.utils.futures import then
 
@@ -38,14 +46,28 @@ class _Request:
     job: Any  # SampleJob or list[int]
     future: Future
     fail: bool = False
+    tenant: str = ""
 
     @property
     def rows(self) -> int:
         return self.job.num_samples if self.kind == "sample" else 1
 
 
+SLICE_S = 0.25  # decode time a running batch gets before another tenant's batch takes a turn
+MAX_ACTIVE = 4  # tenants whose batches run interleaved (each holds its KV cache meanwhile)
+
+
+@dataclass
+class _Running:
+    """A batch in progress: its requests and its step generator (`_steps`)."""
+
+    tenant: str
+    live: list[_Request]
+    steps: Any
+
+
 class SampleScheduler:
-    """Queue + worker that batches requests sharing a snapshot."""
+    """Queue + worker that batches requests sharing a snapshot, and interleaves tenants' batches."""
 
     def __init__(self, dtype: torch.dtype, max_batch: int, faults: Faults, batch_wait_s: float = 0.01,
                  max_wait_s: float = 0.5):
@@ -60,6 +82,8 @@ class SampleScheduler:
         self._thread = threading.Thread(target=self._run, name="local-sampler", daemon=True)
         self._thread.start()
         self.batches_run = 0
+        self._turns = 0
+        self._served: dict[str, int] = {}  # tenant -> the turn it was last served
 
     def submit(self, req: _Request) -> None:
         with self._cv:
@@ -81,11 +105,12 @@ class SampleScheduler:
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
-    def _take_batch(self) -> list[_Request]:
+    def _take_batch(self, running: dict[str, _Running]) -> list[_Request]:
+        """The next batch of a tenant with no batch running; waits for one while nothing runs."""
         with self._cv:
-            while not self._queue and not self._closed:
+            while not running and not self._queue and not self._closed:
                 self._cv.wait()
-            if not self._queue:
+            if self._closed or not any(r.tenant not in running for r in self._queue):
                 return []
         # Let a burst of concurrent submissions land first: wait while requests keep arriving (a quiet
         # gap of batch_wait_s ends it), up to max_wait_s or a full batch. A client renders each prompt
@@ -101,10 +126,17 @@ class SampleScheduler:
             seen = n
             time.sleep(self.batch_wait_s)
         with self._cv:
-            first = self._queue[0]
+            waiting = dict.fromkeys(r.tenant for r in self._queue if r.tenant not in running)  # queue order
+            tenant = min(waiting, key=lambda t: self._served.get(t, -1))
+            first = next(r for r in self._queue if r.tenant == tenant)
+            self._turns += 1
+            self._served[tenant] = self._turns
+            if len(self._served) > 4096:  # tenants with nothing queued start over as never served
+                self._served = {t: n for t, n in self._served.items() if t in waiting}
             batch, rows, rest = [], 0, []
             for r in self._queue:
-                same = r.snap.id == first.snap.id and r.kind == first.kind and r.base is first.base
+                same = (r.snap.id == first.snap.id and r.kind == first.kind and r.base is first.base
+                        and r.tenant == tenant)
                 if same and (not batch or rows + r.rows <= self.max_batch):
                     batch.append(r)
                     rows += r.rows
@@ -114,39 +146,80 @@ class SampleScheduler:
         return batch
 
     def _run(self) -> None:
+        running: dict[str, _Running] = {}
         while True:
-            batch = self._take_batch()
-            if not batch:
+            if self._closed:
+                for run in running.values():
+                    self._fail(run.live, RuntimeError("the local service client was closed"))
                 return
-            live = []
-            self.faults.apply("sample", False)  # the configured latency, once per batch
-            for r in batch:
-                if not r.future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    self.faults.apply("sample", r.fail, latency=False)
-                    live.append(r)
-                except Exception as e:  # noqa: BLE001 - delivered through the future
-                    r.future.set_exception(e)
-            if not live:
+            if len(running) < MAX_ACTIVE:
+                batch = self._take_batch(running)
+                if batch:
+                    self._start(batch, running)
+                    continue  # another tenant may be waiting too
+            if not running:
+                continue
+            tenant = min(running, key=lambda t: self._served.get(t, -1))
+            self._turns += 1
+            self._served[tenant] = self._turns
+            run, shared = running[tenant], len(running) > 1
+            try:
+                outs = COMPUTE.run(lambda run=run, shared=shared: self._advance(run, shared))
+            except BaseException as e:  # noqa: BLE001
+                del running[tenant]
+                self._fail(run.live, e)
+                continue
+            if outs is not None:
+                del running[tenant]
+                self.batches_run += 1
+                for r, o in zip(run.live, outs):
+                    r.future.set_result(_to_response(o) if r.kind == "sample" else o)
+
+    def _start(self, batch: list[_Request], running: dict[str, _Running]) -> None:
+        live = []
+        self.faults.apply("sample", False)  # the configured latency, once per batch
+        for r in batch:
+            if not r.future.set_running_or_notify_cancel():
                 continue
             try:
-                outs = COMPUTE.run(lambda: self._compute(live))
-                self.batches_run += 1
-                for r, o in zip(live, outs):
-                    r.future.set_result(_to_response(o) if r.kind == "sample" else o)
-            except BaseException as e:  # noqa: BLE001
-                for r in live:
-                    if not r.future.done():
-                        r.future.set_exception(e)
+                self.faults.apply("sample", r.fail, latency=False)
+                live.append(r)
+            except Exception as e:  # noqa: BLE001 - delivered through the future
+                r.future.set_exception(e)
+        if live:
+            running[live[0].tenant] = _Running(live[0].tenant, live, self._steps(live))
 
-    def _compute(self, live: list[_Request]) -> list[Any]:
+    @staticmethod
+    def _fail(live: list[_Request], e: BaseException) -> None:
+        for r in live:
+            if not r.future.done():
+                r.future.set_exception(e)
+
+    def _others_waiting(self, tenant: str) -> bool:
+        with self._cv:
+            return any(r.tenant != tenant for r in self._queue)
+
+    def _advance(self, run: _Running, shared: bool) -> list[Any] | None:
+        """Run `run`'s steps for one slice (to the end while no other tenant waits); its results when done."""
+        end = time.monotonic() + SLICE_S
+        with run.live[0].base.lock:
+            while True:
+                try:
+                    next(run.steps)
+                except StopIteration as done:
+                    return done.value
+                if time.monotonic() < end:
+                    continue
+                if shared or COMPUTE.waiting() or self._others_waiting(run.tenant):
+                    return None  # a training request, or another tenant, takes a turn
+
+    def _steps(self, live: list[_Request]) -> Any:
+        """The batch as a generator of steps (prefill, each decode step) returning its results."""
         base = live[0].base
-        with base.lock:
-            W = base.sampler_weights(live[0].snap, self.dtype)
-            if live[0].kind == "sample":
-                return generate(W, [r.job for r in live], base.tokenizer)
-            return score(W, [r.job for r in live])
+        W = base.sampler_weights(live[0].snap, self.dtype)
+        if live[0].kind == "sample":
+            return (yield from generate_steps(W, [r.job for r in live], base.tokenizer))
+        return score(W, [r.job for r in live])
 
 
 def _check_last_n(n: Any, prompt_len: int) -> int | None:
@@ -209,6 +282,7 @@ class LocalSamplingClient(SelfFuture):
         self._scheduler = scheduler
         self._faults = faults
         self.model_path = model_path
+        self.tenant = ""  # whose requests these are: the scheduler serves tenants in turn
 
     # SelfFuture: a client from save_weights_and_get_sampling_client is ready once its snapshot is taken
     def _ready(self, timeout: float | None = None) -> None:
@@ -273,7 +347,7 @@ class LocalSamplingClient(SelfFuture):
         def enqueue(_: Any = None) -> None:
             try:
                 snap = self._snap_future.result()
-                self._scheduler.submit(_Request(self._base, snap, kind, job, fut, fail))
+                self._scheduler.submit(_Request(self._base, snap, kind, job, fut, fail, self.tenant))
             except BaseException as e:  # noqa: BLE001
                 if not fut.done():
                     fut.set_exception(e)

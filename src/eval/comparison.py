@@ -1,0 +1,932 @@
+"""The comparison itself: the decision rule (the runs' pre-registered `decision` block, with any override),
+the methods table of each treatment, Holm's step-down and the sequential looks, equivalence, the departures
+from the pre-registered comparison that are refused (quiet paths), the A/A noise floor, the eval curve, and
+writing compare.json / compare.md / the plots. `compare_runs` runs all of it on runs already loaded
+(eval.runs.Run objects, their records read or not); `eval.compare.compare` finds and loads them first."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eval.activity import switch_activity
+from eval.endpoints import (
+    EndpointError,
+    accuracy_by_step,
+    auc_scores,
+    common_steps,
+    endpoint_scores,
+    load_curve,
+    steps_to_threshold,
+)
+from eval.methods import (
+    ESTIMANDS,
+    METHOD_SCOPE,
+    METHODS,
+    RULE_TEXT,
+    distribution_free_seeds,
+    equivalent,
+    method_table,
+    min_sign_flip_p,
+    seed_t_power,
+)
+from eval.records import summarize, wilson_interval
+from eval.runs import (
+    CompareError,
+    Run,
+    _arm_named,
+    _final_step,
+    _mixed_loss_paths,
+    _run_notes,
+    _value_text,
+    check_configs,
+    check_item_sets,
+    check_precision,
+    config_differences,
+    discover_runs,
+    find_switch,
+    flatten,
+    load_records,
+    load_run,
+    pair_by_seed,
+    sweep_subsets,
+)
+from eval.sequential import LEDGER_DIR, ledger_key, ledger_root, look_levels, read_ledger, record_look
+from eval.stats import SCOPE_TEXT, holm_adjust, paired_compare, resolve_method, seed_t_interval, t_quantile
+from trainer.config.digest import decision_hash
+from trainer.config.ignored_keys import IGNORED_CONFIG_KEYS
+from trainer.utils.io import atomic_write_json, atomic_write_text
+
+PLOTS_DIR = "compare_plots"
+
+
+@dataclass
+class Rule:
+    """The decision rule compare applies: the runs' `decision` config, with any --override-decision change."""
+
+    method: str
+    alpha: float
+    margin: float
+    endpoint: str
+    step: int | None
+    threshold: float | None
+    baseline: str
+    source: str  # "config" | "default (runs predate decision config)"
+    overridden: list[str] = field(default_factory=list)  # "key: config value -> used value"
+    requested: str = ""  # decision.method as written (`auto` resolves by the seeds per arm)
+    resolution: str = ""  # how `method` was chosen
+    equivalence_margin: float | None = None  # `equivalent` when the rule's interval lies inside +-this
+    looks: list[int] | None = None  # seeds per arm at which compare may decide (eval.sequential)
+    target_effect: float | None = None  # the gain the plan means to detect (the power note's effect)
+
+    @property
+    def scope(self) -> str:
+        return METHOD_SCOPE[self.method]
+
+    def text(self) -> str:
+        where = {"final": "final accuracy", "step": f"accuracy at step {self.step}",
+                 "auc": "area under the eval curve (per item)"}[self.endpoint]
+        return (RULE_TEXT[self.method].format(conf=100 * (1 - self.alpha), alpha=self.alpha)
+                + f", endpoint {where}, margin {self.margin:g}"
+                + (f", equivalence margin {self.equivalence_margin:g}" if self.equivalence_margin else "")
+                + (f", looks at {self.looks} seeds per arm (O'Brien-Fleming-like alpha spending)"
+                   if self.looks else ""))
+
+
+def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool, n_seeds: int = 1) -> Rule:
+    """The runs' pre-registered `decision` config, and the command line's changes to it (only with
+    --override-decision). `auto` resolves by the seeds per arm on both sides before they are compared, so
+    `--method seed_t` on a 3-seed sweep whose config says auto is not an override."""
+    from trainer.config.schema import ConfigError, DecisionConfig
+
+    raw = runs[0].config.get("decision")
+    source = "config"
+    if raw is None:
+        raw, source = {}, "default (the runs' config has no `decision` group: made before it existed)"
+    known = {f for f in DecisionConfig.__dataclass_fields__}
+    try:
+        cfg = DecisionConfig(**{k: v for k, v in raw.items() if k in known})
+    except (ConfigError, TypeError) as e:
+        raise CompareError(f"run {runs[0].path}: decision config: decision.{e}") from None
+    changed = []
+    for key, value in cli.items():
+        # the threshold only sets a secondary (reported) endpoint: changing it decides nothing
+        if value is None or value == getattr(cfg, key) or key == "threshold":
+            continue
+        if key == "method" and resolve_method(value, n_seeds)[0] == resolve_method(cfg.method, n_seeds)[0]:
+            continue
+        changed.append(f"{key}: {getattr(cfg, key)!r} -> {value!r}")
+    if changed and not override:
+        raise CompareError("the command line asks for another decision rule than the pre-registered one ("
+                           + "; ".join(changed) + "); pass --override-decision to decide with it anyway (the "
+                           "report then says so), or drop those options")
+    merged = {**{k: getattr(cfg, k) for k in known}, **{k: v for k, v in cli.items() if v is not None}}
+    try:
+        cfg = DecisionConfig(**merged)
+    except ConfigError as e:
+        raise CompareError(f"decision rule: {e}") from None
+    method, resolution = resolve_method(cfg.method, n_seeds)
+    return Rule(method=method, alpha=cfg.alpha, margin=cfg.margin, endpoint=cfg.endpoint, step=cfg.step,
+                threshold=cfg.threshold, baseline=cfg.baseline, source=source, overridden=changed,
+                requested=cfg.method, resolution=resolution, equivalence_margin=cfg.equivalence_margin,
+                looks=list(cfg.looks) if cfg.looks else None, target_effect=cfg.target_effect)
+
+
+def decide_all(rows: list[dict[str, Any]], samples: list[Any], rule: Rule, level: float | None = None,
+               final_look: bool = True) -> None:
+    """Holm's step-down over the treatments: the j-th smallest rule p is decided at level L / (K - j), with
+    the rule's own interval at that level (at K = 1 this is the plain rule); the first failure stops. L is
+    alpha, or this look's share of it under decision.looks (eval.sequential). Where the rule does not
+    validate, its interval inside +-decision.equivalence_margin reads `equivalent` (TOST at the same level);
+    at a look before the last, anything else reads `inconclusive` (the next look decides)."""
+    method = METHODS[rule.method]
+    L = rule.alpha if level is None else level
+    K = len(rows)
+    ps = [r["methods"][rule.method]["p"] for r in rows]
+    adj = holm_adjust(ps)
+    still = True
+    for j, i in enumerate(sorted(range(K), key=lambda i: ps[i])):
+        row, lev = rows[i], L / (K - j)
+        m = row["methods"][rule.method]
+        iv = method.interval(samples[i], lev)
+        verdict = method.verdict_at(samples[i], m, lev)
+        if verdict == "validated" and not still:
+            verdict = "inconclusive"  # Holm stops at the first treatment that fails
+        still = still and verdict == "validated"
+        if verdict != "validated" and equivalent(iv, rule.equivalence_margin):
+            verdict = "equivalent"
+        elif verdict != "validated" and not final_look:
+            verdict = "inconclusive"
+        # the top-level numbers of a comparison are the rule's: its estimate, its interval at this
+        # treatment's Holm level (None for the exact tests) and its Holm-adjusted p (the rule's p when K = 1)
+        row.update(p_rule=m["p"], p_holm=adj[i], holm_level=lev, rule_ci=list(iv) if iv else None,
+                   method=rule.method, estimate=m["estimate"], ci_low=iv[0] if iv else None,
+                   ci_high=iv[1] if iv else None, p=adj[i], p_adjusted="holm" if K > 1 else None)
+        set_verdict(row, verdict, rule.scope)
+
+
+def score_rows(arms_SN: dict[str, np.ndarray], labels: dict[str, list[str]], base: str, treatments: list[str],
+               seeds: list[int], rule: Rule, n_bootstrap: int, seed: int,
+               look: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(one comparison row per treatment, the methods' samples decide_all read) from scores already read and
+    paired: `arms_SN[arm]` holds one row per seed (in `seeds` order) over one shared item order, `labels[arm]`
+    each row's run label. Every method, each seed pair's row, the effect sizes and the Holm step-down over
+    the treatments at this look's level (`look`: _look's dict, None for one look): what compare_runs does
+    once a sweep's runs are read, and what eval.items does with per-item files written elsewhere, so both
+    give one verdict on the same scores."""
+    b_SN = arms_SN[base]
+    rows, samples = [], []
+    for loss in treatments:
+        t_SN = arms_SN[loss]
+        item, methods, sample = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
+        per_seed = []
+        for i, s in enumerate(seeds):
+            r = per_seed_row(t_SN[i], b_SN[i], rule, n_bootstrap, seed)
+            r.update(seed=s, treatment_arm=labels[loss][i], baseline_arm=labels[base][i])
+            per_seed.append(r)
+        rows.append({"treatment": loss, "baseline": base, **item_level(item), "per_seed": per_seed,
+                     "methods": methods, "bootstrap_resamples": int(n_bootstrap), "bootstrap_seed": int(seed),
+                     "effect_sizes": effect_sizes(t_SN, b_SN, rule.alpha)})
+        samples.append(sample)
+    decide_all(rows, samples, rule, level=look["level"] if look else None,
+               final_look=look is None or look["final"])
+    return rows, samples
+
+
+def set_verdict(row: dict[str, Any], verdict: str, scope: str, reason: str | None = None) -> None:
+    """The verdict with its scope, in every form compare shows it (the token, the scope key, the scope in
+    words and the headline sentence)."""
+    from eval.report import headline
+
+    row.update(verdict=verdict, verdict_scope=scope, verdict_about=SCOPE_TEXT[scope],
+               headline=headline(verdict, scope, row["treatment"], row["baseline"], method=row.get("method"),
+                                 reason=reason))
+
+
+# the item-level Hoeffding numbers every comparison carries, under names that say so: the top-level
+# ci_low / ci_high / p / verdict of a comparison are the decision rule's
+_ITEM_RENAMES = {"ci_low": "hoeffding_ci_low", "ci_high": "hoeffding_ci_high", "half_width": "hoeffding_half_width",
+                 "verdict": "hoeffding_verdict"}
+
+
+def item_level(pc: dict[str, Any]) -> dict[str, Any]:
+    """paired_compare's dict with its Hoeffding interval and verdict renamed (see _ITEM_RENAMES)."""
+    return {_ITEM_RENAMES.get(k, k): v for k, v in pc.items() if k != "method"}
+
+
+def per_seed_row(t_N: np.ndarray, b_N: np.ndarray, rule: Rule, n_bootstrap: int, seed: int) -> dict[str, Any]:
+    """One seed pair's item-level numbers and, when the rule is item-level, the rule's own interval, p and
+    verdict on that pair (about these two checkpoints). A seed-level rule has no verdict on one seed pair:
+    `method` and `verdict` are None there."""
+    item, methods, _ = method_table(t_N[None, :], b_N[None, :], rule.alpha, rule.margin, n_bootstrap, seed)
+    row = item_level(item)
+    row.pop("seed_level", None)
+    m = methods.get(rule.method) if METHOD_SCOPE[rule.method] == "fixed_checkpoints" else None
+    row.update(method=rule.method if m else None, estimate=m["estimate"] if m else None,
+               ci_low=m["ci_low"] if m else None, ci_high=m["ci_high"] if m else None, p=m["p"] if m else None,
+               verdict=m["verdict"] if m else None, verdict_scope="fixed_checkpoints" if m else None)
+    return row
+
+
+def aa_spread(endpoint_by_seed: dict[int, np.ndarray], alpha: float) -> dict[str, Any]:
+    """Between-seed spread of one arm: per-seed mean endpoint, its sd, and every seed pair's item-level test
+    (what an A/B report would have said had the two seeds been the two arms)."""
+    seeds = sorted(endpoint_by_seed)
+    acc = {s: float(np.mean(endpoint_by_seed[s])) for s in seeds}
+    pairs = []
+    for i, a in enumerate(seeds):
+        for b in seeds[i + 1:]:
+            r = paired_compare(endpoint_by_seed[a], endpoint_by_seed[b], alpha=alpha, n_bootstrap=0)
+            pairs.append({"seed_a": a, "seed_b": b, "diff": r["diff"], "ci_low": r["ci_low"], "ci_high": r["ci_high"],
+                          "mcnemar_p": r["mcnemar_p"], "discordance": (r["b"] + r["c"]) / r["n"],
+                          "item_level_significant": bool(r["ci_low"] > 0 or r["ci_high"] < 0 or r["mcnemar_p"] < alpha)})
+    values = np.array([acc[s] for s in seeds])
+    return {"seeds": seeds, "accuracy_by_seed": {str(s): acc[s] for s in seeds}, "mean": float(values.mean()),
+            "between_seed_sd": float(values.std(ddof=1)) if len(seeds) > 1 else None,
+            "max_abs_pair_diff": max((abs(p["diff"]) for p in pairs), default=None),
+            "mean_discordance": float(np.mean([p["discordance"] for p in pairs])) if pairs else None,
+            "pairs": pairs, "pairs_item_level_significant": sum(p["item_level_significant"] for p in pairs)}
+
+
+def aa_calibration(aa: dict[str, Any], gap_S: list[float], alpha: float) -> dict[str, Any]:
+    """Is the A/B gap beyond the A/A noise floor? Two runs of the same arm at different seeds differ by
+    sqrt(2) x the A/A between-seed sd; the mean of S seed-pair gaps by that / sqrt(S). The interval
+    gap +- t_{K-1} x that (K = A/A seeds, whose sd is itself estimated) must exclude 0."""
+    K, S = len(aa["seeds"]), len(gap_S)
+    gap = float(np.mean(gap_S))
+    sd = aa["between_seed_sd"]
+    se = math.sqrt(2.0) * sd / math.sqrt(S)
+    t_crit = t_quantile(1 - alpha / 2, K - 1)
+    return {"observed_gap": gap, "aa_between_seed_sd": sd, "noise_sd_of_one_gap": math.sqrt(2.0) * sd,
+            "noise_se_of_mean_gap": se, "df": K - 1, "t_crit": t_crit, "low": gap - t_crit * se,
+            "high": gap + t_crit * se, "aa_max_abs_pair_diff": aa["max_abs_pair_diff"],
+            "exceeds_aa_noise": bool(abs(gap) > t_crit * se),
+            "exceeds_every_aa_pair": bool(abs(gap) > (aa["max_abs_pair_diff"] or 0.0))}
+
+
+#: the bootstrap's resamples and RNG seed are part of the rule when the bootstrap decides (its verdict on a
+#: borderline sweep depends on them): other values are an override
+DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED = 10000, 0
+
+
+def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses: list[str], base: str,
+                treatments: list[str], rule: Rule, n_bootstrap: int, seed: int,
+                n_seeds: int) -> tuple[list[str], list[str]]:
+    """(departures from the pre-registered comparison, notes). Each departure can turn a verdict into
+    `validated` without changing a rule key: fewer treatments shrink Holm's family, two run folders of a
+    larger sweep pick one seed pair, the bootstrap's RNG and resamples move a borderline interval, a runs'
+    `decision` block edited after the preflight record (or differing between runs), fewer seeds than the
+    plan. They are refused unless --override-decision, which records them like any other rule change."""
+    found: list[str] = []
+    notes: list[str] = []
+    all_treatments = [x for x in losses if x != base]
+    if sorted(treatments) != sorted(all_treatments):
+        found.append(f"treatments: the runs hold {all_treatments}, --treatment keeps {treatments} (Holm's family "
+                     f"shrinks from {len(all_treatments)} to {len(treatments)})")
+    found += sweep_subsets(runs_all, paths)
+    if rule.method == "paired_bootstrap" and (n_bootstrap, seed) != (DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED):
+        found.append(f"bootstrap: {DEFAULT_BOOTSTRAP} resamples, seed {DEFAULT_BOOTSTRAP_SEED} -> {n_bootstrap} "
+                     f"resamples, seed {seed} (the bootstrap decides)")
+    decisions = {json.dumps(r.config.get("decision"), sort_keys=True, default=str): r for r in used}
+    if len(decisions) > 1:
+        arms = [f"{r.arm} ({r.path})" for r in decisions.values()]
+        found.append(f"decision: the runs' `decision` blocks differ ({', '.join(arms)})")
+    edited = [r for r in used
+              if r.info.get("decision_sha256") not in (None, decision_hash(r.config.get("decision")))]
+    if edited:
+        names = ", ".join(r.arm for r in edited[:4]) + (", ..." if len(edited) > 4 else "")
+        found.append(f"decision: the `decision` block in config.yaml of {names} is not the one the run "
+                     "trained under (run_info.json decision_sha256): the rule was changed after training")
+    if rule.looks and n_seeds not in rule.looks:
+        found.append(f"looks: decision.looks plans decisions at {rule.looks} seeds per arm, this comparison "
+                     f"has {n_seeds}")
+    rec, where = preflight_record(used[0])
+    if rec is not None and rec.get("plan_hash_without_decision") not in (None, _plan_key(used[0])):
+        notes.append(f"the preflight design record {where} is for another plan (its config differs from the runs' "
+                     "outside the decision rule): the rule was not checked against it")
+        rec = None
+    if rec is not None:
+        planned = rec.get("decision")
+        have = used[0].config.get("decision") or {}
+        if planned is not None:
+            diff = [f"{k}: {planned.get(k)!r} -> {have.get(k)!r}" for k in sorted(set(planned) | set(have))
+                    if planned.get(k) != have.get(k)]
+            if diff:
+                found.append(f"decision: the runs' config differs from the preflight record {where} ("
+                             + ", ".join(diff) + ")")
+        n_plan = (rec.get("design") or {}).get("n_seeds")
+        if isinstance(n_plan, int) and n_seeds < n_plan:
+            found.append(f"seeds: the plan ({where}) has {n_plan} seeds per arm, this comparison {n_seeds}")
+    elif where:
+        notes.append(f"no preflight design record at {where}: the decision rule was not checked against a plan")
+    return found, notes
+
+
+def _plan_key(run: Run) -> str:
+    """The run's plan hash without its decision block, as the design gate records it
+    (trainer.preflight.gates.plan_hash_without_decision), from the same torch-free digest."""
+    from trainer.config.digest import config_hash
+    from trainer.config.ignored_keys import PLAN_IGNORED_KEYS
+
+    return config_hash(run.config, ("hydra", "decision") + PLAN_IGNORED_KEYS)
+
+
+def preflight_record(run: Run) -> tuple[dict[str, Any] | None, str | None]:
+    """(the design gate's meta, its path) for the run's experiment, when the run required the gates or the
+    record exists. The folder is the run's preflight.dir (default preflight_runs/<experiment>), relative to the
+    folder training ran from: the current directory, else the folder above the sweep's multirun/ tree."""
+    pre = run.config.get("preflight") or {}
+    rel = pre.get("dir") or (f"preflight_runs/{run.config.get('experiment')}" if run.config.get("experiment") else None)
+    if not rel:
+        return None, None
+    cands = [Path(rel)] if Path(rel).is_absolute() else [Path.cwd() / rel] + [
+        a / rel for a in run.path.parents if (a / "multirun").is_dir() or (a / "conf").is_dir()]
+    for c in cands:
+        f = c / "preflight" / "design.json"
+        if f.is_file():
+            try:
+                return (json.loads(f.read_text()).get("meta") or {}), str(f)
+            except (OSError, ValueError):
+                raise CompareError(f"run {run.path}: the preflight record {f} is not valid JSON") from None
+    return None, (str(cands[0] / "preflight" / "design.json") if pre.get("skip") is False else None)
+
+
+def _look(rule: Rule, n_seeds: int) -> dict[str, Any] | None:
+    """This comparison's place among decision.looks: its index, the level it decides at (its share of
+    alpha, eval.sequential), whether it is the last, and the next look's seeds per arm; None without looks
+    (or at a seed count no look plans, which quiet_paths refuses unless overridden)."""
+    if not rule.looks or n_seeds not in rule.looks:
+        return None
+    k = rule.looks.index(n_seeds)
+    levels = look_levels(rule.looks, rule.alpha)
+    final = k == len(rule.looks) - 1
+    return {"index": k + 1, "of": len(rule.looks), "looks": rule.looks, "level": levels[k],
+            "levels": levels, "final": final, "next_seeds": None if final else rule.looks[k + 1]}
+
+
+def _home(run: Run) -> Path:
+    """Where the run was written (run_info.json run_dir), else its folder with links resolved."""
+    rd = run.info.get("run_dir")
+    return Path(rd) if isinstance(rd, str) and rd else run.path.resolve()
+
+
+def _ledger(runs: list[Run], result: dict[str, Any]) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:
+    """The earlier looks at this comparison, from the ledger beside the runs (eval.sequential) and an earlier
+    compare.json in the output folder, into result["looks"] (and a note); returns what _write records."""
+    if not _home(runs[0]).is_dir():  # runs built in memory (no run folder): no ledger beside them
+        result["looks"] = []
+        return None
+    key_fields = {"experiment": runs[0].config.get("experiment"), "baseline": result["baseline"],
+                  "treatments": sorted(result["treatments"]), "item_set_sha256": result["item_set_sha256"],
+                  "endpoint": result["decision"]["endpoint"]}
+    path = ledger_root([_home(r) for r in runs]) / LEDGER_DIR / f"{ledger_key(*key_fields.values())}.json"
+    earlier_looks(result, path)
+    entry = {"n_seeds": result["n_seeds"], "seeds": result["seeds"],
+             "verdicts": {v["treatment"]: v["verdict"] for v in result["verdicts"]}}
+    return path, entry, key_fields
+
+
+def earlier_looks(result: dict[str, Any], path: Path | None, plannable: bool = True) -> None:
+    """The earlier looks at this comparison (fewer seeds per arm), from the ledger at `path` (None: no
+    ledger) and an earlier compare.json of the same comparison in the output folder, into result["looks"],
+    with a note saying what re-deciding costs when decision.looks did not plan them (`plannable`: whether
+    decision.looks could have)."""
+    seen = {x["n_seeds"]: x for x in read_ledger(path)} if path is not None else {}
+    where = f" (ledger {path})" if path is not None else f" (compare.json in {result['output_dir']})"
+    prev_file = Path(result["output_dir"]) / "compare.json"
+    if prev_file.is_file():  # a report written before the ledger existed still counts as a look
+        try:
+            prev = json.loads(prev_file.read_text())
+        except (OSError, ValueError):
+            prev = {}
+        same = (prev.get("mode") == "ab" and prev.get("item_set_sha256") == result["item_set_sha256"]
+                and prev.get("baseline") == result["baseline"] and prev.get("treatments") == result["treatments"]
+                and (prev.get("decision") or {}).get("endpoint") == result["decision"]["endpoint"])
+        if same:
+            for x in (prev.get("looks") or []) + [prev]:
+                if isinstance(x.get("n_seeds"), int):
+                    seen.setdefault(x["n_seeds"], {"n_seeds": x["n_seeds"], "seeds": x.get("seeds"),
+                                                   "verdicts": x.get("verdicts")})
+    looks = []
+    for n in sorted(k for k in seen if k < result["n_seeds"]):
+        x = seen[n]
+        verdicts = x.get("verdicts")
+        if isinstance(verdicts, list):  # compare.json's own verdict list
+            verdicts = {v["treatment"]: v["verdict"] for v in verdicts if isinstance(v, dict)}
+        looks.append({"n_seeds": n, "seeds": x.get("seeds"), "verdicts": verdicts})
+    result["looks"] = looks
+    rule = result["decision"]
+    if looks and not rule.get("looks"):
+        result["notes"].append(
+            f"look {len(looks) + 1} at this comparison: earlier looks at "
+            + ", ".join(f"{x['n_seeds']} seed(s) ({x['verdicts']})" for x in looks)
+            + f"{where}; the rule's alpha = {result['alpha']:g} holds for one pre-planned look, so "
+            "re-deciding as seeds are added raises the false-positive rate above it"
+            + (" (plan the looks: decision.looks)" if plannable else ""))
+    elif looks:
+        result["notes"].append(f"earlier looks at this comparison: {[x['n_seeds'] for x in looks]} seeds per "
+                               f"arm{where}; decision.looks = {rule['looks']} spends alpha over them")
+
+
+def effect_sizes(t_SN: np.ndarray, b_SN: np.ndarray, alpha: float) -> dict[str, Any]:
+    """Effects people read beside the verdict (descriptive; none of them decides):
+    - the probability of improvement over seed pairs: the share of seed pairs whose treatment run scored
+      higher (ties count one half; rliable's P(X > Y), Agarwal et al. 2021, read over the paired seeds),
+      with a Wilson interval over the S pairs;
+    - the gap in between-seed sd units: the mean gap over the sd of one arm's accuracy across seeds (both
+      arms' per-seed accuracies pooled), the standardised effect of Bouthillier et al. 2021;
+    - the variance of a seed pair's gap split into item sampling (mean over seeds of var_i(d_si) / n, what a
+      new item sample would move) and training (the rest of the gaps' variance across seeds, floored at 0)."""
+    S, n = t_SN.shape
+    D_S = (t_SN.astype(np.float64) - b_SN.astype(np.float64)).mean(axis=1)
+    out: dict[str, Any] = {"n_seed_pairs": S}
+    if S < 2:
+        return out
+    wins = float((D_S > 0).sum() + 0.5 * (D_S == 0).sum())
+    # a half win (a tied pair) widens the interval: the low end counts it as a loss, the high end as a win
+    lo, hi = wilson_interval(math.floor(wins), S, alpha)[0], wilson_interval(math.ceil(wins), S, alpha)[1]
+    acc_T, acc_B = t_SN.mean(axis=1), b_SN.mean(axis=1)
+    pooled = math.sqrt((float(np.var(acc_T, ddof=1)) + float(np.var(acc_B, ddof=1))) / 2)
+    var_gap = float(np.var(D_S, ddof=1))
+    d_SN = t_SN.astype(np.float64) - b_SN.astype(np.float64)
+    item_var = float(np.mean(d_SN.var(axis=1, ddof=1))) / n if n > 1 else 0.0
+    train_var = max(0.0, var_gap - item_var)
+    total = item_var + train_var
+    out.update(prob_improvement=wins / S, prob_improvement_low=lo, prob_improvement_high=hi,
+               between_seed_sd=pooled, gap_in_seed_sd=float(D_S.mean()) / pooled if pooled > 0 else None,
+               gap_sd=math.sqrt(var_gap), item_sampling_var=item_var, training_var=train_var,
+               item_sampling_share=item_var / total if total > 0 else None)
+    return out
+
+
+#: the settings a procedure-level verdict holds at: it is a claim at these values, not beyond them
+SCOPE_SETTINGS = ("model.base_model", "optimizer.lr", "schedule.updates_per_batch", "schedule.num_steps",
+                  "schedule.group_size", "schedule.groups_per_batch")
+
+
+def scope_settings(run: Run) -> dict[str, Any]:
+    flat = flatten(run.config)
+    return {k: flat[k] for k in SCOPE_SETTINGS if k in flat}
+
+
+def inert_reason(row: dict[str, Any]) -> str:
+    """Which condition made the comparison inert, and what the rule's interval says beside it."""
+    per = row["activity"]["per_seed"]
+    ident = sum(bool(x["identical_training_rows"]) for x in per)
+    why = (f"identical training rows at every seed pair ({ident} of {len(per)})" if ident == len(per) else
+           f"no rule of either loss fired at any update ({len(per) - ident} of {len(per)} seed pairs"
+           + (f"; {ident} with identical training rows" if ident else "")
+           + "), and these two losses compute the same unclipped gradient")
+    iv = row.get("rule_ci")
+    if iv and (iv[0] > 0 or iv[1] < 0):
+        why += (f"; yet the rule's interval [{100 * iv[0]:+.2f}, {100 * iv[1]:+.2f}] pts excludes 0: the "
+                "arms' scores differ although the switch never acted (look at what else differs between the "
+                "arms)")
+    return why
+
+
+def _rule_notes(rows: list[dict[str, Any]], rule: Rule, n_seeds: int,
+                look: dict[str, Any] | None) -> list[str]:
+    """What the verdict line alone would leave unsaid: a seed-t interval of width 0, a verdict only seed t's
+    normal model makes significant, too few seeds to ever decide, the next look."""
+    notes = []
+    for r in rows:
+        m = r["methods"].get(rule.method) or {}
+        who = f"{r['treatment']} vs {r['baseline']}"
+        sf = r["methods"].get("sign_flip")
+        if rule.method == "seed_t" and r["verdict"] == "validated" and sf and sf["p"] >= r["holm_level"]:
+            notes.append(f"{who}: only seed t's normal model makes this significant: the exact sign-flip "
+                         f"test over the {n_seeds} seed pairs gives p = {sf['p']:.4g} (its smallest possible p "
+                         f"is {sf['p_min']:.4g}; a distribution-free claim at alpha = {rule.alpha:g} needs "
+                         f"{distribution_free_seeds(rule.alpha)} seeds per arm)")
+        sl = r.get("seed_level") or {}
+        if rule.method == "seed_t" and sl.get("sd") and r["verdict"] not in ("validated", "inert"):
+            # the design's target when the plan states one, else a gap as large as the observed one
+            shift = rule.target_effect or (abs(sl["mean"]) if sl["mean"] else sl["sd"])
+            what = "decision.target_effect" if rule.target_effect else "a gap as large as this one"
+            pw = seed_t_power(shift, sl["sd"], n_seeds, rule.alpha)
+            if pw < 0.5:
+                notes.append(f"{who}: at {n_seeds} seeds per arm seed t (df {n_seeds - 1}, t crit "
+                             f"{sl['t_crit']:.3g}) detects {what} "
+                             f"({100 * shift:.2f} pts, "
+                             f"gap sd {100 * sl['sd']:.2f} pts) with power {pw:.2f} only: below 0.5, so "
+                             "`inconclusive` says little; plan the seeds with python -m eval.design --from "
+                             "<this sweep>")
+        if m.get("note") and r["verdict"] != "inert":
+            notes.append(f"{who}: {m['note']}")
+        if look and not look["final"] and r["verdict"] != "validated":
+            notes.append(f"{who}: look {look['index']} of {look['of']} ({n_seeds} seeds per arm, decided at "
+                         f"alpha {look['level']:.3g}): no decision yet: continue to {look['next_seeds']} "
+                         "seeds per arm")
+    if rule.method == "sign_flip" and n_seeds < distribution_free_seeds(rule.alpha):
+        notes.append(f"sign_flip cannot reach p < {rule.alpha:g} with {n_seeds} seeds per arm (its "
+                     f"smallest p is {min_sign_flip_p(n_seeds):.4g}): it needs {distribution_free_seeds(rule.alpha)}")
+    return notes
+
+def _curves_and_scores(runs: list[Run], rule: Rule, order: list[int]) -> tuple[dict, list[int], dict, list[str]]:
+    """Each run's eval curve, the steps all runs share, each run's endpoint scores, notes."""
+    finals = {_final_step(r) for r in runs}
+    if len(finals) != 1:
+        raise CompareError(f"the runs have different schedule.num_steps: {sorted(finals)}")
+    final_step = finals.pop()
+    try:
+        curves = {r.arm: load_curve(f"{r.arm} ({r.path})", r.path / "eval", r.eval_name, final_step, r.records)
+                  for r in runs}
+        steps, notes = common_steps(curves)
+        if rule.endpoint != "final" and notes:
+            raise CompareError("endpoint=" + rule.endpoint + " needs the same eval steps in every run: "
+                               + "; ".join(notes))
+        scores = {r.arm: endpoint_scores(curves[r.arm], rule.endpoint, rule.step, steps, order, final_step,
+                                         f"{r.arm} ({r.path})") for r in runs}
+    except EndpointError as e:
+        raise CompareError(str(e)) from None
+    return curves, steps, scores, notes
+
+
+def _stack(scores: dict[str, np.ndarray], runs: list[Run]) -> np.ndarray:
+    return np.stack([scores[r.arm] for r in runs])
+
+
+def _curve_table(curves: dict, steps: list[int], pairs: dict[int, dict[str, Run]], baseline: str,
+                 treatments: list[str], alpha: float, threshold: float | None) -> dict[str, Any] | None:
+    """Accuracy vs step per arm (mean over seeds, interval), the paired per-step difference, the
+    per-item area under the curve (paired) and steps to threshold; None with fewer than 2 shared steps."""
+    if len(steps) < 2:
+        return None
+    seeds = list(pairs)
+    S = len(seeds)
+    arms: dict[str, Any] = {}
+    acc_SK: dict[str, np.ndarray] = {}
+    for loss in [baseline] + treatments:
+        a = np.array([accuracy_by_step(curves[pairs[s][loss].arm], steps) for s in seeds])
+        acc_SK[loss] = a
+        n_items = len(next(iter(curves[pairs[seeds[0]][loss].arm].values())))
+        lows, highs = [], []
+        for k in range(len(steps)):
+            if S >= 2:
+                st = seed_t_interval(a[:, k], alpha)
+                lows.append(st["ci_low"])
+                highs.append(st["ci_high"])
+            else:
+                lo, hi = wilson_interval(round(a[0, k] * n_items), n_items, alpha)
+                lows.append(lo)
+                highs.append(hi)
+        arms[loss] = {"accuracy": a.mean(axis=0).tolist(), "low": [max(0.0, x) for x in lows],
+                      "high": [min(1.0, x) for x in highs],
+                      "interval": "t over seeds" if S >= 2 else "Wilson"}
+    if threshold is None:
+        threshold = float(acc_SK[baseline][:, -1].mean())
+    reach = {loss: {str(s): steps_to_threshold(acc_SK[loss][i].tolist(), steps, threshold)
+                    for i, s in enumerate(seeds)} for loss in acc_SK}
+    per_treatment = {}
+    for loss in treatments:
+        rows = []
+        for k, step in enumerate(steps):
+            order = sorted(curves[pairs[seeds[0]][baseline].arm][step])
+            t = np.stack([[curves[pairs[s][loss].arm][step][i] for i in order] for s in seeds])
+            b = np.stack([[curves[pairs[s][baseline].arm][step][i] for i in order] for s in seeds])
+            r = paired_compare(t, b, alpha=alpha, n_bootstrap=0)
+            row = {"step": step, "diff": r["diff"], "ci_low": r["ci_low"], "ci_high": r["ci_high"],
+                   "mcnemar_p": r["mcnemar_p"]}
+            if S >= 2:
+                st = seed_t_interval((t.astype(float) - b).mean(axis=1), alpha)
+                row.update(seed_t_low=st["ci_low"], seed_t_high=st["ci_high"])
+            rows.append(row)
+        order = sorted(curves[pairs[seeds[0]][baseline].arm][steps[-1]])
+        auc_t = np.stack([auc_scores(curves[pairs[s][loss].arm], steps, order) for s in seeds])
+        auc_b = np.stack([auc_scores(curves[pairs[s][baseline].arm], steps, order) for s in seeds])
+        r = paired_compare(auc_t, auc_b, alpha=alpha, n_bootstrap=0)
+        auc = {"treatment": r["acc_treatment"], "baseline": r["acc_baseline"], "diff": r["diff"],
+               "ci_low": r["ci_low"], "ci_high": r["ci_high"], "sign_test_p": r["mcnemar_p"],
+               "items_higher": r["b_items"], "items_lower": r["c_items"]}
+        if S >= 2:
+            st = seed_t_interval((auc_t - auc_b).mean(axis=1), alpha)
+            auc.update(seed_t_low=st["ci_low"], seed_t_high=st["ci_high"])
+        gaps = [reach[loss][str(s)] - reach[baseline][str(s)] for s in seeds
+                if reach[loss][str(s)] is not None and reach[baseline][str(s)] is not None]
+        per_treatment[loss] = {"by_step": rows, "auc": auc,
+                               "steps_to_threshold_diff": gaps,
+                               "steps_to_threshold_mean_diff": float(np.mean(gaps)) if gaps else None}
+    return {"steps": steps, "arms": arms, "threshold": threshold, "steps_to_threshold": reach,
+            "treatments": per_treatment, "per_step_tests": PER_STEP_NOTE}
+
+
+# the curve's per-step intervals and p-values are many looks at one comparison: none of them is adjusted
+PER_STEP_NOTE = ("unadjusted, exploratory: one interval and one p per eval step and for the area under the "
+                 "curve, with no correction for the number of steps; they decide nothing (the verdict is the "
+                 "decision rule's on its pre-registered endpoint)")
+
+
+#: one entry of compare.json's `verdicts`: what the verdict is about, and the rule's numbers behind it
+_VERDICT_KEYS = ("treatment", "baseline", "verdict", "verdict_scope", "verdict_about", "headline", "method",
+                 "estimate", "ci_low", "ci_high", "p", "holm_level")
+
+
+def _rule_dict(rule: Rule) -> dict[str, Any]:
+    return {"method": rule.method, "requested": rule.requested, "resolution": rule.resolution,
+            "alpha": rule.alpha, "margin": rule.margin, "endpoint": rule.endpoint,
+            "step": rule.step, "threshold": rule.threshold, "baseline": rule.baseline, "source": rule.source,
+            "overridden": rule.overridden, "text": rule.text(), "estimand": ESTIMANDS[rule.method],
+            "scope": rule.scope, "equivalence_margin": rule.equivalence_margin, "looks": rule.looks,
+            "bootstrap_resamples": DEFAULT_BOOTSTRAP, "bootstrap_seed": DEFAULT_BOOTSTRAP_SEED}
+
+
+def _load_aa(aa: str | Path, eval_name: str, item_sha: str, ref: Run, rule: Rule, order: list[int],
+             allow_config_diff: bool, switch: str = "loss", arms: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[str]]:
+    """The A/A sweep's between-seed spread on the same endpoint and items; refuses a sweep that is not an
+    A/A of this experiment: several arms, or one arm whose switch value is none of the A/B arms'."""
+    path = Path(aa).resolve()
+    runs = [load_run(p, eval_name, job) for job, p in discover_runs(path)]
+    losses = sorted({r.loss for r in runs})
+    try:
+        aa_switch = find_switch(runs)
+    except CompareError as e:
+        raise CompareError(f"--aa {path}: not an A/A sweep: {e}") from None
+    if len(losses) != 1 or aa_switch is not None:
+        raise CompareError(f"--aa {path}: not an A/A sweep: its runs differ in {aa_switch} (an A/A sweep runs one "
+                           "arm at several seeds: python train.py --multirun loss=grpo seed=0,1,2)")
+    value = losses[0] if switch == "loss" else f"{switch}={_value_text(flatten(runs[0].config).get(switch))}"
+    if arms and _arm_named(value, switch, list(arms)) is None:
+        raise CompareError(f"--aa {path}: its runs ({', '.join(r.path.name for r in runs)}) are the arm "
+                           f"'{value}', none of this comparison's arms {list(arms)}")
+    seeds = sorted(r.seed for r in runs)
+    if len(set(seeds)) != len(seeds):
+        raise CompareError(f"--aa {path}: two runs share a seed ({seeds})")
+    if len(seeds) < 2:
+        raise CompareError(f"--aa {path}: an A/A sweep needs >= 2 seeds, it has {seeds}")
+    # the decision group only says how to read the runs: an A/A made under another rule still measures the noise
+    skip = IGNORED_CONFIG_KEYS + ("decision",) + (() if switch == "loss" else (switch,))
+    diffs = [f"{k}: {va!r} (A/B {ref.arm}) vs {vb!r} (A/A {r.arm})" for r in runs
+             for k, va, vb in config_differences(ref.config, r.config, skip)]
+    if diffs and not allow_config_diff:
+        raise CompareError(f"--aa {path}: the A/A runs' configs differ from the A/B runs' outside the loss group "
+                           "(another experiment or setting?); pass --allow-config-diff to use it anyway: "
+                           + "; ".join(diffs[:20]))
+    for r in runs:
+        load_records(r)
+    sha = check_item_sets(runs)
+    if sha != item_sha:
+        raise CompareError(f"--aa {path}: the A/A runs evaluated other items than the A/B runs (item set sha256 "
+                           f"{sha[:12]} vs {item_sha[:12]})")
+    _, _, scores, notes = _curves_and_scores(runs, rule, order)
+    spread = aa_spread({r.seed: scores[r.arm] for r in runs}, rule.alpha)
+    spread.update(sweep=str(path), loss=losses[0])
+    return spread, [f"A/A: {n}" for n in notes] + [f"A/A config differs (allowed): {d}" for d in diffs]
+
+
+
+
+def compare_runs(runs: list[Run], out_dir: str | Path, paths: list[Path] | None = None,
+                 treatment: str | list[str] | None = None, baseline: str | None = None,
+                 alpha: float | None = None, allow_config_diff: bool = False,
+                 n_bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = DEFAULT_BOOTSTRAP_SEED, make_plots: bool = True,
+                 method: str | None = None, margin: float | None = None, endpoint: str | None = None,
+                 step: int | None = None, threshold: float | None = None, override_decision: bool = False,
+                 aa: str | Path | None = None, allow_mixed_loss_paths: bool = False,
+                 equivalence_margin: float | None = None) -> dict[str, Any]:
+    """The comparison of runs already loaded (eval.runs.load_run, or Run objects built in memory with their
+    `records` set: load_records keeps records it finds): every check, the statistics, and compare.json /
+    compare.md / plots written into out_dir. `paths` are the folders the runs were given as (they enter the
+    report and the check for a sweep's subset); the run folders by default.
+
+    The decision rule comes from the runs' `decision` config; method/alpha/margin/endpoint/step/threshold/
+    baseline/equivalence_margin given here must equal it unless override_decision (then the report says
+    what changed)."""
+    if alpha is not None and not 0 < alpha < 1:
+        raise CompareError(f"--alpha must be in (0, 1), got {alpha}")
+    if n_bootstrap < 0:
+        raise CompareError(f"--bootstrap must be >= 0, got {n_bootstrap}")
+    if not runs:
+        raise CompareError("no runs to compare")
+    treatments_given = ([t for t in treatment.split(",") if t] if isinstance(treatment, str)
+                        else list(treatment) if treatment else [])
+    if baseline is not None and baseline in treatments_given:
+        raise CompareError(f"--treatment and --baseline are both '{baseline}'")
+    out_dir = Path(out_dir)
+    paths = list(paths) if paths is not None else [r.path for r in runs]
+    names = [runs[0].eval_name]
+    if any(r.eval_name != names[0] for r in runs):
+        raise CompareError("runs have different eval names: "
+                           + ", ".join(f"{r.path.name}={r.eval_name}" for r in runs) + " (pass --eval-name)")
+    rule = resolve_rule(runs, {"method": method, "alpha": alpha, "margin": margin, "endpoint": endpoint,
+                               "step": step, "threshold": threshold, "baseline": baseline,
+                               "equivalence_margin": equivalence_margin}, override_decision,
+                        n_seeds=len({r.seed for r in runs}))
+    switch = find_switch(runs)
+    losses = sorted({r.key for r in runs})
+    notes: list[str] = []
+    if switch is None:
+        if treatments_given:
+            raise CompareError(f"A/A sweep passed as A/B: every run has loss '{losses[0]}' (seeds "
+                               f"{sorted(r.seed for r in runs)}), so there is no treatment arm to compare; "
+                               "drop --treatment for the A/A report (between-seed spread), or pass this folder "
+                               "as --aa to the comparison of an A/B sweep")
+        if aa is not None:
+            raise CompareError("--aa calibrates an A/B comparison, but the runs given are themselves an A/A "
+                               f"sweep (loss '{losses[0]}' only)")
+        return _compare_aa(runs, rule, names[0], paths, out_dir, allow_config_diff, make_plots)
+    base = _arm_named(rule.baseline, switch, losses)
+    if base is None:
+        how = ("" if switch == "loss" else f"; the arms differ in {switch}, so name the baseline as "
+               f"decision.baseline='{switch}=<value>' (or --baseline {losses[0]} --override-decision)")
+        raise CompareError(f"the baseline '{rule.baseline}' (decision.baseline / --baseline) names no arm; the runs' "
+                           f"arms are {losses} ({', '.join(str(r.path) for r in runs[:4])}"
+                           f"{', ...' if len(runs) > 4 else ''}){how}")
+    named = []
+    for t in treatments_given:
+        arm = _arm_named(t, switch, losses)
+        if arm is None:
+            raise CompareError(f"no run has the treatment arm '{t}': the runs' arms are {losses} (set "
+                               "--treatment/--baseline)")
+        if arm == base:
+            raise CompareError(f"--treatment and --baseline are both '{t}'")
+        named.append(arm)
+    treatments_given = named
+    treatments = treatments_given or [x for x in losses if x != base]
+    runs_all = list(runs)
+    left_out = [r for r in runs if r.key not in treatments and r.key != base]
+    if left_out:
+        notes.append("runs left out by --treatment: " + ", ".join(r.arm for r in left_out))
+        runs = [r for r in runs if r not in left_out]
+    pairs = pair_by_seed(runs, [base] + treatments)
+    roles = {base: "baseline", **{t: "treatment" for t in treatments}}
+    ordered = [pairs[s][loss] for s in pairs for loss in [base] + treatments]  # baseline first: the reference
+    config_diff = check_configs(ordered, roles, switch)
+    if config_diff and not allow_config_diff:
+        # one line, naming each key with both values and runs: a second switch beside the arms' own is refused
+        shown = "; ".join(config_diff[:20]) + ("; ..." if len(config_diff) > 20 else "")
+        where = "the `loss` group" if switch == "loss" else f"the arms' switch `{switch}`"
+        raise CompareError(f"configs differ outside {where} (a second switch, or a different experiment?); "
+                           f"pass --allow-config-diff to compare anyway: {shown}")
+    check_precision(ordered, allow_config_diff)
+    mixed = _mixed_loss_paths(ordered)
+    if mixed and not (allow_mixed_loss_paths or allow_config_diff):
+        raise CompareError(f"the runs computed their loss on different paths {mixed} (backend.loss_path=auto fell "
+                           "back in some of them): rerun with a pinned backend.loss_path, or pass "
+                           "--allow-mixed-loss-paths (same gradients; diagnostics are rounded differently)")
+    for r in ordered:
+        load_records(r)
+    item_sha = check_item_sets(ordered)
+    order = sorted(r["index"] for r in ordered[0].records)
+    curves, steps, scores, curve_notes = _curves_and_scores(ordered, rule, order)
+    notes += curve_notes
+    seeds = list(pairs)
+    decider = METHODS[rule.method]
+    if len(seeds) < decider.min_seeds:
+        raise CompareError(f"the decision rule is {rule.method} (over seeds), but this comparison has {len(seeds)} "
+                           f"seed per arm ({seeds}); run >= 2 seeds (seed=0,1,2) or decide with an item-level "
+                           "method (--method paired_hoeffding --override-decision)")
+    if decider.needs_bootstrap and n_bootstrap == 0:
+        raise CompareError(f"the decision rule is {rule.method}, but --bootstrap 0 turns the bootstrap off")
+    quiet, quiet_notes = quiet_paths(runs_all, ordered, paths, losses, base, treatments, rule, n_bootstrap, seed,
+                                     len(seeds))
+    notes += quiet_notes
+    if quiet and not override_decision:
+        raise CompareError("this comparison departs from the pre-registered one (" + "; ".join(quiet) + "); pass "
+                           "--override-decision to decide anyway (the report then says so), or compare the whole "
+                           "sweep under its own rule")
+    rule.overridden += quiet
+    aa_spread_, aa_notes = (None, [])
+    if aa is not None:
+        aa_spread_, aa_notes = _load_aa(aa, names[0], item_sha, ordered[0], rule, order, allow_config_diff,
+                                        switch, tuple([base] + treatments))
+        notes += aa_notes
+
+    look = _look(rule, len(seeds))
+    arms_SN = {loss: _stack(scores, [pairs[s][loss] for s in seeds]) for loss in [base] + treatments}
+    labels = {loss: [pairs[s][loss].arm for s in seeds] for loss in [base] + treatments}
+    rows, samples = score_rows(arms_SN, labels, base, treatments, seeds, rule, n_bootstrap, seed, look)
+    if aa_spread_ is not None:
+        for row, sample in zip(rows, samples):
+            gaps = list(sample.D_S) if sample.D_S is not None else [row["diff"]]
+            row["aa_calibration"] = aa_calibration(aa_spread_, gaps, rule.alpha)
+    for row, loss in zip(rows, treatments):
+        row["activity"], act_notes = switch_activity({s: (pairs[s][loss], pairs[s][base]) for s in seeds},
+                                                     loss_switch=switch == "loss")
+        notes += act_notes
+        if row["activity"]["inert"]:
+            set_verdict(row, "inert", rule.scope, reason=inert_reason(row))
+    notes += _rule_notes(rows, rule, len(seeds), look)
+    for row in rows:  # a verdict the A/A noise floor contradicts is said next to it, not pages below
+        cal = row.get("aa_calibration")
+        if cal and row["verdict"] == "validated" and not cal["exceeds_aa_noise"]:
+            notes.append(f"{row['treatment']} vs {base}: validated ({row['verdict_about']}), but the gap "
+                         f"{100 * cal['observed_gap']:+.2f} pts does NOT exceed the A/A noise floor (interval "
+                         f"[{100 * cal['low']:+.2f}, {100 * cal['high']:+.2f}] pts): two seeds of one arm differ "
+                         "by as much")
+    curve = _curve_table(curves, steps, pairs, base, treatments, rule.alpha, rule.threshold)
+
+    arms = []
+    for r in ordered:
+        summ = summarize(r.records, alpha=rule.alpha)
+        arms.append({"arm": r.arm, "role": roles[r.key], "loss": r.loss, "value": r.key, "seed": r.seed,
+                     "run": str(r.path),
+                     "job": r.job, "run_name": r.info.get("arm", r.config.get("run_name")),
+                     "eval_file": str(r.eval_file), "endpoint_mean": float(np.mean(scores[r.arm])), **summ})
+    notes += _run_notes(ordered)
+    result: dict[str, Any] = {
+        "mode": "ab", "switch": switch, "treatments": treatments, "baseline": base, "eval_name": names[0],
+        "verdict_scope": rule.scope, "verdict_about": SCOPE_TEXT[rule.scope],
+        "n_seeds": len(seeds), "seeds": seeds, "decision": _rule_dict(rule), "comparisons": rows,
+        "look": look, "scope_settings": scope_settings(ordered[0]) if rule.scope == "across_seeds" else None,
+        "verdicts": [{k: r[k] for k in _VERDICT_KEYS} for r in rows], "curve": curve, "aa": aa_spread_,
+        "arms": arms, "config_diff": config_diff, "ignored_config_keys": list(IGNORED_CONFIG_KEYS),
+        "item_set_sha256": item_sha, "inputs": [str(p) for p in paths], "output_dir": str(out_dir), "plots": {},
+        "notes": notes,
+        # kept from the one-treatment report: the alpha, method and decision-rule text at the top level
+        "alpha": rule.alpha, "method": rule.method, "decision_rule": rule.text(),
+    }
+    ledger = _ledger(ordered, result)
+    if len(rows) == 1:  # one treatment: its numbers (the rule's estimate, interval, p, verdict) at the top level
+        result.update({k: v for k, v in rows[0].items() if k not in result or k in ("verdict", "method")},
+                      treatment=treatments[0])
+    return _write(result, ordered, roles, out_dir, make_plots, f" ({', '.join(treatments)} vs {base})",
+                  ledger=ledger)
+
+
+
+
+def _compare_aa(runs: list[Run], rule: Rule, eval_name: str, paths: list[Path], out_dir: Path,
+                allow_config_diff: bool, make_plots: bool) -> dict[str, Any]:
+    """One loss at several seeds: the between-seed spread (the noise floor of an A/B gap)."""
+    seeds = sorted(r.seed for r in runs)
+    if len(set(seeds)) != len(seeds):
+        raise CompareError(f"two runs of one arm share a seed: {[r.arm for r in runs]}")
+    if len(seeds) < 2:
+        raise CompareError(f"one run of loss '{runs[0].loss}' only: nothing to compare (an A/A sweep needs "
+                           ">= 2 seeds, an A/B sweep two losses)")
+    runs = sorted(runs, key=lambda r: r.seed)
+    roles = {runs[0].loss: "baseline"}
+    config_diff = check_configs(runs, {runs[0].loss: "A/A"})
+    if config_diff and not allow_config_diff:
+        raise CompareError("configs differ outside the `loss` group; pass --allow-config-diff to compare anyway: "
+                           + "; ".join(config_diff[:20]))
+    check_precision(runs, allow_config_diff)
+    for r in runs:
+        load_records(r)
+    item_sha = check_item_sets(runs)
+    order = sorted(r["index"] for r in runs[0].records)
+    _, _, scores, notes = _curves_and_scores(runs, rule, order)
+    spread = aa_spread({r.seed: scores[r.arm] for r in runs}, rule.alpha)
+    spread.update(sweep=str(paths[0]), loss=runs[0].loss)
+    arms = [{"arm": r.arm, "role": "A/A", "loss": r.loss, "seed": r.seed, "run": str(r.path), "job": r.job,
+             "run_name": r.info.get("arm"), "eval_file": str(r.eval_file),
+             "endpoint_mean": float(np.mean(scores[r.arm])), **summarize(r.records, alpha=rule.alpha)} for r in runs]
+    result = {"mode": "aa", "verdict": None, "verdict_scope": "across_seeds", "baseline": runs[0].loss,
+              "treatments": [], "eval_name": eval_name, "n_seeds": len(seeds), "seeds": seeds, "n_items": len(order),
+              "decision": _rule_dict(rule), "aa": spread, "arms": arms, "config_diff": config_diff,
+              "ignored_config_keys": list(IGNORED_CONFIG_KEYS), "item_set_sha256": item_sha,
+              "inputs": [str(p) for p in paths], "output_dir": str(out_dir), "plots": {},
+              "notes": notes + _run_notes(runs), "alpha": rule.alpha, "method": rule.method,
+              "decision_rule": rule.text()}
+    return _write(result, runs, roles, out_dir, make_plots, f" (A/A: {runs[0].loss})")
+
+
+
+
+def _write(result: dict[str, Any], runs: list[Run], roles: dict[str, str], out_dir: Path, make_plots: bool,
+           title_suffix: str, ledger: tuple[Path, dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Everything is checked: from here on we write (the looks ledger, plots, compare.md, then compare.json
+    last)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    notes = result["notes"]
+    if ledger is not None:
+        try:
+            record_look(*ledger)
+            result["looks_ledger"] = str(ledger[0])
+        except OSError as e:
+            notes.append(f"this look was not recorded in the ledger {ledger[0]} ({e}): a later look will not "
+                         "count it")
+    if make_plots:
+        from eval.plots import PlotRun, load_metrics, plot_eval_curve
+        from eval.plots import make_plots as _make_plots
+
+        plot_runs = []
+        for r, a in zip(runs, result["arms"]):
+            rows, metric_notes = load_metrics(r.path / "metrics.jsonl")
+            notes += metric_notes
+            plot_runs.append(PlotRun(label=r.arm, role=roles.get(r.key, "baseline"), seed=r.seed, metrics=rows,
+                                     accuracy=a["accuracy"], wilson_low=a["wilson_low"],
+                                     wilson_high=a["wilson_high"]))
+        files, plot_notes = _make_plots(plot_runs, out_dir / PLOTS_DIR, title_suffix)
+        notes += plot_notes
+        if result.get("curve"):
+            files["eval_curve"] = plot_eval_curve(result["curve"], out_dir / PLOTS_DIR / "eval_curve.png",
+                                                  f"Eval accuracy vs step{title_suffix}")
+        result["plots"] = {k: os.path.relpath(v, out_dir) for k, v in files.items()}
+
+    from eval.report import render_markdown
+
+    atomic_write_text(out_dir / "compare.md", render_markdown(result, out_dir))
+    atomic_write_json(out_dir / "compare.json", result)  # last: its presence means a complete report
+    for name in ("compare.md", "compare.json"):
+        os.chmod(out_dir / name, 0o644)  # the atomic writer's temp file is 0600
+    return result
+
+
