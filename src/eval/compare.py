@@ -12,7 +12,8 @@ interval), notes and those paths (`--json`: compare.json itself). Bad input exit
 A sweep of one loss at several seeds (A/A) gets the between-seed spread instead of a verdict; given
 as `--aa` beside an A/B sweep it says whether the A/B gap exceeds that spread.
 Every check runs before anything is written, so a refused comparison leaves an existing
-compare.json untouched.
+compare.json untouched. `--items NAME=FILE[,FILE...] ...` compares per-item files written by other frameworks
+instead (eval/items.py, eval/item_formats.py) with the same rule and statistics (eval.comparison.score_rows).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from eval.comparison import (  # noqa: F401 - re-exported: callers and tests imp
     compare_runs,
     resolve_rule,
 )
+from eval.items import ItemsError, compare_items, items_summary
 from eval.methods import DECIDING, method_table  # noqa: F401 - method_table re-exported
 from eval.runs import (  # noqa: F401 - re-exported: the runs' API, as eval.compare always offered it
     CompareError,
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Config keys allowed to differ between runs: "
                                        + ", ".join(IGNORED_CONFIG_KEYS))
-    p.add_argument("paths", nargs="+", help="a sweep folder (A/B or A/A), or two run folders")
+    p.add_argument("paths", nargs="*", help="a sweep folder (A/B or A/A), or two run folders")
     p.add_argument("--treatment", default=None,
                    help="loss(es) of the treatment arm(s), comma-separated (default: every loss but the baseline)")
     p.add_argument("--baseline", default=None, help="loss of the baseline arm (default: decision.baseline)")
@@ -123,7 +125,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="do not log the comparison to wandb (default: logged when the arms logged to wandb)")
     p.add_argument("--json", action="store_true",
                    help="print compare.json on stdout (default: the verdict lines, notes and the report's paths)")
+    items = p.add_argument_group("runs trained elsewhere: per-item result files (eval/items.py, "
+                                 "docs/verdict.md)")
+    items.add_argument("--items", nargs="+", default=None, metavar="NAME=FILE[,FILE...]",
+                       help="two or more arms (or one arm at >= 2 seeds), each its per-item files, one per "
+                            "seed")
+    items.add_argument("--format", default=None, help="the files' format (default: detected from the file)")
+    items.add_argument("--metric", default=None,
+                       help="the per-item metric (default: the format's primary one)")
+    items.add_argument("--decision", default=None, metavar="PLAN.yaml",
+                       help="the pre-registered rule: a YAML of the decision block's keys")
     args = p.parse_args(argv)
+    if args.items is not None:
+        return _main_items(args)
+    if not args.paths:
+        p.error("give a sweep folder, two run folders, or --items")
+    items_only = [k for k, v in (("--format", args.format), ("--metric", args.metric),
+                                 ("--decision", args.decision)) if v is not None]
+    if items_only:  # a sweep's rule is its runs' own `decision` block, its scores their eval files
+        print(f"eval.compare: error: {', '.join(items_only)}: for --items only, not for sweep folders",
+              file=sys.stderr)
+        return 2
     try:
         result = compare(args.paths, treatment=args.treatment, baseline=args.baseline, alpha=args.alpha,
                          eval_name=args.eval_name, allow_config_diff=args.allow_config_diff,
@@ -145,6 +167,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eval.compare: the comparison was not logged to wandb: {type(e).__name__}: {e}",
                   file=sys.stderr)
     print(json.dumps(result, indent=2, sort_keys=True) if args.json else summary(result))
+    return 0
+
+
+def _main_items(args: argparse.Namespace) -> int:
+    """`--items`: the verdict on per-item files (eval.items); the sweep-only options are refused."""
+    sweep_only = {"paths": args.paths, "--treatment": args.treatment, "--aa": args.aa,
+                  "--eval-name": args.eval_name, "--endpoint": args.endpoint, "--step": args.step,
+                  "--threshold": args.threshold, "--allow-config-diff": args.allow_config_diff,
+                  "--allow-mixed-loss-paths": args.allow_mixed_loss_paths}
+    given = [k for k, v in sweep_only.items() if v]
+    try:
+        if given:
+            raise ItemsError(f"{', '.join(given)}: for sweep folders only, not for --items")
+        result = compare_items(args.items, fmt=args.format, metric=args.metric, plan=args.decision,
+                               baseline=args.baseline, method=args.method, alpha=args.alpha,
+                               margin=args.margin, equivalence_margin=args.equivalence_margin,
+                               override_decision=args.override_decision, n_bootstrap=args.bootstrap,
+                               seed=args.seed, out=args.out)
+    except (CompareError, ValueError) as e:
+        print(f"eval.compare: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2, sort_keys=True) if args.json else items_summary(result, summary))
     return 0
 
 

@@ -171,6 +171,34 @@ def decide_all(rows: list[dict[str, Any]], samples: list[Any], rule: Rule, level
         set_verdict(row, verdict, rule.scope)
 
 
+def score_rows(arms_SN: dict[str, np.ndarray], labels: dict[str, list[str]], base: str, treatments: list[str],
+               seeds: list[int], rule: Rule, n_bootstrap: int, seed: int,
+               look: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(one comparison row per treatment, the methods' samples decide_all read) from scores already read and
+    paired: `arms_SN[arm]` holds one row per seed (in `seeds` order) over one shared item order, `labels[arm]`
+    each row's run label. Every method, each seed pair's row, the effect sizes and the Holm step-down over
+    the treatments at this look's level (`look`: _look's dict, None for one look): what compare_runs does
+    once a sweep's runs are read, and what eval.items does with per-item files written elsewhere, so both
+    give one verdict on the same scores."""
+    b_SN = arms_SN[base]
+    rows, samples = [], []
+    for loss in treatments:
+        t_SN = arms_SN[loss]
+        item, methods, sample = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
+        per_seed = []
+        for i, s in enumerate(seeds):
+            r = per_seed_row(t_SN[i], b_SN[i], rule, n_bootstrap, seed)
+            r.update(seed=s, treatment_arm=labels[loss][i], baseline_arm=labels[base][i])
+            per_seed.append(r)
+        rows.append({"treatment": loss, "baseline": base, **item_level(item), "per_seed": per_seed,
+                     "methods": methods, "bootstrap_resamples": int(n_bootstrap), "bootstrap_seed": int(seed),
+                     "effect_sizes": effect_sizes(t_SN, b_SN, rule.alpha)})
+        samples.append(sample)
+    decide_all(rows, samples, rule, level=look["level"] if look else None,
+               final_look=look is None or look["final"])
+    return rows, samples
+
+
 def set_verdict(row: dict[str, Any], verdict: str, scope: str, reason: str | None = None) -> None:
     """The verdict with its scope, in every form compare shows it (the token, the scope key, the scope in
     words and the headline sentence)."""
@@ -358,7 +386,19 @@ def _ledger(runs: list[Run], result: dict[str, Any]) -> tuple[Path, dict[str, An
                   "treatments": sorted(result["treatments"]), "item_set_sha256": result["item_set_sha256"],
                   "endpoint": result["decision"]["endpoint"]}
     path = ledger_root([_home(r) for r in runs]) / LEDGER_DIR / f"{ledger_key(*key_fields.values())}.json"
-    seen = {x["n_seeds"]: x for x in read_ledger(path)}
+    earlier_looks(result, path)
+    entry = {"n_seeds": result["n_seeds"], "seeds": result["seeds"],
+             "verdicts": {v["treatment"]: v["verdict"] for v in result["verdicts"]}}
+    return path, entry, key_fields
+
+
+def earlier_looks(result: dict[str, Any], path: Path | None, plannable: bool = True) -> None:
+    """The earlier looks at this comparison (fewer seeds per arm), from the ledger at `path` (None: no
+    ledger) and an earlier compare.json of the same comparison in the output folder, into result["looks"],
+    with a note saying what re-deciding costs when decision.looks did not plan them (`plannable`: whether
+    decision.looks could have)."""
+    seen = {x["n_seeds"]: x for x in read_ledger(path)} if path is not None else {}
+    where = f" (ledger {path})" if path is not None else f" (compare.json in {result['output_dir']})"
     prev_file = Path(result["output_dir"]) / "compare.json"
     if prev_file.is_file():  # a report written before the ledger existed still counts as a look
         try:
@@ -386,15 +426,12 @@ def _ledger(runs: list[Run], result: dict[str, Any]) -> tuple[Path, dict[str, An
         result["notes"].append(
             f"look {len(looks) + 1} at this comparison: earlier looks at "
             + ", ".join(f"{x['n_seeds']} seed(s) ({x['verdicts']})" for x in looks)
-            + f" (ledger {path}); the rule's alpha = {result['alpha']:g} holds for one pre-planned look, so "
-            "re-deciding as seeds are added raises the false-positive rate above it (plan the looks: "
-            "decision.looks)")
+            + f"{where}; the rule's alpha = {result['alpha']:g} holds for one pre-planned look, so "
+            "re-deciding as seeds are added raises the false-positive rate above it"
+            + (" (plan the looks: decision.looks)" if plannable else ""))
     elif looks:
         result["notes"].append(f"earlier looks at this comparison: {[x['n_seeds'] for x in looks]} seeds per "
-                               f"arm (ledger {path}); decision.looks = {rule['looks']} spends alpha over them")
-    entry = {"n_seeds": result["n_seeds"], "seeds": result["seeds"],
-             "verdicts": {v["treatment"]: v["verdict"] for v in result["verdicts"]}}
-    return path, entry, key_fields
+                               f"arm{where}; decision.looks = {rule['looks']} spends alpha over them")
 
 
 def effect_sizes(t_SN: np.ndarray, b_SN: np.ndarray, alpha: float) -> dict[str, Any]:
@@ -762,26 +799,13 @@ def compare_runs(runs: list[Run], out_dir: str | Path, paths: list[Path] | None 
         notes += aa_notes
 
     look = _look(rule, len(seeds))
-    rows, samples = [], []
-    for loss in treatments:
-        t_SN = _stack(scores, [pairs[s][loss] for s in seeds])
-        b_SN = _stack(scores, [pairs[s][base] for s in seeds])
-        item, methods, sample = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
-        per_seed = []
-        for i, s in enumerate(seeds):
-            r = per_seed_row(t_SN[i], b_SN[i], rule, n_bootstrap, seed)
-            r.update(seed=s, treatment_arm=pairs[s][loss].arm, baseline_arm=pairs[s][base].arm)
-            per_seed.append(r)
-        row = {"treatment": loss, "baseline": base, **item_level(item), "per_seed": per_seed, "methods": methods,
-               "bootstrap_resamples": int(n_bootstrap), "bootstrap_seed": int(seed),
-               "effect_sizes": effect_sizes(t_SN, b_SN, rule.alpha)}
-        if aa_spread_ is not None:
-            gaps = list(sample.D_S) if sample.D_S is not None else [item["diff"]]
+    arms_SN = {loss: _stack(scores, [pairs[s][loss] for s in seeds]) for loss in [base] + treatments}
+    labels = {loss: [pairs[s][loss].arm for s in seeds] for loss in [base] + treatments}
+    rows, samples = score_rows(arms_SN, labels, base, treatments, seeds, rule, n_bootstrap, seed, look)
+    if aa_spread_ is not None:
+        for row, sample in zip(rows, samples):
+            gaps = list(sample.D_S) if sample.D_S is not None else [row["diff"]]
             row["aa_calibration"] = aa_calibration(aa_spread_, gaps, rule.alpha)
-        rows.append(row)
-        samples.append(sample)
-    decide_all(rows, samples, rule, level=look["level"] if look else None,
-               final_look=look is None or look["final"])
     for row, loss in zip(rows, treatments):
         row["activity"], act_notes = switch_activity({s: (pairs[s][loss], pairs[s][base]) for s in seeds},
                                                      loss_switch=switch == "loss")

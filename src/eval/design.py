@@ -1,5 +1,7 @@
 """`python -m eval.design +experiment=<name> [overrides] [--discordance P] [--seed-sd S] [--from DIR]
 [--target-effect E] [--json]`: what the plan can detect, before the budget is spent.
+`--from NAME=FILE[,FILE...]` (once per arm, no overrides, `--decision PLAN.yaml`) asks the same of per-item
+files written elsewhere.
 
 For the plan's items (eval.n_examples), seeds per arm (the sweep's `seed=` values), decision.alpha and
 decision.power, the minimum detectable effect (MDE) of each method: paired Hoeffding, exact McNemar,
@@ -487,6 +489,9 @@ def render(result: dict[str, Any]) -> str:
             pw = result["power_at_target"].get(k)
             lines.append(f"  {k:18s} power {'-' if pw is None else f'{pw:.3f}'}, items needed "
                          f"{result['items_needed'][k]}, seeds needed {result['seeds_needed'][k]}")
+    else:
+        lines += ["", ("(no target effect: pass --target-effect E, or decision.target_effect, for the items "
+                       "and seeds a gain of E needs)")]
     if any(v is None for v in list(result["mde"].values()) + list(result["mde_closed_form"].values())):
         lines.append(f"(none: no effect up to the discordance, {100 * result['discordance']:.1f} pts, reaches power "
                      f"{result['power']:g}, or no closed form for this design)")
@@ -507,13 +512,61 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _plan_from_files(args: argparse.Namespace, files: list[str], pilots: list[str]) -> Plan:
+    """The plan of a question asked of per-item files (eval.items): no Hydra config is composed."""
+    from eval.items import ItemsError
+
+    if len(files) != len(pilots) or args.overrides:
+        raise DesignError("--from per-item files takes no pilot folder and no Hydra overrides beside them "
+                          "(the rule comes from --decision PLAN.yaml)")
+    try:
+        return plan_from_items(files, args.decision, args.format, args.metric, args.seeds, args.discordance,
+                               args.seed_sd, args.target_effect)
+    except ItemsError as e:
+        raise DesignError(f"--from: {e}") from None
+
+
+def plan_from_items(specs: list[str], plan_path: str | None, fmt: str | None = None,
+                    metric: str | None = None, n_seeds: int | None = None, discordance: float | None = None,
+                    seed_sd: float | None = None, target_effect: float | None = None) -> Plan:
+    """The Plan of a question asked of per-item files: the files' items, the seeds per arm (--seeds, else
+    the files'), the rule of the plan YAML (the decision block's defaults without one), and the discordance
+    and seed sd measured on the files (eval.items.pilot_from_items) unless given."""
+    from eval.items import load_plan, pilot_from_items
+    from trainer.config.schema import DecisionConfig
+
+    raw = load_plan(plan_path) if plan_path else {}
+    d = DecisionConfig(**raw)
+    est = pilot_from_items(specs, fmt, metric, raw.get("baseline"))
+    S = n_seeds or est["n_seeds"]
+    sources = {}
+    P, sources["discordance"] = _first_given((discordance, "--discordance"),
+                                             (est["discordance"], est["source"]),
+                                             (DEFAULT_DISCORDANCE, "assumed"))
+    sd, sources["seed_sd"] = _first_given(
+        (seed_sd, "--seed-sd"), (est["seed_sd"], est["source"]), (d.seed_sd, "decision.seed_sd"),
+        (0.0, "assumed 0 (the files have one seed per arm: no training noise measured; pass --seed-sd)"))
+    method, sources["method"] = resolve_method(d.method, S)
+    target = target_effect if target_effect is not None else d.target_effect
+    return Plan(n_items=est["n_items"], n_seeds=S, alpha=d.alpha, power=d.power, margin=d.margin,
+                discordance=P, seed_sd=sd, method=method, target_effect=target, target_scope=d.target_scope,
+                sources=sources)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.design", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=dppo_vs_grpo seed=0,1,2")
     p.add_argument("--discordance", type=float, default=None, help="share of items the arms disagree on, in (0, 1]")
     p.add_argument("--seed-sd", type=float, default=None, help="between-seed sd of one arm's accuracy (A/A)")
-    p.add_argument("--from", dest="pilot", default=None, help="a pilot run or sweep folder to estimate both from")
+    p.add_argument("--from", dest="pilot", action="append", default=None, metavar="DIR | NAME=FILE[,FILE...]",
+                   help="a pilot run or sweep folder to estimate both from; or per-item files of runs "
+                        "trained elsewhere, one NAME=FILE[,FILE...] per arm (repeat --from), with no Hydra "
+                        "overrides")
+    p.add_argument("--decision", default=None, metavar="PLAN.yaml",
+                   help="with --from files: the rule (a YAML of the decision block's keys)")
+    p.add_argument("--format", default=None, help="with --from files: their format (default: detected)")
+    p.add_argument("--metric", default=None, help="with --from files: the per-item metric")
     p.add_argument("--target-effect", type=float, default=None, help="the gain to detect (default decision.target_effect)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default: the sweep's seed= values)")
     p.add_argument("--sims", type=int, default=1000, help="simulated sweeps per effect (default 1000)")
@@ -528,20 +581,30 @@ def main(argv: list[str] | None = None) -> int:
             raise DesignError(f"--discordance must be in (0, 1], got {args.discordance}")
         if args.sims < 10 or args.bootstrap < 10:
             raise DesignError("--sims and --bootstrap must be >= 10")
-        from trainer.config.compose import compose_config
-        from trainer.config.schema import ConfigError, validate
+        pilots = args.pilot or []
+        files = [x for x in pilots if "=" in x or Path(x.split(",")[0]).is_file()]
+        if files:
+            plan = _plan_from_files(args, files, pilots)
+        else:
+            if len(pilots) > 1 or args.decision or args.format or args.metric:
+                raise DesignError("--from DIR takes one pilot folder; --decision, --format and --metric go "
+                                  "with --from per-item files")
+            from trainer.config.compose import compose_config
+            from trainer.config.schema import ConfigError, validate
 
-        first, n_seeds = plan_seeds(args.overrides)
-        try:
-            cfg = compose_config(first)
-            validate(cfg)
-        except ConfigError as e:
-            raise DesignError(f"config: {e}") from None
-        plan = plan_from_config(cfg, args.seeds or n_seeds, args.discordance, args.seed_sd, args.target_effect,
-                                args.pilot)
+            first, n_seeds = plan_seeds(args.overrides)
+            try:
+                cfg = compose_config(first)
+                validate(cfg)
+            except ConfigError as e:
+                raise DesignError(f"config: {e}") from None
+            plan = plan_from_config(cfg, args.seeds or n_seeds, args.discordance, args.seed_sd,
+                                    args.target_effect, pilots[0] if pilots else None)
         plot = args.plot
         if plot is None:  # beside what it was estimated from, never loose in the working directory
-            plot = str((Path(args.pilot) if args.pilot else Path("outputs") / "design") / "design_power.png")
+            where = Path(files[0].split("=", 1)[-1].split(",")[0]).parent if files else \
+                Path(pilots[0]) if pilots else Path("outputs") / "design"
+            plot = str(where / "design_power.png")
             Path(plot).parent.mkdir(parents=True, exist_ok=True)
         result = design(plan, n_sims=args.sims, n_bootstrap=args.bootstrap, plot=plot or None)
     except DesignError as e:

@@ -60,6 +60,7 @@ def _name(method: str) -> str:
 def render_markdown(result: dict[str, Any], out_dir: str | Path) -> str:
     """Markdown for `result` (the compare.json dict); plot links are relative to out_dir."""
     lines = _aa_report(result) if result.get("mode") == "aa" else _ab_report(result)
+    lines += _categories(result)
     lines += _tail(result)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -321,6 +322,23 @@ def _aa_report(result: dict[str, Any]) -> list[str]:
                    "item-level test (Hoeffding bound or McNemar p < alpha): those tests are about fixed "
                    "checkpoints, and two checkpoints of the same loss are different checkpoints."), ""]
     lines += _arms_section(result, 100.0 * (1.0 - rule["alpha"]))
+    return lines
+
+
+def _categories(result: dict[str, Any]) -> list[str]:
+    """Per-item files with categories (eval.items): the rule on each category, Holm over all the rows."""
+    cats = result.get("categories")
+    if not cats:
+        return []
+    lines = ["", (f"## Per category (secondary: {cats['multiplicity']}, {cats['family_size']} rows; they "
+                  "decide nothing)"), "",
+             ("| treatment | category | items | diff | rule interval at its Holm level | rule p | Holm p "
+              "| result |"),
+             "|---|---|---:|---:|---|---:|---:|---|"]
+    for r in cats["rows"]:
+        lines.append(f"| {r['arm']} | {r['category']} | {r['n_items']} | {_pts(r['estimate'])} | "
+                     f"{_ci(r['rule_ci'])} (alpha {r['holm_level']:.4g}) | {_p(r['p_rule'])} | "
+                     f"{_p(r['p_holm'])} | {r['verdict']} |")
     return lines
 
 
