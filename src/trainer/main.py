@@ -20,7 +20,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from eval.during_training import compare_with_start, periodic_eval, run_final_eval, run_start_eval
+from eval.during_training import (compare_with_start, periodic_eval, run_final_eval, run_start_eval,
+                                  start_eval_key)
 from eval.run_report import write_run_report
 from trainer.backends import BackendConfigError, build_service_client, check_tinker, session_finished
 from trainer.backends.errors import BackendRequestError, is_lost
@@ -205,7 +206,7 @@ def run_training(cfg: DictConfig) -> float | None:
                              cfg.schedule.updates_per_batch)
     try:
         out = _train_and_evaluate(cfg, run_dir, sweep_dir, service_client, task, etask, config_dict, t_setup,
-                                  wandb_run, load)
+                                  wandb_run, load, info)
     except BaseException:
         if wandb_run is not None:  # marked failed in wandb, with what it logged so far
             wandb_run.finish(exit_code=1)
@@ -232,7 +233,7 @@ def _eval_or_fail(what: str, run: Any) -> Any:
 
 def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, service_client: Any, task: Any,
                         etask: Any, config_dict: dict, t_setup: float, wandb_run: Any,
-                        load: LoadMonitor) -> float | None:
+                        load: LoadMonitor, info: dict[str, Any]) -> float | None:
     loop = None
     # the session ends with the run however it ends; the loop's client replaces the first after a recovery
     with session_finished(lambda: loop.sc if loop is not None else service_client,
@@ -260,11 +261,13 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
                       progress=True if bar else "lines", on_step_end=on_step_end, wandb_run=wandb_run,
                       new_service_client=renew)
         setup_s = time.time() - t_setup
-        start_eval, start_eval_s = None, 0.0
+        start_eval, start_eval_s, start_rec = None, 0.0, None
         if etask is not None and cfg.eval.at_start:
             t0 = time.time()
-            start_eval = _eval_or_fail("the initial-weights eval", lambda: run_start_eval(
-                cfg, service_client, etask, run_dir, loop.retry, loop.cfg_hash))
+            # a sweep evaluates the initial weights once per model, eval set and engine, and reuses it
+            share = (sweep_dir / "initial_eval", start_eval_key(config_dict, info)) if sweep_dir else None
+            start_eval, start_rec = _eval_or_fail("the initial-weights eval", lambda: run_start_eval(
+                cfg, service_client, etask, run_dir, loop.retry, loop.cfg_hash, share))
             start_eval_s = time.time() - t0
             to_wandb()
         t_train = time.time()
@@ -278,6 +281,8 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
         # checkpoints and periodic evals
         result["time/setup"] = setup_s
         result["time/start_eval"] = start_eval_s
+        if start_rec is not None:
+            result["start_eval"] = start_rec
         result["time/train_total"] = time.time() - t_train
 
         final_acc = None
