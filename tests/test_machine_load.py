@@ -30,7 +30,7 @@ TCK = os.sysconf("SC_CLK_TCK")
 
 
 def write_stat(path: Path, user: int, system: int = 0, idle: int = 10**6, steal: int = 0) -> None:
-    """A /proc/stat in the kernel's layout: user nice system idle iowait irq softirq steal guest guest_nice."""
+    """A /proc/stat in the kernel's layout (user nice system idle iowait irq softirq steal guest ...)."""
     path.write_text(f"cpu  {user} 7 {system} {idle} 50 3 2 {steal} 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n"
                     "intr 12345\nctxt 999\n")
 
@@ -78,7 +78,8 @@ def test_a_contended_run_warns_once_naming_the_load_and_a_quiet_one_never(tmp_pa
     rec = mon.end()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1, lines
-    assert lines[0].startswith("the machine is contended during step 1: ") and "CPUs busy in other processes" in lines[0]
+    assert lines[0].startswith("the machine is contended during step 1: ")
+    assert "CPUs busy in other processes" in lines[0]
     assert "load average" in lines[0]
     assert rec["contended"] is True and rec["busiest"]["when"] in ("during step 1", "during step 2")
     assert rec["start"] == mon.start_rec and rec["end"]["other_cores"] > 0.5
@@ -112,8 +113,9 @@ def test_bench_helper_prints_the_load_and_warns_only_when_contended(tmp_path):
     with BenchLoad("x.py", window_s=0.01, stat_path=str(stat), out=out):
         write_stat(stat, user=1000 + 10**6 * TCK)
     lines = out.getvalue().splitlines()
-    assert [ln for ln in lines if "WARNING" in ln] == [
-        "[x.py] WARNING: more than 0.5 of a core was busy elsewhere; the timings above are not a quiet machine's"]
+    want = ("[x.py] WARNING: more than 0.5 of a core was busy elsewhere; the timings above are not a quiet "
+            "machine's")
+    assert [ln for ln in lines if "WARNING" in ln] == [want]
 
 
 def test_train_records_the_load_and_a_contended_run_logs_one_warning_line(tmp_path):

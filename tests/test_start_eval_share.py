@@ -27,8 +27,8 @@ def test_the_key_follows_what_changes_the_numbers_and_ignores_the_arm():
     # the arms and seeds of a sweep, and when the eval runs, share it
     for same in (["loss=dppo"], ["seed=3"], ["optimizer.lr=0.1"], ["eval.every=4"], ["schedule.num_steps=2"]):
         assert _key(same) == base, same
-    for other in (["eval.n_examples=50"], ["eval.max_tokens=8"], ["env.seed=1"], ["backend.sampler_dtype=float32"],
-                  ["model.max_seq_len=256"], ["model=tiny_random"]):
+    for other in (["eval.n_examples=50"], ["eval.max_tokens=8"], ["env.seed=1"],
+                  ["backend.sampler_dtype=float32"], ["model.max_seq_len=256"], ["model=tiny_random"]):
         assert _key(other) != base, other
     for k, v in (("precision", {"sampler_dtype": "bfloat16"}), ("engine", {"kernels": "torch path"}),
                  ("torch_threads", 1), ("cpu", "another CPU"), ("git", {"rev": "def", "dirty": False})):

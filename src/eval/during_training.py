@@ -129,7 +129,8 @@ def _reuse_start_eval(stored: Path, out: Path, cfg_hash: str, sha: str) -> dict:
     summary = read_json(stored.with_suffix(".summary.json"), "stored start-eval summary")
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(stored, out)
-    summary.update({"config_hash": cfg_hash, "reused": True, "reused_from": str(stored.parent), "key_sha": sha})
+    summary.update({"config_hash": cfg_hash, "reused": True, "reused_from": str(stored.parent),
+                    "key_sha": sha})
     atomic_write_json(out.with_suffix(".summary.json"), summary)
     print(f"initial-weights eval: accuracy {summary['accuracy']:.4f} on {summary['n']} items, reused from "
           f"{stored.parent} (same model, eval set and engine)", flush=True)

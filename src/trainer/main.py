@@ -191,7 +191,8 @@ def run_training(cfg: DictConfig) -> float | None:
         # every implementation choice of the local engine, made once for this model and logged (a service
         # decides its own); a resumed run's engine says it when it restores the checkpoint
         plan = service_client.plan(cfg.model.base_model) if hasattr(service_client, "plan") else None
-        info = write_run_files(run_dir, cfg, {"batch": batch, "run_dir": str(run_dir), "load": {"start": load.start_rec},
+        info = write_run_files(run_dir, cfg, {"batch": batch, "run_dir": str(run_dir),
+                                              "load": {"start": load.start_rec},
                                               # the engine's resolved precision (None: the service decides)
                                               "precision": getattr(service_client, "precision", None),
                                               "engine": plan.record() if plan is not None else None})

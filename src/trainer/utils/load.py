@@ -99,8 +99,8 @@ def describe(rec: dict[str, Any]) -> str:
     """'1.62 of 2 CPUs busy in other processes over 12.0 s, load average 3.10 2.40 1.20' (what is known)."""
     parts = []
     if rec.get("other_cores") is not None:
-        parts.append(f"{rec['other_cores']:.2f} of {rec.get('cpus') or '?'} CPUs busy in other processes over "
-                     f"{rec['window_s']:.1f} s")
+        cpus, over = rec.get("cpus") or "?", rec["window_s"]
+        parts.append(f"{rec['other_cores']:.2f} of {cpus} CPUs busy in other processes over {over:.1f} s")
     la = rec.get("loadavg")
     parts.append("load average " + (" ".join(f"{x:.2f}" for x in la) if la else "unknown"))
     return ", ".join(parts)
