@@ -80,4 +80,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from trainer.utils.load import BenchLoad  # the load beside the timings; warns when contended
+
+    with BenchLoad(Path(__file__).name):
+        main()

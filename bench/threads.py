@@ -87,4 +87,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(ROOT / "src"))
+    from trainer.utils.load import BenchLoad  # the load beside the timings; warns when contended
+
+    if "--child" in sys.argv:  # one placement's fresh process: its parent reports the load
+        main()
+    else:
+        with BenchLoad(Path(__file__).name):
+            main()

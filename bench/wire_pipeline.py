@@ -93,4 +93,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(ROOT / "src"))
+    from trainer.utils.load import BenchLoad  # the load beside the timings; warns when contended
+
+    with BenchLoad(Path(__file__).name):
+        main()

@@ -20,7 +20,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from eval.during_training import compare_with_start, periodic_eval, run_final_eval, run_start_eval
+from eval.during_training import (compare_with_start, periodic_eval, run_final_eval, run_start_eval,
+                                  start_eval_key)
 from eval.run_report import write_run_report
 from trainer.backends import BackendConfigError, build_service_client, check_tinker, session_finished
 from trainer.backends.errors import BackendRequestError, is_lost
@@ -33,6 +34,7 @@ from trainer.run_info import (batch_arithmetic, config_secrets, format_batch_ari
                               redact_hydra_record, resolved_config_dict, write_run_files)
 from trainer.setup import build_components, eval_task, fail, make_loss
 from trainer.utils.io import atomic_write_json, read_json
+from trainer.utils.load import LoadMonitor
 from trainer.wandb_run import WandbRun
 
 log = logging.getLogger("pairedrl")
@@ -106,6 +108,23 @@ def record_arm(sweep_dir: Path, job_num: int, info: dict[str, Any]) -> None:
         lock.close()
 
 
+def record_load(run_dir: Path, load: dict[str, Any]) -> None:
+    """run_info.json's `load` completed at the end of a run: the whole run's record (`LoadMonitor.end`). A
+    resumed run keeps what the earlier sessions recorded under `earlier_sessions`."""
+    path = run_dir / "run_info.json"
+    try:
+        info = read_json(path, "run info")
+    except (FileNotFoundError, ValueError) as e:
+        log.warning("load record not written: %s", e)
+        return
+    before = info.get("load") or {}
+    earlier = list(before.get("earlier_sessions") or [])
+    if before and before.get("start") != load["start"]:  # written by an earlier session of this folder
+        earlier.append({k: v for k, v in before.items() if k != "earlier_sessions"})
+    info["load"] = {**load, **({"earlier_sessions": earlier} if earlier else {})}
+    atomic_write_json(path, info)
+
+
 def run_training(cfg: DictConfig) -> float | None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
     t_setup = time.time()
@@ -117,6 +136,8 @@ def run_training(cfg: DictConfig) -> float | None:
     except ConfigError as e:
         fail(f"config: {e}")
     check_output_dir(run_dir, cfg)
+    # the machine's load beside this run's timings: a short window now, each step, the whole run at the end
+    load = LoadMonitor()
     if cfg.backend.name == "tinker":  # a missing key or an unreachable service fails before any other work
         try:
             check_tinker(cfg.backend)
@@ -171,6 +192,7 @@ def run_training(cfg: DictConfig) -> float | None:
         # decides its own); a resumed run's engine says it when it restores the checkpoint
         plan = service_client.plan(cfg.model.base_model) if hasattr(service_client, "plan") else None
         info = write_run_files(run_dir, cfg, {"batch": batch, "run_dir": str(run_dir),
+                                              "load": {"start": load.start_rec},
                                               # the engine's resolved precision (None: the service decides)
                                               "precision": getattr(service_client, "precision", None),
                                               "engine": plan.record() if plan is not None else None})
@@ -185,7 +207,7 @@ def run_training(cfg: DictConfig) -> float | None:
                              cfg.schedule.updates_per_batch)
     try:
         out = _train_and_evaluate(cfg, run_dir, sweep_dir, service_client, task, etask, config_dict, t_setup,
-                                  wandb_run)
+                                  wandb_run, load, info)
     except BaseException:
         if wandb_run is not None:  # marked failed in wandb, with what it logged so far
             wandb_run.finish(exit_code=1)
@@ -211,7 +233,8 @@ def _eval_or_fail(what: str, run: Any) -> Any:
 
 
 def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, service_client: Any, task: Any,
-                        etask: Any, config_dict: dict, t_setup: float, wandb_run: Any) -> float | None:
+                        etask: Any, config_dict: dict, t_setup: float, wandb_run: Any,
+                        load: LoadMonitor, info: dict[str, Any]) -> float | None:
     loop = None
     # the session ends with the run however it ends; the loop's client replaces the first after a recovery
     with session_finished(lambda: loop.sc if loop is not None else service_client,
@@ -224,8 +247,10 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
                 wandb_run.sync_evals(run_dir / "eval", cfg.eval.name, questions)
 
         def on_step_end(step: int) -> None:
-            periodic_eval(cfg, loop, etask, run_dir, step)
-            to_wandb()
+            load.check(step)
+            if etask is not None and cfg.eval.every:
+                periodic_eval(cfg, loop, etask, run_dir, step)
+                to_wandb()
 
         loss_path = make_loss(cfg, service_client)
         # a tqdm bar on a terminal; one log line per step (stdout and train.log) without one
@@ -234,15 +259,16 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
         # its ids
         renew = (lambda: build_service_client(cfg, run_dir)) if cfg.backend.name == "tinker" else None
         loop = RLLoop(cfg, run_dir, service_client, task, loss_path, config_dict, sweep_dir,
-                      progress=True if bar else "lines", wandb_run=wandb_run, new_service_client=renew)
-        if etask is not None and cfg.eval.every:
-            loop.on_step_end = on_step_end
+                      progress=True if bar else "lines", on_step_end=on_step_end, wandb_run=wandb_run,
+                      new_service_client=renew)
         setup_s = time.time() - t_setup
-        start_eval, start_eval_s = None, 0.0
+        start_eval, start_eval_s, start_rec = None, 0.0, None
         if etask is not None and cfg.eval.at_start:
             t0 = time.time()
-            start_eval = _eval_or_fail("the initial-weights eval", lambda: run_start_eval(
-                cfg, service_client, etask, run_dir, loop.retry, loop.cfg_hash))
+            # a sweep evaluates the initial weights once per model, eval set and engine, and reuses it
+            share = (sweep_dir / "initial_eval", start_eval_key(config_dict, info)) if sweep_dir else None
+            start_eval, start_rec = _eval_or_fail("the initial-weights eval", lambda: run_start_eval(
+                cfg, service_client, etask, run_dir, loop.retry, loop.cfg_hash, share))
             start_eval_s = time.time() - t0
             to_wandb()
         t_train = time.time()
@@ -256,6 +282,8 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
         # checkpoints and periodic evals
         result["time/setup"] = setup_s
         result["time/start_eval"] = start_eval_s
+        if start_rec is not None:
+            result["start_eval"] = start_rec
         result["time/train_total"] = time.time() - t_train
 
         final_acc = None
@@ -266,6 +294,7 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
             to_wandb()
             if wandb_run is not None and "eval_vs_start" in result:
                 wandb_run.set_paired_result(result["eval_vs_start"])
+        record_load(run_dir, load.end())
         atomic_write_json(run_dir / "result.json", result)
         report = None
         if cfg.report.enabled:
