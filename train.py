@@ -18,19 +18,36 @@ from omegaconf import DictConfig  # noqa: E402
 from trainer.config.schema import register_configs  # noqa: E402
 
 register_configs()
+_composed = False  # set once Hydra hands a composed config to the run
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    global _composed
+    _composed = True
     from trainer.main import run_training
 
     return run_training(cfg)
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """Run `main` with the command line. Hydra exits 1 when it cannot compose the config (an unknown key,
+    a value of the wrong type, a missing group option): that is bad input, so it exits 2 here, as every
+    check of the project's own does; an error raised by the run itself keeps Hydra's exit code."""
+    global _composed
     argv = sys.argv[1:]
     if ("--multirun" in argv or "-m" in argv) and ("--cfg" in argv or "-c" in argv):
         from trainer.config.compose import print_sweep_configs
 
         sys.exit(print_sweep_configs(ROOT / "conf", argv))
-    main()
+    _composed = False
+    try:
+        main()
+    except SystemExit as e:
+        if e.code == 1 and not _composed:
+            raise SystemExit(2) from None
+        raise
+
+
+if __name__ == "__main__":
+    entry()
