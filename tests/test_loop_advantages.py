@@ -78,7 +78,7 @@ def test_the_lr_schedule_spans_every_update_and_constant_groups_are_dropped(tmp_
     horizon of num_steps would reach the floor halfway); with `drop_constant_groups` only the mixed group's
     rollouts are trained on (group 0 mixed, groups 1 and 2 all zero)."""
     peak, steps, K = 0.01, 2, 2
-    cfg, run_dir = _run_loop(tmp_path, ["advantage=group_mean", f"schedule.group_size={GROUP}",
+    _, run_dir = _run_loop(tmp_path, ["advantage=group_mean", f"schedule.group_size={GROUP}",
                                         "schedule.groups_per_batch=3", f"schedule.num_steps={steps}",
                                         f"schedule.updates_per_batch={K}", "schedule.lr_schedule=linear",
                                         "schedule.drop_constant_groups=true", f"optimizer.lr={peak}"],
