@@ -41,7 +41,6 @@ import numpy as np
 
 from trainer.config.enums import DECISION_METHODS
 
-VERDICTS = ("validated", "inconclusive", "not_supported", "inert")  # inert: eval.compare.switch_activity
 METHOD = "paired_hoeffding"
 
 DECISION_RULE = (

@@ -42,17 +42,6 @@ class RefResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def ref_grpo_token(lp: float, slp: float, a: float, eps_low: float, eps_high: float) -> tuple[float, float]:
-    """(loss, dloss/dlogp) of one token under the PPO clip."""
-    r = math.exp(lp - slp)
-    lo, hi = 1.0 - eps_low, 1.0 + eps_high
-    r_clipped = lo if r < lo else (min(r, hi))
-    unclipped, clipped = r * a, r_clipped * a
-    if clipped < unclipped:
-        return -clipped, 0.0
-    return -unclipped, -a * r
-
-
 def ref_binary_kl(lp: float, slp: float) -> float:
     ps = math.exp(slp)
     p = min(math.exp(lp), 1.0)
@@ -71,15 +60,6 @@ def ref_dppo_dropped(lp: float, slp: float, a: float, mode: str, delta_low: floa
             return kl > delta_high and p > ps
         return kl > delta_low and p < ps
     raise ValueError(f"unknown DPPO mode {mode!r}")
-
-
-def ref_dppo_token(
-    lp: float, slp: float, a: float, mode: str, delta_low: float, delta_high: float, cap: float
-) -> tuple[float, float]:
-    """(loss, dloss/dlogp) of one token under DPPO."""
-    w = min(math.exp(min(lp - slp, 20.0)), cap)
-    keep = 0.0 if ref_dppo_dropped(lp, slp, a, mode, delta_low, delta_high) else 1.0
-    return -a * w * keep * lp, -a * w * keep
 
 
 def _weights(mask: Rows, aggregation: str, norm_length: float | None = None) -> list[list[float]]:
