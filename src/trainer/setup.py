@@ -8,12 +8,12 @@ import logging
 import sys
 from typing import Any, NoReturn
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from envs import build_task
 from envs.renderers import get_renderer
 from envs.tokenizers import get_tokenizer
-from trainer.config.schema import GROUP_SCHEMAS
+from trainer.config.schema import env_schema
 from trainer.losses import build_loss
 from trainer.losses.paths import LossPath, OnePassLossPath, TwoPassLossPath
 
@@ -41,8 +41,7 @@ def eval_task(cfg: DictConfig, renderer: Any, train_task: Any) -> Any:
         return None
     if cfg.eval.task == cfg.env.name:
         return train_task
-    schema = GROUP_SCHEMAS["env"][f"{cfg.eval.task}_schema"]
-    return build_task(OmegaConf.structured(schema()), renderer)
+    return build_task(env_schema(cfg.eval.task)(), renderer)
 
 
 def make_loss(cfg: DictConfig, service_client: Any) -> LossPath:

@@ -27,7 +27,6 @@ from trainer.config.enums import (
     DPPO_DEFAULT_DELTA,
     ENDPOINTS,
     ENGINE_DTYPES,
-    EVAL_TASKS,
     LOGGERS,
     LOSS_PATHS,
     LR_SCHEDULES,
@@ -145,9 +144,15 @@ class ScheduleConfig:
 
 
 # ----------------------------------------------------------------------------- env
+#: items in GSM8K's test split (openai/gsm8k `main`, the vendored test.jsonl; tests/test_envs.py counts them)
+GSM8K_TEST_ITEMS = 1319
+
+
 @dataclass
 class GSM8KEnvConfig:
-    # task name (registry key in envs)
+    # the Task class built from the other fields (envs.build_task), as a loss's `_target_`
+    _target_: str = "envs.gsm8k.GSM8KTask"
+    # task name (the env's label; `eval.task` names an env by it)
     name: str = "gsm8k"
     # data source: vendored | openai/gsm8k (HF hub id) | a folder holding train.jsonl and test.jsonl
     source: str = "vendored"
@@ -171,10 +176,16 @@ class GSM8KEnvConfig:
         _require(self.format_coef >= 0, "format_coef", "must be >= 0", self.format_coef)
         _positive_int("max_tokens", self.max_tokens)
 
+    def test_items(self) -> int:
+        """The size of the test split a whole-split eval scores."""
+        return GSM8K_TEST_ITEMS
+
 
 @dataclass
 class ArithmeticEnvConfig:
-    # task name (registry key in envs)
+    # the Task class built from the other fields (envs.build_task), as a loss's `_target_`
+    _target_: str = "envs.arithmetic.ArithmeticTask"
+    # task name (the env's label; `eval.task` names an env by it)
     name: str = "arithmetic"
     # seed of the problem generator (fixes the data, identical across arms)
     seed: int = 0
@@ -205,13 +216,17 @@ class ArithmeticEnvConfig:
         _require(self.format_coef >= 0, "format_coef", "must be >= 0", self.format_coef)
         _positive_int("max_tokens", self.max_tokens)
 
+    def test_items(self) -> int:
+        """The size of the test split a whole-split eval scores."""
+        return self.n_test
+
 
 # ----------------------------------------------------------------------------- eval
 @dataclass
 class EvalConfig:
     # eval name; the per-item file is eval/<name>.jsonl ('none' disables eval)
     name: str = "none"
-    # which task's test split to evaluate: gsm8k | arithmetic (null = no eval)
+    # which env's test split to evaluate: an env name (gsm8k | arithmetic; null = no eval)
     task: Optional[str] = None
     # number of test items (null = all)
     n_examples: Optional[int] = None
@@ -231,7 +246,7 @@ class EvalConfig:
         _positive_int("max_tokens", self.max_tokens)
         _positive_int("concurrency", self.concurrency)
         if self.task is not None:
-            _in_set("task", self.task, EVAL_TASKS)
+            _in_set("task", self.task, env_names())
 
 
 # ----------------------------------------------------------------------------- backend
@@ -546,6 +561,30 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "backend": {"local_schema": LocalBackendConfig, "tinker_schema": TinkerBackendConfig},
     "logger": {"logger_schema": LoggerConfig},
 }
+
+
+def env_names() -> tuple[str, ...]:
+    """The env names the config knows: one per schema in `GROUP_SCHEMAS["env"]`."""
+    return tuple(cls.name for cls in GROUP_SCHEMAS["env"].values())
+
+
+def env_schema(name: str) -> type:
+    """The typed config class of the env called `name`."""
+    for cls in GROUP_SCHEMAS["env"].values():
+        if cls.name == name:
+            return cls
+    raise ConfigError(f"env: unknown env name {name!r}; available: {sorted(env_names())}")
+
+
+def eval_items(cfg: DictConfig) -> int:
+    """How many items one eval scores: `eval.n_examples`, else the whole test split of the eval's env
+    (the train env's own config when the eval names it, else that env's schema defaults, as
+    `trainer.setup.eval_task` builds it)."""
+    if cfg.eval.n_examples:
+        return int(cfg.eval.n_examples)
+    name = cfg.eval.task or cfg.env.name
+    env = OmegaConf.to_object(cfg.env) if name == cfg.env.name else env_schema(name)()
+    return int(env.test_items())
 
 
 def _dppo_default_delta(mode: str) -> float | None:

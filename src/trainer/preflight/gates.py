@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from eval.greedy import greedy_eval_budgets, run_greedy_eval
 from trainer.config.digest import config_hash
 from trainer.config.ignored_keys import PLAN_IGNORED_KEYS
+from trainer.config.schema import eval_items
 from trainer.preflight.common import Check, GateReport
 from trainer.setup import build_components, eval_task, make_loss
 from trainer.tinker_params import adam_params, create_lora_training_client, served_model
@@ -307,7 +308,7 @@ def feasibility(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None 
     train_s_per_tok = t_train / max(1, trained)
     full_sampled = s.num_steps * rollouts_full * per_rollout_sampled
     full_trained = s.num_steps * rollouts_full * per_rollout_trained
-    n_eval = cfg.eval.n_examples or _n_test(cfg)
+    n_eval = eval_items(cfg)
     eval_s = result.get("time/eval_per_item", 0.0) * n_eval * 2  # two arms
     per_arm = (result["time/setup"] + full_sampled * sample_s_per_tok + full_trained * train_s_per_tok
                + s.num_steps * t_other)
@@ -374,15 +375,6 @@ def design(cfg: DictConfig, out_dir: Path, n_seeds: int = 1, n_sims: int = 400) 
                         plan_hash_without_decision=plan_hash_without_decision(
                             OmegaConf.to_container(cfg, resolve=True)))
     return report
-
-
-def _n_test(cfg: DictConfig) -> int:
-    if cfg.eval.task == "gsm8k":
-        return 1319
-    # truly optional: of the env schemas only ArithmeticEnvConfig has `n_test` (gsm8k's test split is the
-    # fixed 1319 above, but env=gsm8k may run with another eval), and a task registered without a schema
-    # may have no test split size; those count 200 items, arithmetic's default
-    return int(cfg.env.get("n_test", 200))
 
 
 def require_passed(cfg: DictConfig) -> None:
