@@ -15,38 +15,29 @@ sys.path.insert(0, str(ROOT / "src"))
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from trainer.config.compose import HydraEntry  # noqa: E402
 from trainer.config.schema import register_configs  # noqa: E402
 
 register_configs()
-_composed = False  # set once Hydra hands a composed config to the run
+ENTRY = HydraEntry()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    global _composed
-    _composed = True
+    ENTRY.composed()
     from trainer.main import run_training
 
     return run_training(cfg)
 
 
 def entry() -> None:
-    """Run `main` with the command line. Hydra exits 1 when it cannot compose the config (an unknown key,
-    a value of the wrong type, a missing group option): that is bad input, so it exits 2 here, as every
-    check of the project's own does; an error raised by the run itself keeps Hydra's exit code."""
-    global _composed
+    """Run `main` with the command line (a config Hydra cannot compose exits 2: `HydraEntry`)."""
     argv = sys.argv[1:]
     if ("--multirun" in argv or "-m" in argv) and ("--cfg" in argv or "-c" in argv):
         from trainer.config.compose import print_sweep_configs
 
         sys.exit(print_sweep_configs(ROOT / "conf", argv))
-    _composed = False
-    try:
-        main()
-    except SystemExit as e:
-        if e.code == 1 and not _composed:
-            raise SystemExit(2) from None
-        raise
+    ENTRY.run(main)
 
 
 if __name__ == "__main__":
