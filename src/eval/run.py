@@ -54,8 +54,8 @@ def main(cfg: DictConfig) -> float:
     from eval.greedy import greedy_eval_budgets, run_greedy_eval
     from trainer.backends import build_service_client
     from trainer.config.schema import ConfigError, validate
-    from trainer.setup import build_components, eval_task, fail
     from trainer.retry import RetryPolicy
+    from trainer.setup import build_components, eval_task, fail
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
     path, run_dir, cfg = _resolve_checkpoint(cfg)
