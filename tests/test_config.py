@@ -300,15 +300,30 @@ def test_the_local_engines_defaults_are_the_schemas():
 def test_every_arm_reports_the_same_rules_at_default_settings():
     """The counterfactual rules an arm logs default to the other losses' own defaults, so at default
     settings the GRPO, DPPO, IS, CISPO and GSPO arms report the same four rules."""
-    import dataclasses
-
-    from trainer.losses import CISPOLoss, DPPOLoss, GRPOLoss, GSPOLoss, ImportanceSamplingLoss, reference
+    from trainer.config.losses import LOSS_SCHEMAS, RULE_TABLE, rules_owned_by
+    from trainer.losses import (
+        CISPOLoss,
+        DPPOLoss,
+        GRPOLoss,
+        GSPOLoss,
+        ImportanceSamplingLoss,
+        reference,
+        trust_region,
+    )
     from trainer.losses.trust_region import TrustRegionRules
 
     rules = {cls.__name__: cls().rules for cls in (GRPOLoss, DPPOLoss, ImportanceSamplingLoss, CISPOLoss, GSPOLoss)}
     assert all(r == TrustRegionRules() for r in rules.values()), rules
-    # the float64 reference keeps its own copy on purpose (it shares no code with what it checks): same values
-    assert reference.DEFAULT_RULES == dataclasses.asdict(TrustRegionRules())
+    assert reference.DEFAULT_RULES == TrustRegionRules().settings
+    # the table: each rule's owner is a loss, its mask a trust_region function, its settings named by owner
+    losses = {c.name for c in LOSS_SCHEMAS.values()}
+    for spec in RULE_TABLE:
+        assert spec.owner in losses and callable(getattr(trust_region, spec.mask))
+        assert all(k.startswith(spec.owner + "_") for k, _ in spec.defaults), spec
+    assert rules_owned_by(("grpo", "dppo")) == ("dppo_masked", "grpo_clip")
+    assert rules_owned_by(("importance_sampling",)) == ()
+    with pytest.raises(TypeError, match="unknown rule setting"):
+        TrustRegionRules(grpo_eps=0.1)
 
 
 def _ignored_keys_table() -> list[tuple[list[str], dict[str, str]]]:

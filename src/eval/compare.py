@@ -64,6 +64,7 @@ from eval.stats import (
 )
 from trainer.config.enums import ENDPOINTS
 from trainer.config.ignored_keys import IGNORED_CONFIG_KEYS  # which keys may differ between arms, and why
+from trainer.config.losses import rules_owned_by
 from trainer.utils.io import atomic_write_json, atomic_write_text
 
 PLOTS_DIR = "compare_plots"
@@ -544,11 +545,11 @@ _OBJECTIVE_KEYS = ("loss/value",)
 
 
 def _rule_fraction_keys(losses: tuple[str, ...]) -> re.Pattern[str]:
-    """loss/<rule>_frac of the two arms' own rules (grpo -> grpo_clip, dppo -> dppo_masked): every loss logs
-    every rule's fraction, its own and the counterfactual ones (what the other arm's rule would have done to
-    the same tokens). Rules of losses outside the comparison (a GSPO sequence clip in a GRPO vs DPPO sweep)
-    do not tell the two arms apart."""
-    return re.compile(r"^loss/(" + "|".join(re.escape(x) for x in losses) + r")_\w+_frac$")
+    """loss/<rule>_frac of the two arms' own rules (the rule table's owners: grpo -> grpo_clip, dppo ->
+    dppo_masked): every loss logs every rule's fraction, its own and the counterfactual ones (what the other
+    arm's rule would have done to the same tokens). Rules of losses outside the comparison (a GSPO sequence
+    clip in a GRPO vs DPPO sweep) do not tell the two arms apart."""
+    return re.compile(r"^loss/(" + "|".join(re.escape(x) for x in rules_owned_by(losses)) + r")_frac$")
 
 
 def switch_activity(pairs: dict[int, tuple[Run, Run]], loss_switch: bool = True) -> tuple[dict[str, Any], list[str]]:

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer.config.losses import RULE_DEFAULTS, RULE_NAMES
+
 Rows = Sequence[Sequence[float]]
 
 
@@ -140,18 +142,9 @@ def ref_gspo_token(
     return -s * a, -a * s
 
 
-#: The rule settings of the diagnostics (each loss's defaults; a plugin overrides its own).
-DEFAULT_RULES: dict[str, Any] = {
-    "dppo_mode": "binary_tv",
-    "dppo_delta_low": 0.15,
-    "dppo_delta_high": 0.15,
-    "grpo_eps_low": 0.2,
-    "grpo_eps_high": 0.2,
-    "cispo_low": 0.0,
-    "cispo_high": 4.0,
-    "gspo_eps_low": 3e-4,
-    "gspo_eps_high": 4e-4,
-}
+#: The rule settings of the diagnostics (each loss's defaults; a plugin overrides its own). The names and
+#: defaults come from the rule table; each rule's formula below is this module's own.
+DEFAULT_RULES: dict[str, Any] = dict(RULE_DEFAULTS)
 
 
 def ref_diagnostics(
@@ -187,6 +180,9 @@ def ref_diagnostics(
                 "cispo_clip": r > rl["cispo_high"] or r < rl["cispo_low"],
                 "gspo_clip": (a > 0 and s_a > 1.0 + rl["gspo_eps_high"]) or (a < 0 and s_a < 1.0 - rl["gspo_eps_low"]),
             }
+            if set(acts) != set(RULE_NAMES):
+                raise ValueError(f"ref_diagnostics has formulas for {sorted(acts)}, the rule table names "
+                                 f"{sorted(RULE_NAMES)}: add the new rule's formula here")
             counts["n"] += 1
             counts["pos"] += a > 0
             counts["neg"] += a < 0
@@ -226,9 +222,6 @@ def ref_diagnostics(
         out[f"loss/{rule}_frac_adv_pos"] = frac(hits[f"{rule}_pos"], counts["pos"])
         out[f"loss/{rule}_frac_adv_neg"] = frac(hits[f"{rule}_neg"], counts["neg"])
     return out
-
-
-RULE_NAMES = ("dppo_masked", "grpo_clip", "cispo_clip", "gspo_clip")
 
 
 def _reduce(
