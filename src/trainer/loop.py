@@ -26,6 +26,7 @@ import tinker
 from omegaconf import DictConfig
 
 from trainer.advantages import compute_advantages
+from trainer.backends import backend_of
 from trainer.backends.errors import (
     RECOVER,
     RESEND,
@@ -143,7 +144,9 @@ class RLLoop:
         self._warned: set[str] = set()
         self._ref_sampler: Any = None  # a sampler of the initial weights (`_reference_sampler`)
         mode = cfg.sampling.requests
-        self.per_sample_requests = mode == "per_sample" or (mode == "auto" and cfg.backend.name == "tinker")
+        if mode == "auto":
+            mode = backend_of(cfg).auto_requests
+        self.per_sample_requests = mode == "per_sample"
         self.last_rows: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ clients

@@ -184,7 +184,7 @@ def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = No
 # ----------------------------------------------------------------------------- pilot (activation, feasibility)
 def run_pilot(cfg: DictConfig, out_dir: Path) -> tuple[Path, dict[str, Any]]:
     """A short run of the treatment arm (dppo) with the experiment's batch shape; returns its folder."""
-    from trainer.backends import build_service_client
+    from trainer.backends import backend_of, build_service_client
     from trainer.loop import RLLoop
     from trainer.run_info import resolved_config_dict
 
@@ -203,7 +203,7 @@ def run_pilot(cfg: DictConfig, out_dir: Path) -> tuple[Path, dict[str, Any]]:
     result["time/setup"] = setup_s
     result["time/pilot"] = time.time() - t1
     result["served_model"] = loop.info.get("served_model")
-    result["precision"] = getattr(sc, "precision", None)
+    result["precision"] = backend_of(pilot).precision(sc)
     # eval timing on a few items (per item, projected to the full eval)
     etask = eval_task(pilot, renderer, task)
     if etask is not None:
