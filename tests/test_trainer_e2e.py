@@ -64,6 +64,7 @@ def test_smoke_run_end_to_end(tmp_path):
     # the engine plan: every implementation choice, made once, logged at the start and recorded
     plan = info["engine"]
     assert plan["kernels"] == prec["native_kernels"] and plan["sampler_dtype"] == "float32"
+    assert plan["train_packed_weights"] == prec["train_packed_weights"]
     assert plan["decode_attention"] == prec["native_kernels"].startswith("native (")
     assert not plan["amx_projections"]  # fp32 weights: the AMX tiles take bf16 only
     assert "engine plan: sampler float32, train float32" in p.stdout

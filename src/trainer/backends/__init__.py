@@ -84,7 +84,7 @@ class LocalBackend(Backend):
 
     def engine_record(self, client: Any, base_model: str) -> dict[str, Any] | None:
         # every implementation choice of the engine, made once for this model and logged
-        return client.plan(base_model).record()
+        return client.engine_record(base_model)
 
 
 class TinkerBackend(Backend):
