@@ -133,7 +133,7 @@ class RLLoop:
         # a fresh service client for a recovery (backend=tinker; None: recoveries reuse `service_client`)
         self.new_service_client = new_service_client
         # a key of the tinker backend's schema only (LocalBackendConfig has none): None, no deadline, on local
-        self.retry = RetryPolicy.from_config(cfg.retry, cfg.backend.get("call_deadline_s"))
+        self.retry = RetryPolicy.from_config(cfg.retry, cfg.backend.call_deadline_s)
         self.train_problems = task.train_problems()
         if len(self.train_problems) == 0:
             raise ValueError(f"env {cfg.env.name}: empty train set")

@@ -222,7 +222,7 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
     loop = None
     # the session ends with the run however it ends; the loop's client replaces the first after a recovery
     with session_finished(lambda: loop.sc if loop is not None else service_client,
-                          float(cfg.backend.get("connect_timeout_s", 10.0))):
+                          float(cfg.backend.connect_timeout_s)):
         questions = ({p.index: p.question for p in etask.test_problems(cfg.eval.n_examples)}
                      if etask is not None else None)
 

@@ -175,7 +175,7 @@ def check_tinker(b: DictConfig) -> tuple[str, str]:
     from tinker.lib.base_url import resolve_base_url
 
     base_url = resolve_base_url(b.base_url or os.environ.get("TINKER_BASE_URL") or None)
-    probe_service(base_url, key, float(b.get("connect_timeout_s", 10.0)), b.api_key_env)
+    probe_service(base_url, key, float(b.connect_timeout_s), b.api_key_env)
     return base_url, key
 
 

@@ -270,7 +270,38 @@ class FaultsConfig:
 
 
 @dataclass
-class LocalBackendConfig:
+class BackendCommonConfig:
+    """The fields the trainer reads from every backend (the loop, main, setup), stated once here; a
+    backend's config subclasses it and may change a default (trainer.backends.Backend declares the rest)."""
+
+    # backend kind (trainer.backends.BACKENDS)
+    name: str = MISSING
+    # how the loss is computed: auto (one pass where the loss and backend allow it, else two passes with a
+    # warning) | one_pass (fail if unavailable) | two_pass (client-side callable)
+    loss_path: str = "auto"
+    # restoration gate: max |logprob diff| between fresh clients and across save -> restore
+    restore_tolerance: float = 1e-6
+    # send optim_step right behind forward_backward instead of after its result (no resend in place then:
+    # a failure of either redoes the step from the last checkpoint)
+    pipeline_optim_step: bool = True
+    # seconds a call may wait while no call of the run gets a successful reply; past it the step is redone
+    # from the last checkpoint with a new client (null = none: the local engine's calls return or raise)
+    call_deadline_s: Optional[float] = None
+    # seconds to wait for the backend to answer (the connect check, finishing the session at the end)
+    connect_timeout_s: float = 10.0
+
+    def _check_common(self) -> None:
+        _in_set("loss_path", self.loss_path, LOSS_PATHS)
+        _require(self.restore_tolerance > 0, "restore_tolerance", "must be > 0", self.restore_tolerance)
+        if self.call_deadline_s is not None:
+            _require(1 <= self.call_deadline_s <= 86400, "call_deadline_s", "must be in [1, 86400] seconds",
+                     self.call_deadline_s)
+        _require(0 < self.connect_timeout_s <= 25, "connect_timeout_s", "must be in (0, 25]",
+                 self.connect_timeout_s)
+
+
+@dataclass
+class LocalBackendConfig(BackendCommonConfig):
     # backend kind
     name: str = "local"
     # where the engine persists checkpoints (null = <run dir>/engine)
@@ -292,17 +323,9 @@ class LocalBackendConfig:
     num_threads: Optional[int] = None
     # injected faults (testing the trainer's retry and resume paths)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
-    # how the loss is computed: auto | one_pass (registered per-datum loss) | two_pass (client-side callable)
-    loss_path: str = "auto"
-    # restoration gate: max |logprob diff| between fresh clients and across save -> restore
-    restore_tolerance: float = 1e-6
-    # send optim_step right behind forward_backward instead of after its result (no resend in place then:
-    # a failure of either redoes the step from the last checkpoint)
-    pipeline_optim_step: bool = True
 
     def __post_init__(self) -> None:
-        _in_set("loss_path", self.loss_path, LOSS_PATHS)
-        _require(self.restore_tolerance > 0, "restore_tolerance", "must be > 0", self.restore_tolerance)
+        self._check_common()
         _in_set("sampler_dtype", self.sampler_dtype, ENGINE_DTYPES)
         _in_set("train_dtype", self.train_dtype, ENGINE_DTYPES)
         _positive_int("micro_batch_size", self.micro_batch_size)
@@ -314,35 +337,23 @@ class LocalBackendConfig:
 
 
 @dataclass
-class TinkerBackendConfig:
+class TinkerBackendConfig(BackendCommonConfig):
     # backend kind
     name: str = "tinker"
     # service URL; null = $TINKER_BASE_URL or the SDK default
     base_url: Optional[str] = None
     # environment variable holding the API key (the key itself is never stored in configs)
     api_key_env: str = "TINKER_API_KEY"
-    # how the loss is computed: auto (one pass where the loss allows and the service registers it, else two
-    # passes with a warning) | one_pass (fail if unavailable) | two_pass (client-side callable)
-    loss_path: str = "auto"
-    # seconds to wait for the service to answer before failing (an unreachable or wrong TINKER_BASE_URL)
-    connect_timeout_s: float = 10.0
-    # seconds a call may wait while no call of the run gets a successful reply; past it the step is redone
-    # from the last checkpoint with a new client (at most retry.max_attempts times in a row), then the run
-    # ends with an error. Keep it above the longest single call (a queued forward_backward)
-    call_deadline_s: float = 600.0
-    # restoration gate: max |logprob diff| between fresh clients and across save -> restore (bf16 GPUs
-    # serving separate clients agree to ~1e-2, not to the embedded engine's 1e-6)
+    # a service's calls can hang: at most retry.max_attempts redone steps in a row, then the run ends with an
+    # error. Keep it above the longest single call (a queued forward_backward)
+    call_deadline_s: Optional[float] = 600.0
+    # bf16 GPUs serving separate clients agree to ~1e-2, not to the embedded engine's 1e-6
     restore_tolerance: float = 0.02
-    # send optim_step right behind forward_backward instead of after its result (one server cycle instead
-    # of a round trip more; no resend in place then: a failure of either redoes the step from a checkpoint)
-    pipeline_optim_step: bool = True
 
     def __post_init__(self) -> None:
-        _in_set("loss_path", self.loss_path, LOSS_PATHS)
-        _require(0 < self.connect_timeout_s <= 25, "connect_timeout_s", "must be in (0, 25]", self.connect_timeout_s)
-        _require(1 <= self.call_deadline_s <= 86400, "call_deadline_s", "must be in [1, 86400] seconds",
-                 self.call_deadline_s)
-        _require(self.restore_tolerance > 0, "restore_tolerance", "must be > 0", self.restore_tolerance)
+        _require(self.call_deadline_s is not None, "call_deadline_s",
+                 "must be set for a service (in [1, 86400] seconds)", self.call_deadline_s)
+        self._check_common()
 
 
 # ----------------------------------------------------------------------------- logger
