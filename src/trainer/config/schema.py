@@ -149,7 +149,21 @@ GSM8K_TEST_ITEMS = 1319
 
 
 @dataclass
-class GSM8KEnvConfig:
+class EnvCommonConfig:
+    """What every env config has: the Task class it builds and its name; each env's config subclasses it."""
+
+    # the Task class built from the other fields (envs.build_task), as a loss's `_target_`
+    _target_: str = MISSING
+    # task name (the env's label; `eval.task` names an env by it)
+    name: str = MISSING
+
+    def test_items(self) -> int:
+        """The size of the test split a whole-split eval scores."""
+        raise NotImplementedError
+
+
+@dataclass
+class GSM8KEnvConfig(EnvCommonConfig):
     # the Task class built from the other fields (envs.build_task), as a loss's `_target_`
     _target_: str = "envs.gsm8k.GSM8KTask"
     # task name (the env's label; `eval.task` names an env by it)
@@ -182,7 +196,7 @@ class GSM8KEnvConfig:
 
 
 @dataclass
-class ArithmeticEnvConfig:
+class ArithmeticEnvConfig(EnvCommonConfig):
     # the Task class built from the other fields (envs.build_task), as a loss's `_target_`
     _target_: str = "envs.arithmetic.ArithmeticTask"
     # task name (the env's label; `eval.task` names an env by it)
@@ -521,14 +535,14 @@ GROUPS = ("model", "loss", "optimizer", "schedule", "env", "eval", "backend", "l
 @dataclass
 class Config:
     # group options (selected in conf/config.yaml's defaults list)
-    model: Any = MISSING
-    loss: Any = MISSING
-    optimizer: Any = MISSING
-    schedule: Any = MISSING
-    env: Any = MISSING
-    eval: Any = MISSING
-    backend: Any = MISSING
-    logger: Any = MISSING
+    model: ModelConfig = MISSING
+    loss: LossCommonConfig = MISSING
+    optimizer: AdamWConfig = MISSING
+    schedule: ScheduleConfig = MISSING
+    env: EnvCommonConfig = MISSING
+    eval: EvalConfig = MISSING
+    backend: BackendCommonConfig = MISSING
+    logger: LoggerConfig = MISSING
     # experiment name (recorded in run_info.json; compare refuses runs of different experiments)
     experiment: str = "default"
     # arm name shown in logs and wandb (null = <loss>_seed<seed>)
