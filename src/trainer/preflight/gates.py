@@ -88,9 +88,7 @@ def _fixed_batch(cfg: DictConfig, task: Any, n: int = 4) -> list[tinker.Datum]:
     for p in task.train_problems()[:n]:
         env = task.make_env(p)
         prompt, _ = asyncio.run(env.initial_observation())
-        ans = task.tokenizer_encode(f"The answer is \\boxed{{{p.answer}}}.") if hasattr(
-            task, "tokenizer_encode") else env.renderer.tokenizer.encode(f"The answer is \\boxed{{{p.answer}}}.",
-                                                                         add_special_tokens=False)
+        ans = env.renderer.tokenizer.encode(f"The answer is \\boxed{{{p.answer}}}.", add_special_tokens=False)
         toks = prompt.to_ints() + list(ans)
         toks = toks[: cfg.model.max_seq_len]
         T = len(toks) - 1
