@@ -15,22 +15,30 @@ sys.path.insert(0, str(ROOT / "src"))
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from trainer.config.compose import HydraEntry  # noqa: E402
 from trainer.config.schema import register_configs  # noqa: E402
 
 register_configs()
+ENTRY = HydraEntry()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    ENTRY.composed()
     from trainer.main import run_training
 
     return run_training(cfg)
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """Run `main` with the command line (a config Hydra cannot compose exits 2: `HydraEntry`)."""
     argv = sys.argv[1:]
     if ("--multirun" in argv or "-m" in argv) and ("--cfg" in argv or "-c" in argv):
         from trainer.config.compose import print_sweep_configs
 
         sys.exit(print_sweep_configs(ROOT / "conf", argv))
-    main()
+    ENTRY.run(main)
+
+
+if __name__ == "__main__":
+    entry()

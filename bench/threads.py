@@ -31,11 +31,16 @@ def workload(rows: int, iters: int = 8) -> float:
     from trainer.backends.local.model import rotary_tables
     from trainer.model_registry import SMOLLM2, resolve_base_model
     from trainer.backends.local.sampler_forward import decode_step
+    from trainer.backends.local.model import dims
+    from trainer.backends.local.ops import sampler_ops
+    from trainer.backends.local.plan import plan_for
     from trainer.backends.local.sampler_weights import build_weights
 
     factory, _ = resolve_base_model(SMOLLM2)
     model = factory(torch.float32)
-    W = build_weights(model.config, dict(model.state_dict()), *rotary_tables(model, 256), torch.float32)
+    plan = plan_for(dims(model.config), torch.float32, torch.float32)
+    W = build_weights(model.config, dict(model.state_dict()), *rotary_tables(model, 256), torch.float32,
+                      ops=sampler_ops(plan))
     L = 128
     cache = [(torch.randn(rows, W.n_kv, L, W.head_dim), torch.randn(rows, W.n_kv, L, W.head_dim)) for _ in W.layers]
     tok = torch.randint(0, 1000, (rows,))

@@ -103,7 +103,7 @@ def train_in_process(capfd, monkeypatch):
         capfd.readouterr()
         GlobalHydra.instance().clear()
         try:
-            _TRAIN_MODULE.main()
+            _TRAIN_MODULE.entry()
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1

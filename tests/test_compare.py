@@ -383,6 +383,29 @@ def test_arms_at_different_precision_cpu_or_torch_are_noted_and_precision_refuse
     assert any("different cpu" in n for n in out["notes"]) and not any("different precision" in n for n in out["notes"])
 
 
+def test_arms_with_different_engine_plans_are_noted(tmp_path):
+    """Arms whose engine plans differ (one with PAIREDRL_TORCH_OPS=decode_attention) compute other
+    summation orders: compared, with a note naming the fields that differ; identical plans give none."""
+    rng = np.random.default_rng(8)
+    t, b = _arms(rng, 0.6, 0.5)
+    dppo = make_run(tmp_path / "d", "dppo", 0, t)
+    grpo = make_run(tmp_path / "g", "grpo", 0, b)
+    plan = {"sampler_dtype": "float32", "train_dtype": "float32", "decode_attention": True, "sampler_rows": True}
+    for run, decode in ((dppo, True), (grpo, True)):
+        info = json.loads((run / "run_info.json").read_text())
+        (run / "run_info.json").write_text(json.dumps({**info, "engine": {**plan, "decode_attention": decode}}))
+    out = compare([dppo, grpo], make_plots=False, out=tmp_path / "same")
+    assert not any("engine plans" in n for n in out["notes"])
+    info = json.loads((grpo / "run_info.json").read_text())
+    (grpo / "run_info.json").write_text(json.dumps({**info, "engine": {**plan, "decode_attention": False,
+                                                                        "sampler_rows": False}}))
+    out = compare([dppo, grpo], make_plots=False, out=tmp_path / "differ")
+    note = [n for n in out["notes"] if "different engine plans" in n]
+    assert len(note) == 1 and "decode_attention, sampler_rows:" in note[0], out["notes"]
+    assert "dppo_seed0 {decode_attention=True, sampler_rows=True}" in note[0]
+    assert "grpo_seed0 {decode_attention=False, sampler_rows=False}" in note[0]
+
+
 def test_cli_prints_the_verdict_lines_notes_and_paths(tmp_path, capsys):
     """What a person reads first: the verdict with its scope, estimate and the rule's interval, the rule,
     notes, the paths; --json prints compare.json; bad input exits with 2 and writes nothing."""

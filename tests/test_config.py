@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 from trainer.config.compose import compose_config, sweep_jobs
@@ -94,11 +95,30 @@ BAD_OVERRIDES = [
 ]
 
 
+# the overrides Hydra composes (known key, right type) that the schema's bounds then refuse
+OUT_OF_BOUNDS = {"model.lora_rank=0", "loss.clip_eps=-1", "optimizer.beta2=1.5", "schedule.updates_per_batch=0",
+                 "env.max_digits=9", "eval.every=-1", "backend.sampler_dtype=fp8", "logger.mode=sometimes"}
+
+
 @pytest.mark.parametrize("override,needle", BAD_OVERRIDES)
 def test_bad_override_names_the_key(override, needle):
-    with pytest.raises(Exception) as ei:
+    """An unknown key or a value of the wrong type is refused by composition against the schema; a value
+    out of bounds by `validate`'s checks."""
+    expected = ConfigError if override in OUT_OF_BOUNDS else ConfigCompositionException
+    with pytest.raises(expected) as ei:
         validate(compose_config([override]))
-    assert needle in str(ei.value)
+    assert type(ei.value) is expected and needle in str(ei.value)
+
+
+def test_the_default_advantage_is_the_cookbooks_group_mean():
+    """The default estimator subtracts the group mean (tinker-cookbook's `compute_advantages`); under
+    `none`, 0/1 rewards give A >= 0 and no rule's A <= 0 branch ever acts."""
+    assert compose_config([]).advantage == "group_mean"
+    from dataclasses import fields
+
+    from trainer.config.schema import Config
+
+    assert {f.name: f.default for f in fields(Config)}["advantage"] == "group_mean"
 
 
 def test_dppo_delta_follows_the_mode_unless_set():
@@ -121,7 +141,7 @@ def test_dppo_delta_out_of_range():
 
 
 def test_unknown_group_option_fails():
-    with pytest.raises(Exception, match="loss"):
+    with pytest.raises(MissingConfigException, match="loss"):
         compose_config(["loss=ppo2"])
 
 
@@ -132,7 +152,7 @@ def test_unknown_group_option_fails():
 def test_cli_bad_override_exits_nonzero(tmp_path, override, needle):
     p = subprocess.run([sys.executable, str(ROOT / "train.py"), override, f"hydra.run.dir={tmp_path}/run"],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert p.returncode != 0
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert needle in p.stderr + p.stdout
     # nothing was trained: no metrics or checkpoint written
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -280,15 +300,30 @@ def test_the_local_engines_defaults_are_the_schemas():
 def test_every_arm_reports_the_same_rules_at_default_settings():
     """The counterfactual rules an arm logs default to the other losses' own defaults, so at default
     settings the GRPO, DPPO, IS, CISPO and GSPO arms report the same four rules."""
-    import dataclasses
-
-    from trainer.losses import CISPOLoss, DPPOLoss, GRPOLoss, GSPOLoss, ImportanceSamplingLoss, reference
+    from trainer.config.losses import LOSS_SCHEMAS, RULE_TABLE, rules_owned_by
+    from trainer.losses import (
+        CISPOLoss,
+        DPPOLoss,
+        GRPOLoss,
+        GSPOLoss,
+        ImportanceSamplingLoss,
+        reference,
+        trust_region,
+    )
     from trainer.losses.trust_region import TrustRegionRules
 
     rules = {cls.__name__: cls().rules for cls in (GRPOLoss, DPPOLoss, ImportanceSamplingLoss, CISPOLoss, GSPOLoss)}
     assert all(r == TrustRegionRules() for r in rules.values()), rules
-    # the float64 reference keeps its own copy on purpose (it shares no code with what it checks): same values
-    assert reference.DEFAULT_RULES == dataclasses.asdict(TrustRegionRules())
+    assert reference.DEFAULT_RULES == TrustRegionRules().settings
+    # the table: each rule's owner is a loss, its mask a trust_region function, its settings named by owner
+    losses = {c.name for c in LOSS_SCHEMAS.values()}
+    for spec in RULE_TABLE:
+        assert spec.owner in losses and callable(getattr(trust_region, spec.mask))
+        assert all(k.startswith(spec.owner + "_") for k, _ in spec.defaults), spec
+    assert rules_owned_by(("grpo", "dppo")) == ("dppo_masked", "grpo_clip")
+    assert rules_owned_by(("importance_sampling",)) == ()
+    with pytest.raises(TypeError, match="unknown rule setting"):
+        TrustRegionRules(grpo_eps=0.1)
 
 
 def _ignored_keys_table() -> list[tuple[list[str], dict[str, str]]]:

@@ -306,6 +306,33 @@ def test_unknown_env_name_and_field(tiny) -> None:
         build_task({**ARITH, "digits": 3}, tiny[1])
 
 
+def test_the_target_selects_the_task_class(tiny) -> None:
+    """`_target_` is the one selector (as for losses); a mapping without it takes its named env's."""
+    from envs.arithmetic import ArithmeticTask
+
+    task = build_task({**ARITH, "name": "my_sums", "_target_": "envs.arithmetic.ArithmeticTask"}, tiny[1])
+    assert type(task) is ArithmeticTask
+    with pytest.raises(ValueError, match="names no importable class"):
+        build_task({**ARITH, "_target_": "envs.arithmetic.NoSuchTask"}, tiny[1])
+    with pytest.raises(TypeError, match="not an envs.types.Task subclass"):
+        build_task({**ARITH, "_target_": "envs.types.Problem"}, tiny[1])
+
+
+def test_eval_items_come_from_the_eval_envs_test_split() -> None:
+    """One source for an eval's size: eval.n_examples, else the eval env's whole test split (GSM8K's
+    1319 items, the vendored file's count; arithmetic's n_test)."""
+    from trainer.config.compose import compose_config
+    from trainer.config.schema import GSM8K_TEST_ITEMS, eval_items
+
+    lines = (gsm8k_data.VENDORED_DIR / "test.jsonl").read_text().splitlines()
+    assert GSM8K_TEST_ITEMS == len([x for x in lines if x.strip()]) == 1319
+    assert eval_items(compose_config(["env=gsm8k", "eval=gsm8k_test"])) == 1319
+    assert eval_items(compose_config(["env=arithmetic", "env.n_test=37", "eval=arithmetic"])) == 37
+    assert eval_items(compose_config(["env=arithmetic", "eval=gsm8k_test"])) == 1319
+    assert eval_items(compose_config(["env=gsm8k", "eval=arithmetic"])) == 200  # arithmetic's default
+    assert eval_items(compose_config(["env=gsm8k", "eval=gsm8k_test", "eval.n_examples=12"])) == 12
+
+
 def test_test_problems_bounds(tiny) -> None:
     task = build_task(ARITH, tiny[1])
     with pytest.raises(ValueError, match="has 100"):

@@ -47,4 +47,5 @@ def test_eval_run_on_a_run_folder_repeats_the_runs_final_eval(tmp_path):
     c = subprocess.run([sys.executable, "-m", "eval.run", f"checkpoint={tmp_path / 'nowhere'}", *eval_args,
                         f"hydra.run.dir={tmp_path / 'eval_bad'}"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=300, check=False, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    assert c.returncode != 0 and "is neither a run folder nor a tinker:// path" in c.stderr, c.stderr[-2000:]
+    assert c.returncode == 2 and "is neither a run folder nor a tinker:// path" in c.stderr, c.stderr[-2000:]
+    assert "Traceback" not in c.stderr

@@ -18,7 +18,7 @@ from tinker.lib.public_interfaces.custom_loss import (
 from tinker.lib.public_interfaces.training_client import TrainingClient
 
 from trainer.config.losses import DPPOLossConfig, GRPOLossConfig
-from trainer.losses import DPPOLoss, GRPOLoss, aggregate, build_loss
+from trainer.losses import CISPOLoss, DPPOLoss, GRPOLoss, GSPOLoss, aggregate, build_loss
 from trainer.losses.adapter import make_custom_loss_fn
 from trainer.losses.diagnostics import DIAGNOSTIC_KEYS
 from trainer.losses.per_datum import finalize_per_datum_metrics, make_per_datum_fn, with_per_datum_inputs
@@ -312,12 +312,49 @@ def test_aggregate_modes_hand_computed():
     assert aggregate(loss_BT, mask_BT, "token_mean").item() == 2.5
     assert aggregate(loss_BT, mask_BT, "seq_mean_token_sum").item() == 5.0  # (6 + 4) / 2 non-empty
     assert aggregate(loss_BT, mask_BT, "seq_mean_token_mean").item() == 3.0  # (2 + 4) / 2
+    # Dr. GRPO: the mean over sequences of each sequence's token sum, over a fixed length: (6 + 4) / 2 / 4
+    assert aggregate(loss_BT, mask_BT, "seq_mean_token_sum_norm", norm_length=4).item() == 1.25
     flat = torch.tensor([1.0, 2.0, 6.0], dtype=F64)
     assert aggregate(flat, torch.tensor([1.0, 1.0, 0.0]), "seq_mean_token_mean").item() == 1.5
     with pytest.raises(ValueError, match="aggregation must be one of"):
         aggregate(flat, torch.ones(3), "mean")
     with pytest.raises(ValueError, match="no loss tokens"):
         aggregate(flat, torch.zeros(3), "sum")
+
+
+def test_cispo_weight_is_a_stopped_gradient_hand_computed():
+    """CISPO: loss -sg(clip(r, low, high)) * A * logp, so d loss / d logp = -clip(r) * A for every token,
+    clipped or not (r = 8 clips to 4, r = 2 stays, r = 0.5 clips up to low = 0.6)."""
+    logp, sampler = tokens([0.1, 0.2, 0.5], [0.8, 0.4, 0.25])  # r = 8, 2, 0.5
+    adv = torch.tensor([1.0, 1.0, -1.0], dtype=F64)
+    token = CISPOLoss(clip_low_threshold=0.6, clip_high_threshold=4.0).token_loss(logp, sampler, adv,
+                                                                                   torch.ones(3))
+    w = [4.0, 2.0, 0.6]
+    want = [-w[0] * math.log(0.8), -w[1] * math.log(0.4), w[2] * math.log(0.25)]
+    assert token.tolist() == pytest.approx(want, rel=1e-12)
+    token.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-4.0, -2.0, 0.6], rel=1e-12)
+
+
+def test_gspo_sequence_ratio_is_the_length_normalised_mean_hand_computed():
+    """GSPO on two sequences of unequal length (2 and 4 loss tokens): s = exp(mean log(p / mu)) over each
+    sequence's own loss tokens, every token's loss -s * A and gradient -s * A (own logprob, the rest
+    stopped); with eps_high = 0.1 the first sequence's s = e^0.2 > 1.1 clips to 1.1 and its gradient is 0."""
+    lr_BT = torch.tensor([[0.1, 0.3, 9.0, 9.0], [0.2, -0.1, 0.05, 0.25]], dtype=F64)  # 9.0: padding
+    mask_BT = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=F64)
+    sampler = torch.log(torch.full((2, 4), 0.3, dtype=F64))
+    adv_BT = torch.tensor([[1.0] * 4, [-2.0] * 4], dtype=F64)
+    s = [math.exp(0.2), math.exp(0.1)]  # means 0.4 / 2 and 0.4 / 4
+    for eps_high, s0 in ((INF, s[0]), (0.1, 1.1)):
+        logp = (sampler + lr_BT).requires_grad_(True)
+        token = GSPOLoss(seq_clip_eps_low=INF, seq_clip_eps_high=eps_high).token_loss(logp, sampler, adv_BT,
+                                                                                         mask_BT)
+        want = torch.tensor([[-s0, -s0, 0, 0], [2 * s[1]] * 4], dtype=F64)
+        torch.testing.assert_close(token * mask_BT, want, rtol=1e-12, atol=0)
+        (token * mask_BT).sum().backward()
+        g0 = -s[0] if eps_high == INF else 0.0
+        want = torch.tensor([[g0, g0, 0, 0], [2 * s[1]] * 4], dtype=F64)
+        torch.testing.assert_close(logp.grad, want, rtol=1e-12, atol=1e-15)
 
 
 def test_aggregate_ignores_nonfinite_padding_values():

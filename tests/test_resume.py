@@ -111,6 +111,13 @@ def test_resume_redoes_a_periodic_eval_killed_after_its_checkpoint_and_a_foreign
     ck = json.loads((run / "checkpoint.json").read_text())
     cfg_hash = ck["config_hash"]
     step1 = (ev / "gsm8k_test_step1.summary.json").read_text()
+
+    def rollouts_of() -> list[dict]:
+        return [{k: r[k] for k in ("step", "group", "prompt", "gold")}
+                for r in map(json.loads, (run / "rollouts.jsonl").read_text().splitlines())]
+
+    uninterrupted = rollouts_of()
+    assert len({r["prompt"] for r in uninterrupted}) == 6  # every step draws new problems
     # roll the run back to its step-2 checkpoint with the step-2 eval unfinished
     rows = read_metrics(run)
     entry = next(h for h in ck["history"] if h["step"] == 2)
@@ -132,11 +139,13 @@ def test_resume_redoes_a_periodic_eval_killed_after_its_checkpoint_and_a_foreign
     assert json.loads((ev / "gsm8k_test_start.summary.json").read_text())["config_hash"] == cfg_hash
     rows = read_metrics(run)
     assert [(r["step"], r["update"]) for r in rows] == [(s, u) for s in range(3) for u in range(2)]
+    # the redone step 2 continues the data order from the checkpoint's cursor
+    assert rollouts_of() == uninterrupted
 
 
 def test_logs_missing_rows_of_checkpointed_steps_are_refused(tmp_path):
     """A resume redoes only the steps after the checkpoint: a log missing a row of a step before it (a deleted
-    file, a lost or torn row) is refused, naming what is missing, and nothing is modified; a torn row of a
+    file, a lost or torn row) or one written twice is refused, naming the rows, and nothing is modified; a torn row of a
     step after it is repaired by the resume as before."""
     from dataclasses import asdict
 
@@ -160,6 +169,7 @@ def test_logs_missing_rows_of_checkpointed_steps_are_refused(tmp_path):
         (metrics[:2] + metrics[3:], roll, "holds 3 of the 4 update rows of the 2 steps before the checkpoint "
                                           "(missing global_update 2)"),
         ([], roll, "holds 0 of the 4 update rows"),
+        (metrics[:2] + metrics[1:], roll, "holds 2 rows of global_update 1"),  # a row written twice
         (metrics, "", "rollouts.jsonl holds no row of step(s) 0, 1"),
         (metrics, "".join(line + "\n" for line in roll.splitlines()[:3]) + '{"step": 1, "group": 1, "compl',
          "may be a row of step 1, before the checkpoint (step 2)"),

@@ -167,6 +167,66 @@ def test_top_k_and_top_p_restrict_the_support(tc):
     assert len({s.tokens[0] for s in k2.sequences}) <= 2
 
 
+def full_logprobs(scl, tokens: list[int]) -> torch.Tensor:
+    """`[len(tokens), V]` T = 1 logprobs over the whole vocabulary: row i is the distribution that
+    scored token i (row 0 empty), from the top-k prompt logprobs with k = the vocabulary."""
+    V = len(scl.get_tokenizer())
+    res = scl.sample(types.ModelInput.from_ints(tokens), 1, greedy(1), topk_prompt_logprobs=V).result()
+    rows = res.topk_prompt_logprobs
+    out = torch.full((len(tokens), V), float("nan"), dtype=torch.float64)
+    for i, row in enumerate(rows[1:], start=1):
+        ids, lps = zip(*row)
+        out[i, list(ids)] = torch.tensor(lps, dtype=torch.float64)
+    return out
+
+
+def test_logprobs_at_temperature_are_the_tempered_full_vocabulary_distribution(tc):
+    """At T != 1 (no top-k/top-p) each sampled token's logprob is log_softmax(logits / T)[token]
+    over the full vocabulary, and the draws follow that tempered distribution (not the T = 1 one):
+    every loss's ratio, mask and clip divides by these numbers."""
+    tok = tc.get_tokenizer()
+    scl = tc.save_weights_and_get_sampling_client()
+    p = mi(tok, PROMPTS[0]).to_ints()
+    T = 0.7
+    res = scl.sample(types.ModelInput.from_ints(p), 3,
+                     types.SamplingParams(max_tokens=10, temperature=T, seed=11, stop=[])).result()
+    worst = 0.0
+    for seq in res.sequences:
+        full = full_logprobs(scl, p + seq.tokens)[len(p):]  # the rows that scored the sampled tokens
+        assert not torch.isnan(full).any()
+        want = torch.log_softmax(full / T, -1)[torch.arange(len(seq.tokens)), torch.tensor(seq.tokens)]
+        worst = max(worst, float((torch.tensor(seq.logprobs, dtype=torch.float64) - want).abs().max()))
+    assert worst <= 1e-4
+    # the draws: the first token's frequency over many samples against the tempered probability
+    first = full_logprobs(scl, p + [0])[-1]
+    top = int(first.argmax())
+    p_T, p_1 = float(torch.softmax(first / T, -1)[top]), float(first[top].exp())
+    n = 400
+    draws = scl.sample(types.ModelInput.from_ints(p), n, types.SamplingParams(max_tokens=1, temperature=T,
+                                                                              seed=3, stop=[])).result()
+    freq = sum(s.tokens[0] == top for s in draws.sequences) / n
+    sd = (p_T * (1 - p_T) / n) ** 0.5
+    assert abs(p_T - p_1) > 8 * sd, (p_T, p_1)  # the test can tell the two temperatures apart
+    assert abs(freq - p_T) < 4 * sd, (freq, p_T, p_1)
+
+
+def test_top_p_keeps_the_token_that_crosses_it(tc):
+    """The nucleus is the smallest prefix whose mass reaches top_p: with top_p strictly between the
+    top token's probability and the top two's, both are drawn and nothing else is."""
+    tok = tc.get_tokenizer()
+    scl = tc.save_weights_and_get_sampling_client()
+    p = mi(tok, PROMPTS[0]).to_ints()
+    probs = full_logprobs(scl, p + [0])[-1].exp()
+    top2 = torch.topk(probs, 2)
+    c1, c2 = float(top2.values[0]), float(top2.values.sum())
+    assert c2 - c1 > 0.02, (c1, c2)  # a second token with mass the draws below will show
+    res = scl.sample(types.ModelInput.from_ints(p), 64, types.SamplingParams(
+        max_tokens=1, temperature=1.0, top_p=(c1 + c2) / 2, seed=0, stop=[])).result()
+    assert {s.tokens[0] for s in res.sequences} == set(top2.indices.tolist())
+    for s in res.sequences:  # the logprob is the untruncated one
+        assert s.logprobs[0] == pytest.approx(float(probs[s.tokens[0]].log()), abs=1e-4)
+
+
 def test_more_samples_than_max_batch_and_prompt_logprobs(tc):
     tok = tc.get_tokenizer()
     scl = tc.save_weights_and_get_sampling_client()

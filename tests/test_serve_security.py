@@ -371,6 +371,12 @@ def test_api_key_is_the_only_key_and_ids_change_across_restarts(tmp_path):
         r = httpx.post(s.url + "/api/v1/create_session", json={"sdk_version": "x", "tags": [], "user_metadata": None},
                        headers={"X-API-Key": "tml-other-0123456789"}, timeout=10)
         assert r.status_code == 401
+        for headers in ({}, {"X-API-Key": ""}):  # no key at all is refused too, not only a wrong one
+            r = httpx.post(s.url + "/api/v1/create_session", json={"sdk_version": "x", "tags": [],
+                                                                    "user_metadata": None},
+                           headers=headers, timeout=10)
+            assert r.status_code == 401, (headers, r.status_code)
+            assert httpx.get(s.url + "/stats", headers=headers, timeout=10).status_code == 401
         first = Raw(s.url, key)
         model_id = first.model()
         fut = first.fwdbwd(model_id, 0).json()["request_id"]

@@ -64,6 +64,7 @@ def test_smoke_run_end_to_end(tmp_path):
     # the engine plan: every implementation choice, made once, logged at the start and recorded
     plan = info["engine"]
     assert plan["kernels"] == prec["native_kernels"] and plan["sampler_dtype"] == "float32"
+    assert plan["train_packed_weights"] == prec["train_packed_weights"]
     assert plan["decode_attention"] == prec["native_kernels"].startswith("native (")
     assert not plan["amx_projections"]  # fp32 weights: the AMX tiles take bf16 only
     assert "engine plan: sampler float32, train float32" in p.stdout
@@ -74,7 +75,7 @@ def test_tinker_backend_without_key_fails_fast(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TINKER_API_KEY"}
     p = subprocess.run([sys.executable, str(ROOT / "train.py"), "backend=tinker", f"hydra.run.dir={tmp_path}/r"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
-    assert p.returncode != 0
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert "TINKER_API_KEY" in p.stderr
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
@@ -84,7 +85,7 @@ def test_auto_precision_override_is_checked_and_recorded(tmp_path):
     the run before anything is written, naming the variable."""
     args = [a for a in TINY if "_dtype=" not in a] + ["eval=none", "schedule.num_steps=1"]
     p = run_train([*args, f"hydra.run.dir={tmp_path}/bad"], tmp_path, env={"PAIREDRL_AUTO_PRECISION": "fp8"})
-    assert p.returncode != 0
+    assert p.returncode == 2
     assert "PAIREDRL_AUTO_PRECISION='fp8'" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
     from trainer.backends.local.precision import measured_precision

@@ -132,6 +132,3 @@ class ArithmeticTask(Task):
         value = _extract_final_int(text)
         return None if value is None else str(value)
 
-
-def build_arithmetic(renderer: renderers.Renderer, **kwargs: object) -> ArithmeticTask:
-    return ArithmeticTask(renderer, **kwargs)  # type: ignore[arg-type]

@@ -125,6 +125,3 @@ class GSM8KTask(Task):
         except ValueError:
             return None
 
-
-def build_gsm8k(renderer: renderers.Renderer, **kwargs: object) -> GSM8KTask:
-    return GSM8KTask(renderer, **kwargs)  # type: ignore[arg-type]

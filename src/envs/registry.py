@@ -1,53 +1,44 @@
-"""`build_task(env_cfg, renderer)`: the task named by `env_cfg.name`, built from the other fields."""
+"""`build_task(env_cfg, renderer)`: the Task class named by the env config's `_target_`, built from the
+config's other fields, as `trainer.losses.build_loss` builds a loss: `_target_` is the one selector, so
+adding an env needs no list to extend here."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from tinker_cookbook import renderers
 
 from envs.types import Task
-
-TaskBuilder = Callable[..., Task]
-_TASKS: dict[str, TaskBuilder] = {}
+from trainer.config.schema import env_schema
 
 
-def register_task(name: str, builder: TaskBuilder) -> None:
-    """Make `builder(renderer, **fields)` available as env name `name`."""
-    _TASKS[name] = builder
+def _task_class(target: str) -> type[Task]:
+    module, _, attr = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"env _target_ {target!r} names no importable class: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise TypeError(f"env _target_ {target!r} is not an envs.types.Task subclass")
+    return cls
 
 
-def available_tasks() -> list[str]:
-    _register_builtin()
-    return sorted(_TASKS)
-
-
-def _register_builtin() -> None:
-    # imported lazily: the gsm8k module pulls in `datasets` through the cookbook's math_env
-    if "gsm8k" not in _TASKS:
-        from envs.gsm8k import GSM8KTask
-
-        register_task("gsm8k", GSM8KTask)
-    if "arithmetic" not in _TASKS:
-        from envs.arithmetic import ArithmeticTask
-
-        register_task("arithmetic", ArithmeticTask)
-
-
-def _accepted_keys(builder: TaskBuilder) -> set[str] | None:
-    params = inspect.signature(builder).parameters.values()
+def _accepted_keys(cls: type) -> set[str] | None:
+    params = inspect.signature(cls).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
     return {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 def build_task(env_cfg: Any, renderer: renderers.Renderer) -> Task:
-    """The task `env_cfg.name` built with the remaining env fields as keyword arguments. `env_cfg`: the env
-    group's typed config (`trainer.config.schema.GSM8KEnvConfig`, ...), or a mapping (a DictConfig
-    included) for a task registered without a schema."""
+    """The task of `env_cfg` (its `_target_` class) built with the fields other than `_target_` and
+    `name` as keyword arguments. `env_cfg`: the env group's typed config (`GSM8KEnvConfig`, ...), a
+    DictConfig of it, or a mapping; a mapping without `_target_` takes the one of the env its `name` names
+    (`trainer.config.schema.env_schema`)."""
     if dataclasses.is_dataclass(env_cfg) and not isinstance(env_cfg, type):
         fields = {f.name: getattr(env_cfg, f.name) for f in dataclasses.fields(env_cfg)}
     elif isinstance(env_cfg, Mapping):
@@ -57,13 +48,13 @@ def build_task(env_cfg: Any, renderer: renderers.Renderer) -> Task:
     name = fields.pop("name", None)
     if name is None:
         raise ValueError("env config has no 'name'")
-    _register_builtin()
-    if name not in _TASKS:
-        raise ValueError(f"unknown env name {name!r}; available: {sorted(_TASKS)}")
-    builder = _TASKS[name]
-    accepted = _accepted_keys(builder)
+    target = fields.pop("_target_", None)
+    if target is None:
+        target = env_schema(name)._target_  # a ConfigError (a ValueError) naming the known envs
+    cls = _task_class(target)
+    accepted = _accepted_keys(cls)
     if accepted is not None:
         unknown = sorted(set(fields) - accepted)
         if unknown:
             raise ValueError(f"env {name!r} does not take field(s) {unknown}; accepted: {sorted(accepted)}")
-    return builder(renderer, **fields)
+    return cls(renderer, **fields)

@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from eval.runs import Run
+from trainer.config.losses import rules_owned_by
 
 # metric families that describe the training itself (wall-clock, fault and eval keys differ between any two runs)
 _TRAINING_FAMILIES = ("loss/", "env/", "drift/", "entropy/", "mismatch/", "ratio/", "optim/", "tokens/")
@@ -19,11 +20,11 @@ _OBJECTIVE_KEYS = ("loss/value",)
 
 
 def _rule_fraction_keys(losses: tuple[str, ...]) -> re.Pattern[str]:
-    """loss/<rule>_frac of the two arms' own rules (grpo -> grpo_clip, dppo -> dppo_masked): every loss logs
-    every rule's fraction, its own and the counterfactual ones (what the other arm's rule would have done to
-    the same tokens). Rules of losses outside the comparison (a GSPO sequence clip in a GRPO vs DPPO sweep)
-    do not tell the two arms apart."""
-    return re.compile(r"^loss/(" + "|".join(re.escape(x) for x in losses) + r")_\w+_frac$")
+    """loss/<rule>_frac of the two arms' own rules (the rule table's owners: grpo -> grpo_clip, dppo ->
+    dppo_masked): every loss logs every rule's fraction, its own and the counterfactual ones (what the other
+    arm's rule would have done to the same tokens). Rules of losses outside the comparison (a GSPO sequence
+    clip in a GRPO vs DPPO sweep) do not tell the two arms apart."""
+    return re.compile(r"^loss/(" + "|".join(re.escape(x) for x in rules_owned_by(losses)) + r")_frac$")
 
 
 #: losses whose gradient, where no rule clips or masks a token, is the same r A grad log p (GRPO's and CISPO's

@@ -385,14 +385,6 @@ def plan_seeds(overrides: list[str]) -> tuple[list[str], int]:
     return first, max(1, len(seeds))
 
 
-def n_items_of(cfg: Any) -> int:
-    if cfg.eval.n_examples:
-        return int(cfg.eval.n_examples)
-    if cfg.eval.task == "gsm8k":
-        return 1319
-    return int(cfg.env.get("n_test", 200))
-
-
 def pilot_estimates(path: str | Path) -> dict[str, Any]:
     """Discordance and between-seed sd from a pilot's final eval files: an A/A sweep (one loss: seed-pair
     discordance, sd of accuracy), an A/B sweep (between-arm discordance; with >= 2 seeds the per-seed gaps'
@@ -447,6 +439,8 @@ def _first_given(*candidates: tuple[Any, str]) -> tuple[float, str]:
 def plan_from_config(cfg: Any, n_seeds: int, discordance: float | None = None, seed_sd: float | None = None,
                      target_effect: float | None = None, pilot: str | Path | None = None) -> Plan:
     """The plan's design inputs: the config's decision group, overridden by the command line or a pilot."""
+    from trainer.config.schema import eval_items
+
     d = cfg.decision
     sources = {}
     est = pilot_estimates(pilot) if pilot is not None else {}
@@ -461,7 +455,7 @@ def plan_from_config(cfg: Any, n_seeds: int, discordance: float | None = None, s
     # `auto` resolves here, at plan time, by the plan's seeds per arm; compare resolves it the same way from
     # the sweep and the gate's record holds the resolution
     method, sources["method"] = resolve_method(str(d.method), n_seeds)
-    return Plan(n_items=n_items_of(cfg), n_seeds=n_seeds, alpha=float(d.alpha), power=float(d.power),
+    return Plan(n_items=eval_items(cfg), n_seeds=n_seeds, alpha=float(d.alpha), power=float(d.power),
                 margin=float(d.margin), discordance=float(P), seed_sd=float(sd), method=method,
                 target_scope=d.get("target_scope"),
                 target_effect=None if target is None else float(target), sources=sources)

@@ -13,24 +13,26 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.config.compose import CONF_DIR
+from trainer.config.compose import CONF_DIR, HydraEntry
 from trainer.config.schema import register_configs
 
 register_configs()
 log = logging.getLogger("pairedrl.eval")
+ENTRY = HydraEntry()
 
 
 def _resolve_checkpoint(cfg: DictConfig) -> tuple[str, Path | None, DictConfig]:
     from trainer.checkpoint import load_checkpoint
+    from trainer.setup import fail
 
     ck = cfg.checkpoint
     if not ck:
-        raise SystemExit("error: checkpoint=<run folder or tinker:// path> is required")
+        fail("checkpoint=<run folder or tinker:// path> is required")
     p = Path(str(ck))
     if p.is_dir():
         info = load_checkpoint(p)
         if info is None:
-            raise SystemExit(f"error: {p} has no checkpoint.json (not a run folder with a saved checkpoint)")
+            fail(f"{p} has no checkpoint.json (not a run folder with a saved checkpoint)")
         run_cfg = OmegaConf.load(p / "config.yaml")
         # the run's model/env/backend, the command line's eval settings; each group is replaced, not merged:
         # the run's option (env=gsm8k) may have other keys than the default's typed node (env=arithmetic)
@@ -40,23 +42,27 @@ def _resolve_checkpoint(cfg: DictConfig) -> tuple[str, Path | None, DictConfig]:
                 OmegaConf.update(merged, k, run_cfg[k], merge=False)
         return info.tinker_path, p, merged
     if not str(ck).startswith("tinker://"):
-        raise SystemExit(f"error: checkpoint={ck!r} is neither a run folder nor a tinker:// path")
+        fail(f"checkpoint={ck!r} is neither a run folder nor a tinker:// path")
     return str(ck), None, cfg
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float:
+    ENTRY.composed()
     from hydra.core.hydra_config import HydraConfig
 
     from eval.greedy import greedy_eval_budgets, run_greedy_eval
     from trainer.backends import build_service_client
-    from trainer.config.schema import validate
+    from trainer.config.schema import ConfigError, validate
     from trainer.retry import RetryPolicy
     from trainer.setup import build_components, eval_task, fail
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
     path, run_dir, cfg = _resolve_checkpoint(cfg)
-    validate(cfg)
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        fail(f"config: {e}")
     if cfg.eval.name == "none":
         fail("eval=none: choose an eval (eval=gsm8k_test or eval=arithmetic)")
     out_root = run_dir or Path(HydraConfig.get().runtime.output_dir)
@@ -79,4 +85,4 @@ def main(cfg: DictConfig) -> float:
 
 if __name__ == "__main__":
     # Hydra's decorated main returns None whatever the task returned; a failure exits through SystemExit
-    main()
+    ENTRY.run(main)

@@ -355,6 +355,7 @@ def _run_notes(runs: list[Run]) -> list[str]:
     if len(set(paths.values())) > 1:
         notes.append("the arms computed their loss on different paths (same gradients, different speed and "
                      f"metric rounding): {paths}")
+    notes += _engine_notes(runs)
     for what, why in (("precision", ("the arms' arithmetic differs beyond the last bits, a difference the verdict "
                                      "cannot tell apart from the switch (refused unless --allow-config-diff)")),
                       ("cpu", "the same thread count and code give other numbers on another CPU"),
@@ -363,6 +364,20 @@ def _run_notes(runs: list[Run]) -> list[str]:
         if len(set(seen.values())) > 1:
             notes.append(f"the arms ran with different {what} ({why}): {seen}")
     return notes
+
+
+def _engine_notes(runs: list[Run]) -> list[str]:
+    """A note when the arms' engine plans (run_info.json `engine`) differ: which ops ran native, on the AMX
+    tiles or on oneDNN-packed weights decides the summation order, so neither arm's bits are what the other
+    arm's code path would give (`PAIREDRL_TORCH_OPS`, another CPU or torch build). Names the fields."""
+    engines = {r.arm: r.info.get("engine") or {} for r in runs}
+    keys = sorted({k for e in engines.values() for k in e
+                   if len({json.dumps(x.get(k), sort_keys=True) for x in engines.values()}) > 1})
+    if not keys:
+        return []
+    return [f"the arms ran different engine plans (the ops' summation order differs, so one arm's numbers are not "
+            f"what the other's plan would give): {', '.join(keys)}: "
+            + "; ".join(f"{arm} {{{', '.join(f'{k}={e.get(k)}' for k in keys)}}}" for arm, e in engines.items())]
 
 
 def _run_info_values(runs: list[Run], what: str) -> dict[str, str]:

@@ -41,8 +41,6 @@ import numpy as np
 
 from trainer.config.enums import DECISION_METHODS
 
-# inert: eval.activity.switch_activity; equivalent: decision.equivalence_margin (eval.methods.equivalent)
-VERDICTS = ("validated", "inconclusive", "not_supported", "equivalent", "inert")
 METHOD = "paired_hoeffding"
 
 DECISION_RULE = (

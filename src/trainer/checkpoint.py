@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,12 +113,18 @@ def _check_rows_before(path: Path, rows: list[dict], torn: int, ckpt: Checkpoint
     refuse = (f"; refusing to resume: the steps before the checkpoint are not redone, so these rows would be "
               f"missing for good. Restore {path.name} from a copy, or start the run in a new folder")
     if per_update:
-        have = {r.get("global_update") for r in before}
-        missing = [u for u in range(ckpt.optim_steps) if u not in have]
+        seen = Counter(r.get("global_update") for r in before)
+        missing = [u for u in range(ckpt.optim_steps) if u not in seen]
         if missing:
             raise ResumeError(f"{path} holds {ckpt.optim_steps - len(missing)} of the {ckpt.optim_steps} "
                               f"update rows of the {ckpt.step} steps before the checkpoint (missing "
                               f"global_update {_listed(missing)})" + refuse)
+        twice = sorted(u for u, n in seen.items() if n > 1)
+        if twice:  # a row written twice would count its update twice in every curve read from the log
+            raise ResumeError(f"{path} holds {seen[twice[0]]} rows of global_update {twice[0]}"
+                              f"{f' (and of {_listed(twice[1:])})' if twice[1:] else ''} before the checkpoint; "
+                              f"refusing to resume: each update has one row. Restore {path.name} from a copy, "
+                              "or start the run in a new folder")
     else:
         missing = sorted(set(range(ckpt.step)) - {r["step"] for r in before})
         if missing:

@@ -26,6 +26,7 @@ import tinker
 from omegaconf import DictConfig
 
 from trainer.advantages import compute_advantages
+from trainer.backends import backend_of
 from trainer.backends.errors import (
     RECOVER,
     RESEND,
@@ -132,7 +133,7 @@ class RLLoop:
         # a fresh service client for a recovery (backend=tinker; None: recoveries reuse `service_client`)
         self.new_service_client = new_service_client
         # a key of the tinker backend's schema only (LocalBackendConfig has none): None, no deadline, on local
-        self.retry = RetryPolicy.from_config(cfg.retry, cfg.backend.get("call_deadline_s"))
+        self.retry = RetryPolicy.from_config(cfg.retry, cfg.backend.call_deadline_s)
         self.train_problems = task.train_problems()
         if len(self.train_problems) == 0:
             raise ValueError(f"env {cfg.env.name}: empty train set")
@@ -143,7 +144,9 @@ class RLLoop:
         self._warned: set[str] = set()
         self._ref_sampler: Any = None  # a sampler of the initial weights (`_reference_sampler`)
         mode = cfg.sampling.requests
-        self.per_sample_requests = mode == "per_sample" or (mode == "auto" and cfg.backend.name == "tinker")
+        if mode == "auto":
+            mode = backend_of(cfg).auto_requests
+        self.per_sample_requests = mode == "per_sample"
         self.last_rows: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ clients

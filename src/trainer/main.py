@@ -23,15 +23,22 @@ from omegaconf import DictConfig
 from eval.during_training import (compare_with_start, periodic_eval, run_final_eval, run_start_eval,
                                   start_eval_key)
 from eval.run_report import write_run_report
-from trainer.backends import BackendConfigError, build_service_client, check_tinker, session_finished
+from trainer.backends import BackendConfigError, backend_of, build_service_client, session_finished
 from trainer.backends.errors import BackendRequestError, is_lost
 from trainer.checkpoint import ResumeError, check_resumable, config_hash
 from trainer.config.schema import ConfigError, arm_name, validate
 from trainer.hydra_callbacks import probe_output_dir
 from trainer.loop import RLLoop, TrainingClientLost, _ClientFailure
 from trainer.preflight.gates import require_passed
-from trainer.run_info import (batch_arithmetic, config_secrets, format_batch_arithmetic, git_revision,
-                              redact_hydra_record, resolved_config_dict, write_run_files)
+from trainer.run_info import (
+    batch_arithmetic,
+    config_secrets,
+    format_batch_arithmetic,
+    git_revision,
+    redact_hydra_record,
+    resolved_config_dict,
+    write_run_files,
+)
 from trainer.setup import build_components, eval_task, fail, make_loss
 from trainer.utils.io import atomic_write_json, read_json
 from trainer.utils.load import LoadMonitor
@@ -57,7 +64,7 @@ def check_output_dir(run_dir: Path, cfg: DictConfig) -> None:
     # LoRA state + Adam moments of a small adapter; generous so a full disk is caught before training
     need_mb = 64 * (1 + cfg.schedule.num_steps // max(1, cfg.schedule.save_every or cfg.schedule.num_steps))
     free_mb = shutil.disk_usage(run_dir).free / 2**20
-    if cfg.backend.name == "local" and free_mb < need_mb:
+    if backend_of(cfg).local_state and free_mb < need_mb:
         fail(f"not enough disk in {run_dir}: {free_mb:.0f} MiB free, the planned checkpoints need ~{need_mb} MiB")
 
 
@@ -138,11 +145,11 @@ def run_training(cfg: DictConfig) -> float | None:
     check_output_dir(run_dir, cfg)
     # the machine's load beside this run's timings: a short window now, each step, the whole run at the end
     load = LoadMonitor()
-    if cfg.backend.name == "tinker":  # a missing key or an unreachable service fails before any other work
-        try:
-            check_tinker(cfg.backend)
-        except BackendConfigError as e:
-            fail(str(e))
+    try:  # a missing key or an unreachable service fails before any other work
+        backend = backend_of(cfg)
+        backend.check(cfg.backend)
+    except BackendConfigError as e:
+        fail(str(e))
     if not cfg.preflight.skip:
         try:
             require_passed(cfg)
@@ -177,7 +184,7 @@ def run_training(cfg: DictConfig) -> float | None:
         fail(str(e))
     if resuming:  # the folder's config.yaml / run_info.json stay as the run first wrote them
         try:
-            check_precision(info, getattr(service_client, "precision", None))
+            check_precision(info, backend.precision(service_client))
         except ResumeError as e:
             fail(f"resume: {e}")
         print(f"resuming the run in {run_dir}", flush=True)
@@ -190,12 +197,12 @@ def run_training(cfg: DictConfig) -> float | None:
     else:
         # every implementation choice of the local engine, made once for this model and logged (a service
         # decides its own); a resumed run's engine says it when it restores the checkpoint
-        plan = service_client.plan(cfg.model.base_model) if hasattr(service_client, "plan") else None
         info = write_run_files(run_dir, cfg, {"batch": batch, "run_dir": str(run_dir),
                                               "load": {"start": load.start_rec},
                                               # the engine's resolved precision (None: the service decides)
-                                              "precision": getattr(service_client, "precision", None),
-                                              "engine": plan.record() if plan is not None else None})
+                                              "precision": backend.precision(service_client),
+                                              "engine": backend.engine_record(service_client,
+                                                                              cfg.model.base_model)})
     if sweep_dir is not None:
         record_arm(sweep_dir, HydraConfig.get().job.num,
                    {"arm": info["arm"], "loss": info["loss"], "seed": info["seed"], "run_dir": str(run_dir)})
@@ -238,7 +245,7 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
     loop = None
     # the session ends with the run however it ends; the loop's client replaces the first after a recovery
     with session_finished(lambda: loop.sc if loop is not None else service_client,
-                          float(cfg.backend.get("connect_timeout_s", 10.0))):
+                          float(cfg.backend.connect_timeout_s)):
         questions = ({p.index: p.question for p in etask.test_problems(cfg.eval.n_examples)}
                      if etask is not None else None)
 
@@ -257,7 +264,7 @@ def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, 
         bar = sys.stderr.isatty() or bool(os.environ.get("PAIREDRL_PROGRESS"))
         # a recovery on backend=tinker starts a new session: a restarted server knows neither the old one nor
         # its ids
-        renew = (lambda: build_service_client(cfg, run_dir)) if cfg.backend.name == "tinker" else None
+        renew = (lambda: build_service_client(cfg, run_dir)) if backend_of(cfg).renews_session else None
         loop = RLLoop(cfg, run_dir, service_client, task, loss_path, config_dict, sweep_dir,
                       progress=True if bar else "lines", on_step_end=on_step_end, wandb_run=wandb_run,
                       new_service_client=renew)

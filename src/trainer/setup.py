@@ -8,12 +8,13 @@ import logging
 import sys
 from typing import Any, NoReturn
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from envs import build_task
 from envs.renderers import get_renderer
 from envs.tokenizers import get_tokenizer
-from trainer.config.schema import GROUP_SCHEMAS
+from trainer.backends import backend_of
+from trainer.config.schema import env_schema
 from trainer.losses import build_loss
 from trainer.losses.paths import LossPath, OnePassLossPath, TwoPassLossPath
 
@@ -41,8 +42,7 @@ def eval_task(cfg: DictConfig, renderer: Any, train_task: Any) -> Any:
         return None
     if cfg.eval.task == cfg.env.name:
         return train_task
-    schema = GROUP_SCHEMAS["env"][f"{cfg.eval.task}_schema"]
-    return build_task(OmegaConf.structured(schema()), renderer)
+    return build_task(env_schema(cfg.eval.task)(), renderer)
 
 
 def make_loss(cfg: DictConfig, service_client: Any) -> LossPath:
@@ -55,7 +55,7 @@ def make_loss(cfg: DictConfig, service_client: Any) -> LossPath:
     want = cfg.backend.loss_path
     if want == "two_pass":
         return TwoPassLossPath(loss)
-    if cfg.loss.aggregation != "sum" or not hasattr(service_client, "create_custom_loss"):
+    if cfg.loss.aggregation != "sum" or not backend_of(cfg).custom_losses:
         if want == "one_pass":
             fail(f"backend.loss_path=one_pass needs loss.aggregation=sum (got {cfg.loss.aggregation}) and a "
                  "backend with create_custom_loss; use backend.loss_path=auto or two_pass")
@@ -70,7 +70,7 @@ def make_loss(cfg: DictConfig, service_client: Any) -> LossPath:
                     "the two-pass path (same gradients, other cost and metric rounding); pin "
                     "backend.loss_path so that every arm of a sweep runs the same path", type(e).__name__, e)
         return TwoPassLossPath(loss)
-    if cfg.backend.name == "tinker" and getattr(path.handle, "loss_id", None) is None:
+    if backend_of(cfg).reports_loss_placement and getattr(path.handle, "loss_id", None) is None:
         log.info("the service runs registered losses client-side (custom_loss_server_side=false): one-pass "
                  "semantics, two model passes per update")
     return path

@@ -18,13 +18,53 @@ class BackendConfigError(RuntimeError):
     pass
 
 
-def build_service_client(cfg: DictConfig, run_dir: Path) -> Any:
-    b = cfg.backend
-    if b.name == "tinker":
-        return _tinker_client(b)
-    if b.name == "local":
+class Backend:
+    """What the trainer may ask of a backend, declared here once per backend instead of asked by name or
+    probed on the client: the loop, main, setup and the gates read these fields and call these methods.
+
+    - `local_state`: checkpoints are written to this machine's disk (main checks the free space first);
+    - `renews_session`: a recovery builds a new client (a restarted service knows none of the old ids);
+    - `auto_requests`: what `sampling.requests=auto` means here (`per_group` | `per_sample`);
+    - `custom_losses`: the client has `create_custom_loss` (the one-pass loss path; without it
+      `backend.loss_path=auto` takes the two-pass path);
+    - `reports_loss_placement`: a registered custom loss's handle says whether the service runs it
+      server-side (`loss_id`), which the run logs;
+    - `check(backend_cfg)`: what can be checked before any compute (a key, a URL), BackendConfigError;
+    - `build(cfg, run_dir)`: the Tinker-shaped ServiceClient;
+    - `precision(client)` / `engine_record(client, base_model)`: the engine's resolved precision and its
+      implementation plan for run_info.json (None: the service decides its own)."""
+
+    name: str
+    local_state = False
+    renews_session = False
+    auto_requests = "per_group"
+    custom_losses = False
+    reports_loss_placement = False
+
+    def check(self, b: DictConfig) -> None:
+        """Nothing to check before the client is built."""
+
+    def build(self, cfg: DictConfig, run_dir: Path) -> Any:
+        raise NotImplementedError
+
+    def precision(self, client: Any) -> dict[str, Any] | None:
+        return None
+
+    def engine_record(self, client: Any, base_model: str) -> dict[str, Any] | None:
+        return None
+
+
+class LocalBackend(Backend):
+    """The embedded CPU engine (`trainer.backends.local`)."""
+
+    name = "local"
+    local_state = True
+    custom_losses = True
+
+    def build(self, cfg: DictConfig, run_dir: Path) -> Any:
         from trainer.backends.local import LocalServiceClient
 
+        b = cfg.backend
         f = b.faults
         faults = {k: float(v) for k, v in f.items()} if any(
             float(f[k]) > 0 for k in ("p_sample", "p_forward_backward", "p_optim_step", "p_save_state",
@@ -38,7 +78,45 @@ def build_service_client(cfg: DictConfig, run_dir: Path) -> Any:
                 sample_batch_wait_s=b.sample_batch_wait_s, faults=faults)
         except ValueError as e:  # a bad setting or environment variable, before any model is loaded
             raise BackendConfigError(f"backend=local: {e}") from None
-    raise BackendConfigError(f"backend.name: unknown backend {b.name!r} (local | tinker)")
+
+    def precision(self, client: Any) -> dict[str, Any] | None:
+        return client.precision
+
+    def engine_record(self, client: Any, base_model: str) -> dict[str, Any] | None:
+        # every implementation choice of the engine, made once for this model and logged
+        return client.engine_record(base_model)
+
+
+class TinkerBackend(Backend):
+    """A Tinker service (the real one, or `python -m trainer.serve`) through the SDK's ServiceClient."""
+
+    name = "tinker"
+    renews_session = True
+    auto_requests = "per_sample"  # the service batches samples itself; one request each spreads them
+    custom_losses = True
+    reports_loss_placement = True
+
+    def check(self, b: DictConfig) -> None:
+        check_tinker(b)
+
+    def build(self, cfg: DictConfig, run_dir: Path) -> Any:
+        return _tinker_client(cfg.backend)
+
+
+#: the backends by `backend.name`
+BACKENDS: dict[str, Backend] = {b.name: b for b in (LocalBackend(), TinkerBackend())}
+
+
+def backend_of(cfg: DictConfig) -> Backend:
+    """The backend `cfg.backend.name` names; BackendConfigError for an unknown name."""
+    b = BACKENDS.get(cfg.backend.name)
+    if b is None:
+        raise BackendConfigError(f"backend.name: unknown backend {cfg.backend.name!r} ({' | '.join(BACKENDS)})")
+    return b
+
+
+def build_service_client(cfg: DictConfig, run_dir: Path) -> Any:
+    return backend_of(cfg).build(cfg, run_dir)
 
 
 def close_service_client(sc: Any) -> None:
@@ -97,7 +175,7 @@ def check_tinker(b: DictConfig) -> tuple[str, str]:
     from tinker.lib.base_url import resolve_base_url
 
     base_url = resolve_base_url(b.base_url or os.environ.get("TINKER_BASE_URL") or None)
-    probe_service(base_url, key, float(b.get("connect_timeout_s", 10.0)), b.api_key_env)
+    probe_service(base_url, key, float(b.connect_timeout_s), b.api_key_env)
     return base_url, key
 
 

@@ -54,12 +54,7 @@ _USER_STATUSES = (400, 401, 402, 403, 404, 413, 422)
 # messages of the ValueErrors the SDK raises when a result cannot be fetched or decoded (server side)
 _SDK_RETRIEVAL = ("Error retrieving result", "Proto deserialization failed", "Server returned a JSON payload")
 
-# Errors after which the same request may simply be sent again (kept for callers that want the
-# tuple). Tinker's SDK already retries connection errors; what reaches us has exhausted those retries.
-RETRYABLE = (TransientBackendError, tinker.APIConnectionError, tinker.APITimeoutError,
-             tinker.InternalServerError, tinker.RateLimitError, TimeoutError, ConnectionError)
-
-# The subset after which the request certainly changed nothing on the server. A timeout, a 5xx or a
+# The errors after which the request certainly changed nothing on the server. A timeout, a 5xx or a
 # dropped connection may arrive after the server applied the call; for calls that change the weights or
 # accumulate gradients (forward_backward, optim_step) sending them again could apply them twice, so the
 # trainer retries those in place only for these errors and otherwise redoes the step from a checkpoint.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -58,3 +60,25 @@ def print_sweep_configs(conf_dir: Path, argv: list[str]) -> int:
         print(f"# ---- job {num}: {' '.join(job)}")
         print(OmegaConf.to_yaml(cfg if which != "hydra" else cfg.hydra))
     return 0
+
+
+class HydraEntry:
+    """Runs a `@hydra.main` function so that a config Hydra cannot compose (an unknown key, a value of the
+    wrong type, a missing group option) exits 2, as every bad input of the project does; Hydra itself
+    exits 1 for it, as for an error the task raises, which keeps its code. The task calls `composed()`
+    first thing, so a SystemExit(1) before it came from the composition."""
+
+    def __init__(self) -> None:
+        self._composed = False
+
+    def composed(self) -> None:
+        self._composed = True
+
+    def run(self, main: Callable[[], Any]) -> None:
+        self._composed = False
+        try:
+            main()
+        except SystemExit as e:
+            if e.code == 1 and not self._composed:
+                raise SystemExit(2) from None
+            raise

@@ -41,8 +41,6 @@ ADVANTAGES: tuple[str, ...] = ("group_mean", "group_zscore", "none")
 # ----------------------------------------------------------------------------- env, eval
 #: few-shot conversation prefixes of the math envs (envs/gsm8k.py, envs/arithmetic.py)
 CONVO_PREFIXES: tuple[str, ...] = ("standard", "none")
-#: tasks whose test split can be evaluated (`eval.task`)
-EVAL_TASKS: tuple[str, ...] = ("gsm8k", "arithmetic")
 
 # ----------------------------------------------------------------------------- backend
 #: how the loss is computed: one pass (a registered per-datum loss) or two (a client-side callable)

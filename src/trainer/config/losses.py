@@ -175,6 +175,47 @@ class GSPOLossConfig(LossCommonConfig):
         self._check_common()
 
 
+@dataclass(frozen=True)
+class RuleSpec:
+    """One token rule that every arm evaluates and logs as `loss/<name>_frac` (`_adv_pos`, `_adv_neg`):
+    its owner's own rule with that arm's settings, a counterfactual in the other arms.
+
+    `mask` names the rule's bool-mask function in `trainer.losses.trust_region`, called as
+    `mask(logp, sampler_logp, anchor_logp, advantages, mask, **settings)`; `defaults` are its settings
+    (keyword names, prefixed by the owner) at the owner's own defaults, the values the other arms use."""
+
+    name: str
+    owner: str
+    mask: str
+    defaults: tuple[tuple[str, Any], ...]
+
+
+#: Every rule, in the order every arm reports them. The loss fields, diagnostics and per-datum keys,
+#: the float64 reference's names and eval.compare's "whose rule is this" all read this table.
+RULE_TABLE: tuple[RuleSpec, ...] = (
+    RuleSpec("dppo_masked", "dppo", "dppo_rule_mask",
+             (("dppo_mode", DPPOLossConfig.mode), ("dppo_delta_low", DPPO_DEFAULT_DELTA[DPPOLossConfig.mode]),
+              ("dppo_delta_high", DPPO_DEFAULT_DELTA[DPPOLossConfig.mode]))),
+    RuleSpec("grpo_clip", "grpo", "grpo_rule_mask",
+             (("grpo_eps_low", GRPOLossConfig.clip_eps), ("grpo_eps_high", GRPOLossConfig.clip_eps))),
+    RuleSpec("cispo_clip", "cispo", "cispo_rule_mask",
+             (("cispo_low", CISPOLossConfig.clip_low_threshold),
+              ("cispo_high", CISPOLossConfig.clip_high_threshold))),
+    RuleSpec("gspo_clip", "gspo", "gspo_rule_mask",
+             (("gspo_eps_low", GSPOLossConfig.seq_clip_eps_low),
+              ("gspo_eps_high", GSPOLossConfig.seq_clip_eps_high))),
+)
+RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULE_TABLE)
+#: every rule setting at its owner's default
+RULE_DEFAULTS: dict[str, Any] = {k: v for r in RULE_TABLE for k, v in r.defaults}
+
+
+def rules_owned_by(losses: Any) -> tuple[str, ...]:
+    """The names of the rules the losses `losses` (names) own: an arm's own rule, as against the
+    counterfactual ones it also logs."""
+    return tuple(r.name for r in RULE_TABLE if r.owner in set(losses))
+
+
 #: Hydra's schema name of each loss option (conf/loss/<name>.yaml names `<name>_schema` in its defaults)
 LOSS_SCHEMAS: dict[str, type[LossCommonConfig]] = {
     "grpo_schema": GRPOLossConfig,

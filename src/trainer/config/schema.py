@@ -27,7 +27,6 @@ from trainer.config.enums import (
     DPPO_DEFAULT_DELTA,
     ENDPOINTS,
     ENGINE_DTYPES,
-    EVAL_TASKS,
     LOGGERS,
     LOSS_PATHS,
     LR_SCHEDULES,
@@ -145,9 +144,29 @@ class ScheduleConfig:
 
 
 # ----------------------------------------------------------------------------- env
+#: items in GSM8K's test split (openai/gsm8k `main`, the vendored test.jsonl; tests/test_envs.py counts them)
+GSM8K_TEST_ITEMS = 1319
+
+
 @dataclass
-class GSM8KEnvConfig:
-    # task name (registry key in envs)
+class EnvCommonConfig:
+    """What every env config has: the Task class it builds and its name; each env's config subclasses it."""
+
+    # the Task class built from the other fields (envs.build_task), as a loss's `_target_`
+    _target_: str = MISSING
+    # task name (the env's label; `eval.task` names an env by it)
+    name: str = MISSING
+
+    def test_items(self) -> int:
+        """The size of the test split a whole-split eval scores."""
+        raise NotImplementedError
+
+
+@dataclass
+class GSM8KEnvConfig(EnvCommonConfig):
+    # the Task class built from the other fields (envs.build_task), as a loss's `_target_`
+    _target_: str = "envs.gsm8k.GSM8KTask"
+    # task name (the env's label; `eval.task` names an env by it)
     name: str = "gsm8k"
     # data source: vendored | openai/gsm8k (HF hub id) | a folder holding train.jsonl and test.jsonl
     source: str = "vendored"
@@ -171,10 +190,16 @@ class GSM8KEnvConfig:
         _require(self.format_coef >= 0, "format_coef", "must be >= 0", self.format_coef)
         _positive_int("max_tokens", self.max_tokens)
 
+    def test_items(self) -> int:
+        """The size of the test split a whole-split eval scores."""
+        return GSM8K_TEST_ITEMS
+
 
 @dataclass
-class ArithmeticEnvConfig:
-    # task name (registry key in envs)
+class ArithmeticEnvConfig(EnvCommonConfig):
+    # the Task class built from the other fields (envs.build_task), as a loss's `_target_`
+    _target_: str = "envs.arithmetic.ArithmeticTask"
+    # task name (the env's label; `eval.task` names an env by it)
     name: str = "arithmetic"
     # seed of the problem generator (fixes the data, identical across arms)
     seed: int = 0
@@ -205,13 +230,17 @@ class ArithmeticEnvConfig:
         _require(self.format_coef >= 0, "format_coef", "must be >= 0", self.format_coef)
         _positive_int("max_tokens", self.max_tokens)
 
+    def test_items(self) -> int:
+        """The size of the test split a whole-split eval scores."""
+        return self.n_test
+
 
 # ----------------------------------------------------------------------------- eval
 @dataclass
 class EvalConfig:
     # eval name; the per-item file is eval/<name>.jsonl ('none' disables eval)
     name: str = "none"
-    # which task's test split to evaluate: gsm8k | arithmetic (null = no eval)
+    # which env's test split to evaluate: an env name (gsm8k | arithmetic; null = no eval)
     task: Optional[str] = None
     # number of test items (null = all)
     n_examples: Optional[int] = None
@@ -239,7 +268,7 @@ class EvalConfig:
         _positive_int("max_tokens", self.max_tokens)
         _positive_int("concurrency", self.concurrency)
         if self.task is not None:
-            _in_set("task", self.task, EVAL_TASKS)
+            _in_set("task", self.task, env_names())
 
 
 # ----------------------------------------------------------------------------- backend
@@ -263,7 +292,38 @@ class FaultsConfig:
 
 
 @dataclass
-class LocalBackendConfig:
+class BackendCommonConfig:
+    """The fields the trainer reads from every backend (the loop, main, setup), stated once here; a
+    backend's config subclasses it and may change a default (trainer.backends.Backend declares the rest)."""
+
+    # backend kind (trainer.backends.BACKENDS)
+    name: str = MISSING
+    # how the loss is computed: auto (one pass where the loss and backend allow it, else two passes with a
+    # warning) | one_pass (fail if unavailable) | two_pass (client-side callable)
+    loss_path: str = "auto"
+    # restoration gate: max |logprob diff| between fresh clients and across save -> restore
+    restore_tolerance: float = 1e-6
+    # send optim_step right behind forward_backward instead of after its result (no resend in place then:
+    # a failure of either redoes the step from the last checkpoint)
+    pipeline_optim_step: bool = True
+    # seconds a call may wait while no call of the run gets a successful reply; past it the step is redone
+    # from the last checkpoint with a new client (null = none: the local engine's calls return or raise)
+    call_deadline_s: Optional[float] = None
+    # seconds to wait for the backend to answer (the connect check, finishing the session at the end)
+    connect_timeout_s: float = 10.0
+
+    def _check_common(self) -> None:
+        _in_set("loss_path", self.loss_path, LOSS_PATHS)
+        _require(self.restore_tolerance > 0, "restore_tolerance", "must be > 0", self.restore_tolerance)
+        if self.call_deadline_s is not None:
+            _require(1 <= self.call_deadline_s <= 86400, "call_deadline_s", "must be in [1, 86400] seconds",
+                     self.call_deadline_s)
+        _require(0 < self.connect_timeout_s <= 25, "connect_timeout_s", "must be in (0, 25]",
+                 self.connect_timeout_s)
+
+
+@dataclass
+class LocalBackendConfig(BackendCommonConfig):
     # backend kind
     name: str = "local"
     # where the engine persists checkpoints (null = <run dir>/engine)
@@ -285,17 +345,9 @@ class LocalBackendConfig:
     num_threads: Optional[int] = None
     # injected faults (testing the trainer's retry and resume paths)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
-    # how the loss is computed: auto | one_pass (registered per-datum loss) | two_pass (client-side callable)
-    loss_path: str = "auto"
-    # restoration gate: max |logprob diff| between fresh clients and across save -> restore
-    restore_tolerance: float = 1e-6
-    # send optim_step right behind forward_backward instead of after its result (no resend in place then:
-    # a failure of either redoes the step from the last checkpoint)
-    pipeline_optim_step: bool = True
 
     def __post_init__(self) -> None:
-        _in_set("loss_path", self.loss_path, LOSS_PATHS)
-        _require(self.restore_tolerance > 0, "restore_tolerance", "must be > 0", self.restore_tolerance)
+        self._check_common()
         _in_set("sampler_dtype", self.sampler_dtype, ENGINE_DTYPES)
         _in_set("train_dtype", self.train_dtype, ENGINE_DTYPES)
         _positive_int("micro_batch_size", self.micro_batch_size)
@@ -307,35 +359,23 @@ class LocalBackendConfig:
 
 
 @dataclass
-class TinkerBackendConfig:
+class TinkerBackendConfig(BackendCommonConfig):
     # backend kind
     name: str = "tinker"
     # service URL; null = $TINKER_BASE_URL or the SDK default
     base_url: Optional[str] = None
     # environment variable holding the API key (the key itself is never stored in configs)
     api_key_env: str = "TINKER_API_KEY"
-    # how the loss is computed: auto (one pass where the loss allows and the service registers it, else two
-    # passes with a warning) | one_pass (fail if unavailable) | two_pass (client-side callable)
-    loss_path: str = "auto"
-    # seconds to wait for the service to answer before failing (an unreachable or wrong TINKER_BASE_URL)
-    connect_timeout_s: float = 10.0
-    # seconds a call may wait while no call of the run gets a successful reply; past it the step is redone
-    # from the last checkpoint with a new client (at most retry.max_attempts times in a row), then the run
-    # ends with an error. Keep it above the longest single call (a queued forward_backward)
-    call_deadline_s: float = 600.0
-    # restoration gate: max |logprob diff| between fresh clients and across save -> restore (bf16 GPUs
-    # serving separate clients agree to ~1e-2, not to the embedded engine's 1e-6)
+    # a service's calls can hang: at most retry.max_attempts redone steps in a row, then the run ends with an
+    # error. Keep it above the longest single call (a queued forward_backward)
+    call_deadline_s: Optional[float] = 600.0
+    # bf16 GPUs serving separate clients agree to ~1e-2, not to the embedded engine's 1e-6
     restore_tolerance: float = 0.02
-    # send optim_step right behind forward_backward instead of after its result (one server cycle instead
-    # of a round trip more; no resend in place then: a failure of either redoes the step from a checkpoint)
-    pipeline_optim_step: bool = True
 
     def __post_init__(self) -> None:
-        _in_set("loss_path", self.loss_path, LOSS_PATHS)
-        _require(0 < self.connect_timeout_s <= 25, "connect_timeout_s", "must be in (0, 25]", self.connect_timeout_s)
-        _require(1 <= self.call_deadline_s <= 86400, "call_deadline_s", "must be in [1, 86400] seconds",
-                 self.call_deadline_s)
-        _require(self.restore_tolerance > 0, "restore_tolerance", "must be > 0", self.restore_tolerance)
+        _require(self.call_deadline_s is not None, "call_deadline_s",
+                 "must be set for a service (in [1, 86400] seconds)", self.call_deadline_s)
+        self._check_common()
 
 
 # ----------------------------------------------------------------------------- logger
@@ -520,14 +560,14 @@ GROUPS = ("model", "loss", "optimizer", "schedule", "env", "eval", "backend", "l
 @dataclass
 class Config:
     # group options (selected in conf/config.yaml's defaults list)
-    model: Any = MISSING
-    loss: Any = MISSING
-    optimizer: Any = MISSING
-    schedule: Any = MISSING
-    env: Any = MISSING
-    eval: Any = MISSING
-    backend: Any = MISSING
-    logger: Any = MISSING
+    model: ModelConfig = MISSING
+    loss: LossCommonConfig = MISSING
+    optimizer: AdamWConfig = MISSING
+    schedule: ScheduleConfig = MISSING
+    env: EnvCommonConfig = MISSING
+    eval: EvalConfig = MISSING
+    backend: BackendCommonConfig = MISSING
+    logger: LoggerConfig = MISSING
     # experiment name (recorded in run_info.json; compare refuses runs of different experiments)
     experiment: str = "default"
     # arm name shown in logs and wandb (null = <loss>_seed<seed>)
@@ -571,6 +611,30 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "backend": {"local_schema": LocalBackendConfig, "tinker_schema": TinkerBackendConfig},
     "logger": {"logger_schema": LoggerConfig},
 }
+
+
+def env_names() -> tuple[str, ...]:
+    """The env names the config knows: one per schema in `GROUP_SCHEMAS["env"]`."""
+    return tuple(cls.name for cls in GROUP_SCHEMAS["env"].values())
+
+
+def env_schema(name: str) -> type:
+    """The typed config class of the env called `name`."""
+    for cls in GROUP_SCHEMAS["env"].values():
+        if cls.name == name:
+            return cls
+    raise ConfigError(f"env: unknown env name {name!r}; available: {sorted(env_names())}")
+
+
+def eval_items(cfg: DictConfig) -> int:
+    """How many items one eval scores: `eval.n_examples`, else the whole test split of the eval's env
+    (the train env's own config when the eval names it, else that env's schema defaults, as
+    `trainer.setup.eval_task` builds it)."""
+    if cfg.eval.n_examples:
+        return int(cfg.eval.n_examples)
+    name = cfg.eval.task or cfg.env.name
+    env = OmegaConf.to_object(cfg.env) if name == cfg.env.name else env_schema(name)()
+    return int(env.test_items())
 
 
 def _dppo_default_delta(mode: str) -> float | None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.losses.trust_region import RULES
+from trainer.config.losses import RULE_NAMES as RULES
 
 RULE_KEYS: tuple[str, ...] = tuple(
     f"loss/{rule}_frac{suffix}" for rule in RULES for suffix in ("", "_adv_pos", "_adv_neg")

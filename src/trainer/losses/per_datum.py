@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from trainer.config.losses import RULE_NAMES as RULES
 from trainer.losses.base import kl_k3
 from trainer.losses.inputs import (
     ADVANTAGES_KEY,
@@ -31,7 +32,6 @@ from trainer.losses.inputs import (
     SAMPLER_LOGPROBS_KEY,
     default_mask,
 )
-from trainer.losses.trust_region import RULES
 
 PER_DATUM_SAMPLER_KEY = "sampler_logprobs"
 PER_DATUM_INPUT_RANKS: dict[str, int] = {

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer.config.losses import RULE_DEFAULTS, RULE_NAMES
+
 Rows = Sequence[Sequence[float]]
 
 
@@ -40,17 +42,6 @@ class RefResult:
     value: float
     grad: list[list[float]]
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def ref_grpo_token(lp: float, slp: float, a: float, eps_low: float, eps_high: float) -> tuple[float, float]:
-    """(loss, dloss/dlogp) of one token under the PPO clip."""
-    r = math.exp(lp - slp)
-    lo, hi = 1.0 - eps_low, 1.0 + eps_high
-    r_clipped = lo if r < lo else (min(r, hi))
-    unclipped, clipped = r * a, r_clipped * a
-    if clipped < unclipped:
-        return -clipped, 0.0
-    return -unclipped, -a * r
 
 
 def ref_binary_kl(lp: float, slp: float) -> float:
@@ -71,15 +62,6 @@ def ref_dppo_dropped(lp: float, slp: float, a: float, mode: str, delta_low: floa
             return kl > delta_high and p > ps
         return kl > delta_low and p < ps
     raise ValueError(f"unknown DPPO mode {mode!r}")
-
-
-def ref_dppo_token(
-    lp: float, slp: float, a: float, mode: str, delta_low: float, delta_high: float, cap: float
-) -> tuple[float, float]:
-    """(loss, dloss/dlogp) of one token under DPPO."""
-    w = min(math.exp(min(lp - slp, 20.0)), cap)
-    keep = 0.0 if ref_dppo_dropped(lp, slp, a, mode, delta_low, delta_high) else 1.0
-    return -a * w * keep * lp, -a * w * keep
 
 
 def _weights(mask: Rows, aggregation: str, norm_length: float | None = None) -> list[list[float]]:
@@ -160,18 +142,9 @@ def ref_gspo_token(
     return -s * a, -a * s
 
 
-#: The rule settings of the diagnostics (each loss's defaults; a plugin overrides its own).
-DEFAULT_RULES: dict[str, Any] = {
-    "dppo_mode": "binary_tv",
-    "dppo_delta_low": 0.15,
-    "dppo_delta_high": 0.15,
-    "grpo_eps_low": 0.2,
-    "grpo_eps_high": 0.2,
-    "cispo_low": 0.0,
-    "cispo_high": 4.0,
-    "gspo_eps_low": 3e-4,
-    "gspo_eps_high": 4e-4,
-}
+#: The rule settings of the diagnostics (each loss's defaults; a plugin overrides its own). The names and
+#: defaults come from the rule table; each rule's formula below is this module's own.
+DEFAULT_RULES: dict[str, Any] = dict(RULE_DEFAULTS)
 
 
 def ref_diagnostics(
@@ -207,6 +180,9 @@ def ref_diagnostics(
                 "cispo_clip": r > rl["cispo_high"] or r < rl["cispo_low"],
                 "gspo_clip": (a > 0 and s_a > 1.0 + rl["gspo_eps_high"]) or (a < 0 and s_a < 1.0 - rl["gspo_eps_low"]),
             }
+            if set(acts) != set(RULE_NAMES):
+                raise ValueError(f"ref_diagnostics has formulas for {sorted(acts)}, the rule table names "
+                                 f"{sorted(RULE_NAMES)}: add the new rule's formula here")
             counts["n"] += 1
             counts["pos"] += a > 0
             counts["neg"] += a < 0
@@ -246,9 +222,6 @@ def ref_diagnostics(
         out[f"loss/{rule}_frac_adv_pos"] = frac(hits[f"{rule}_pos"], counts["pos"])
         out[f"loss/{rule}_frac_adv_neg"] = frac(hits[f"{rule}_neg"], counts["neg"])
     return out
-
-
-RULE_NAMES = ("dppo_masked", "grpo_clip", "cispo_clip", "gspo_clip")
 
 
 def _reduce(

@@ -7,12 +7,12 @@ Every returned mask is computed from detached inputs: no gradient flows through 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from trainer.config.enums import DPPO_DEFAULT_DELTA, DPPO_MODES
-from trainer.config.losses import CISPOLossConfig, DPPOLossConfig, GRPOLossConfig, GSPOLossConfig
+from trainer.config.enums import DPPO_MODES
+from trainer.config.losses import RULE_DEFAULTS, RULE_TABLE
 
 # Stable-RL @ c6af1d1, core_algos.py::compute_policy_loss_with_mask clamps the log-ratio
 # at +20 before exp when it builds the IS weight (compute_policy_loss_vanilla: to [-20, 20]).
@@ -237,29 +237,49 @@ def gspo_clip_active(
     return ((adv > 0) & (seq_ratio > 1.0 + eps_high)) | ((adv < 0) & (seq_ratio < 1.0 - eps_low))
 
 
-#: Rule names in the order every arm reports them (`loss/<rule>_frac`).
-RULES: tuple[str, ...] = ("dppo_masked", "grpo_clip", "cispo_clip", "gspo_clip")
+# The rule masks of RULE_TABLE (trainer/config/losses.py), one signature for all: the trust regions
+# (DPPO, GRPO, GSPO) act on the anchor's ratio, CISPO's weight truncation on the sampler's.
+def dppo_rule_mask(logp, sampler_logp, anchor_logp, advantages, mask, *, dppo_mode, dppo_delta_low,
+                   dppo_delta_high) -> torch.Tensor:
+    return dppo_drop_mask(logp, anchor_logp, advantages, dppo_mode, dppo_delta_low, dppo_delta_high)
 
 
-@dataclass(frozen=True)
+def grpo_rule_mask(logp, sampler_logp, anchor_logp, advantages, mask, *, grpo_eps_low,
+                   grpo_eps_high) -> torch.Tensor:
+    return ppo_clip_active(logp, anchor_logp, advantages, grpo_eps_low, grpo_eps_high)
+
+
+def cispo_rule_mask(logp, sampler_logp, anchor_logp, advantages, mask, *, cispo_low,
+                    cispo_high) -> torch.Tensor:
+    return cispo_clip_active(logp, sampler_logp, cispo_low, cispo_high)
+
+
+def gspo_rule_mask(logp, sampler_logp, anchor_logp, advantages, mask, *, gspo_eps_low,
+                   gspo_eps_high) -> torch.Tensor:
+    return gspo_clip_active(logp, anchor_logp, advantages, mask, gspo_eps_low, gspo_eps_high)
+
+
 class TrustRegionRules:
-    """The four token rules every arm evaluates: its own with its own settings, the others as
-    counterfactuals (what that loss would have dropped, clipped or truncated on this batch).
+    """The rules of RULE_TABLE that every arm evaluates: its own with its own settings (the keyword
+    arguments), the others as counterfactuals at their owners' defaults (what that loss would have
+    dropped, clipped or truncated on this batch): DPPO binary TV 0.15 (authors' scripts), GRPO 0.2,
+    CISPO 0.0 / 4.0 (Tinker), GSPO 3e-4 / 4e-4 (arXiv 2507.18071 section 5.1)."""
 
-    Defaults are each loss's own defaults, read from its config (trainer/config/losses.py): DPPO
-    binary TV 0.15 (authors' scripts), GRPO 0.2, CISPO 0.0 / 4.0 (Tinker), GSPO 3e-4 / 4e-4
-    (arXiv 2507.18071 section 5.1).
-    """
+    def __init__(self, **settings: Any) -> None:
+        unknown = sorted(set(settings) - set(RULE_DEFAULTS))
+        if unknown:
+            raise TypeError(f"TrustRegionRules: unknown rule setting(s) {unknown}; "
+                            f"known: {sorted(RULE_DEFAULTS)}")
+        self.settings: dict[str, Any] = {**RULE_DEFAULTS, **settings}
 
-    dppo_mode: str = DPPOLossConfig.mode
-    dppo_delta_low: float = DPPO_DEFAULT_DELTA[DPPOLossConfig.mode]
-    dppo_delta_high: float = DPPO_DEFAULT_DELTA[DPPOLossConfig.mode]
-    grpo_eps_low: float = GRPOLossConfig.clip_eps
-    grpo_eps_high: float = GRPOLossConfig.clip_eps
-    cispo_low: float = CISPOLossConfig.clip_low_threshold
-    cispo_high: float = CISPOLossConfig.clip_high_threshold
-    gspo_eps_low: float = GSPOLossConfig.seq_clip_eps_low
-    gspo_eps_high: float = GSPOLossConfig.seq_clip_eps_high
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TrustRegionRules) and self.settings == other.settings
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.settings.items())))
+
+    def __repr__(self) -> str:
+        return f"TrustRegionRules({', '.join(f'{k}={v!r}' for k, v in self.settings.items())})"
 
     def masks(
         self,
@@ -269,16 +289,11 @@ class TrustRegionRules:
         mask: torch.Tensor,
         anchor_logp: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """{rule: bool mask of the tokens it acts on}, detached. The trust regions (DPPO, GRPO,
-        GSPO) use the anchor; CISPO's weight truncation is on the sampler ratio."""
+        """{rule: bool mask of the tokens it acts on}, detached, in RULE_TABLE's order."""
         anchor = sampler_logp if anchor_logp is None else anchor_logp
-        return {
-            "dppo_masked": dppo_drop_mask(
-                logp, anchor, advantages, self.dppo_mode, self.dppo_delta_low, self.dppo_delta_high
-            ),
-            "grpo_clip": ppo_clip_active(logp, anchor, advantages, self.grpo_eps_low, self.grpo_eps_high),
-            "cispo_clip": cispo_clip_active(logp, sampler_logp, self.cispo_low, self.cispo_high),
-            "gspo_clip": gspo_clip_active(
-                logp, anchor, advantages, mask, self.gspo_eps_low, self.gspo_eps_high
-            ),
-        }
+        return {spec.name: _RULE_MASKS[spec.name](logp, sampler_logp, anchor, advantages, mask,
+                                                  **{k: self.settings[k] for k, _ in spec.defaults})
+                for spec in RULE_TABLE}
+
+
+_RULE_MASKS = {spec.name: globals()[spec.mask] for spec in RULE_TABLE}

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from eval.greedy import greedy_eval_budgets, run_greedy_eval
 from trainer.config.digest import config_hash
 from trainer.config.ignored_keys import PLAN_IGNORED_KEYS
+from trainer.config.schema import eval_items
 from trainer.preflight.common import Check, GateReport
 from trainer.setup import build_components, eval_task, make_loss
 from trainer.tinker_params import adam_params, create_lora_training_client, served_model
@@ -87,9 +88,7 @@ def _fixed_batch(cfg: DictConfig, task: Any, n: int = 4) -> list[tinker.Datum]:
     for p in task.train_problems()[:n]:
         env = task.make_env(p)
         prompt, _ = asyncio.run(env.initial_observation())
-        ans = task.tokenizer_encode(f"The answer is \\boxed{{{p.answer}}}.") if hasattr(
-            task, "tokenizer_encode") else env.renderer.tokenizer.encode(f"The answer is \\boxed{{{p.answer}}}.",
-                                                                         add_special_tokens=False)
+        ans = env.renderer.tokenizer.encode(f"The answer is \\boxed{{{p.answer}}}.", add_special_tokens=False)
         toks = prompt.to_ints() + list(ans)
         toks = toks[: cfg.model.max_seq_len]
         T = len(toks) - 1
@@ -183,7 +182,7 @@ def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = No
 # ----------------------------------------------------------------------------- pilot (activation, feasibility)
 def run_pilot(cfg: DictConfig, out_dir: Path) -> tuple[Path, dict[str, Any]]:
     """A short run of the treatment arm (dppo) with the experiment's batch shape; returns its folder."""
-    from trainer.backends import build_service_client
+    from trainer.backends import backend_of, build_service_client
     from trainer.loop import RLLoop
     from trainer.run_info import resolved_config_dict
 
@@ -202,7 +201,7 @@ def run_pilot(cfg: DictConfig, out_dir: Path) -> tuple[Path, dict[str, Any]]:
     result["time/setup"] = setup_s
     result["time/pilot"] = time.time() - t1
     result["served_model"] = loop.info.get("served_model")
-    result["precision"] = getattr(sc, "precision", None)
+    result["precision"] = backend_of(pilot).precision(sc)
     # eval timing on a few items (per item, projected to the full eval)
     etask = eval_task(pilot, renderer, task)
     if etask is not None:
@@ -307,7 +306,7 @@ def feasibility(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None 
     train_s_per_tok = t_train / max(1, trained)
     full_sampled = s.num_steps * rollouts_full * per_rollout_sampled
     full_trained = s.num_steps * rollouts_full * per_rollout_trained
-    n_eval = cfg.eval.n_examples or _n_test(cfg)
+    n_eval = eval_items(cfg)
     eval_s = result.get("time/eval_per_item", 0.0) * n_eval * 2  # two arms
     per_arm = (result["time/setup"] + full_sampled * sample_s_per_tok + full_trained * train_s_per_tok
                + s.num_steps * t_other)
@@ -378,15 +377,6 @@ def design(cfg: DictConfig, out_dir: Path, n_seeds: int = 1, n_sims: int = 400) 
                         plan_hash_without_decision=plan_hash_without_decision(
                             OmegaConf.to_container(cfg, resolve=True)))
     return report
-
-
-def _n_test(cfg: DictConfig) -> int:
-    if cfg.eval.task == "gsm8k":
-        return 1319
-    # truly optional: of the env schemas only ArithmeticEnvConfig has `n_test` (gsm8k's test split is the
-    # fixed 1319 above, but env=gsm8k may run with another eval), and a task registered without a schema
-    # may have no test split size; those count 200 items, arithmetic's default
-    return int(cfg.env.get("n_test", 200))
 
 
 def require_passed(cfg: DictConfig) -> None:

@@ -16,6 +16,7 @@ import threading
 import uuid
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ class SharedBase:
         self._stacked: dict[str, torch.Tensor] | None = None
         self._packed_unembed: torch.Tensor | None = None
         self._packed_unembed_built = False
-        self._plans: dict[tuple[torch.dtype, torch.dtype], EnginePlan] = {}
+        self._plans: dict[tuple[str, torch.dtype], EnginePlan] = {}  # (side, dtype): `_plan_once`
         self._blocked_unembed: kernels.BlockedHead | None = None
         self._blocked_unembed_built = False
         self._packed_unembed_grad: dict[torch.dtype, torch.Tensor | None] = {}
@@ -138,35 +139,47 @@ class SharedBase:
                     warnings.simplefilter("ignore")
                     self.peft.delete_adapter(name)
 
-    def plan(self, sampler_dtype: torch.dtype, train_dtype: torch.dtype) -> EnginePlan:
-        """The engine plan for this model in these dtypes, made on first use and kept (`plan.plan_for`). Made
-        on the compute thread: its probes run products, and a parallel region opened on the caller's thread
-        would start a second OpenMP pool that slows every later kernel (`common.ComputeThread`). Made without
-        the lock held: a caller waiting on the compute thread while that thread waits for the lock (a sampler
-        batch) would never return. Two callers that race make the same plan; the first one kept wins."""
-        key = (sampler_dtype, train_dtype)
+    def _plan_once(self, key: tuple[str, torch.dtype], make: Callable[[], EnginePlan]) -> EnginePlan:
+        """The plan under `key`, made on first use and kept. Made on the compute thread: its probes run
+        products, and a parallel region opened on the caller's thread would start a second OpenMP pool that
+        slows every later kernel (`common.ComputeThread`). Made without the lock held: a caller waiting on the
+        compute thread while that thread waits for the lock (a sampler batch) would never return. Two callers
+        that race make the same plan; the first one kept wins."""
         with self.lock:
             plan = self._plans.get(key)
         if plan is None:
-            made = COMPUTE.run(lambda: plan_for(dims(self.config), sampler_dtype, train_dtype))
+            made = COMPUTE.run(make)
             with self.lock:
                 plan = self._plans.setdefault(key, made)
         return plan
 
+    def sampler_plan(self, dtype: torch.dtype) -> EnginePlan:
+        """The plan a `dtype` sampler runs (`plan.plan_for`; its sampler choices depend on `dtype` only)."""
+        return self._plan_once(("sampler", dtype), lambda: plan_for(dims(self.config), dtype, torch.float32))
+
+    def train_plan(self, dtype: torch.dtype) -> EnginePlan:
+        """The plan a `dtype` training forward runs (its training choices depend on `dtype` only)."""
+        return self._plan_once(("train", dtype), lambda: plan_for(dims(self.config), torch.float32, dtype))
+
+    def plan(self, sampler_dtype: torch.dtype, train_dtype: torch.dtype) -> EnginePlan:
+        """The engine plan a client with these dtypes runs, as it is logged and recorded: the sampler plan's
+        sampler choices with the training plan's training choices, the two plans the ops are built from."""
+        return self.sampler_plan(sampler_dtype).with_training(self.train_plan(train_dtype))
+
     def sampler_ops(self, dtype: torch.dtype) -> SamplerOps:
-        """The sampler's ops in `dtype` (the sampler's choices do not depend on the training dtype)."""
-        return sampler_ops(self.plan(dtype, torch.float32))
+        """The sampler's ops in `dtype`."""
+        return sampler_ops(self.sampler_plan(dtype))
 
     def train_ops(self, dtype: torch.dtype) -> TrainOps:
-        """The training forward's ops in `dtype` (its choices do not depend on the sampler dtype)."""
-        return train_ops(self.plan(torch.float32, dtype))
+        """The training forward's ops in `dtype`."""
+        return train_ops(self.train_plan(dtype))
 
     def packed_unembed(self) -> torch.Tensor | None:
         """The unembedding pre-packed for the training forward's logprobs (built on first use)."""
         with self.lock:
             if not self._packed_unembed_built:  # None is a valid result (no oneDNN)
                 self._packed_unembed = (pack_unembed(unembed_weight(self.base_state))
-                                        if self.plan(torch.float32, torch.float32).onednn_packing else None)
+                                        if self.train_plan(torch.float32).onednn_packing else None)
                 self._packed_unembed_built = True
             return self._packed_unembed
 
@@ -180,7 +193,7 @@ class SharedBase:
         """The blocked bf16 unembedding where the plan runs a `dtype` sampler's head on the AMX kernel (its
         inputs rounded to bf16: the same logits; `model.unembed_inputs`), else None. Called with the lock
         held."""
-        if not self.plan(dtype, torch.float32).amx_unembedding:
+        if not self.sampler_plan(dtype).amx_unembedding:
             return None
         if not self._blocked_unembed_built:
             self._blocked_unembed = kernels.blocked_head(unembed_weight(self.base_state).float())
@@ -193,7 +206,7 @@ class SharedBase:
         with self.lock:
             if dtype not in self._packed_unembed_grad:
                 w = unembed_weight(self.base_state) if dtype == torch.float32 else self.compute_weights(dtype)[1]["unembed"]
-                self._packed_unembed_grad[dtype] = (pack_unembed_grad(w) if self.plan(torch.float32, dtype)
+                self._packed_unembed_grad[dtype] = (pack_unembed_grad(w) if self.train_plan(dtype)
                                                     .onednn_packing else None)
             return self._packed_unembed_grad[dtype]
 

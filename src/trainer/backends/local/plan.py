@@ -55,6 +55,10 @@ class EnginePlan:
     # the training forward
     train_rows: bool  # norm-cast, RoPE and SiLU gate (forward and backward) on the native row kernels
 
+    def with_training(self, train: EnginePlan) -> EnginePlan:
+        """This plan's sampler choices with `train`'s training choices (`TRAIN_FIELDS`)."""
+        return replace(self, **{k: getattr(train, k) for k in TRAIN_FIELDS})
+
     def on_torch(self) -> EnginePlan:
         """This plan with every op on torch, what a machine without the native kernels runs: tests and
         `bench/` compare the two paths on one machine with it."""
@@ -76,6 +80,8 @@ class EnginePlan:
                 f"cpu {self.cpu}; {self.kernels}")
 
 
+# the fields of the training side (the others are the sampler's, or the same on both sides)
+TRAIN_FIELDS = ("train_dtype", "train_rows")
 # the plan's choices a process may put back on torch (`PAIREDRL_TORCH_OPS=a,b`): how `bench/` times what
 # each native tier buys on one machine
 TORCH_OPS_ENV = "PAIREDRL_TORCH_OPS"

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from trainer.backends.local.model import (EMBED, FINAL_NORM, UNEMBED, Layer, check_architecture, dims,
                                           fuse_base, layer_names, matmul_inputs, onednn_linear, onednn_pack,
                                           unembed_weight, weight)
-from trainer.backends.local.ops import SamplerOps, sampler_ops
-from trainer.backends.local.plan import plan_for
+from trainer.backends.local.ops import SamplerOps
 
 # decode batches up to this many rows use the packed oneDNN weights; above it sgemm is as fast
 PACKED_MAX_ROWS = 256
@@ -163,17 +162,16 @@ class SamplerWeights:
 
 
 def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                  dtype: torch.dtype, pack: bool | None = None,
-                  stacked: dict[str, torch.Tensor] | None = None,
-                  head_tiles: Any = None, ops: SamplerOps | None = None) -> SamplerWeights:
-    """Fuse base weights (fp32, HF names) into `dtype` (no LoRA; see `with_lora`) under `ops` (default:
-    the engine plan's for this model and `dtype`); `pack` (default: the plan's) adds decode-packed copies
+                  dtype: torch.dtype, *, ops: SamplerOps, pack: bool | None = None,
+                  stacked: dict[str, torch.Tensor] | None = None, head_tiles: Any = None) -> SamplerWeights:
+    """Fuse base weights (fp32, HF names) into `dtype` (no LoRA; see `with_lora`) under `ops`, the op table
+    of the plan the caller was given (`SharedBase.sampler_ops`: no plan is made here, on whatever thread
+    calls); `pack` (default: the plan's) adds decode-packed copies
     of every projection. `stacked`: `fuse_base(config, base)` when already built (shared instead of
     concatenated again). `head_tiles`: the unembedding for the AMX head kernel
     (`kernels.blocked_head`), used where the plan runs it."""
     check_architecture(config)
     d = dims(config)
-    ops = ops if ops is not None else sampler_ops(plan_for(d, dtype, torch.float32))
     pack = ops.pack if pack is None else pack
     stacked = fuse_base(config, base) if stacked is None else stacked
 

@@ -107,6 +107,12 @@ class LocalServiceClient:
             log.info("%s: %s", base_model, plan.line())
         return plan
 
+    def engine_record(self, base_model: str) -> dict[str, Any]:
+        """Every implementation choice this client's engine runs `base_model` with, as run_info.json's
+        `engine`: the plan's, and whether the training GEMMs run on oneDNN-packed weights (decided per
+        client from the measurement, `precision.training_packing`; the reasons are in `self.precision`)."""
+        return {**self.plan(base_model).record(), "train_packed_weights": self.train_packed_weights}
+
     # ------------------------------------------------------------------ training clients
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,

@@ -33,8 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from trainer.backends.local.model import (EMBED, FINAL_NORM, Layer, dims, fuse_base, layer, layer_names,
                                           onednn_linear, onednn_pack, weight)
-from trainer.backends.local.ops import TrainOps, train_ops
-from trainer.backends.local.plan import plan_for
+from trainer.backends.local.ops import TrainOps
 
 
 @dataclass
@@ -219,8 +218,8 @@ def _attend(q_NhD: torch.Tensor, k_NhD: torch.Tensor, v_NhD: torch.Tensor, pk: P
 
 def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, lora: Lora,
             scale: float, pk: Packing, fused: dict[str, torch.Tensor] | None = None,
-            dtype: torch.dtype = torch.float32, packed: dict[str, Packed] | None = None,
-            ops: TrainOps | None = None) -> torch.Tensor:
+            dtype: torch.dtype = torch.float32, packed: dict[str, Packed] | None = None, *,
+            ops: TrainOps) -> torch.Tensor:
     """Final-normed hidden states `[N, H]` of the packed rows. `base`: the frozen weights under HF names;
     `lora`: HF module name -> (A [r, in], B [out, r]) parameters (their gradients accumulate); `fused`:
     `fuse_base(config, base)` (built here when not given).
@@ -231,7 +230,7 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
     backward; attention runs in fp32, whose CPU flash backward is several times faster than bf16's at
     these short sequences (and more exact). `packed`: weight key (as in `base` / `fused`) -> `pack_weight`
     of it, for the projections to run on oneDNN's packed kernel (`SharedBase.packed_projections`). `ops`:
-    the element-wise steps and attention (default: the engine plan's for this model and `dtype`)."""
+    the element-wise steps and attention, from the plan the caller was given (`SharedBase.train_ops`)."""
     d = dims(config)
     nh, nkv, hd, inter = d.n_heads, d.n_kv, d.head_dim, d.intermediate
     fused = fused if fused is not None else fuse_base(config, base)
@@ -240,7 +239,6 @@ def forward(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor, sin: 
         w = fused[key] if key in fused else base[key]
         return stacked_linear(x, w, outs, [lora.get(n) for n in names], scale, (packed or {}).get(key))
 
-    ops = ops if ops is not None else train_ops(plan_for(d, torch.float32, dtype))
     if any(base[weight(k)].requires_grad for i in range(d.n_layers)
            for k in (layer_names(i).input_norm, layer_names(i).post_norm)):
         ops = ops.with_trainable_norms()

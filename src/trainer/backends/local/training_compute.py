@@ -168,7 +168,7 @@ class LoraCompute:
         base, fused = b.compute_weights(self.train_dtype)
         packed = b.packed_projections(self.train_dtype) if self.packed_weights else None
         hidden = train_forward.forward(b.config, base, b.cos, b.sin, lora, self.scale, pk, fused, self.train_dtype,
-                                       packed, self.ops)
+                                       packed, ops=self.ops)
         # the unembedding's fp32 logits on `unembed_inputs` inputs, on every path below alike and as the
         # sampler computes them (a recomputed anchor and the training logprobs come from the same numbers)
         with matmul_inputs(unembed_inputs(self.train_dtype)):
