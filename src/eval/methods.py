@@ -5,8 +5,8 @@ interval at a level (Holm's step-down and the sequential looks decide at levels 
 its scope (these checkpoints, or this training procedure), how the report names it, and its design
 functions (closed-form power, and the decision on simulated sweeps that eval.design and the preflight
 design gate run). compare, the report, eval.design and the design gate iterate over METHODS: adding a
-method is one class here (plus its name in trainer.config.enums.DECISION_METHODS when the config may
-pre-register it, which test_methods checks) and its tests and docs.
+method is one class here (plus, for a method that decides, its name in trainer.config.enums.DECISION_METHODS,
+which must equal DECIDING: tests/test_decisive.py checks it) and its tests and docs.
 
 Equivalence (decision.equivalence_margin) is the two one-sided tests (Schuirmann 1987) read from the
 method's own two-sided 1 - level interval: each bound is a one-sided test at level / 2, and the interval

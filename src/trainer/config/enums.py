@@ -55,7 +55,7 @@ LOGGERS: tuple[str, ...] = ("jsonl", "wandb")
 WANDB_MODES: tuple[str, ...] = ("online", "offline", "auto")
 
 # ----------------------------------------------------------------------------- decision
-#: the pre-registered tests of eval.compare (eval/stats.py, eval/design.py)
+#: the pre-registered tests of eval.compare: the deciding classes of eval/methods.py (DECIDING, equal to this)
 DECISION_METHODS: tuple[str, ...] = ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap", "seed_t",
                                      "sign_flip")
 #: what decision.method may say: one of the tests, or `auto` (seed_t with >= 2 seeds per arm, else
