@@ -21,6 +21,19 @@ log = logging.getLogger("pairedrl.eval")
 ENTRY = HydraEntry()
 
 
+def _typed(group: str, node: object) -> object:
+    """The run's group as its option's typed node (the root config types each group by its schema, so a
+    plain mapping cannot be assigned over it); the option is the schema whose `name` the group states."""
+    from trainer.config.schema import GROUP_SCHEMAS
+
+    options = list(GROUP_SCHEMAS.get(group, {}).values())
+    if not options or not isinstance(node, DictConfig):
+        return node
+    named = [cls for cls in options if getattr(cls, "name", None) == node.get("name")]
+    cls = named[0] if named else options[0] if len(options) == 1 else None
+    return node if cls is None else OmegaConf.merge(OmegaConf.structured(cls), node)
+
+
 def _resolve_checkpoint(cfg: DictConfig) -> tuple[str, Path | None, DictConfig]:
     from trainer.checkpoint import load_checkpoint
     from trainer.setup import fail
@@ -39,7 +52,7 @@ def _resolve_checkpoint(cfg: DictConfig) -> tuple[str, Path | None, DictConfig]:
         merged = cfg.copy()
         for k in ("model", "env", "backend", "seed"):
             if k in run_cfg:
-                OmegaConf.update(merged, k, run_cfg[k], merge=False)
+                OmegaConf.update(merged, k, _typed(k, run_cfg[k]), merge=False)
         return info.tinker_path, p, merged
     if not str(ck).startswith("tinker://"):
         fail(f"checkpoint={ck!r} is neither a run folder nor a tinker:// path")
