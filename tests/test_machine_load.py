@@ -136,3 +136,22 @@ def test_train_records_the_load_and_a_contended_run_logs_one_warning_line(tmp_pa
         assert 0 <= load[when]["other_share"] <= 1.5
     assert load["contended"] is True and load["busiest"]["other_cores"] > 0.5
     assert load["end"]["window_s"] > load["start"]["window_s"]  # the whole run, not the start window
+
+
+def test_a_contended_start_warns_at_the_first_step_not_before(tmp_path, caplog, monkeypatch):
+    """The start window's warning waits for the run's first step (or its end): a run refused before any step,
+    such as a resume whose checkpoint is gone, writes no line into the folder's train.log."""
+    import trainer.utils.load as load_mod
+
+    busy = window(Counters(0.0, 0.0, 0.0), Counters(1.0, 1.9, 0.0))  # 1.9 cores elsewhere over one second
+    assert is_contended(busy)
+    monkeypatch.setattr(load_mod, "snapshot", lambda *a, **k: busy)
+    stat = tmp_path / "stat"
+    write_stat(stat, user=1000)
+    caplog.set_level(logging.WARNING, logger="pairedrl")
+    mon = LoadMonitor(stat_path=str(stat), window_s=0.01)
+    assert not caplog.records  # nothing logged yet: the run may still be refused
+    mon.check(0)
+    mon.end()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("the machine is contended at the start of the run: "), lines

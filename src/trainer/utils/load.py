@@ -117,7 +117,14 @@ class LoadMonitor:
         self._t0 = self._last = Counters.now(stat_path)
         self.warned: str | None = None
         self.worst: dict[str, Any] | None = None
-        self._maybe_warn(self.start_rec, "at the start of the run")
+        # the start window's warning waits for the first step: a run refused before it (a resume whose
+        # checkpoint is gone) leaves its folder, train.log included, as it found it
+        self._start_pending = True
+
+    def _warn_start(self) -> None:
+        if self._start_pending:
+            self._start_pending = False
+            self._maybe_warn(self.start_rec, "at the start of the run")
 
     def _maybe_warn(self, rec: dict[str, Any], when: str) -> None:
         if is_contended(rec) and (self.worst is None or rec["other_cores"] > self.worst["other_cores"]):
@@ -129,6 +136,7 @@ class LoadMonitor:
 
     def check(self, step: int) -> dict[str, Any]:
         """The window since the previous check (a rollout step and what ran at its end)."""
+        self._warn_start()
         now = Counters.now(self.stat_path)
         rec = window(self._last, now)
         self._last = now
@@ -138,6 +146,7 @@ class LoadMonitor:
     def end(self) -> dict[str, Any]:
         """The record for run_info.json's `load`: start, the whole run, the busiest window, and whether the
         run warned."""
+        self._warn_start()
         run = window(self._t0, Counters.now(self.stat_path))
         self._maybe_warn(run, "over the run")
         return {"start": self.start_rec, "end": run, "busiest": self.worst,
