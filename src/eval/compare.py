@@ -30,6 +30,7 @@ from eval.comparison import (  # noqa: F401 - re-exported: callers and tests imp
     DEFAULT_BOOTSTRAP_SEED,
     PLOTS_DIR,
     Rule,
+    check_options,
     compare_runs,
     resolve_rule,
 )
@@ -67,10 +68,7 @@ def compare(paths: list[str | Path], treatment: str | list[str] | None = None, b
     The decision rule comes from the runs' `decision` config; method/alpha/margin/endpoint/step/threshold/
     baseline/equivalence_margin given here must equal it unless override_decision (then the report says
     what changed)."""
-    if alpha is not None and not 0 < alpha < 1:
-        raise CompareError(f"--alpha must be in (0, 1), got {alpha}")
-    if n_bootstrap < 0:
-        raise CompareError(f"--bootstrap must be >= 0, got {n_bootstrap}")
+    check_options(alpha, n_bootstrap)
     given = [t for t in treatment.split(",") if t] if isinstance(treatment, str) else list(treatment or [])
     if baseline is not None and baseline in given:  # before reading any run: the options alone are wrong
         raise CompareError(f"--treatment and --baseline are both '{baseline}'")

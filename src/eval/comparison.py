@@ -682,6 +682,14 @@ def _load_aa(aa: str | Path, eval_name: str, item_sha: str, ref: Run, rule: Rule
 
 
 
+def check_options(alpha: float | None, n_bootstrap: int, error: type[ValueError] = CompareError) -> None:
+    """The command line's numbers every comparison takes, checked before any input is read."""
+    if alpha is not None and not 0 < alpha < 1:
+        raise error(f"--alpha must be in (0, 1), got {alpha}")
+    if n_bootstrap < 0:
+        raise error(f"--bootstrap must be >= 0, got {n_bootstrap}")
+
+
 def compare_runs(runs: list[Run], out_dir: str | Path, paths: list[Path] | None = None,
                  treatment: str | list[str] | None = None, baseline: str | None = None,
                  alpha: float | None = None, allow_config_diff: bool = False,
@@ -698,10 +706,7 @@ def compare_runs(runs: list[Run], out_dir: str | Path, paths: list[Path] | None 
     The decision rule comes from the runs' `decision` config; method/alpha/margin/endpoint/step/threshold/
     baseline/equivalence_margin given here must equal it unless override_decision (then the report says
     what changed)."""
-    if alpha is not None and not 0 < alpha < 1:
-        raise CompareError(f"--alpha must be in (0, 1), got {alpha}")
-    if n_bootstrap < 0:
-        raise CompareError(f"--bootstrap must be >= 0, got {n_bootstrap}")
+    check_options(alpha, n_bootstrap)
     if not runs:
         raise CompareError("no runs to compare")
     treatments_given = ([t for t in treatment.split(",") if t] if isinstance(treatment, str)

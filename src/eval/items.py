@@ -38,6 +38,7 @@ from eval.comparison import (
     _rule_notes,
     _write,
     aa_spread,
+    check_options,
     decide_all,
     earlier_looks,
     resolve_rule,
@@ -251,10 +252,7 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
     curves) into `out` (default: the files' common folder). Every check runs before anything is written."""
     n_bootstrap = DEFAULT_BOOTSTRAP if n_bootstrap is None else n_bootstrap
     seed = DEFAULT_BOOTSTRAP_SEED if seed is None else seed
-    if n_bootstrap < 0:
-        raise ItemsError(f"--bootstrap must be >= 0, got {n_bootstrap}")
-    if alpha is not None and not 0 < alpha < 1:
-        raise ItemsError(f"--alpha must be in (0, 1), got {alpha}")
+    check_options(alpha, n_bootstrap, ItemsError)
     arms = load_arms(specs, fmt, metric)
     seeds = pair_seeds(arms)
     order, cats = match_items(arms)
