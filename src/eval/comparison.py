@@ -682,6 +682,17 @@ def _load_aa(aa: str | Path, eval_name: str, item_sha: str, ref: Run, rule: Rule
 
 
 
+def check_decider(rule: Rule, n_seeds: int, n_bootstrap: int, too_few: str,
+                  error: type[ValueError] = CompareError) -> None:
+    """Can the rule's method decide on these inputs: enough seeds per arm (`too_few` says what the inputs hold
+    and what to do instead), and the bootstrap on where the method needs it."""
+    decider = METHODS[rule.method]
+    if n_seeds < decider.min_seeds:
+        raise error(f"the decision rule is {rule.method} (over seeds), but {too_few}")
+    if decider.needs_bootstrap and n_bootstrap == 0:
+        raise error(f"the decision rule is {rule.method}, but --bootstrap 0 turns the bootstrap off")
+
+
 def check_options(alpha: float | None, n_bootstrap: int, error: type[ValueError] = CompareError) -> None:
     """The command line's numbers every comparison takes, checked before any input is read."""
     if alpha is not None and not 0 < alpha < 1:
@@ -782,13 +793,9 @@ def compare_runs(runs: list[Run], out_dir: str | Path, paths: list[Path] | None 
     curves, steps, scores, curve_notes = _curves_and_scores(ordered, rule, order)
     notes += curve_notes
     seeds = list(pairs)
-    decider = METHODS[rule.method]
-    if len(seeds) < decider.min_seeds:
-        raise CompareError(f"the decision rule is {rule.method} (over seeds), but this comparison has {len(seeds)} "
-                           f"seed per arm ({seeds}); run >= 2 seeds (seed=0,1,2) or decide with an item-level "
-                           "method (--method paired_hoeffding --override-decision)")
-    if decider.needs_bootstrap and n_bootstrap == 0:
-        raise CompareError(f"the decision rule is {rule.method}, but --bootstrap 0 turns the bootstrap off")
+    check_decider(rule, len(seeds), n_bootstrap,
+                  f"this comparison has {len(seeds)} seed per arm ({seeds}); run >= 2 seeds (seed=0,1,2) or "
+                  "decide with an item-level method (--method paired_hoeffding --override-decision)")
     quiet, quiet_notes = quiet_paths(runs_all, ordered, paths, losses, base, treatments, rule, n_bootstrap, seed,
                                      len(seeds))
     notes += quiet_notes

@@ -163,6 +163,15 @@ def _collect(path: Path, fmt: str, metric: str, eval_name: str, rows: list[tuple
                     repeats=repeats, notes=notes)
 
 
+def _metric_score(obj: dict[str, Any], metric: str, where: str, what: str) -> float:
+    """A named entry of a record's `metrics` (cookbook trajectories and prime-rl rollouts both keep them
+    beside `reward`), checked like any score; a missing one names those the record has."""
+    ms = obj.get("metrics") or {}
+    if metric not in ms:
+        raise ItemsError(f"{where}: no metric {metric!r} (this {what} has reward and metrics {sorted(ms)})")
+    return _score(ms[metric], f"metric {metric!r}", where)
+
+
 def _item_id(value: Any, where: str, key: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
         raise ItemsError(f"{where}: `{key}` must be a non-empty string or an integer, got {value!r}")
@@ -227,11 +236,7 @@ def read_tinker_cookbook(path: Path, metric: str | None) -> ItemFile:
         elif metric == "reward":
             score = _score(obj["reward"], "reward", where)
         else:
-            ms = obj.get("metrics") or {}
-            if metric not in ms:
-                raise ItemsError(f"{where}: no metric {metric!r} (this trajectory has reward and metrics "
-                                 f"{sorted(ms)})")
-            score = _score(ms[metric], f"metric {metric!r}", where)
+            score = _metric_score(obj, metric, where, "trajectory")
         rows.append((_item_id(item, where, "example_id"), score, lineno))
     notes = (["tinker-cookbook items without an example_id are matched by their position (idx)"]
              if positional else [])
@@ -252,11 +257,7 @@ def read_prime_rl(path: Path, metric: str | None) -> ItemFile:
         if metric in (None, "reward"):
             score = _score(obj["reward"], "reward", where)
         else:
-            ms = obj.get("metrics") or {}
-            if metric not in ms:
-                raise ItemsError(f"{where}: no metric {metric!r} (this rollout has reward and metrics "
-                                 f"{sorted(ms)})")
-            score = _score(ms[metric], f"metric {metric!r}", where)
+            score = _metric_score(obj, metric, where, "rollout")
         rows.append((_item_id(obj["example_id"], where, "example_id"), score, lineno))
     notes = ([f"{path}: {errors} rollout(s) ended in an error; they count with the reward prime-rl gave them"]
              if errors else [])

@@ -38,6 +38,7 @@ from eval.comparison import (
     _rule_notes,
     _write,
     aa_spread,
+    check_decider,
     check_options,
     decide_all,
     earlier_looks,
@@ -302,13 +303,10 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
     if base not in by_name:
         raise ItemsError(f"the baseline {base!r} (--baseline / decision.baseline) names no arm; the arms are "
                          f"{[a.name for a in arms]}")
-    decider = METHODS[rule.method]
-    if len(seeds) < decider.min_seeds:
-        raise ItemsError(f"the decision rule is {rule.method} (over seeds), but each arm has {len(seeds)} "
-                         f"file(s); give one file per seed (>= {decider.min_seeds}) or decide with an "
-                         "item-level method (--method paired_hoeffding)")
-    if decider.needs_bootstrap and n_bootstrap == 0:
-        raise ItemsError(f"the decision rule is {rule.method}, but --bootstrap 0 turns the bootstrap off")
+    check_decider(rule, len(seeds), n_bootstrap,
+                  f"each arm has {len(seeds)} file(s); give one file per seed "
+                  f"(>= {METHODS[rule.method].min_seeds}) or decide with an item-level method "
+                  "(--method paired_hoeffding)", ItemsError)
     treatments = [a.name for a in arms if a.name != base]
     try:
         rows, _ = score_rows(arms_SN, labels, base, treatments, seeds, rule, n_bootstrap, seed)
