@@ -143,6 +143,9 @@ def run_training(cfg: DictConfig) -> float | None:
     except ConfigError as e:
         fail(f"config: {e}")
     check_output_dir(run_dir, cfg)
+    # the machine's load beside this run's timings: a short window now, each step, the whole run at the end
+    # (a contended start is said at the first step, so a run refused before it leaves train.log untouched)
+    load = LoadMonitor()
     try:  # a missing key or an unreachable service fails before any other work
         backend = backend_of(cfg)
         backend.check(cfg.backend)
@@ -180,15 +183,11 @@ def run_training(cfg: DictConfig) -> float | None:
         service_client = build_service_client(cfg, run_dir)
     except BackendConfigError as e:
         fail(str(e))
-    if resuming:
+    if resuming:  # the folder's config.yaml / run_info.json stay as the run first wrote them
         try:
             check_precision(info, backend.precision(service_client))
         except ResumeError as e:
             fail(f"resume: {e}")
-    # the machine's load beside this run's timings: a short window now, each step, the whole run at the end;
-    # taken once every refusal is behind, so a refused run folder gets no warning line in its train.log
-    load = LoadMonitor()
-    if resuming:  # the folder's config.yaml / run_info.json stay as the run first wrote them
         print(f"resuming the run in {run_dir}", flush=True)
         # code is not part of the config hash (a fix may be why the run is resumed), but it is said
         was, now = (info.get("git") or {}), git_revision()
