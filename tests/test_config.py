@@ -37,7 +37,8 @@ _EXPERIMENTS = sorted(f"+experiment={p.stem}" for p in (ROOT / "conf" / "experim
 
 
 _MIXED = ["loss=dppo", "loss.mode=binary_kl", "sampling.max_tokens=7", "decision.looks=[3,6]",
-          "preflight.planned_models=[a,b]", "backend.faults.p_sample=0.5", "run_name=x"]
+          "preflight.planned_models=[a,b]", "backend.faults.p_sample=0.5", "run_name=x",
+          "+backend.api_key=abcd1234", "+extra.key=1"]  # `+` keys: kept where the composed config has them
 
 
 @pytest.mark.parametrize("overrides", [[o] for o in _OPTIONS] + [_MIXED]

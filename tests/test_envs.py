@@ -304,6 +304,11 @@ def test_unknown_env_name_and_field(tiny) -> None:
         build_task({"name": "mnist"}, tiny[1])
     with pytest.raises(ValueError, match="does not take field.*'digits'"):
         build_task({**ARITH, "digits": 3}, tiny[1])
+    # a key added on the command line reaches the task through the typed config, and is refused there too
+    from trainer.config.compose import run_config
+
+    with pytest.raises(ValueError, match="does not take field.*'digits'"):
+        build_task(run_config(["env=arithmetic", "+env.digits=3"]).env, tiny[1])
 
 
 def test_the_target_selects_the_task_class(tiny) -> None:

@@ -41,6 +41,8 @@ def build_task(env_cfg: EnvCommonConfig | Mapping[str, Any], renderer: renderers
     `name` names (`trainer.config.schema.env_schema`)."""
     if dataclasses.is_dataclass(env_cfg) and not isinstance(env_cfg, type):
         fields = {f.name: getattr(env_cfg, f.name) for f in dataclasses.fields(env_cfg)}
+        # and a key a `+env.<key>=...` override added (validate() keeps it as an attribute): refused below
+        fields.update({k: v for k, v in vars(env_cfg).items() if k not in fields})
     elif isinstance(env_cfg, Mapping):
         fields = dict(env_cfg)
     else:
