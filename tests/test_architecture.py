@@ -353,6 +353,10 @@ def untyped_config_reads(path: Path, name: str) -> list[str]:
     entry_lines: set[int] = set()  # the parameter annotations of the Hydra entries
     typed_params: dict[ast.AST, set[str]] = {}
 
+    def config_like(expr: ast.expr, params: set[str]) -> bool:
+        root = _chain_root(expr)
+        return root is not None and (root in ("cfg", "self.cfg") or root in params)
+
     def visit(node: ast.AST, qual: str, scope_params: set[str]) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             q = f"{qual}.{node.name}" if qual else node.name
@@ -366,6 +370,14 @@ def untyped_config_reads(path: Path, name: str) -> list[str]:
                     params.add(a.arg)
                 elif a.arg == "cfg":
                     out.append(f"{a.lineno}: parameter cfg of {q} is not typed Config")
+            # a local name bound to a part of the config (`d = cfg.decision`, `cfg, s = self.cfg, ...`) is one too
+            for _ in range(3):
+                for stmt in ast.walk(node):
+                    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+                        pairs = [(stmt.targets[0], stmt.value)]
+                        if isinstance(stmt.targets[0], ast.Tuple) and isinstance(stmt.value, ast.Tuple):
+                            pairs = list(zip(stmt.targets[0].elts, stmt.value.elts))
+                        params |= {t.id for t, v in pairs if isinstance(t, ast.Name) and config_like(v, params)}
             for child in ast.iter_child_nodes(node):
                 visit(child, q, params)
             return
@@ -379,10 +391,6 @@ def untyped_config_reads(path: Path, name: str) -> list[str]:
 
     visit(tree, "", set())
     allowed_annotations = {id(n) for a in ast.walk(tree) if id(a) in entry_lines for n in ast.walk(a)}
-
-    def config_like(expr: ast.expr, params: set[str]) -> bool:
-        root = _chain_root(expr)
-        return root is not None and (root in ("cfg", "self.cfg") or root in params)
 
     for node, params in typed_params.items():
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "omegaconf":
@@ -432,12 +440,16 @@ def test_the_config_check_sees_every_untyped_read(tmp_path):
         "    def run(self) -> None:\n"
         "        z = self.cfg.schedule['num_steps']\n"
         "def main(cfg: DictConfig) -> None:\n"
-        "    pass\n")
+        "    pass\n"
+        "def e(cfg: Config) -> None:\n"
+        "    d, n = cfg.decision, 3\n"
+        "    f = d\n"
+        "    return f.get('seed_sd'), n\n")
     assert untyped_config_reads(path, "m") == [
         "1: imports from omegaconf", "3: DictConfig", "3: parameter cfg of a is not typed Config",
         "4: .get('n_test')", "5: parameter cfg of b is not typed Config", "6: ['seed']", "8: OmegaConf",
         "8: getattr(..., 'faults')", "11: ['num_steps']", "12: DictConfig",
-        "12: parameter cfg of main is not typed Config"]
+        "12: parameter cfg of main is not typed Config", "17: .get('seed_sd')"]
     # a Hydra entry may take the DictConfig (and import nothing else from omegaconf)
     path.write_text("from omegaconf import DictConfig\ndef main(cfg: DictConfig) -> None:\n    pass\n"
                     "def other(x: DictConfig) -> None:\n    pass\n")
