@@ -370,14 +370,16 @@ def untyped_config_reads(path: Path, name: str) -> list[str]:
                     params.add(a.arg)
                 elif a.arg == "cfg":
                     out.append(f"{a.lineno}: parameter cfg of {q} is not typed Config")
-            # a local name bound to a part of the config (`d = cfg.decision`, `cfg, s = self.cfg, ...`) is one too
+            # a local name bound to a part of the config (`d = cfg.decision`, `c, s = self.cfg, ...`) is one
+            # too
             for _ in range(3):
                 for stmt in ast.walk(node):
                     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
                         pairs = [(stmt.targets[0], stmt.value)]
                         if isinstance(stmt.targets[0], ast.Tuple) and isinstance(stmt.value, ast.Tuple):
                             pairs = list(zip(stmt.targets[0].elts, stmt.value.elts))
-                        params |= {t.id for t, v in pairs if isinstance(t, ast.Name) and config_like(v, params)}
+                        params |= {t.id for t, v in pairs
+                                   if isinstance(t, ast.Name) and config_like(v, params)}
             for child in ast.iter_child_nodes(node):
                 visit(child, q, params)
             return

@@ -111,6 +111,7 @@ LOSSES: dict[str, Callable[[torch.Tensor, Mapping[str, torch.Tensor], dict[str, 
 }
 
 
-def datum_loss(loss_fn: str, lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], fn_config: dict[str, float]) -> torch.Tensor:
+def datum_loss(loss_fn: str, lp: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+               fn_config: dict[str, float]) -> torch.Tensor:
     """Scalar loss of one datum (`lp` has the shape of its target_tokens)."""
     return LOSSES[loss_fn](lp, inputs, fn_config)
