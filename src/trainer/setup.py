@@ -8,7 +8,6 @@ import logging
 import sys
 from typing import Any, NoReturn
 
-
 from envs import build_task
 from envs.renderers import get_renderer
 from envs.tokenizers import get_tokenizer

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import tinker
+
 from trainer.config.schema import AdamWConfig, ModelConfig, SamplingConfig
 
 

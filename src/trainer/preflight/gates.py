@@ -17,9 +17,9 @@ import numpy as np
 import tinker
 
 from eval.greedy import greedy_eval_budgets, run_greedy_eval
+from trainer.config.compose import arm_config
 from trainer.config.digest import config_hash
 from trainer.config.ignored_keys import PLAN_IGNORED_KEYS
-from trainer.config.compose import arm_config
 from trainer.config.schema import Config, composed_dict, config_dict, eval_items
 from trainer.preflight.common import Check, GateReport
 from trainer.setup import build_components, eval_task, make_loss
