@@ -31,14 +31,14 @@ class _Handle:
 def run(steps: int, n_tokens: int, one_pass: bool) -> dict:
     from instant_backend import InstantServiceClient
 
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.loop import RLLoop
     from trainer.losses.paths import OnePassLossPath
     from trainer.run_info import resolved_config_dict
     from trainer.setup import build_components, make_loss
 
-    cfg = compose_config(["+experiment=dppo_vs_grpo", "loss=dppo", f"schedule.num_steps={steps}",
-                          "schedule.save_every=0", "preflight.skip=true", "eval=none"])
+    cfg = run_config(["+experiment=dppo_vs_grpo", "loss=dppo", f"schedule.num_steps={steps}",
+                      "schedule.save_every=0", "preflight.skip=true", "eval=none"])
     _, renderer, task = build_components(cfg)
     answers = [p.answer for p in task.train_problems()[:64]]
     sc = InstantServiceClient(renderer.tokenizer, n_tokens, answers)

@@ -90,12 +90,12 @@ class _NoStopTask:
 def ours(steps: int, precision: str, drop_constant_groups: bool = False) -> dict:
     from trainer.backends import build_service_client
     from trainer.backends.local.precision import dtype_name
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.loop import RLLoop
     from trainer.setup import build_components, make_loss
     from trainer.run_info import resolved_config_dict
 
-    cfg = compose_config([
+    cfg = run_config([
         "model=smollm2_135m", f"model.lora_rank={RANK}", "model.lora_alpha=16", "env=arithmetic", "eval=none",
         f"schedule.num_steps={steps}", f"schedule.groups_per_batch={N_PROMPTS}", f"schedule.group_size={N_SAMPLES}",
         f"schedule.updates_per_batch={UPDATES}", "schedule.save_every=0", f"sampling.max_tokens={NEW_TOKENS}",

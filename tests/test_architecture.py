@@ -32,6 +32,13 @@ The contracts, and why each holds:
    precision probes, and names none of the probes. Every implementation choice is made once in
    `plan.py` and reaches the model code as the op tables of `ops.py`; a probe asked again at a call
    could change its answer inside a run and splits one decision over many places.
+8. The run config reaches the runtime typed: outside trainer.config, nothing uses OmegaConf or holds a
+   DictConfig, except the functions Hydra calls (`HYDRA_ENTRIES`), which validate what Hydra composed
+   into the typed Config (`trainer.config.schema.validate`) and pass that down; a parameter named `cfg`
+   is annotated `Config`; and no config is read by a string key (`cfg.get("x")`, `cfg["x"]`,
+   `getattr(cfg, "x")`, on a `cfg` / `self.cfg` or a parameter typed with a config class). A typed read
+   is checked against the schema where it is written; a string key is checked nowhere, and a `.get`
+   with a default restates (or contradicts) the schema's.
 """
 
 from __future__ import annotations
@@ -296,6 +303,160 @@ def test_the_capability_check_sees_imports_names_and_attributes(tmp_path):
     assert got == ["1: imports trainer.backends.local.kernels", "2: imports ONEDNN_PACKING", "3: .avx512"] or \
         sorted(got) == sorted(["1: imports trainer.backends.local.kernels", "2: imports ONEDNN_PACKING",
                                "2: ONEDNN_PACKING", "3: .avx512"]), got
+
+
+#: the functions Hydra calls with its composed DictConfig (module, qualified name): each validates it (or,
+#: for a Hydra callback, reads Hydra's own run-folder settings) and hands only the typed Config on
+HYDRA_ENTRIES = {("trainer.main", "run_training"), ("eval.run", "main"),
+                 ("trainer.hydra_callbacks", "RunFolderCheck.on_run_start"),
+                 ("trainer.hydra_callbacks", "RunFolderCheck.on_multirun_start")}
+
+
+@functools.cache
+def config_classes() -> frozenset[str]:
+    """The dataclasses of trainer.config (read with ast): a parameter typed with one is a config."""
+    names = {"Config"}
+    for path in sorted((SRC / "trainer" / "config").glob("*.py")):
+        names |= {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)
+                  and any(isinstance(d, ast.Name) and d.id == "dataclass" for d in n.decorator_list)}
+    return frozenset(names)
+
+
+def _annotation_names(node: ast.expr | None) -> set[str]:
+    if node is None:
+        return set()
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a quoted annotation
+        try:
+            node = ast.parse(node.value, mode="eval").body
+        except SyntaxError:
+            return set()
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | \
+        {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+
+
+def _chain_root(node: ast.expr) -> str | None:
+    """`a` of `a.b.c`, `self.cfg` of `self.cfg.b` (None for anything but a name/attribute chain)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return f"self.{parts[-1]}" if node.id == "self" and parts else node.id
+
+
+def untyped_config_reads(path: Path, name: str) -> list[str]:
+    """`line: what` for every untyped use of the run config in one module (contract 8)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out: list[str] = []
+    entries = {q for m, q in HYDRA_ENTRIES if m == name}
+    entry_lines: set[int] = set()  # the parameter annotations of the Hydra entries
+    typed_params: dict[ast.AST, set[str]] = {}
+
+    def config_like(expr: ast.expr, params: set[str]) -> bool:
+        root = _chain_root(expr)
+        return root is not None and (root in ("cfg", "self.cfg") or root in params)
+
+    def visit(node: ast.AST, qual: str, scope_params: set[str]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            q = f"{qual}.{node.name}" if qual else node.name
+            params = set(scope_params)
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            for a in args:
+                names = _annotation_names(a.annotation)
+                if q in entries and "DictConfig" in names:
+                    entry_lines.add(id(a.annotation))
+                if names & config_classes():
+                    params.add(a.arg)
+                elif a.arg == "cfg":
+                    out.append(f"{a.lineno}: parameter cfg of {q} is not typed Config")
+            # a local name bound to a part of the config (`d = cfg.decision`, `c, s = self.cfg, ...`) is one
+            # too
+            for _ in range(3):
+                for stmt in ast.walk(node):
+                    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+                        pairs = [(stmt.targets[0], stmt.value)]
+                        if isinstance(stmt.targets[0], ast.Tuple) and isinstance(stmt.value, ast.Tuple):
+                            pairs = list(zip(stmt.targets[0].elts, stmt.value.elts))
+                        params |= {t.id for t, v in pairs
+                                   if isinstance(t, ast.Name) and config_like(v, params)}
+            for child in ast.iter_child_nodes(node):
+                visit(child, q, params)
+            return
+        if isinstance(node, ast.ClassDef):
+            for child in ast.iter_child_nodes(node):
+                visit(child, f"{qual}.{node.name}" if qual else node.name, scope_params)
+            return
+        typed_params[node] = scope_params
+        for child in ast.iter_child_nodes(node):
+            visit(child, qual, scope_params)
+
+    visit(tree, "", set())
+    allowed_annotations = {id(n) for a in ast.walk(tree) if id(a) in entry_lines for n in ast.walk(a)}
+
+    for node, params in typed_params.items():
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "omegaconf":
+            if not (entries and [a.name for a in node.names] == ["DictConfig"]):
+                out.append(f"{node.lineno}: imports from omegaconf")
+        elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "omegaconf" for a in node.names):
+            out.append(f"{node.lineno}: imports omegaconf")
+        elif isinstance(node, ast.Name) and node.id in ("DictConfig", "OmegaConf", "ListConfig") \
+                and id(node) not in allowed_annotations:
+            out.append(f"{node.lineno}: {node.id}")
+        elif isinstance(node, ast.Call):
+            f = node.func
+            literal = bool(node.args) and isinstance(node.args[0], ast.Constant) and \
+                isinstance(node.args[0].value, str)
+            if isinstance(f, ast.Attribute) and f.attr == "get" and literal and config_like(f.value, params):
+                out.append(f"{node.lineno}: .get({node.args[0].value!r})")
+            elif isinstance(f, ast.Name) and f.id in ("getattr", "hasattr") and len(node.args) >= 2 and \
+                    isinstance(node.args[1], ast.Constant) and config_like(node.args[0], params):
+                out.append(f"{node.lineno}: {f.id}(..., {node.args[1].value!r})")
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and \
+                isinstance(node.slice.value, str) and config_like(node.value, params):
+            out.append(f"{node.lineno}: [{node.slice.value!r}]")
+    return sorted(set(out), key=lambda x: (int(x.split(":")[0]), x))
+
+
+def test_the_run_config_reaches_the_runtime_typed():
+    bad = [f"{path.relative_to(ROOT)}:{q}" for path in sorted(SRC.rglob("*.py"))
+           if not _under(module_name(path, SRC), "trainer.config")
+           for q in untyped_config_reads(path, module_name(path, SRC))]
+    assert not bad, ("the run config is read untyped outside trainer.config (take the typed Config that "
+                     "trainer.config.schema.validate returns, and read its attributes):\n  "
+                     + "\n  ".join(bad))
+
+
+def test_the_config_check_sees_every_untyped_read(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "from omegaconf import DictConfig, OmegaConf\n"
+        "from trainer.config.schema import BackendCommonConfig, Config\n"
+        "def a(cfg: DictConfig, n: int) -> int:\n"
+        "    return cfg.env.get('n_test', 200)\n"
+        "def b(cfg) -> None:\n"
+        "    x = cfg['seed']\n"
+        "def c(cfg: Config, b: BackendCommonConfig, d: dict) -> None:\n"
+        "    y = getattr(b, 'faults', None), d.get('k'), cfg.loss.name, OmegaConf.select(cfg, 'x')\n"
+        "class L:\n"
+        "    def run(self) -> None:\n"
+        "        z = self.cfg.schedule['num_steps']\n"
+        "def main(cfg: DictConfig) -> None:\n"
+        "    pass\n"
+        "def e(cfg: Config) -> None:\n"
+        "    d, n = cfg.decision, 3\n"
+        "    f = d\n"
+        "    return f.get('seed_sd'), n\n")
+    assert untyped_config_reads(path, "m") == [
+        "1: imports from omegaconf", "3: DictConfig", "3: parameter cfg of a is not typed Config",
+        "4: .get('n_test')", "5: parameter cfg of b is not typed Config", "6: ['seed']", "8: OmegaConf",
+        "8: getattr(..., 'faults')", "11: ['num_steps']", "12: DictConfig",
+        "12: parameter cfg of main is not typed Config", "17: .get('seed_sd')"]
+    # a Hydra entry may take the DictConfig (and import nothing else from omegaconf)
+    path.write_text("from omegaconf import DictConfig\ndef main(cfg: DictConfig) -> None:\n    pass\n"
+                    "def other(x: DictConfig) -> None:\n    pass\n")
+    assert untyped_config_reads(path, "eval.run") == ["2: parameter cfg of main is not typed Config",
+                                                      "4: DictConfig"]
 
 
 # --------------------------------------------------------------------------- the checker itself

@@ -34,9 +34,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @functools.cache
 def _composed(overrides: tuple[str, ...]):
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
 
-    return compose_config(list(overrides))
+    return run_config(list(overrides))
 
 
 def _sha(i: int) -> str:

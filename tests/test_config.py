@@ -10,8 +10,8 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-from trainer.config.compose import compose_config, sweep_jobs
-from trainer.config.schema import ConfigError, validate
+from trainer.config.compose import compose_config, run_config, sweep_jobs
+from trainer.config.schema import Config, ConfigError, validate
 from trainer.run_info import batch_arithmetic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,10 +23,46 @@ def _resolved(overrides):
 
 
 def test_default_composes_and_validates():
-    cfg = compose_config([])
-    objs = validate(cfg)
+    cfg = validate(compose_config([]))
+    assert isinstance(cfg, Config)
     assert cfg.model.name == "smollm2_135m" and cfg.backend.name == "local" and cfg.env.name == "arithmetic"
-    assert type(objs["loss"]).__name__ == "GRPOLossConfig"
+    assert type(cfg.loss).__name__ == "GRPOLossConfig" and type(cfg.backend).__name__ == "LocalBackendConfig"
+    assert type(cfg.env).__name__ == "ArithmeticEnvConfig" and type(cfg.report).__name__ == "ReportConfig"
+
+
+# every option of every group, and each experiment with each backend: config_dict must hold for all of them
+_OPTIONS = sorted({f"{g}={p.stem}" for g in ("model", "loss", "schedule", "env", "eval", "backend", "logger")
+                   for p in (ROOT / "conf" / g).glob("*.yaml")})
+_EXPERIMENTS = sorted(f"+experiment={p.stem}" for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+
+
+_MIXED = ["loss=dppo", "loss.mode=binary_kl", "sampling.max_tokens=7", "decision.looks=[3,6]",
+          "preflight.planned_models=[a,b]", "backend.faults.p_sample=0.5", "run_name=x",
+          "+backend.api_key=abcd1234", "+extra.key=1"]  # `+` keys: kept where the composed config has them
+
+
+@pytest.mark.parametrize("overrides", [[o] for o in _OPTIONS] + [_MIXED]
+                         + [[e, b] for e in _EXPERIMENTS for b in ("backend=local", "backend=tinker")])
+def test_the_typed_config_writes_the_composed_config_byte_for_byte(overrides):
+    """config.yaml, the resume hash, the plan hash and wandb's config are written from the typed Config
+    (`config_dict`); it must be the composed config's own resolved container, key for key and in order, or
+    the runs written before would no longer resume, or compare against new ones."""
+    from trainer.config.digest import config_hash
+    from trainer.config.schema import config_dict, config_yaml
+
+    composed = compose_config(overrides)
+    typed = config_dict(validate(composed))
+    plain = OmegaConf.to_container(composed, resolve=True)
+    assert typed == plain and list(_walk_keys(typed)) == list(_walk_keys(plain))
+    assert config_yaml(typed) == OmegaConf.to_yaml(OmegaConf.create(plain))
+    assert config_hash(typed) == config_hash(plain)
+
+
+def _walk_keys(d, prefix=""):
+    for k, v in d.items():
+        yield prefix + k
+        if isinstance(v, dict):
+            yield from _walk_keys(v, f"{prefix}{k}.")
 
 
 def test_arms_differ_only_in_loss_group():
@@ -69,8 +105,7 @@ def test_sweep_expansion():
 
 
 def test_batch_arithmetic():
-    cfg = compose_config(["+experiment=dppo_vs_grpo"])
-    b = batch_arithmetic(cfg)
+    b = batch_arithmetic(run_config(["+experiment=dppo_vs_grpo"]))
     assert b["rollouts_per_step"] == 256 and b["rollouts_per_minibatch"] == 128
     assert b["total_optim_steps"] == 100
 
@@ -178,7 +213,7 @@ def test_resume_hash_ignores_only_keys_that_do_not_change_the_computation():
     from trainer.run_info import resolved_config_dict
 
     def h(*overrides):
-        return config_hash(resolved_config_dict(compose_config(list(overrides))))
+        return config_hash(resolved_config_dict(run_config(list(overrides))))
 
     base = h()
     for same in (["eval.every=5"], ["logger=wandb"], ["retry.max_attempts=9"], ["resume=true"]):
@@ -213,7 +248,7 @@ def test_composed_loss_group_equals_the_typed_config_defaults(option):
     for key, value in composed.items():
         assert value == interpolated.get(key, defaults[key]), (option, key, value)
     # the plugin built from the composed group is the plugin at its defaults
-    loss = build_loss(cfg.loss)
+    loss = build_loss(validate(cfg).loss)
     assert loss.config == config_class(**interpolated)
     assert repr(loss) == repr(type(loss)())
 
@@ -236,7 +271,7 @@ def test_bad_loss_bound_fails_with_one_message_naming_the_key(option, fields, me
     with pytest.raises(ConfigError) as ei:
         validate(compose_config([f"loss={option}"] + [f"loss.{k}={v}" for k, v in fields.items()]))
     assert message in str(ei.value)
-    cls = type(build_loss(compose_config([f"loss={option}"]).loss))
+    cls = type(build_loss(run_config([f"loss={option}"]).loss))
     with pytest.raises(ConfigError) as ei:
         cls(**fields)
     assert str(ei.value).startswith(f"{cls.__name__}: ") and message.removeprefix("loss.") in str(ei.value)
@@ -373,7 +408,7 @@ def test_ignored_key_lists_do_what_their_table_says():
         d = changed(key)
         out = {
             "resume": trainer.checkpoint.config_hash(base) == trainer.checkpoint.config_hash(d),
-            "plan": gates.plan_hash(OmegaConf.create(base)) == gates.plan_hash(OmegaConf.create(d)),
+            "plan": gates.plan_hash_of(base) == gates.plan_hash_of(d),
             "compare": eval.compare.config_differences(base, d) == [],
         }
         return {k: "ignored" if v else "hashed" for k, v in out.items()}

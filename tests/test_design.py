@@ -158,32 +158,31 @@ def test_from_an_aa_sweep_estimates_discordance_and_seed_sd(tmp_path):
 
 
 def test_design_gate_fails_only_when_the_decision_method_misses_the_target(tmp_path):
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.preflight.gates import GATES
     from trainer.preflight.gates import design as design_gate
 
     assert GATES[:2] == ("correctness", "design")  # before the pilot: a plan that cannot answer stops early
     base = ["eval.n_examples=300", "decision.discordance=0.3"]
-    rep = design_gate(compose_config(base), tmp_path, n_seeds=1, n_sims=100)
+    rep = design_gate(run_config(base), tmp_path, n_seeds=1, n_sims=100)
     assert rep.passed and rep.meta["design"]["mde"]["paired_hoeffding"] > 0.1
-    miss = design_gate(compose_config(base + ["decision.target_effect=0.05"]), tmp_path, n_sims=100)
+    miss = design_gate(run_config(base + ["decision.target_effect=0.05"]), tmp_path, n_sims=100)
     assert not miss.passed and miss.checks[-1].status == "fail"
-    easy = design_gate(compose_config(base + ["decision.target_effect=0.2"]), tmp_path, n_sims=100)
+    easy = design_gate(run_config(base + ["decision.target_effect=0.2"]), tmp_path, n_sims=100)
     assert easy.passed and easy.checks[-1].status == "pass"
     assert (tmp_path / "preflight" / "design_power.png").is_file()
 
 
 def test_the_decision_rule_is_part_of_the_plan_hash_not_of_the_resume_hash():
-    from omegaconf import OmegaConf
-
     from trainer.checkpoint import config_hash
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.preflight.gates import plan_hash
+    from trainer.run_info import resolved_config_dict
 
-    a, b = compose_config([]), compose_config(["decision.method=seed_t"])
+    a, b = run_config([]), run_config(["decision.method=seed_t"])
     assert plan_hash(a) != plan_hash(b)  # gates passed under one rule do not serve a sweep under another
-    assert plan_hash(a) == plan_hash(compose_config(["seed=3"]))
-    ra, rb = (config_hash(OmegaConf.to_container(c, resolve=True)) for c in (a, b))
+    assert plan_hash(a) == plan_hash(run_config(["seed=3"]))
+    ra, rb = (config_hash(resolved_config_dict(c)) for c in (a, b))
     assert ra == rb  # a run resumes whatever rule its verdict will be read with
 
 
@@ -192,22 +191,22 @@ def test_design_gate_fails_a_plan_whose_rule_validates_seed_noise(tmp_path):
     the target, so "MDE <= target" alone passed it, but at zero effect it validates about 31% of sweeps (the
     item-level interval counts no training noise). The gate fails it; with decision.design_problems=warn it
     passes with the problem stated; auto (seed_t over the 3 seeds) holds alpha and passes the same check."""
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.preflight.gates import design as design_gate
 
     base = ["eval.n_examples=1319", "decision.discordance=0.3", "decision.seed_sd=0.05", "decision.target_effect=0.06"]
-    rep = design_gate(compose_config(base + ["decision.method=paired_bootstrap"]), tmp_path, n_seeds=3, n_sims=200)
+    rep = design_gate(run_config(base + ["decision.method=paired_bootstrap"]), tmp_path, n_seeds=3, n_sims=200)
     fp = rep.meta["design"]["false_positive_rate"]["paired_bootstrap"]
     assert 0.2 < fp < 0.45 and rep.meta["design"]["mde"]["paired_bootstrap"] < 0.06
     assert not rep.passed
     bad = [c for c in rep.checks if c.status == "fail"]
     assert any(c.name == "decision rule calibrated for the plan" and "validates" in c.detail and "above alpha" in c.detail
                for c in bad)
-    warn = design_gate(compose_config(base + ["decision.method=paired_bootstrap", "decision.design_problems=warn"]),
+    warn = design_gate(run_config(base + ["decision.method=paired_bootstrap", "decision.design_problems=warn"]),
                        tmp_path, n_seeds=3, n_sims=200)
     assert any(c.detail.startswith("WARNING (not enforced)") for c in warn.checks)
     assert all(c.name != "decision rule calibrated for the plan" or c.status == "pass" for c in warn.checks)
-    auto = design_gate(compose_config(base), tmp_path, n_seeds=3, n_sims=200)
+    auto = design_gate(run_config(base), tmp_path, n_seeds=3, n_sims=200)
     assert auto.meta["design"]["decision_method"] == "seed_t"
     assert auto.meta["design"]["false_positive_rate"]["seed_t"] <= 0.05
     assert auto.meta["design"]["problems"] == []

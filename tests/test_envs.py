@@ -304,6 +304,11 @@ def test_unknown_env_name_and_field(tiny) -> None:
         build_task({"name": "mnist"}, tiny[1])
     with pytest.raises(ValueError, match="does not take field.*'digits'"):
         build_task({**ARITH, "digits": 3}, tiny[1])
+    # a key added on the command line reaches the task through the typed config, and is refused there too
+    from trainer.config.compose import run_config
+
+    with pytest.raises(ValueError, match="does not take field.*'digits'"):
+        build_task(run_config(["env=arithmetic", "+env.digits=3"]).env, tiny[1])
 
 
 def test_the_target_selects_the_task_class(tiny) -> None:
@@ -321,16 +326,16 @@ def test_the_target_selects_the_task_class(tiny) -> None:
 def test_eval_items_come_from_the_eval_envs_test_split() -> None:
     """One source for an eval's size: eval.n_examples, else the eval env's whole test split (GSM8K's
     1319 items, the vendored file's count; arithmetic's n_test)."""
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.config.schema import GSM8K_TEST_ITEMS, eval_items
 
     lines = (gsm8k_data.VENDORED_DIR / "test.jsonl").read_text().splitlines()
     assert GSM8K_TEST_ITEMS == len([x for x in lines if x.strip()]) == 1319
-    assert eval_items(compose_config(["env=gsm8k", "eval=gsm8k_test"])) == 1319
-    assert eval_items(compose_config(["env=arithmetic", "env.n_test=37", "eval=arithmetic"])) == 37
-    assert eval_items(compose_config(["env=arithmetic", "eval=gsm8k_test"])) == 1319
-    assert eval_items(compose_config(["env=gsm8k", "eval=arithmetic"])) == 200  # arithmetic's default
-    assert eval_items(compose_config(["env=gsm8k", "eval=gsm8k_test", "eval.n_examples=12"])) == 12
+    assert eval_items(run_config(["env=gsm8k", "eval=gsm8k_test"])) == 1319
+    assert eval_items(run_config(["env=arithmetic", "env.n_test=37", "eval=arithmetic"])) == 37
+    assert eval_items(run_config(["env=arithmetic", "eval=gsm8k_test"])) == 1319
+    assert eval_items(run_config(["env=gsm8k", "eval=arithmetic"])) == 200  # arithmetic's default
+    assert eval_items(run_config(["env=gsm8k", "eval=gsm8k_test", "eval.n_examples=12"])) == 12
 
 
 def test_test_problems_bounds(tiny) -> None:
@@ -342,7 +347,7 @@ def test_test_problems_bounds(tiny) -> None:
 
 
 def test_structured_config_objects(tiny) -> None:
-    """The typed env configs, and the DictConfig a run composes (the trainer passes `cfg.env`)."""
+    """The typed env configs (the trainer passes a Config's `env`), and a mapping (here an OmegaConf node)."""
     from omegaconf import OmegaConf
 
     from trainer.config.schema import ArithmeticEnvConfig, GSM8KEnvConfig

@@ -73,17 +73,13 @@ def test_weight_changing_calls_are_not_resent_after_an_ambiguous_error(what):
 def test_a_failed_final_save_is_recovered_like_a_step(tmp_path):
     """The final save_state failing for good (a _ClientFailure) recovers from the last checkpoint and redoes
     the steps after it, then saves again, instead of ending the run without a final checkpoint."""
-    from omegaconf import OmegaConf
-
     from trainer.checkpoint import CheckpointInfo
+    from trainer.config.compose import run_config
     from trainer.loop import LoopState, RLLoop, _ClientFailure
     from trainer.retry import RetryPolicy
 
-    # the keys the loop reads, as the schema gives them (a validated config has every schedule key)
-    cfg = OmegaConf.create({"schedule": {"num_steps": 3, "save_every": 0, "updates_per_batch": 1},
-                            "retry": {"max_attempts": 3},
-                            "logger": {"name": "jsonl", "rollouts_per_step": 0}, "loss": {"name": "grpo"},
-                            "seed": 0, "run_name": None})
+    cfg = run_config(["schedule.num_steps=3", "schedule.save_every=0", "schedule.updates_per_batch=1",
+                      "retry.max_attempts=3", "logger=jsonl", "logger.rollouts_per_step=0", "loss=grpo"])
     loop = RLLoop.__new__(RLLoop)
     loop.cfg, loop.run_dir, loop.progress, loop.config_dict, loop.sweep_dir = cfg, tmp_path, False, {}, None
     loop.retry, loop.recoveries, loop.info, loop.on_step_end = RetryPolicy(), 0, {}, None

@@ -28,12 +28,12 @@ def _run_loop(tmp_path, overrides: list[str], reward_of) -> tuple:
     (cfg, run folder). A group's envs are made one after another (rollouts._group_rollout), so n // group
     size is the env's group and n mod group size its place in it, the order the loop lists rollouts in."""
     from trainer.backends import build_service_client
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.loop import RLLoop
     from trainer.run_info import resolved_config_dict
     from trainer.setup import build_components, make_loss
 
-    cfg = compose_config([*(o for o in TINY if not o.startswith("advantage=")), *overrides, "eval=none"])
+    cfg = run_config([*(o for o in TINY if not o.startswith("advantage=")), *overrides, "eval=none"])
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     client = build_service_client(cfg, run_dir)

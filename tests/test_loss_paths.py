@@ -274,11 +274,11 @@ def test_both_paths_give_the_same_metrics_and_update_on_one_minibatch(sc, loss):
 
 # ----------------------------------------------------------------------------- the factory
 def test_make_loss_picks_the_path_from_the_config_and_the_backend(sc, capsys):
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.setup import make_loss
 
     def path(*overrides, client=sc):
-        return make_loss(compose_config([*TINY, *overrides]), client)
+        return make_loss(run_config([*TINY, *overrides]), client)
 
     auto = path()
     assert isinstance(auto, OnePassLossPath) and auto.loss.name == "grpo" and auto.handle is not None
@@ -296,12 +296,12 @@ def test_make_loss_picks_the_path_from_the_config_and_the_backend(sc, capsys):
 # ----------------------------------------------------------------------------- the loop on both paths
 def _run_loop(tmp_path, name: str, overrides: list[str]) -> list[dict]:
     from trainer.backends import build_service_client
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.loop import RLLoop
     from trainer.setup import build_components, make_loss
     from trainer.run_info import resolved_config_dict
 
-    cfg = compose_config([*TINY, "eval=none", *overrides])
+    cfg = run_config([*TINY, "eval=none", *overrides])
     run_dir = tmp_path / name
     run_dir.mkdir()
     client = build_service_client(cfg, run_dir)

@@ -134,13 +134,11 @@ def test_arm_config_diff_catches_a_loss_option_that_leaks_into_another_group(tmp
 
 
 def test_require_passed_refuses_records_of_another_loss_or_preflight_setting(tmp_path):
-    from omegaconf import OmegaConf
-
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.preflight.gates import GATES, _meta, require_passed
 
     def cfg_of(*extra):
-        return compose_config([*LOCAL, f"preflight.dir={tmp_path}", *extra])
+        return run_config([*LOCAL, f"preflight.dir={tmp_path}", *extra])
 
     ran = cfg_of()  # the preflight's config (loss group: the default, grpo)
     (tmp_path / "preflight").mkdir()
@@ -155,7 +153,7 @@ def test_require_passed_refuses_records_of_another_loss_or_preflight_setting(tmp
         require_passed(cfg_of("loss=dppo", "loss.delta=0.3"))
     with pytest.raises(RuntimeError, match="plan hash"):
         require_passed(cfg_of("loss=dppo", "preflight.pilot_steps=1"))
-    assert OmegaConf.to_container(cfg_of("preflight.skip=true").preflight)["skip"] is True
+    assert cfg_of("preflight.skip=true").preflight.skip is True
     require_passed(cfg_of("loss=dppo", "preflight.skip=true"))  # skip / dir are not part of the plan
     require_passed(cfg_of("loss=dppo", "seed=2"))  # one preflight serves a replicate-seed sweep
     (tmp_path / "preflight" / "correctness.json").write_text(json.dumps(
@@ -165,25 +163,25 @@ def test_require_passed_refuses_records_of_another_loss_or_preflight_setting(tmp
 
 
 def test_served_model_must_be_the_configured_one_not_just_a_planned_stand_in():
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.preflight.gates import served_ok
 
-    flagship = compose_config(["+experiment=dppo_vs_grpo"])
+    flagship = run_config(["+experiment=dppo_vs_grpo"])
     assert served_ok("Qwen/Qwen3.5-2B", flagship)
     # SmolLM2 is in the flagship's planned_models (offline rehearsal) but is not what it asks for
     assert "HuggingFaceTB/SmolLM2-135M-Instruct" in flagship.preflight.planned_models
     assert not served_ok("HuggingFaceTB/SmolLM2-135M-Instruct", flagship)
     assert served_ok("HuggingFaceTB/SmolLM2-135M-Instruct",
-                     compose_config(["+experiment=dppo_vs_grpo", "backend=local", "model=smollm2_135m"]))
+                     run_config(["+experiment=dppo_vs_grpo", "backend=local", "model=smollm2_135m"]))
 
 
 def test_activation_needs_update_2_drift_above_the_on_policy_noise(tmp_path):
     """Drift as large at the on-policy first update as at the second is numeric noise (e.g. bf16), not the
     policy moving: the gate fails that check even though every fixed bound is met."""
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.preflight.gates import activation
 
-    cfg = compose_config([*LOCAL, f"preflight.dir={tmp_path}"])
+    cfg = run_config([*LOCAL, f"preflight.dir={tmp_path}"])
 
     precision = {"sampler_dtype": "bfloat16", "train_dtype": "bfloat16", "auto": "the CPU has AMX"}
 

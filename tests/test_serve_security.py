@@ -136,11 +136,11 @@ def test_every_project_loss_traced_by_the_sdk_is_accepted(name, extra):
     """The tables are closed, so they must hold what the project's own one-pass losses call."""
     from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.losses.build import build_loss
     from trainer.losses.per_datum import make_per_datum_fn
 
-    cfg = compose_config([f"loss={name}", "loss.aggregation=sum", *extra])
+    cfg = run_config([f"loss={name}", "loss.aggregation=sum", *extra])
     per_datum = make_per_datum_fn(build_loss(cfg.loss))
     graph = encode_graph(trace_loss(per_datum.fn, per_datum.input_ranks, "s"))
     wire.rebuild_graph(graph)

@@ -364,11 +364,11 @@ def test_every_project_loss_fits_the_default_bound_at_the_largest_batch(name):
     import torch
     from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.losses.build import build_loss
     from trainer.losses.per_datum import make_per_datum_fn
 
-    cfg = compose_config([f"loss={name}", "loss.aggregation=sum", "loss.kl_coef=0.1"])
+    cfg = run_config([f"loss={name}", "loss.aggregation=sum", "loss.kl_coef=0.1"])
     per_datum = make_per_datum_fn(build_loss(cfg.loss))
     handle = trace_loss(per_datum.fn, per_datum.input_ranks, "s")
     gm = wire.rebuild_graph(encode_graph(handle))

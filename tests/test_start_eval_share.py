@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from runs import TINY, run_train
 
 from eval.during_training import key_sha, start_eval_key
-from trainer.config.compose import compose_config
+from trainer.config.compose import run_config
 from trainer.run_info import resolved_config_dict
 
 INFO = {"precision": {"sampler_dtype": "float32"}, "engine": {"kernels": "native"}, "torch_threads": 2,
@@ -18,7 +18,7 @@ INFO = {"precision": {"sampler_dtype": "float32"}, "engine": {"kernels": "native
 
 
 def _key(overrides: list[str], info: dict = INFO) -> str:
-    cfg = compose_config(overrides)
+    cfg = run_config(overrides)
     return key_sha(start_eval_key(resolved_config_dict(cfg), info))
 
 

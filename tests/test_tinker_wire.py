@@ -376,7 +376,7 @@ def test_group_samples_differ_by_construction_and_rerun_identically(tmp_path):
     import tinker
 
     from trainer.backends.local import LocalServiceClient
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.datums import Rollout
     from trainer.loop import frac_duplicate_in_group
     from trainer.retry import RetryPolicy
@@ -385,7 +385,7 @@ def test_group_samples_differ_by_construction_and_rerun_identically(tmp_path):
 
     assert len({sample_seed(0, 3, 1, i) for i in range(64)}) == 64
     assert sample_seed(0, 3, 1, 5) == sample_seed(0, 3, 1, 5) != sample_seed(1, 3, 1, 5)
-    cfg = compose_config(["model=tiny_random", "env=gsm8k", "env.n_examples=4", "env.convo_prefix=none"])
+    cfg = run_config(["model=tiny_random", "env=gsm8k", "env.n_examples=4", "env.convo_prefix=none"])
     _, _, task = build_components(cfg)
     sc = LocalServiceClient(state_dir=tmp_path / "engine", sampler_dtype="float32", train_dtype="float32")
     sampler = sc.create_sampling_client(base_model="pairedrl/tiny-random")
@@ -476,12 +476,12 @@ def test_a_groups_tokens_depend_on_how_it_is_split_into_requests(tmp_path):
     import tinker
 
     from trainer.backends.local import LocalServiceClient
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.retry import RetryPolicy
     from trainer.rollouts import sample_batch
     from trainer.setup import build_components
 
-    cfg = compose_config(["model=tiny_random", "env=gsm8k", "env.n_examples=4", "env.convo_prefix=none"])
+    cfg = run_config(["model=tiny_random", "env=gsm8k", "env.n_examples=4", "env.convo_prefix=none"])
     _, _, task = build_components(cfg)
     sc = LocalServiceClient(state_dir=tmp_path / "engine", sampler_dtype="float32", train_dtype="float32")
     sampler = sc.create_sampling_client(base_model="pairedrl/tiny-random")

@@ -623,12 +623,12 @@ def test_bootstrap_settings_are_part_of_the_rule_when_the_bootstrap_decides(tmp_
 
 
 def test_a_decision_block_edited_after_the_preflight_record_is_an_override(tmp_path):
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.preflight.gates import design as design_gate
 
     pre = tmp_path / "pre"
     overrides = (f"preflight.dir={pre}", "decision.seed_sd=0.05")
-    design_gate(compose_config(list(overrides)), pre, n_seeds=3, n_sims=30).write(pre)
+    design_gate(run_config(list(overrides)), pre, n_seeds=3, n_sims=30).write(pre)
     sweep = _three_seed_sweep(tmp_path, overrides=overrides)
     assert compare([sweep], n_bootstrap=0, make_plots=False)["decision"]["overridden"] == []
     for run in sweep.iterdir():  # the rule edited in the runs' config after the plan was recorded
@@ -651,12 +651,12 @@ def test_a_decision_block_edited_after_the_preflight_record_is_an_override(tmp_p
 
 
 def test_fewer_seeds_than_planned_and_repeated_looks_are_recorded(tmp_path):
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.preflight.gates import design as design_gate
 
     pre = tmp_path / "pre"
     overrides = (f"preflight.dir={pre}", "decision.seed_sd=0.05")
-    design_gate(compose_config(list(overrides)), pre, n_seeds=3, n_sims=30).write(pre)
+    design_gate(run_config(list(overrides)), pre, n_seeds=3, n_sims=30).write(pre)
     rng = np.random.default_rng(15)
     arms = {}
     for s in (0, 1, 2):
@@ -787,11 +787,11 @@ def test_arms_may_differ_in_one_other_config_switch(tmp_path, capsys):
 def test_a_design_record_of_another_plan_is_not_held_against_the_runs(tmp_path):
     """The preflight folder may hold a record of another plan of the same experiment (another eval size):
     compare says so and checks nothing against it."""
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.preflight.gates import design as design_gate
 
     pre = tmp_path / "pre"
-    design_gate(compose_config([f"preflight.dir={pre}", "decision.seed_sd=0.05", "eval.n_examples=500",
+    design_gate(run_config([f"preflight.dir={pre}", "decision.seed_sd=0.05", "eval.n_examples=500",
                                 "decision.method=seed_t"]), pre, n_seeds=5, n_sims=30).write(pre)
     sweep = _three_seed_sweep(tmp_path, overrides=(f"preflight.dir={pre}", "decision.seed_sd=0.05"))
     out = compare([sweep], n_bootstrap=0, make_plots=False)

@@ -13,7 +13,7 @@ from typing import Any
 from tinker_cookbook import renderers
 
 from envs.types import Task
-from trainer.config.schema import env_schema
+from trainer.config.schema import EnvCommonConfig, env_schema
 
 
 def _task_class(target: str) -> type[Task]:
@@ -34,15 +34,17 @@ def _accepted_keys(cls: type) -> set[str] | None:
     return {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
-def build_task(env_cfg: Any, renderer: renderers.Renderer) -> Task:
+def build_task(env_cfg: EnvCommonConfig | Mapping[str, Any], renderer: renderers.Renderer) -> Task:
     """The task of `env_cfg` (its `_target_` class) built with the fields other than `_target_` and
-    `name` as keyword arguments. `env_cfg`: the env group's typed config (`GSM8KEnvConfig`, ...), a
-    DictConfig of it, or a mapping; a mapping without `_target_` takes the one of the env its `name` names
-    (`trainer.config.schema.env_schema`)."""
+    `name` as keyword arguments. `env_cfg`: the env group's typed config (`GSM8KEnvConfig`, ...: a Config's
+    `env`), or a plain mapping (tests, bench); a mapping without `_target_` takes the one of the env its
+    `name` names (`trainer.config.schema.env_schema`)."""
     if dataclasses.is_dataclass(env_cfg) and not isinstance(env_cfg, type):
         fields = {f.name: getattr(env_cfg, f.name) for f in dataclasses.fields(env_cfg)}
+        # and a key a `+env.<key>=...` override added (validate() keeps it as an attribute): refused below
+        fields.update({k: v for k, v in vars(env_cfg).items() if k not in fields})
     elif isinstance(env_cfg, Mapping):
-        fields = dict(env_cfg)  # a DictConfig's interpolations are resolved as they are read
+        fields = dict(env_cfg)
     else:
         raise TypeError(f"env config must be a dataclass or a mapping, got {type(env_cfg).__name__}")
     name = fields.pop("name", None)

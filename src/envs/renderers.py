@@ -15,10 +15,13 @@ Which names fit which tokenizer:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tinker_cookbook import renderers as cookbook_renderers
 from tinker_cookbook.renderers.base import RendererError
+
+if TYPE_CHECKING:
+    from trainer.config.schema import ModelConfig
 
 # renderers whose prompts or parsing use the ChatML turn tokens / the <think> tags as single tokens
 _CHATML_PREFIX = "qwen3"
@@ -46,9 +49,9 @@ def check_tokenizer_fits(name: str, tokenizer: Any) -> None:
                          f"{getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} splits them{hint}")
 
 
-def get_renderer(model_cfg: Any, tokenizer: Any) -> cookbook_renderers.Renderer:
+def get_renderer(model_cfg: ModelConfig, tokenizer: Any) -> cookbook_renderers.Renderer:
     """The cookbook renderer `model_cfg.renderer` over `tokenizer` (special tokens checked first); `model_cfg`
-    is a `trainer.config.schema.ModelConfig` or its DictConfig."""
+    is a Config's `model` (any object with `renderer` and `base_model` does)."""
     name, base_model = model_cfg.renderer, model_cfg.base_model
     if not isinstance(name, str) or not name:
         raise ValueError(f"model.renderer must be a non-empty string, got {name!r}")

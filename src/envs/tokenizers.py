@@ -18,11 +18,14 @@ import functools
 import re
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tinker_cookbook.tokenizer_utils import register_tokenizer
 
 from trainer.config.enums import TOKENIZER_KINDS
+
+if TYPE_CHECKING:
+    from trainer.config.schema import ModelConfig
 
 _lock = threading.Lock()
 _cache: dict[tuple[str, str], Any] = {}
@@ -128,10 +131,9 @@ def _build(kind: str, base_model: str) -> Any:
     raise ValueError(f"unknown model.tokenizer {kind!r}; expected one of {list(TOKENIZER_KINDS)}")
 
 
-def get_tokenizer(model_cfg: Any) -> Any:
-    """The tokenizer for the model config `model_cfg` (`trainer.config.schema.ModelConfig` or its
-    DictConfig: attributes `base_model`, `tokenizer`), cached per process and registered with the
-    cookbook under `base_model`."""
+def get_tokenizer(model_cfg: ModelConfig) -> Any:
+    """The tokenizer for the model config `model_cfg` (a Config's `model`; any object with `base_model` and
+    `tokenizer` does), cached per process and registered with the cookbook under `base_model`."""
     base_model, kind = model_cfg.base_model, model_cfg.tokenizer
     if not isinstance(base_model, str) or not base_model:
         raise ValueError(f"model.base_model must be a non-empty string, got {base_model!r}")

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +43,9 @@ from eval.methods import METHOD_SCOPE, distribution_free_seeds, seed_t_power  # 
 from eval.methods import METHODS as REGISTRY
 from eval.stats import SCOPE_TEXT, hoeffding_half_width, resolve_method, t_quantile
 from trainer.config.enums import DECISION_METHODS
+
+if TYPE_CHECKING:  # the config package loads Hydra; eval.design starts without it
+    from trainer.config.schema import Config
 
 METHODS = DECISION_METHODS  # decision.method: the config states the list once
 DEFAULT_DISCORDANCE = 0.3
@@ -436,8 +439,9 @@ def _first_given(*candidates: tuple[Any, str]) -> tuple[float, str]:
     return next((float(v), src) for v, src in candidates if v is not None)
 
 
-def plan_from_config(cfg: Any, n_seeds: int, discordance: float | None = None, seed_sd: float | None = None,
-                     target_effect: float | None = None, pilot: str | Path | None = None) -> Plan:
+def plan_from_config(cfg: Config, n_seeds: int, discordance: float | None = None,
+                     seed_sd: float | None = None, target_effect: float | None = None,
+                     pilot: str | Path | None = None) -> Plan:
     """The plan's design inputs: the config's decision group, overridden by the command line or a pilot."""
     from trainer.config.schema import eval_items
 
@@ -446,18 +450,18 @@ def plan_from_config(cfg: Any, n_seeds: int, discordance: float | None = None, s
     est = pilot_estimates(pilot) if pilot is not None else {}
     P, sources["discordance"] = _first_given(
         (discordance, "--discordance"), (est.get("discordance"), est.get("source")),
-        (d.get("discordance"), "decision.discordance"),
+        (d.discordance, "decision.discordance"),
         (DEFAULT_DISCORDANCE, f"assumed {DEFAULT_DISCORDANCE} (no --discordance, --from or decision.discordance)"))
     sd, sources["seed_sd"] = _first_given(
-        (seed_sd, "--seed-sd"), (est.get("seed_sd"), est.get("source")), (d.get("seed_sd"), "decision.seed_sd"),
+        (seed_sd, "--seed-sd"), (est.get("seed_sd"), est.get("source")), (d.seed_sd, "decision.seed_sd"),
         (0.0, "assumed 0 (no training noise: a lower bound on every MDE; pass --seed-sd or --from an A/A sweep)"))
-    target = target_effect if target_effect is not None else d.get("target_effect")
+    target = target_effect if target_effect is not None else d.target_effect
     # `auto` resolves here, at plan time, by the plan's seeds per arm; compare resolves it the same way from
     # the sweep and the gate's record holds the resolution
     method, sources["method"] = resolve_method(str(d.method), n_seeds)
     return Plan(n_items=eval_items(cfg), n_seeds=n_seeds, alpha=float(d.alpha), power=float(d.power),
                 margin=float(d.margin), discordance=float(P), seed_sd=float(sd), method=method,
-                target_scope=d.get("target_scope"),
+                target_scope=d.target_scope,
                 target_effect=None if target is None else float(target), sources=sources)
 
 
@@ -588,8 +592,7 @@ def main(argv: list[str] | None = None) -> int:
 
             first, n_seeds = plan_seeds(args.overrides)
             try:
-                cfg = compose_config(first)
-                validate(cfg)
+                cfg = validate(compose_config(first))
             except ConfigError as e:
                 raise DesignError(f"config: {e}") from None
             plan = plan_from_config(cfg, args.seeds or n_seeds, args.discordance, args.seed_sd,

@@ -14,17 +14,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from eval.greedy import greedy_eval_budgets, run_greedy_eval
 from eval.records import read_item_records
 from eval.stats import paired_compare
+from trainer.config.schema import Config
 from trainer.utils.io import atomic_write_json, read_json
 
 log = logging.getLogger("pairedrl")
 
 
-def _greedy_eval(cfg: DictConfig, etask: Any, sampling_client: Any, retry: Any, out_path: Path, extra: dict,
+def _greedy_eval(cfg: Config, etask: Any, sampling_client: Any, retry: Any, out_path: Path, extra: dict,
                  check_determinism: bool) -> dict:
     """The configured eval (`eval.n_examples` test items, budgets and concurrency) on one sampler."""
     return run_greedy_eval(etask, etask.test_problems(cfg.eval.n_examples), sampling_client,
@@ -32,7 +31,7 @@ def _greedy_eval(cfg: DictConfig, etask: Any, sampling_client: Any, retry: Any, 
                            extra={"name": cfg.eval.name, **extra}, check_determinism=check_determinism)
 
 
-def periodic_eval(cfg: DictConfig, loop: Any, etask: Any, run_dir: Path, step: int) -> None:
+def periodic_eval(cfg: Config, loop: Any, etask: Any, run_dir: Path, step: int) -> None:
     """Greedy eval every `eval.every` rollout steps (not at the end: the final eval covers that). Skips a
     step whose eval already finished (its summary is written last), so the loop can call it again for
     the step a resumed run restarts from: a run killed during that eval gets it on resume."""
@@ -67,7 +66,7 @@ def key_sha(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def run_start_eval(cfg: DictConfig, service_client: Any, etask: Any, run_dir: Path, retry: Any,
+def run_start_eval(cfg: Config, service_client: Any, etask: Any, run_dir: Path, retry: Any,
                    cfg_hash: str, share: tuple[Path, dict] | None = None) -> tuple[Path, dict]:
     """Greedy eval of the initial weights, i.e. the base model (LoRA starts with B = 0, so the adapter
     adds nothing): the baseline the final eval is paired with. Kept on resume (not recomputed) when it
@@ -109,7 +108,7 @@ def run_start_eval(cfg: DictConfig, service_client: Any, etask: Any, run_dir: Pa
     return out, rec
 
 
-def _start_eval(cfg: DictConfig, service_client: Any, etask: Any, out: Path, retry: Any, cfg_hash: str,
+def _start_eval(cfg: Config, service_client: Any, etask: Any, out: Path, retry: Any, cfg_hash: str,
                 extra: dict) -> dict:
     # tinker 0.38 returns a future of the client (`BackcompatSamplingClientFuture`); using it as the client
     # is deprecated, so take its result, inside the retry so a failed creation is really retried
@@ -137,7 +136,7 @@ def _reuse_start_eval(stored: Path, out: Path, cfg_hash: str, sha: str) -> dict:
     return {"reused": True, "key_sha": sha, "reused_from": str(stored.parent)}
 
 
-def run_final_eval(cfg: DictConfig, loop: Any, etask: Any, run_dir: Path, result: dict) -> float:
+def run_final_eval(cfg: Config, loop: Any, etask: Any, run_dir: Path, result: dict) -> float:
     """Greedy eval of the trained weights (with the determinism check) into `<run>/eval/<name>.jsonl`;
     adds its summary and seconds to `result`."""
     t0 = time.time()

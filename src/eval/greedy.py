@@ -11,16 +11,18 @@ from typing import Any
 
 import tinker
 
+from trainer.config.schema import Config
+
 log = logging.getLogger(__name__)
 
 
-def greedy_eval_budgets(cfg: Any) -> dict[str, int]:
+def greedy_eval_budgets(cfg: Config) -> dict[str, int]:
     """`run_greedy_eval`'s budgets from a run config (the training run's evals, the preflight pilot's and
     `python -m eval.run` all take them from here): the eval group's completion length and concurrency,
     and the model's context length."""
     return {"max_tokens": cfg.eval.max_tokens, "max_seq_len": cfg.model.max_seq_len,
-            "concurrency": cfg.eval.concurrency, "samples_per_item": cfg.eval.get("samples_per_item", 1),
-            "temperature": cfg.eval.get("temperature", 1.0)}
+            "concurrency": cfg.eval.concurrency, "samples_per_item": cfg.eval.samples_per_item,
+            "temperature": cfg.eval.temperature}
 
 
 def greedy_params(max_tokens: int, stop: Any) -> tinker.SamplingParams:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from trainer.config.compose import CONF_DIR, HydraEntry
 from trainer.config.schema import register_configs
@@ -21,59 +21,44 @@ log = logging.getLogger("pairedrl.eval")
 ENTRY = HydraEntry()
 
 
-def _typed(group: str, node: object) -> object:
-    """The run's group as its option's typed node (the root config types each group by its schema, so a
-    plain mapping cannot be assigned over it); the option is the schema whose `name` the group states."""
-    from trainer.config.schema import GROUP_SCHEMAS
-
-    options = list(GROUP_SCHEMAS.get(group, {}).values())
-    if not options or not isinstance(node, DictConfig):
-        return node
-    named = [cls for cls in options if getattr(cls, "name", None) == node.get("name")]
-    cls = named[0] if named else options[0] if len(options) == 1 else None
-    return node if cls is None else OmegaConf.merge(OmegaConf.structured(cls), node)
-
-
-def _resolve_checkpoint(cfg: DictConfig) -> tuple[str, Path | None, DictConfig]:
+def _resolve_checkpoint(checkpoint: str | None) -> tuple[str, Path | None]:
+    """(state path, run folder or None) of `checkpoint=`: a run folder's saved checkpoint, or a tinker://
+    path."""
     from trainer.checkpoint import load_checkpoint
     from trainer.setup import fail
 
-    ck = cfg.checkpoint
-    if not ck:
+    if not checkpoint:
         fail("checkpoint=<run folder or tinker:// path> is required")
-    p = Path(str(ck))
+    p = Path(str(checkpoint))
     if p.is_dir():
         info = load_checkpoint(p)
         if info is None:
             fail(f"{p} has no checkpoint.json (not a run folder with a saved checkpoint)")
-        run_cfg = OmegaConf.load(p / "config.yaml")
-        # the run's model/env/backend, the command line's eval settings; each group is replaced, not merged:
-        # the run's option (env=gsm8k) may have other keys than the default's typed node (env=arithmetic)
-        merged = cfg.copy()
-        for k in ("model", "env", "backend", "seed"):
-            if k in run_cfg:
-                OmegaConf.update(merged, k, _typed(k, run_cfg[k]), merge=False)
-        return info.tinker_path, p, merged
-    if not str(ck).startswith("tinker://"):
-        fail(f"checkpoint={ck!r} is neither a run folder nor a tinker:// path")
-    return str(ck), None, cfg
+        return info.tinker_path, p
+    if not str(checkpoint).startswith("tinker://"):
+        fail(f"checkpoint={checkpoint!r} is neither a run folder nor a tinker:// path")
+    return str(checkpoint), None
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> float:
+def main(composed: DictConfig) -> float:
     ENTRY.composed()
     from hydra.core.hydra_config import HydraConfig
 
     from eval.greedy import greedy_eval_budgets, run_greedy_eval
     from trainer.backends import build_service_client
+    from trainer.config.compose import with_run_groups
     from trainer.config.schema import ConfigError, validate
     from trainer.retry import RetryPolicy
     from trainer.setup import build_components, eval_task, fail
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
-    path, run_dir, cfg = _resolve_checkpoint(cfg)
     try:
-        validate(cfg)
+        cfg = validate(composed)
+        path, run_dir = _resolve_checkpoint(cfg.checkpoint)
+        if run_dir is not None:  # the run's model, env, backend and seed; the command line's eval settings
+            run_groups = ("model", "env", "backend", "seed")
+            cfg = validate(with_run_groups(composed, run_dir / "config.yaml", run_groups))
     except ConfigError as e:
         fail(f"config: {e}")
     if cfg.eval.name == "none":

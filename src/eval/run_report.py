@@ -249,12 +249,12 @@ def _eval_name(run_dir: Path, result: dict) -> str | None:
     name = (result.get("eval") or {}).get("name")
     if name:
         return name
-    cfg = run_dir / "config.yaml"
-    if cfg.is_file():
+    written = run_dir / "config.yaml"
+    if written.is_file():
         import yaml
 
         try:
-            return ((yaml.safe_load(cfg.read_text()) or {}).get("eval") or {}).get("name")
+            return ((yaml.safe_load(written.read_text()) or {}).get("eval") or {}).get("name")
         except yaml.YAMLError:
             return None
     return None

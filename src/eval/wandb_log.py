@@ -33,10 +33,10 @@ def arms_wandb_settings(result: dict[str, Any]) -> dict[str, Any] | None:
     for arm in result.get("arms", []):
         run = Path(arm["run"])
         try:
-            cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
+            written = yaml.safe_load((run / "config.yaml").read_text()) or {}  # the arm's record, as written
         except (OSError, yaml.YAMLError):
             continue
-        lc = cfg.get("logger") or {}
+        lc = written.get("logger") or {}
         if lc.get("name") != "wandb":
             continue
         group = lc.get("group") or (run.parent.name if (run.parent / "arms.json").is_file() else None)

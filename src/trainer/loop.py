@@ -23,7 +23,6 @@ from typing import Any, Callable, NoReturn
 
 import numpy as np
 import tinker
-from omegaconf import DictConfig
 
 from trainer.advantages import compute_advantages
 from trainer.backends import backend_of
@@ -46,7 +45,7 @@ from trainer.checkpoint import (
     save_checkpoint,
     truncate_log,
 )
-from trainer.config.schema import arm_name
+from trainer.config.schema import Config, arm_name
 from trainer.datums import Rollout, rollout_to_datum, split_minibatches
 from trainer.losses.paths import CustomLossCall, InputClients, LossPath
 from trainer.lr_schedule import lr_at
@@ -115,7 +114,7 @@ class RLLoop:
     _stuck: int = 0
     _stuck_at: tuple[int, int] | None = None
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, service_client: Any, task: Any, loss_path: LossPath,
+    def __init__(self, cfg: Config, run_dir: Path, service_client: Any, task: Any, loss_path: LossPath,
                  config_dict: dict, sweep_dir: Path | None = None,
                  progress: bool | str = True, on_step_end: Callable[[int], None] | None = None,
                  wandb_run: Any = None, new_service_client: Callable[[], Any] | None = None) -> None:
@@ -132,7 +131,6 @@ class RLLoop:
         self.on_step_end = on_step_end
         # a fresh service client for a recovery (backend=tinker; None: recoveries reuse `service_client`)
         self.new_service_client = new_service_client
-        # a key of the tinker backend's schema only (LocalBackendConfig has none): None, no deadline, on local
         self.retry = RetryPolicy.from_config(cfg.retry, cfg.backend.call_deadline_s)
         self.train_problems = task.train_problems()
         if len(self.train_problems) == 0:

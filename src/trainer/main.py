@@ -26,7 +26,7 @@ from eval.run_report import write_run_report
 from trainer.backends import BackendConfigError, backend_of, build_service_client, session_finished
 from trainer.backends.errors import BackendRequestError, is_lost
 from trainer.checkpoint import ResumeError, check_resumable, config_hash
-from trainer.config.schema import ConfigError, arm_name, validate
+from trainer.config.schema import Config, ConfigError, arm_name, composed_dict, validate
 from trainer.hydra_callbacks import probe_output_dir
 from trainer.loop import RLLoop, TrainingClientLost, _ClientFailure
 from trainer.preflight.gates import require_passed
@@ -55,7 +55,7 @@ def hydra_dirs() -> tuple[Path, Path | None]:
     return run_dir, sweep_dir
 
 
-def check_output_dir(run_dir: Path, cfg: DictConfig) -> None:
+def check_output_dir(run_dir: Path, cfg: Config) -> None:
     # the job's own folder (a sweep's job folder, or one Hydra was told to use by a caller without the
     # callback); trainer.hydra_callbacks probed the run or sweep folder before Hydra wrote there
     problem = probe_output_dir(run_dir)
@@ -132,14 +132,16 @@ def record_load(run_dir: Path, load: dict[str, Any]) -> None:
     atomic_write_json(path, info)
 
 
-def run_training(cfg: DictConfig) -> float | None:
+def run_training(composed: DictConfig) -> float | None:
+    """train.py's task: `composed` is the config Hydra composed, validated here into the typed Config that
+    everything below takes."""
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
     t_setup = time.time()
     run_dir, sweep_dir = hydra_dirs()
     # first: Hydra has just written the overrides as given (a key among them) into .hydra/
-    redact_hydra_record(run_dir, sweep_dir, config_secrets(cfg))
+    redact_hydra_record(run_dir, sweep_dir, config_secrets(composed_dict(composed)))
     try:
-        validate(cfg)
+        cfg = validate(composed)
     except ConfigError as e:
         fail(f"config: {e}")
     check_output_dir(run_dir, cfg)
@@ -163,7 +165,7 @@ def run_training(cfg: DictConfig) -> float | None:
         if etask is not None:  # an eval that cannot run must fail now, not after training
             etask.test_problems(cfg.eval.n_examples)
         if len(task.train_problems()) == 0:
-            raise ValueError(f"env {cfg.env.name}: the train set is empty (env.source={cfg.env.get('source')!r})")
+            raise ValueError(f"env {cfg.env.name}: the train set is empty ({cfg.env.data_source()})")
     except (FileNotFoundError, ValueError, KeyError) as e:
         fail(f"data/env: {e}")
 
@@ -240,7 +242,7 @@ def _eval_or_fail(what: str, run: Any) -> Any:
              "when started again")
 
 
-def _train_and_evaluate(cfg: DictConfig, run_dir: Path, sweep_dir: Path | None, service_client: Any, task: Any,
+def _train_and_evaluate(cfg: Config, run_dir: Path, sweep_dir: Path | None, service_client: Any, task: Any,
                         etask: Any, config_dict: dict, t_setup: float, wandb_run: Any,
                         load: LoadMonitor, info: dict[str, Any]) -> float | None:
     loop = None

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.utils.io import JsonlAppender
+
+if TYPE_CHECKING:
+    from trainer.config.schema import LoggerConfig
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +20,8 @@ class MetricsSink:
     `wandb_run` is the run opened by train.py (which also logs the evals to it and finishes it); without
     one and with logger=wandb the sink opens its own and finishes it on close."""
 
-    def __init__(self, run_dir: Path, logger_cfg: Any, run_name: str, config_dict: dict, sweep_dir: Path | None,
+    def __init__(self, run_dir: Path, logger_cfg: LoggerConfig, run_name: str, config_dict: dict,
+                 sweep_dir: Path | None,
                  resume: bool, wandb_run: Any = None, updates_per_batch: int = 1) -> None:
         self.jsonl = JsonlAppender(run_dir / "metrics.jsonl")
         self.rollouts = JsonlAppender(run_dir / "rollouts.jsonl")

@@ -16,9 +16,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from trainer.backends.errors import ClientLostError, is_retryable
+
+if TYPE_CHECKING:
+    from trainer.config.schema import RetryConfig
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,7 @@ class RetryPolicy:
     tick_s: float = 0.5
 
     @classmethod
-    def from_config(cls, retry_cfg: Any, deadline_s: float | None = None) -> RetryPolicy:
+    def from_config(cls, retry_cfg: RetryConfig, deadline_s: float | None = None) -> RetryPolicy:
         """The policy of a config's `retry` group (attempts, backoff, backoff cap), with the backend's
         call deadline (`backend.call_deadline_s`; None for a backend without one)."""
         return cls(retry_cfg.max_attempts, retry_cfg.backoff_s, retry_cfg.max_backoff_s,

@@ -9,9 +9,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from trainer.config.digest import decision_hash
+from trainer.config.schema import Config, config_dict, config_yaml
 from trainer.utils.io import atomic_write_json, atomic_write_text
 from trainer.utils.machine import cpu_model
 
@@ -70,14 +69,11 @@ def current_secrets() -> list[str]:
     return [v for k in SECRET_ENV_VARS if (v := os.environ.get(k)) and len(v) >= 4]
 
 
-def config_secrets(cfg: DictConfig) -> list[str]:
+def config_secrets(d: dict[str, Any]) -> list[str]:
     """The secrets a run must not write anywhere: the environment's (`current_secrets`) and the values under
-    secret-looking keys of the config (an override such as `+backend.api_key=...`), 4 characters or more
-    (a shorter value would be replaced inside unrelated text)."""
-    try:
-        d = OmegaConf.to_container(cfg, resolve=True)
-    except Exception:  # noqa: BLE001 - a broken interpolation is reported by validation; read it as written
-        d = OmegaConf.to_container(cfg, resolve=False)
+    secret-looking keys of the composed config `d` (`trainer.config.schema.composed_dict`: an override such
+    as `+backend.api_key=...`), 4 characters or more (a shorter value would be replaced inside unrelated
+    text)."""
     found: list[str] = []
 
     def walk(node: Any) -> None:
@@ -122,10 +118,9 @@ def redact_hydra_record(run_dir: Path, sweep_dir: Path | None, secrets: list[str
             atomic_write_text(f, clean)
 
 
-def resolved_config_dict(cfg: DictConfig) -> dict:
-    d = OmegaConf.to_container(cfg, resolve=True)
-    d.pop("hydra", None)
-    return redact(d, current_secrets())
+def resolved_config_dict(config: Config) -> dict:
+    """The run's config as config.yaml, the config hash and wandb have it (secrets replaced)."""
+    return redact(config_dict(config), current_secrets())
 
 
 def _torch_threads() -> int:
@@ -134,9 +129,9 @@ def _torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def write_run_files(run_dir: Path, cfg: DictConfig, extra: dict[str, Any]) -> dict[str, Any]:
-    cfg_d = resolved_config_dict(cfg)
-    atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg_d)))
+def write_run_files(run_dir: Path, config: Config, extra: dict[str, Any]) -> dict[str, Any]:
+    cfg_d = resolved_config_dict(config)
+    atomic_write_text(run_dir / "config.yaml", config_yaml(cfg_d))
     info = {
         "git": git_revision(),
         "versions": package_versions(),
@@ -158,8 +153,8 @@ def write_run_files(run_dir: Path, cfg: DictConfig, extra: dict[str, Any]) -> di
     return info
 
 
-def batch_arithmetic(cfg: DictConfig) -> dict[str, int]:
-    s = cfg.schedule
+def batch_arithmetic(config: Config) -> dict[str, int]:
+    s = config.schedule
     rollouts = s.groups_per_batch * s.group_size
     return {
         "prompts_per_step": s.groups_per_batch,

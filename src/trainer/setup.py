@@ -8,13 +8,11 @@ import logging
 import sys
 from typing import Any, NoReturn
 
-from omegaconf import DictConfig
-
 from envs import build_task
 from envs.renderers import get_renderer
 from envs.tokenizers import get_tokenizer
 from trainer.backends import backend_of
-from trainer.config.schema import env_schema
+from trainer.config.schema import Config, env_schema
 from trainer.losses import build_loss
 from trainer.losses.paths import LossPath, OnePassLossPath, TwoPassLossPath
 
@@ -27,7 +25,7 @@ def fail(msg: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def build_components(cfg: DictConfig) -> tuple[Any, Any, Any]:
+def build_components(cfg: Config) -> tuple[Any, Any, Any]:
     """(tokenizer, renderer, task) for the configured model and env."""
     tokenizer = get_tokenizer(cfg.model)
     renderer = get_renderer(cfg.model, tokenizer)
@@ -35,7 +33,7 @@ def build_components(cfg: DictConfig) -> tuple[Any, Any, Any]:
     return tokenizer, renderer, task
 
 
-def eval_task(cfg: DictConfig, renderer: Any, train_task: Any) -> Any:
+def eval_task(cfg: Config, renderer: Any, train_task: Any) -> Any:
     """The task the evals run (None for `eval=none`): the train task when the eval names the train env,
     else that env built with its schema's defaults."""
     if cfg.eval.task is None or cfg.eval.name == "none":
@@ -45,7 +43,7 @@ def eval_task(cfg: DictConfig, renderer: Any, train_task: Any) -> Any:
     return build_task(env_schema(cfg.eval.task)(), renderer)
 
 
-def make_loss(cfg: DictConfig, service_client: Any) -> LossPath:
+def make_loss(cfg: Config, service_client: Any) -> LossPath:
     """The loss plugin on its path, by `backend.loss_path`: `two_pass` the client-side callable; `one_pass` a
     handle registered with `create_custom_loss` (the per-datum form, which needs `aggregation=sum`), failing
     the run when that is impossible; `auto` the handle where the loss and backend allow it, else the

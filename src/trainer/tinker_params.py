@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import tinker
-from omegaconf import DictConfig
+
+from trainer.config.schema import AdamWConfig, ModelConfig, SamplingConfig
 
 
-def create_lora_training_client(service_client: Any, model: DictConfig, seed: int) -> Any:
+def create_lora_training_client(service_client: Any, model: ModelConfig, seed: int) -> Any:
     """A fresh LoRA training client for `model` (the config's model group), LoRA init drawn from `seed`;
     blocks until the service has made it."""
     return service_client.create_lora_training_client(
@@ -19,7 +20,7 @@ def create_lora_training_client(service_client: Any, model: DictConfig, seed: in
         train_attn=model.train_attn, train_unembed=model.train_unembed).result()
 
 
-def adam_params(optimizer: DictConfig, learning_rate: float) -> tinker.AdamParams:
+def adam_params(optimizer: AdamWConfig, learning_rate: float) -> tinker.AdamParams:
     """The Adam parameters of one `optim_step`: the optimizer group's, at `learning_rate` (the run's LR
     schedule picks it per update; the service keeps no schedule, so every step sends its own)."""
     o = optimizer
@@ -27,7 +28,7 @@ def adam_params(optimizer: DictConfig, learning_rate: float) -> tinker.AdamParam
                              weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm)
 
 
-def sampling_params(sampling: DictConfig) -> tinker.SamplingParams:
+def sampling_params(sampling: SamplingConfig) -> tinker.SamplingParams:
     """The rollouts' sampling parameters from the sampling group; each request adds its own seed, and each
     group its stop sequences and its completion budget under `model.max_seq_len` (rollouts.py)."""
     return tinker.SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,

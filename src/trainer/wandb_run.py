@@ -21,10 +21,13 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.run_info import current_secrets, redact_argv
 from trainer.utils.io import atomic_write_json
+
+if TYPE_CHECKING:
+    from trainer.config.schema import LoggerConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,8 @@ def resolve_mode(mode: str) -> str:
 class WandbRun:
     """The wandb run of one training run folder (arm x seed)."""
 
-    def __init__(self, run_dir: Path, lc: Any, run_name: str, config_dict: dict, sweep_dir: Path | None,
+    def __init__(self, run_dir: Path, lc: LoggerConfig, run_name: str, config_dict: dict,
+                 sweep_dir: Path | None,
                  resume: bool, updates_per_batch: int) -> None:
 
         self.run_dir = Path(run_dir)

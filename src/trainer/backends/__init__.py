@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from omegaconf import DictConfig
+from trainer.config.schema import BackendCommonConfig, Config, LocalBackendConfig, TinkerBackendConfig
 
 log = logging.getLogger(__name__)
+_B = TypeVar("_B", bound=BackendCommonConfig)
 
 
 class BackendConfigError(RuntimeError):
@@ -41,10 +43,10 @@ class Backend:
     custom_losses = False
     reports_loss_placement = False
 
-    def check(self, b: DictConfig) -> None:
+    def check(self, b: BackendCommonConfig) -> None:
         """Nothing to check before the client is built."""
 
-    def build(self, cfg: DictConfig, run_dir: Path) -> Any:
+    def build(self, cfg: Config, run_dir: Path) -> Any:
         raise NotImplementedError
 
     def precision(self, client: Any) -> dict[str, Any] | None:
@@ -61,14 +63,14 @@ class LocalBackend(Backend):
     local_state = True
     custom_losses = True
 
-    def build(self, cfg: DictConfig, run_dir: Path) -> Any:
+    def build(self, cfg: Config, run_dir: Path) -> Any:
         from trainer.backends.local import LocalServiceClient
 
-        b = cfg.backend
+        b = _own_config(cfg.backend, LocalBackendConfig)
         f = b.faults
-        faults = {k: float(v) for k, v in f.items()} if any(
-            float(f[k]) > 0 for k in ("p_sample", "p_forward_backward", "p_optim_step", "p_save_state",
-                                      "latency_s")) else None
+        injected = (f.p_sample, f.p_forward_backward, f.p_optim_step, f.p_save_state, f.latency_s)
+        faults = ({k: float(v) for k, v in dataclasses.asdict(f).items()} if any(v > 0 for v in injected)
+                  else None)
         try:
             return LocalServiceClient(
                 state_dir=Path(b.state_dir) if b.state_dir else Path(run_dir) / "engine",
@@ -96,18 +98,27 @@ class TinkerBackend(Backend):
     custom_losses = True
     reports_loss_placement = True
 
-    def check(self, b: DictConfig) -> None:
-        check_tinker(b)
+    def check(self, b: BackendCommonConfig) -> None:
+        check_tinker(_own_config(b, TinkerBackendConfig))
 
-    def build(self, cfg: DictConfig, run_dir: Path) -> Any:
-        return _tinker_client(cfg.backend)
+    def build(self, cfg: Config, run_dir: Path) -> Any:
+        return _tinker_client(_own_config(cfg.backend, TinkerBackendConfig))
 
 
 #: the backends by `backend.name`
 BACKENDS: dict[str, Backend] = {b.name: b for b in (LocalBackend(), TinkerBackend())}
 
 
-def backend_of(cfg: DictConfig) -> Backend:
+def _own_config(b: BackendCommonConfig, cls: type[_B]) -> _B:
+    """The backend group as this backend's own config class; BackendConfigError when `backend.name` was
+    changed on the command line to another backend than the group's option (`backend=<name>` chooses both)."""
+    if not isinstance(b, cls):
+        raise BackendConfigError(f"backend.name={b.name!r} does not match the backend group's options "
+                                 f"({type(b).__name__}); choose the backend with backend={b.name}")
+    return b
+
+
+def backend_of(cfg: Config) -> Backend:
     """The backend `cfg.backend.name` names; BackendConfigError for an unknown name."""
     b = BACKENDS.get(cfg.backend.name)
     if b is None:
@@ -115,7 +126,7 @@ def backend_of(cfg: DictConfig) -> Backend:
     return b
 
 
-def build_service_client(cfg: DictConfig, run_dir: Path) -> Any:
+def build_service_client(cfg: Config, run_dir: Path) -> Any:
     return backend_of(cfg).build(cfg, run_dir)
 
 
@@ -165,7 +176,7 @@ def session_finished(current: Callable[[], Any], timeout_s: float) -> Iterator[N
         finish_service_client(current(), status, timeout_s)
 
 
-def check_tinker(b: DictConfig) -> tuple[str, str]:
+def check_tinker(b: TinkerBackendConfig) -> tuple[str, str]:
     """(base URL, API key) of a Tinker service that answers; BackendConfigError naming the problem otherwise."""
     key = os.environ.get(b.api_key_env)
     if not key:
@@ -179,7 +190,7 @@ def check_tinker(b: DictConfig) -> tuple[str, str]:
     return base_url, key
 
 
-def _tinker_client(b: DictConfig) -> Any:
+def _tinker_client(b: TinkerBackendConfig) -> Any:
     import tinker
 
     base_url, key = check_tinker(b)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.config.schema import register_configs
+from trainer.config.schema import GROUP_SCHEMAS, Config, config_dict, register_configs, validate
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
@@ -28,6 +29,47 @@ def compose_config(overrides: list[str] | None = None, conf_dir: Path | None = N
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides or []),
                        return_hydra_config=return_hydra_config)
+
+
+def run_config(overrides: list[str] | None = None, conf_dir: Path | None = None) -> Config:
+    """The typed, validated Config of `conf/config.yaml` with `overrides` (what the entry points pass down;
+    tests and bench scripts build their runs with it)."""
+    return validate(compose_config(overrides, conf_dir))
+
+
+def arm_config(config: Config, loss: str) -> Config:
+    """`config` with its loss group switched to the option `loss` (the same object when it already is that
+    loss): the option's own settings, its interpolations (`norm_length: ${sampling.max_tokens}`, DPPO's
+    mode-dependent delta) resolved against this config, as the arm would compose on the command line."""
+    if config.loss.name == loss:
+        return config
+    node = OmegaConf.create(config_dict(config))
+    node.loss = compose_config([f"loss={loss}"]).loss
+    return dataclasses.replace(config, loss=OmegaConf.to_object(node.loss))
+
+
+def _typed_group(group: str, node: object) -> object:
+    """A run's group as its option's typed node (the root config types each group by its schema, so a
+    plain mapping cannot be assigned over it); the option is the schema whose `name` the group states."""
+    options = list(GROUP_SCHEMAS.get(group, {}).values())
+    if not options or not isinstance(node, DictConfig):
+        return node
+    named = [cls for cls in options if getattr(cls, "name", None) == node.get("name")]
+    cls = named[0] if named else options[0] if len(options) == 1 else None
+    return node if cls is None else OmegaConf.merge(OmegaConf.structured(cls), node)
+
+
+def with_run_groups(cfg: DictConfig, run_config: Path, groups: tuple[str, ...]) -> DictConfig:
+    """`cfg` with `groups` taken from a run folder's config.yaml (`python -m eval.run checkpoint=<run>`: the
+    run's model, env, backend and seed, the command line's eval settings). Each group is replaced, not
+    merged: the run's option (env=gsm8k) may have other keys than the default's typed node
+    (env=arithmetic)."""
+    run_cfg = OmegaConf.load(run_config)
+    merged = cfg.copy()
+    for k in groups:
+        if k in run_cfg:
+            OmegaConf.update(merged, k, _typed_group(k, run_cfg[k]), merge=False)
+    return merged
 
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:

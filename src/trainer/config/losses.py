@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from trainer.config.checks import ConfigError, in_set, number, require
 from trainer.config.enums import AGGREGATIONS, ANCHORS, DPPO_DEFAULT_DELTA, DPPO_MODES, NEEDS_NORM_LENGTH
@@ -23,6 +23,13 @@ from trainer.config.enums import AGGREGATIONS, ANCHORS, DPPO_DEFAULT_DELTA, DPPO
 @dataclass
 class LossCommonConfig:
     """Settings every loss plugin takes (each loss's dataclass adds its own after these)."""
+
+    if TYPE_CHECKING:
+        # every loss's dataclass states these two as its own fields (checked by `_check_name` and
+        # `build_loss`); declared here for the type only, not as fields, so that a loss group keeps its key
+        # order in config.yaml (the common settings first, as runs already written have it)
+        _target_: str
+        name: str
 
     # token-loss aggregation: sum (Tinker) | token_mean | seq_mean_token_sum | seq_mean_token_mean |
     # seq_mean_token_sum_norm (Dr. GRPO: per-sequence sums / (#sequences * norm_length))

@@ -9,6 +9,7 @@ dataclasses follows verl's config layout (verl/workers/config/actor.py).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -161,6 +162,10 @@ class EnvCommonConfig:
         """The size of the test split a whole-split eval scores."""
         raise NotImplementedError
 
+    def data_source(self) -> str:
+        """Where the train set comes from (said when it turns out empty)."""
+        raise NotImplementedError
+
 
 @dataclass
 class GSM8KEnvConfig(EnvCommonConfig):
@@ -193,6 +198,10 @@ class GSM8KEnvConfig(EnvCommonConfig):
     def test_items(self) -> int:
         """The size of the test split a whole-split eval scores."""
         return GSM8K_TEST_ITEMS
+
+    def data_source(self) -> str:
+        """Where the train set comes from (said when it turns out empty)."""
+        return f"env.source={self.source!r}"
 
 
 @dataclass
@@ -233,6 +242,10 @@ class ArithmeticEnvConfig(EnvCommonConfig):
     def test_items(self) -> int:
         """The size of the test split a whole-split eval scores."""
         return self.n_test
+
+    def data_source(self) -> str:
+        """Where the train set comes from (said when it turns out empty)."""
+        return f"generated from env.seed={self.seed}"
 
 
 # ----------------------------------------------------------------------------- eval
@@ -549,9 +562,9 @@ class ReportConfig:
     enabled: bool = True
 
 
-def arm_name(cfg: Any) -> str:
+def arm_name(config: Config) -> str:
     """The arm label: one loss x one seed, unless run_name overrides it."""
-    return cfg.run_name or f"{cfg.loss.name}_seed{cfg.seed}"
+    return config.run_name or f"{config.loss.name}_seed{config.seed}"
 
 
 GROUPS = ("model", "loss", "optimizer", "schedule", "env", "eval", "backend", "logger")
@@ -626,14 +639,14 @@ def env_schema(name: str) -> type:
     raise ConfigError(f"env: unknown env name {name!r}; available: {sorted(env_names())}")
 
 
-def eval_items(cfg: DictConfig) -> int:
+def eval_items(config: Config) -> int:
     """How many items one eval scores: `eval.n_examples`, else the whole test split of the eval's env
     (the train env's own config when the eval names it, else that env's schema defaults, as
     `trainer.setup.eval_task` builds it)."""
-    if cfg.eval.n_examples:
-        return int(cfg.eval.n_examples)
-    name = cfg.eval.task or cfg.env.name
-    env = OmegaConf.to_object(cfg.env) if name == cfg.env.name else env_schema(name)()
+    if config.eval.n_examples:
+        return int(config.eval.n_examples)
+    name = config.eval.task or config.env.name
+    env = config.env if name == config.env.name else env_schema(name)()
     return int(env.test_items())
 
 
@@ -653,11 +666,12 @@ def register_configs() -> None:
             cs.store(group=group, name=name, node=node)
 
 
-def validate(cfg: DictConfig) -> dict[str, Any]:
-    """Run every group's range checks; raise ConfigError naming `<group>.<key>`.
+def validate(cfg: DictConfig) -> Config:
+    """The run's typed config: every group converted to its dataclass (which runs its range checks), the
+    top-level checks, the cross-group ones; a failure is a ConfigError naming `<group>.<key>`.
 
-    Returns {group: its dataclass object} for the eight groups and sampling, retry, preflight and
-    decision: the validated, typed view of `cfg` (e.g. `trainer.losses.build_loss(groups["loss"])`)."""
+    The entry points (train.py, the preflight, eval.run, eval.design) call it once on the composed config
+    and pass the result down; nothing outside `trainer.config` reads the composed DictConfig."""
     objects: dict[str, Any] = {}
     for group in GROUPS:
         node = cfg.get(group)
@@ -674,7 +688,58 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
             raise ConfigError(f"{key}.{e}") from None
     _check_top_level(cfg.advantage, cfg.seed)
     _check_group_advantage(cfg.advantage, objects["schedule"].group_size)
-    return objects
+    names = [f.name for f in dataclasses.fields(Config)]
+    for key in names + [k for k in cfg if k not in names and k != "hydra"]:
+        if key not in objects:
+            node = cfg[key]
+            try:
+                objects[key] = OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
+            except ConfigError as e:
+                raise ConfigError(f"{key}.{e}") from None
+    config = Config(**{k: objects[k] for k in names})
+    # a key added on the command line (`+key=...`), kept as OmegaConf.to_object keeps one inside a group:
+    # an attribute beside the fields, so that config.yaml and the hashes still state it
+    for key in [k for k in objects if k not in names]:
+        setattr(config, key, objects[key])
+    return config
+
+
+def config_dict(config: Config) -> dict[str, Any]:
+    """The typed config as plain dicts and lists, in the schema's key order: what config.yaml, the config
+    and plan hashes, run_info.json and wandb are written from. It is the composed config's own resolved
+    container, key for key and in the same order (tests/test_config.py checks every option), so that runs
+    written before the typed config reached the runtime still resume and compare."""
+    return _plain(config)
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = [f.name for f in dataclasses.fields(value)]
+        # then the keys a `+group.key=...` override added, which OmegaConf.to_object sets as attributes
+        names += [k for k in vars(value) if k not in names]
+        return {k: _plain(getattr(value, k)) for k in names}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def config_yaml(d: dict[str, Any]) -> str:
+    """config.yaml's text of a config dict (`config_dict`, secrets replaced)."""
+    return OmegaConf.to_yaml(OmegaConf.create(d))
+
+
+def composed_dict(cfg: DictConfig) -> dict[str, Any]:
+    """A composed config before validation as plain dicts (interpolations resolved where they resolve,
+    Hydra's own node dropped): the secrets a run must not write are read from it before anything can
+    fail, and the preflight diffs the arms' composed configs with it."""
+    try:
+        d = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # noqa: BLE001 - a broken interpolation is reported by validate(); read it as written
+        d = OmegaConf.to_container(cfg, resolve=False)
+    d.pop("hydra", None)  # type: ignore[union-attr]
+    return d  # type: ignore[return-value]
 
 
 def _check_group_advantage(advantage: str, group_size: int) -> None:

@@ -39,8 +39,7 @@ def main(argv: list[str]) -> int:
         from eval.design import DesignError, plan_seeds
 
         overrides, n_seeds = plan_seeds(overrides)
-        cfg = compose_config(overrides)
-        validate(cfg)
+        cfg = validate(compose_config(overrides))
     except (ConfigError, DesignError) as e:
         print(f"error: config: {e}", file=sys.stderr)
         return 2

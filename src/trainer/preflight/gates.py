@@ -7,6 +7,7 @@ every gate's json says passed for this experiment's config (`require_passed`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -14,12 +15,12 @@ from typing import Any
 
 import numpy as np
 import tinker
-from omegaconf import DictConfig, OmegaConf
 
 from eval.greedy import greedy_eval_budgets, run_greedy_eval
+from trainer.config.compose import arm_config
 from trainer.config.digest import config_hash
 from trainer.config.ignored_keys import PLAN_IGNORED_KEYS
-from trainer.config.schema import eval_items
+from trainer.config.schema import Config, composed_dict, config_dict, eval_items
 from trainer.preflight.common import Check, GateReport
 from trainer.setup import build_components, eval_task, make_loss
 from trainer.tinker_params import adam_params, create_lora_training_client, served_model
@@ -31,12 +32,17 @@ _PLAN_IGNORED = PLAN_IGNORED_KEYS
 ARMS = ("grpo", "dppo")
 
 
-def preflight_dir(cfg: DictConfig) -> Path:
+def preflight_dir(cfg: Config) -> Path:
     return Path(cfg.preflight.dir or f"preflight_runs/{cfg.experiment}")
 
 
-def plan_hash(cfg: DictConfig) -> str:
-    return config_hash(OmegaConf.to_container(cfg, resolve=True), ("hydra",) + _PLAN_IGNORED)
+def plan_hash(cfg: Config) -> str:
+    return plan_hash_of(config_dict(cfg))
+
+
+def plan_hash_of(cfg_dict: dict) -> str:
+    """The plan hash of a config in its written form (config.yaml's dict)."""
+    return config_hash(cfg_dict, ("hydra",) + _PLAN_IGNORED)
 
 
 def plan_hash_without_decision(cfg_dict: dict) -> str:
@@ -45,21 +51,21 @@ def plan_hash_without_decision(cfg_dict: dict) -> str:
     return config_hash(cfg_dict, ("hydra", "decision") + _PLAN_IGNORED)
 
 
-def arm_losses(cfg: DictConfig) -> dict[str, dict]:
+def arm_losses(cfg: Config) -> dict[str, dict]:
     """The resolved loss config of each arm as the gates ran them (recorded in every gate's meta)."""
-    return {name: OmegaConf.to_container(_arm_cfg(cfg, name).loss, resolve=True) for name in ARMS}
+    return {name: config_dict(arm_config(cfg, name))["loss"] for name in ARMS}
 
 
-def _meta(cfg: DictConfig, **extra: Any) -> dict[str, Any]:
+def _meta(cfg: Config, **extra: Any) -> dict[str, Any]:
     return {"plan_hash": plan_hash(cfg), "losses": arm_losses(cfg), **extra}
 
 
-def planned_models(cfg: DictConfig) -> list[str]:
-    pm = cfg.preflight.get("planned_models")
+def planned_models(cfg: Config) -> list[str]:
+    pm = cfg.preflight.planned_models
     return list(pm) if pm else [cfg.model.base_model]
 
 
-def served_ok(served: Any, cfg: DictConfig) -> bool:
+def served_ok(served: Any, cfg: Config) -> bool:
     """The service serves the model this config asks for, and the plan allows it (a stand-in listed in
     planned_models for offline rehearsal passes only when the config itself runs that stand-in)."""
     return served == cfg.model.base_model and served in planned_models(cfg)
@@ -69,18 +75,8 @@ def _status(ok: bool) -> str:
     return "pass" if ok else "fail"
 
 
-def _arm_cfg(cfg: DictConfig, loss: str) -> DictConfig:
-    """This config with the loss group switched to `loss` (kept as is when it already is that loss)."""
-    from trainer.config.compose import compose_config
-
-    arm = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    if cfg.loss.name != loss:
-        arm.loss = compose_config([f"loss={loss}"]).loss
-    return arm
-
-
 # ----------------------------------------------------------------------------- restoration
-def _fixed_batch(cfg: DictConfig, task: Any, n: int = 4) -> list[tinker.Datum]:
+def _fixed_batch(cfg: Config, task: Any, n: int = 4) -> list[tinker.Datum]:
     """Prompt + gold answer of the first n train problems, tokenized with the run's renderer."""
     import asyncio
 
@@ -111,13 +107,12 @@ def arm_config_diff(overrides: list[str], conf_dir: Path | None = None) -> list[
     from trainer.config.compose import compose_config
 
     base = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] != "loss"]
-    arms = {name: OmegaConf.to_container(compose_config(base + [f"loss={name}"], conf_dir), resolve=True)
-            for name in ARMS}
+    arms = {name: composed_dict(compose_config(base + [f"loss={name}"], conf_dir)) for name in ARMS}
     a, b = arms[ARMS[0]], arms[ARMS[1]]
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
-def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = None) -> GateReport:
+def restoration(cfg: Config, out_dir: Path, overrides: list[str] | None = None) -> GateReport:
     """Both arms' fresh clients start identical; each reports the planned model and optimizer.
     `overrides`: the command line the preflight was composed from (each arm is composed from it)."""
     from trainer.backends import build_service_client
@@ -126,7 +121,7 @@ def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = No
     sc = build_service_client(cfg, out_dir / "engine")
     _, _, task = build_components(cfg)
     data = _fixed_batch(cfg, task)
-    arms = {name: _arm_cfg(cfg, name) for name in ARMS}
+    arms = {name: arm_config(cfg, name) for name in ARMS}
     if overrides is None:
         report.checks.append(Check("arm configs differ only in loss", None, ["loss"], "unverified",
                                    "the preflight's overrides were not given"))
@@ -180,15 +175,15 @@ def restoration(cfg: DictConfig, out_dir: Path, overrides: list[str] | None = No
 
 
 # ----------------------------------------------------------------------------- pilot (activation, feasibility)
-def run_pilot(cfg: DictConfig, out_dir: Path) -> tuple[Path, dict[str, Any]]:
+def run_pilot(cfg: Config, out_dir: Path) -> tuple[Path, dict[str, Any]]:
     """A short run of the treatment arm (dppo) with the experiment's batch shape; returns its folder."""
     from trainer.backends import backend_of, build_service_client
     from trainer.loop import RLLoop
     from trainer.run_info import resolved_config_dict
 
-    pilot = _arm_cfg(cfg, "dppo")
-    pilot.schedule.num_steps = int(cfg.preflight.pilot_steps)
-    pilot.schedule.save_every = 0
+    arm = arm_config(cfg, "dppo")
+    schedule = dataclasses.replace(arm.schedule, num_steps=cfg.preflight.pilot_steps, save_every=0)
+    pilot = dataclasses.replace(arm, schedule=schedule)
     run_dir = out_dir / f"pilot_{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -216,7 +211,7 @@ def run_pilot(cfg: DictConfig, out_dir: Path) -> tuple[Path, dict[str, Any]]:
     return run_dir, result
 
 
-def pilot_failed(gate: str, cfg: DictConfig, err: Exception) -> GateReport:
+def pilot_failed(gate: str, cfg: Config, err: Exception) -> GateReport:
     """The gate's report when the pilot itself could not run: one failed check that says why."""
     report = GateReport(gate)
     report.checks.append(Check("pilot run (the treatment arm's first steps)", "failed", "completes", "fail",
@@ -229,7 +224,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def activation(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None = None) -> GateReport:
+def activation(cfg: Config, out_dir: Path, pilot: tuple[Path, dict] | None = None) -> GateReport:
     """Does the DPPO mask actually fire at the second update of a batch?"""
     run_dir, result = pilot or run_pilot(cfg, out_dir)
     rows = _metrics(run_dir)
@@ -283,7 +278,7 @@ def activation(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None =
     return report
 
 
-def feasibility(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None = None) -> GateReport:
+def feasibility(cfg: Config, out_dir: Path, pilot: tuple[Path, dict] | None = None) -> GateReport:
     """Project the full plan's wall time and tokens from the pilot's per-unit timings."""
     run_dir, result = pilot or run_pilot(cfg, out_dir)
     rows = _metrics(run_dir)
@@ -331,7 +326,7 @@ def feasibility(cfg: DictConfig, out_dir: Path, pilot: tuple[Path, dict] | None 
 
 
 # ----------------------------------------------------------------------------- design
-def design(cfg: DictConfig, out_dir: Path, n_seeds: int = 1, n_sims: int = 400) -> GateReport:
+def design(cfg: Config, out_dir: Path, n_seeds: int = 1, n_sims: int = 400) -> GateReport:
     """What the plan can detect (eval.design with the config's decision group and design assumptions).
     It reports every method's minimum detectable effect; it fails when decision.target_effect is set and the
     plan's own decision method cannot detect it at decision.power, and on eval.design's problems of the rule
@@ -373,17 +368,17 @@ def design(cfg: DictConfig, out_dir: Path, n_seeds: int = 1, n_sims: int = 400) 
     summary = {k: v for k, v in res.items() if k != "power_curve"}
     # the pre-registered rule as planned: eval.compare refuses (or records as an override) a sweep whose
     # `decision` block differs from it, or that has fewer seeds than planned
-    report.meta = _meta(cfg, design=summary, decision=OmegaConf.to_container(cfg.decision, resolve=True),
-                        plan_hash_without_decision=plan_hash_without_decision(
-                            OmegaConf.to_container(cfg, resolve=True)))
+    d = config_dict(cfg)
+    report.meta = _meta(cfg, design=summary, decision=d["decision"],
+                        plan_hash_without_decision=plan_hash_without_decision(d))
     return report
 
 
-def require_passed(cfg: DictConfig) -> None:
+def require_passed(cfg: Config) -> None:
     """Raise unless every gate's json in the preflight folder passed for this plan."""
     d = preflight_dir(cfg) / "preflight"
     h = plan_hash(cfg)
-    loss = OmegaConf.to_container(cfg.loss, resolve=True)
+    loss = config_dict(cfg)["loss"]
     from trainer.run_info import git_revision
 
     code = git_revision()

@@ -145,11 +145,11 @@ def check_metadata(meta: dict[str, Any] | None, limits: Limits, what: str = "use
                                 f"{limits.session_metadata_kb:g} kB ({Limits.flag('session_metadata_kb')})")
 
 
-def check_optimizer_config(cfg: Any) -> None:
+def check_optimizer_config(optimizer_config: Any) -> None:
     """A new training client's optimizer family: AdamW only, refused before the model is built (its
     `optim_step` would be refused anyway; see `check_adam`)."""
-    family = str(getattr(cfg, "type", "adamw"))[:40]
-    if cfg is not None and family != "adamw":
+    family = str(getattr(optimizer_config, "type", "adamw"))[:40]
+    if optimizer_config is not None and family != "adamw":
         raise ValueError(f"optimizer_config of type {family!r}: this server implements the AdamW optimizer "
                          "only (leave optimizer unset, or pass tinker.AdamOptimizerConfig())")
 

@@ -207,20 +207,21 @@ class Faults:
     latency_s: seconds, seed}`. Draws happen at submission, in order, so a run's fault pattern is
     reproducible; a failing call raises `TransientBackendError` before doing any work."""
 
-    def __init__(self, cfg: dict[str, Any] | None):
-        cfg = dict(cfg or {})
-        unknown = set(cfg) - set(FAULT_KINDS.values()) - {"latency_s", "seed"}
+    def __init__(self, spec: dict[str, Any] | None):
+        # the engine's own keyword (LocalServiceClient(faults=...)); train.py passes backend.faults' fields
+        spec = dict(spec or {})
+        unknown = set(spec) - set(FAULT_KINDS.values()) - {"latency_s", "seed"}
         if unknown:
             raise ValueError(f"faults: unknown keys {sorted(unknown)}; expected {sorted(FAULT_KINDS.values())}, "
                              "latency_s, seed")
-        self.p = {k: float(cfg.get(v, 0.0)) for k, v in FAULT_KINDS.items()}
+        self.p = {k: float(spec.get(v, 0.0)) for k, v in FAULT_KINDS.items()}
         for k, p in self.p.items():
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"faults.{FAULT_KINDS[k]} must be in [0, 1), got {p}")
-        self.latency_s = float(cfg.get("latency_s", 0.0))
+        self.latency_s = float(spec.get("latency_s", 0.0))
         if self.latency_s < 0:
             raise ValueError(f"faults.latency_s must be >= 0, got {self.latency_s}")
-        self._rng = random.Random(int(cfg.get("seed", 0)))
+        self._rng = random.Random(int(spec.get("seed", 0)))
         self._lock = threading.Lock()
         self.injected = {k: 0 for k in FAULT_KINDS}
 

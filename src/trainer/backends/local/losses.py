@@ -49,55 +49,55 @@ def resolve_config(loss_fn: str, loss_fn_config: Mapping[str, Any] | None) -> di
     if loss_fn not in DEFAULT_CONFIG:
         raise ValueError(f"unknown loss_fn {loss_fn!r}; the local engine implements "
                          f"{sorted(DEFAULT_CONFIG)} (and forward_backward_custom for anything else)")
-    cfg = dict(DEFAULT_CONFIG[loss_fn])
+    fn_config = dict(DEFAULT_CONFIG[loss_fn])
     for k, v in (loss_fn_config or {}).items():
         if k not in _ALLOWED_CONFIG[loss_fn]:
             raise ValueError(f"loss_fn_config key {k!r} is not used by {loss_fn!r} "
                              f"(allowed: {sorted(_ALLOWED_CONFIG[loss_fn])})")
-        cfg[k] = float(v)
-    if loss_fn == "dro" and "beta" not in cfg:
+        fn_config[k] = float(v)
+    if loss_fn == "dro" and "beta" not in fn_config:
         raise ValueError("loss_fn 'dro' needs loss_fn_config={'beta': ...}")
-    if loss_fn == "gspo" and not {"clip_low_threshold", "clip_high_threshold"} <= set(cfg):
+    if loss_fn == "gspo" and not {"clip_low_threshold", "clip_high_threshold"} <= set(fn_config):
         raise ValueError("loss_fn 'gspo' needs loss_fn_config={'clip_low_threshold': ..., 'clip_high_threshold': ...} "
                          "on the local engine (no documented defaults)")
-    return cfg
+    return fn_config
 
 
 def _ratio(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return torch.exp(lp - inputs["logprobs"])
 
 
-def _cross_entropy(lp, inputs, cfg):
+def _cross_entropy(lp, inputs, fn_config):
     w = inputs.get("weights")
     return -(lp * w).sum() if w is not None else -lp.sum()
 
 
-def _importance_sampling(lp, inputs, cfg):
+def _importance_sampling(lp, inputs, fn_config):
     return -(_ratio(lp, inputs) * inputs["advantages"]).sum()
 
 
-def _ppo(lp, inputs, cfg):
+def _ppo(lp, inputs, fn_config):
     r, A = _ratio(lp, inputs), inputs["advantages"]
-    clipped = torch.clamp(r, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    clipped = torch.clamp(r, fn_config["clip_low_threshold"], fn_config["clip_high_threshold"])
     return -torch.minimum(r * A, clipped * A).sum()
 
 
-def _cispo(lp, inputs, cfg):
+def _cispo(lp, inputs, fn_config):
     r, A = _ratio(lp, inputs), inputs["advantages"]
-    clipped = torch.clamp(r, cfg["clip_low_threshold"], cfg["clip_high_threshold"]).detach()
+    clipped = torch.clamp(r, fn_config["clip_low_threshold"], fn_config["clip_high_threshold"]).detach()
     return -(clipped * lp * A).sum()
 
 
-def _dro(lp, inputs, cfg):
+def _dro(lp, inputs, fn_config):
     A, slp = inputs["advantages"], inputs["logprobs"]
-    return -(lp * A - 0.5 * cfg["beta"] * (lp - slp) ** 2).sum()
+    return -(lp * A - 0.5 * fn_config["beta"] * (lp - slp) ** 2).sum()
 
 
-def _gspo(lp, inputs, cfg):
+def _gspo(lp, inputs, fn_config):
     A, in_ratio = inputs["advantages"], inputs["sequence_ratio_mask"] != 0
     log_ratio = (lp.detach() - inputs["logprobs"])[in_ratio].mean() if bool(in_ratio.any()) else lp.new_zeros(())
     ratio = torch.exp(log_ratio + lp - lp.detach())
-    clipped = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    clipped = torch.clamp(ratio, fn_config["clip_low_threshold"], fn_config["clip_high_threshold"])
     return -torch.minimum(ratio * A, clipped * A).sum()
 
 
@@ -111,6 +111,7 @@ LOSSES: dict[str, Callable[[torch.Tensor, Mapping[str, torch.Tensor], dict[str, 
 }
 
 
-def datum_loss(loss_fn: str, lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: dict[str, float]) -> torch.Tensor:
+def datum_loss(loss_fn: str, lp: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+               fn_config: dict[str, float]) -> torch.Tensor:
     """Scalar loss of one datum (`lp` has the shape of its target_tokens)."""
-    return LOSSES[loss_fn](lp, inputs, cfg)
+    return LOSSES[loss_fn](lp, inputs, fn_config)

@@ -227,7 +227,7 @@ class LoraCompute:
     # ------------------------------------------------------------------ loss runners
     def run_builtin(self, data: Any, loss_fn: str, loss_fn_config: Any, backward: bool) -> LossRun:
         """One of Tinker's built-in losses (`losses.py`), summed over datums, per micro-batch."""
-        cfg = resolve_config(loss_fn, loss_fn_config)
+        fn_config = resolve_config(loss_fn, loss_fn_config)
         preps = self.prepare(data, REQUIRED_INPUTS[loss_fn])
         total, lps_all, passes = 0.0, [], 0
         # a no-grad forward also returns the exact entropy (the logits are at hand; the training passes skip it)
@@ -237,7 +237,7 @@ class LoraCompute:
             with self.base.lock, torch.set_grad_enabled(backward):
                 lps = self.logprobs(chunk, entropy=entropy)
                 passes += 1
-                loss = sum(datum_loss(loss_fn, lp, p.inputs, cfg) for lp, p in zip(lps, chunk))
+                loss = sum(datum_loss(loss_fn, lp, p.inputs, fn_config) for lp, p in zip(lps, chunk))
                 if backward:
                     loss.backward()
             total += float(loss.detach())
