@@ -3,7 +3,7 @@ products: residual add + RMSNorm + cast, SiLU gate) next to its torch path, inte
 The unembedding and the layer products are the same on both sides (on AMX CPUs the AMX head kernel, and in
 bf16 the layer products on the tiles too: `kernels.BlockedLinear`); where those run, a third side times the
 native kernels with the layer products on oneDNN's packed weights instead (what the tiles replace). Each
-side is the same snapshot under another engine plan (`plan.EnginePlan.on_torch`, `amx_projections` off).
+side is the same snapshot under another engine plan (`plan.SamplerPlan.on_torch`, `amx_projections` off).
 
 SmolLM2-135M-Instruct with a rank-8 LoRA merged (as a sampling snapshot is), 32 rows in 8 runs of 4 (a
 GRPO batch of 8 prompts x 4 samples) at cache lengths 107-170, random cache contents (the time does not

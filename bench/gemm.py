@@ -111,7 +111,7 @@ def ceilings(dtype: torch.dtype, rows: int = 1184, decode_rows: int = 32, quiet:
     Call on the engine's compute thread."""
     name = dtype_name(dtype)
     train_by = {"linear": _sweep(f"train {name}", SHAPES, rows, dtype, _linear, 20, quiet)}
-    if ONEDNN_PACKING:  # the training forward runs packed where `precision.training_packing` measured it faster
+    if ONEDNN_PACKING:  # the training forward runs packed where `plan.train_packing` finds it faster
         train_by["packed"] = _sweep(f"trpacked {name}", SHAPES, rows, dtype, _packed(TRAIN_PACK_ROWS), 20, quiet)
     tbest = max(train_by, key=lambda k: train_by[k][0])
     train, train_path = train_by[tbest][0], f"{tbest}: {train_by[tbest][1]}"

@@ -33,12 +33,12 @@ def workload(rows: int, iters: int = 8) -> float:
     from trainer.backends.local.sampler_forward import decode_step
     from trainer.backends.local.model import dims
     from trainer.backends.local.ops import sampler_ops
-    from trainer.backends.local.plan import plan_for
+    from trainer.backends.local.plan import sampler_plan_for
     from trainer.backends.local.sampler_weights import build_weights
 
     factory, _ = resolve_base_model(SMOLLM2)
     model = factory(torch.float32)
-    plan = plan_for(dims(model.config), torch.float32, torch.float32)
+    plan = sampler_plan_for(dims(model.config), torch.float32)
     W = build_weights(model.config, dict(model.state_dict()), *rotary_tables(model, 256), torch.float32,
                       ops=sampler_ops(plan))
     L = 128

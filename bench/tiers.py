@@ -41,16 +41,16 @@ def _plan_here() -> object:
 
     from trainer.backends.local.model import dims
     from trainer.model_registry import SMOLLM2, resolve_base_model
-    from trainer.backends.local.plan import plan_for
-    from trainer.backends.local.precision import auto_precision
+    from trainer.backends.local.plan import EnginePlan, auto_dtype, sampler_plan_for, train_plan_for
 
-    dtype = auto_precision()[0]
+    dtype, why = auto_dtype()
     factory, _ = resolve_base_model(SMOLLM2)
-    return plan_for(dims(factory(torch.float32).config), dtype, dtype)
+    d = dims(factory(torch.float32).config)
+    return EnginePlan(sampler_plan_for(d, dtype), train_plan_for(d, dtype), why)
 
 
 def main() -> None:
-    from trainer.backends.local.plan import NATIVE_CHOICES, cpu_flags
+    from trainer.backends.local.plan import cpu_flags
     from trainer.utils.machine import cpu_model
 
     ap = argparse.ArgumentParser()
@@ -62,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.choices is None:  # what this CPU runs natively for the bench's model and precision
         plan = _plan_here()
-        chosen = [c for c in NATIVE_CHOICES if c != "onednn_packing" and getattr(plan, c)]
+        chosen = [c for c in plan.native() if c != "onednn_packing"]
     else:
         chosen = [c.strip() for c in args.choices.split(",") if c.strip()]
     configs = [""] + chosen

@@ -39,17 +39,17 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    from trainer.backends.local.precision import auto_precision
+    from trainer.backends.local.plan import auto_dtype
     from trainer.backends.local.precision import dtype_name
 
-    dtype, why = auto_precision()
+    dtype, why = auto_dtype()
     return f"pairedrl: backend precision `auto` = {dtype_name(dtype)} ({why})"
 
 
 def pytest_collection_modifyitems(config, items):
-    from trainer.backends.local.precision import measured_precision
+    from trainer.backends.local.plan import measured_dtype
 
-    if config.getoption("--precision") == "bfloat16" or measured_precision()[0] == "bfloat16":
+    if config.getoption("--precision") == "bfloat16" or measured_dtype()[0] == "bfloat16":
         return
     skip = pytest.mark.skip(reason="bf16 path: bf16 matmuls are not faster than fp32 on this CPU (measured), so "
                                    "`auto` never picks bf16 here; --precision bfloat16 runs it anyway")

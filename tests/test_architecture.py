@@ -261,12 +261,15 @@ def test_config_is_self_contained_and_torch_free():
 
 
 ENGINE = "trainer.backends.local"
-MODEL_CODE = [f"{ENGINE}.{m}" for m in ("sampler_forward", "train_forward", "sampler_weights")]
-# the modules that probe or run the implementation choices, and the probes' names
-CAPABILITY_MODULES = [f"{ENGINE}.{m}" for m in ("kernels", "custom_ops", "precision")]
+MODEL_CODE = [f"{ENGINE}.{m}"
+              for m in ("sampler_forward", "train_forward", "sampler_weights", "training_compute")]
+# the modules that probe, decide or run the implementation choices (model code takes the plan it is given: it
+# makes none), and the names of the probes and of what decides
+CAPABILITY_MODULES = [f"{ENGINE}.{m}" for m in ("kernels", "custom_ops", "precision", "plan")]
 PROBES = {"ONEDNN_PACKING", "bf16_inputs_honoured", "packed_bf16_inputs_honoured", "unembed_inputs", "library",
-          "avx512", "amx_head", "row_kernels", "native_decode", "blocked_linear", "blocked_head", "auto_precision",
-          "training_packing"}
+          "avx512", "amx_head", "row_kernels", "native_decode", "blocked_linear", "blocked_head",
+          "measured_entry", "auto_dtype", "resolve_dtypes", "train_packing", "sampler_plan_for",
+          "train_plan_for", "forced_to_torch"}
 
 
 def capability_questions(path: Path, name: str) -> list[str]:

@@ -71,6 +71,8 @@ CASES = [
 # every case exits 2 with no traceback; those refused by the project's own checks end in one line on stderr
 ONE_LINE = {"empty train set", "group of one with a group advantage", "resume=true without a checkpoint",
             "call deadline of zero", "call deadline NaN"}
+_OTHER_PRECISION = ("the run started at sampler bfloat16, training bfloat16 (run_info.json), but the engine "
+                    "now resolves to sampler float32, training float32")
 RUN_CASES = [
     ("corrupt checkpoint json", lambda r: (r / "checkpoint.json").write_text("{not json"), "checkpoint"),
     ("truncated checkpoint json", lambda r: (r / "checkpoint.json").write_text(
@@ -89,12 +91,19 @@ RUN_CASES = [
     ("rollouts.jsonl deleted", lambda r: (r / "rollouts.jsonl").unlink(), "rollouts.jsonl holds no row of step(s) 0"),
     ("run_info.json missing", lambda r: (r / "run_info.json").unlink(), "run_info.json is missing"),
     # what a run started where `auto` resolved to bf16 records (the config pins nothing else here)
-    ("precision resolves differently", lambda r: (r / "run_info.json").write_text(json.dumps({
-        **json.loads((r / "run_info.json").read_text()),
-        "precision": {"sampler_dtype": "bfloat16", "train_dtype": "bfloat16"}})),
-     "the run started at sampler bfloat16, training bfloat16 (run_info.json), but the engine now resolves to "
-     "sampler float32, training float32"),
+    ("precision resolves differently", lambda r: _write_info(r, lambda info: {**info, "engine": {
+        **info["engine"], "sampler_dtype": "bfloat16", "train_dtype": "bfloat16"}}), _OTHER_PRECISION),
+    # the same, as a run of an older build recorded it: the dtypes in a `precision` record beside the plan's
+    ("precision resolves differently (older record)", lambda r: _write_info(r, lambda info: {
+        **{k: v for k, v in info.items() if k != "engine"},
+        "precision": {"sampler_dtype": "bfloat16", "train_dtype": "bfloat16", "auto": None}}),
+     _OTHER_PRECISION),
 ]
+
+
+def _write_info(run: Path, edit) -> None:
+    path = run / "run_info.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
 
 
 def _copy_run(src: Path, dst: Path) -> Path:

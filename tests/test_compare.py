@@ -356,54 +356,101 @@ def test_arms_run_with_different_thread_counts_are_named(tmp_path):
     assert any("different torch thread counts" in n and "backend.num_threads" in n for n in out["notes"])
 
 
+def _engine(dtype: str, **choices) -> dict:
+    """A run_info.json `engine` record as this build writes it: the resolved dtypes, how `auto` was decided
+    and the plan's choices."""
+    return {"sampler_dtype": dtype, "train_dtype": dtype, "auto": "measured: bf16 GEMMs 1.96x as fast",
+            "kernels": "native (cc -O3)", "cpu": "avx2,avx512f,avx512_bf16", "decode_attention": True,
+            "sampler_rows": True, "onednn_packing": True, "head_inputs": "float32", "train_rows": True,
+            "train_head_inputs": "float32", "train_packed_weights": False,
+            "train_packing": "measured: packed training GEMMs 1.05x as fast as F.linear", **choices}
+
+
+def _older_records(dtype: str) -> dict:
+    """The records a run of an older build wrote: the dtypes and reasons in `precision`, beside an `engine`
+    record of fewer fields."""
+    newer = ("auto", "train_packing", "train_head_inputs")
+    engine = {k: v for k, v in _engine(dtype).items() if k not in newer}
+    return {"engine": engine, "precision": {"sampler_dtype": dtype, "train_dtype": dtype, "auto": "measured",
+                                            "train_packed_weights": False, "train_packing": "measured",
+                                            "native_kernels": "native (cc -O3)"}}
+
+
+def _set_info(run: Path, **fields) -> None:
+    info = {k: v for k, v in json.loads((run / "run_info.json").read_text()).items()
+            if k not in ("engine", "precision")}
+    (run / "run_info.json").write_text(json.dumps({**info, **fields}))
+
+
 def test_arms_at_different_precision_cpu_or_torch_are_noted_and_precision_refused(tmp_path, capsys):
     """run_info.json records the engine's resolved precision, the CPU model and the torch version. One arm
-    in bf16 on an AMX CPU, the other in fp32 on an AVX2 one: refused (the arithmetic differs beyond the last
-    bits); allowed with --allow-config-diff, with a note naming each difference."""
+    in bf16 on an AMX CPU, the other (a run of an older build, its dtypes in a `precision` record) in fp32 on
+    an AVX2 one: refused (the arithmetic differs beyond the last bits); allowed with --allow-config-diff,
+    with a note naming each difference."""
     rng = np.random.default_rng(7)
     t, b = _arms(rng, 0.6, 0.5)
     dppo = make_run(tmp_path / "d", "dppo", 0, t)
     grpo = make_run(tmp_path / "g", "grpo", 0, b)
-    for run, prec, cpu, torch_v in ((dppo, "bf16", "AMD EPYC 9R14", "2.13.0"), (grpo, "fp32", "Intel Xeon", "2.12.1")):
+    for run, rec, cpu, torch_v in ((dppo, {"engine": _engine("bfloat16")}, "AMD EPYC 9R14", "2.13.0"),
+                                   (grpo, _older_records("float32"), "Intel Xeon", "2.12.1")):
         info = json.loads((run / "run_info.json").read_text())
-        info.update(precision=prec, cpu=cpu, versions={**info.get("versions", {}), "torch": torch_v})
-        (run / "run_info.json").write_text(json.dumps(info))
+        _set_info(run, **rec, cpu=cpu, versions={**info.get("versions", {}), "torch": torch_v})
     assert main([str(dppo), str(grpo), "--no-plots", "--no-wandb", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "different resolved precisions" in err and "dppo_seed0" in err and "grpo_seed0" in err
     assert not (tmp_path / "x").exists()
     out = compare([dppo, grpo], make_plots=False, out=tmp_path / "allowed", allow_config_diff=True)
-    for what, a, b in (("precision", "bf16", "fp32"), ("cpu", "AMD EPYC 9R14", "Intel Xeon"),
+    for what, a, b in (("precision", "bfloat16", "float32"), ("cpu", "AMD EPYC 9R14", "Intel Xeon"),
                        ("torch", "2.13.0", "2.12.1")):
         assert any(f"different {what}" in n and a in n and b in n for n in out["notes"]), what
     # the same precision, another CPU: compared, with the note
     info = json.loads((grpo / "run_info.json").read_text())
-    (grpo / "run_info.json").write_text(json.dumps({**info, "precision": "bf16"}))
+    _set_info(grpo, **_older_records("bfloat16"), cpu=info["cpu"], versions=info["versions"])
     out = compare([dppo, grpo], make_plots=False, out=tmp_path / "cpu")
     assert any("different cpu" in n for n in out["notes"]) and not any("different precision" in n for n in out["notes"])
+    # the same plan recorded by both builds: no engine note (a field only the newer build records is no
+    # difference)
+    assert not any("engine plans" in n for n in out["notes"]), out["notes"]
+
+
+def test_precision_is_read_from_the_engine_record(tmp_path, capsys):
+    """Runs of this build keep the resolved dtypes in `engine` only: arms whose engine records name different
+    dtypes are refused as different precisions, whatever else the records say."""
+    rng = np.random.default_rng(9)
+    t, b = _arms(rng, 0.6, 0.5)
+    dppo = make_run(tmp_path / "d", "dppo", 0, t)
+    grpo = make_run(tmp_path / "g", "grpo", 0, b)
+    _set_info(dppo, engine=_engine("bfloat16"))
+    _set_info(grpo, engine=_engine("float32"))
+    assert main([str(dppo), str(grpo), "--no-plots", "--no-wandb", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "different resolved precisions" in err and "'sampler_dtype': 'float32'" in err
+    out = compare([dppo, grpo], make_plots=False, out=tmp_path / "allowed", allow_config_diff=True)
+    assert any("different precision" in n for n in out["notes"])
+    assert not any("engine plans" in n for n in out["notes"]), out["notes"]  # the dtypes are noted once
 
 
 def test_arms_with_different_engine_plans_are_noted(tmp_path):
     """Arms whose engine plans differ (one with PAIREDRL_TORCH_OPS=decode_attention) compute other
-    summation orders: compared, with a note naming the fields that differ; identical plans give none."""
+    summation orders: compared, with a note naming the choices that differ; identical plans give none, even
+    where `auto` and the training packing were decided for other reasons (a forced precision, a timing)."""
     rng = np.random.default_rng(8)
     t, b = _arms(rng, 0.6, 0.5)
     dppo = make_run(tmp_path / "d", "dppo", 0, t)
     grpo = make_run(tmp_path / "g", "grpo", 0, b)
-    plan = {"sampler_dtype": "float32", "train_dtype": "float32", "decode_attention": True, "sampler_rows": True}
-    for run, decode in ((dppo, True), (grpo, True)):
-        info = json.loads((run / "run_info.json").read_text())
-        (run / "run_info.json").write_text(json.dumps({**info, "engine": {**plan, "decode_attention": decode}}))
+    _set_info(dppo, engine=_engine("float32"))
+    _set_info(grpo, engine=_engine("float32", auto="PAIREDRL_AUTO_PRECISION=float32",
+                                   train_packing="PAIREDRL_TRAIN_PACKING=0"))
     out = compare([dppo, grpo], make_plots=False, out=tmp_path / "same")
-    assert not any("engine plans" in n for n in out["notes"])
-    info = json.loads((grpo / "run_info.json").read_text())
-    (grpo / "run_info.json").write_text(json.dumps({**info, "engine": {**plan, "decode_attention": False,
-                                                                        "sampler_rows": False}}))
+    assert not any("engine plans" in n for n in out["notes"]), out["notes"]
+    _set_info(grpo, engine=_engine("float32", decode_attention=False, sampler_rows=False,
+                                   auto="PAIREDRL_AUTO_PRECISION=float32"))
     out = compare([dppo, grpo], make_plots=False, out=tmp_path / "differ")
     note = [n for n in out["notes"] if "different engine plans" in n]
     assert len(note) == 1 and "decode_attention, sampler_rows:" in note[0], out["notes"]
     assert "dppo_seed0 {decode_attention=True, sampler_rows=True}" in note[0]
     assert "grpo_seed0 {decode_attention=False, sampler_rows=False}" in note[0]
+    assert not any("different precision" in n for n in out["notes"])
 
 
 def test_cli_prints_the_verdict_lines_notes_and_paths(tmp_path, capsys):

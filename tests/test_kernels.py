@@ -195,16 +195,18 @@ def test_native_kernels_fall_back_where_they_cannot_be_built(monkeypatch, tmp_pa
 
 def test_a_missing_compiler_warns_once_and_is_recorded(tmp_path):
     """A process that cannot build the library says so: one line on stderr naming the cause and the torch
-    path, once however often the library is asked for, and the engine's `precision` record and plan
-    (run_info.json's `precision` and `engine`) name the same cause. A fresh cache folder, so no earlier build is found."""
+    path, once however often the library is asked for, and the engine record (run_info.json's `engine`) names
+    the same cause, with every native choice off. A fresh cache folder, so no earlier build is found."""
     code = ("from trainer.backends.local import kernels\n"
             "from trainer.backends.local.service import LocalServiceClient\n"
             "assert kernels.library() is None and kernels.library() is None\n"
             "kernels._state.clear()\n"  # a second load in the same process: still one warning
             "sc = LocalServiceClient(state_dir=r'%s', sampler_dtype='float32', train_dtype='float32')\n"
-            "print(sc.precision['native_kernels'])\n"
-            "plan = sc.plan('pairedrl/tiny-random')\n"
-            "assert plan.kernels == sc.precision['native_kernels'] and not plan.decode_attention\n") % (tmp_path / "state")
+            "rec = sc.engine_record('pairedrl/tiny-random')\n"
+            "print(rec['kernels'])\n"
+            "assert rec['kernels'] == kernels.describe()\n"
+            "assert not (rec['decode_attention'] or rec['train_rows'])\n"
+            ) % (tmp_path / "state")
     env = {k: v for k, v in os.environ.items() if k not in (kernels.NATIVE_ENV, kernels.LIBRARY_ENV)}
     env.update(CC="/nonexistent", PAIREDRL_CACHE_DIR=str(tmp_path / "cache"),
                PYTHONPATH=os.pathsep.join([str(Path(kernels.__file__).parents[3]), env.get("PYTHONPATH", "")]))
@@ -367,40 +369,45 @@ def test_training_rows_run_only_where_the_row_kernels_fit():
     from dataclasses import replace
 
     from trainer.backends.local.model import Dims
-    from trainer.backends.local.plan import plan_for
+    from trainer.backends.local.plan import train_plan_for
 
     d = Dims(n_layers=1, hidden=576, n_heads=9, n_kv=3, head_dim=64, intermediate=1536, eps=1e-5, act=F.silu,
              act_name="silu")
     here = kernels.library() is not None
-    assert plan_for(d, torch.float32, torch.bfloat16).train_rows == here
-    assert not plan_for(replace(d, act_name="gelu"), torch.float32, torch.bfloat16).train_rows
-    assert not plan_for(d, torch.float32, torch.float16).train_rows
-    assert not plan_for(replace(d, hidden=kernels.MAX_HIDDEN + 1), torch.float32, torch.float32).train_rows
-    assert not plan_for(replace(d, intermediate=kernels.MAX_INTERMEDIATE + 1), torch.float32, torch.float32).train_rows
+    assert train_plan_for(d, torch.bfloat16).train_rows == here
+    assert not train_plan_for(replace(d, act_name="gelu"), torch.bfloat16).train_rows
+    assert not train_plan_for(d, torch.float16).train_rows
+    assert not train_plan_for(replace(d, hidden=kernels.MAX_HIDDEN + 1), torch.float32).train_rows
+    assert not train_plan_for(replace(d, intermediate=kernels.MAX_INTERMEDIATE + 1), torch.float32).train_rows
 
 
 def test_the_plan_is_made_once_and_a_choice_can_be_put_back_on_torch(monkeypatch):
-    """`plan_for` probes every capability once; `PAIREDRL_TORCH_OPS` puts named choices back on torch (how
+    """The plans probe every capability once; `PAIREDRL_TORCH_OPS` puts named choices back on torch (how
     bench/tiers.py times what each tier buys), the decode kernel taking the row kernels with it (they share
     its cache layout), and a name that is no choice is refused naming the valid ones."""
     from trainer.backends.local.model import dims
     from trainer.backends.local.ops import ATTN_DTYPE, sampler_ops
-    from trainer.backends.local.plan import NATIVE_CHOICES, TORCH_OPS_ENV, plan_for
+    from trainer.backends.local.plan import (NATIVE_CHOICES, TORCH_OPS_ENV, EnginePlan, sampler_plan_for,
+                                             train_plan_for)
 
     W = _tiny_weights(None, torch.float32)
     d = dims(SimpleNamespace(num_hidden_layers=len(W.layers), hidden_size=W.embed.shape[1],
                              num_attention_heads=W.n_heads, num_key_value_heads=W.n_kv, head_dim=W.head_dim,
                              intermediate_size=W.intermediate, rms_norm_eps=W.eps, hidden_act=W.act_name))
     monkeypatch.delenv(TORCH_OPS_ENV, raising=False)
-    here = plan_for(d, torch.float32, torch.float32)
-    assert here == W.ops.plan and here.kernels == kernels.describe()
-    assert here.decode_attention == (kernels.library() is not None)
+    here = EnginePlan(sampler_plan_for(d, torch.float32), train_plan_for(d, torch.float32), None)
+    assert here.sampler == W.ops.plan and here.sampler.kernels == here.train.kernels == kernels.describe()
+    assert here.sampler.decode_attention == (kernels.library() is not None)
     monkeypatch.setenv(TORCH_OPS_ENV, "decode_attention, amx_unembedding")
-    off = plan_for(d, torch.float32, torch.float32)
-    assert not (off.decode_attention or off.sampler_rows or off.amx_unembedding)
-    assert (off.train_rows, off.onednn_packing) == (here.train_rows, here.onednn_packing)
-    assert sampler_ops(off).cache_dtype == ATTN_DTYPE and "decode_attention" not in off.line()
-    assert not any(getattr(here.on_torch(), c) for c in NATIVE_CHOICES if c != "onednn_packing")
+    off = EnginePlan(sampler_plan_for(d, torch.float32), train_plan_for(d, torch.float32), None)
+    assert not (off.sampler.decode_attention or off.sampler.sampler_rows or off.sampler.amx_unembedding
+                or off.train.train_amx_unembedding)
+    assert (off.train.train_rows, off.sampler.onednn_packing, off.train.train_packed_weights) == \
+        (here.train.train_rows, here.sampler.onednn_packing, here.train.train_packed_weights)
+    assert sampler_ops(off.sampler).cache_dtype == ATTN_DTYPE and "decode_attention" not in off.line()
+    assert not {"decode_attention", "sampler_rows", "amx_unembedding"} & set(off.native())
+    torch_only = EnginePlan(here.sampler.on_torch(), here.train.on_torch(), None)
+    assert set(torch_only.native()) <= {"onednn_packing"} and set(NATIVE_CHOICES) >= set(here.native())
     monkeypatch.setenv(TORCH_OPS_ENV, "decode_atention")
     with pytest.raises(ValueError, match="unknown choice.*decode_atention.*choose from decode_attention"):
-        plan_for(d, torch.float32, torch.float32)
+        sampler_plan_for(d, torch.float32)

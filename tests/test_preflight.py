@@ -71,10 +71,10 @@ def test_activation_gate_passes_on_smollm2(tmp_path):
     assert 0.001 <= checks["masked-token fraction at update 2 (mean over steps)"] <= 0.3
     # the report names the precision `auto` chose here, and its on-policy noise floor has that precision's
     # size: fp32 ~1e-6 at q90; bf16 ~0.02 (as large as real drift, which is why the gate compares against it)
-    from trainer.backends.local.precision import auto_precision
+    from trainer.backends.local.plan import auto_dtype
     from trainer.backends.local.precision import dtype_name
 
-    ran = dtype_name(auto_precision()[0])
+    ran = dtype_name(auto_dtype()[0])
     assert rep["meta"]["precision"]["sampler_dtype"] == rep["meta"]["precision"]["train_dtype"] == ran
     assert rep["meta"]["noise_floor"]["drift_q90"] == checks["drift q90 at update 1 (noise floor)"]
     assert checks["drift q90 at update 1 (noise floor)"] < (1e-3 if ran == "float32" else 0.05)

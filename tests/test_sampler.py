@@ -292,14 +292,14 @@ def _tiny_weights(pack, dtype=torch.float32, with_base=False, on_torch=False):
     from trainer.backends.local.model import dims, rotary_tables
     from trainer.model_registry import resolve_base_model
     from trainer.backends.local.ops import sampler_ops
-    from trainer.backends.local.plan import plan_for
+    from trainer.backends.local.plan import sampler_plan_for
     from trainer.backends.local.sampler_weights import build_weights
 
     factory, _ = resolve_base_model(TINY)
     model = factory(torch.float32)
     cos, sin = rotary_tables(model, 256)
     base = dict(model.state_dict())
-    plan = plan_for(dims(model.config), dtype, torch.float32)
+    plan = sampler_plan_for(dims(model.config), dtype)
     W = build_weights(model.config, base, cos, sin, dtype, pack=pack,
                       ops=sampler_ops(plan.on_torch() if on_torch else plan))
     return (W, base) if with_base else W

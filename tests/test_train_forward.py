@@ -218,14 +218,20 @@ def test_packed_linear_equals_f_linear():
 @pytest.mark.skipif(not ONEDNN_PACKING, reason="torch built without oneDNN packing")
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.bf16)])
 def test_packed_training_weights_give_the_unpacked_numbers(tmp_path, monkeypatch, dtype):
-    """The layer GEMMs on oneDNN-packed weights (`precision.training_packing`, forced both ways here) give
-    the unpacked forward's logprobs and LoRA gradients up to kernel rounding, on every projection."""
+    """The layer GEMMs on oneDNN-packed weights (the training plan's `train_packed_weights`, forced both
+    ways here) give the unpacked forward's logprobs and LoRA gradients up to kernel rounding, on every
+    projection."""
+    from trainer.backends.local import engine
+
     out = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("PAIREDRL_TRAIN_PACKING", flag)
+        # the plans are made once per process and model: each setting as a fresh process would load the model
+        monkeypatch.setattr(engine, "_bases", {})
         c = LocalServiceClient(state_dir=tmp_path / flag, sampler_dtype="float32", train_dtype=dtype)
-        assert c.train_packed_weights is (flag == "1")
         tc = _trained(c, seed=5, train_unembed=False)
+        assert tc.compute.ops.plan.train_packed_weights is (flag == "1")
+        assert c.engine_record(TINY)["train_packing"] == f"PAIREDRL_TRAIN_PACKING={flag}"
         data, weights = _grouped_data(tc.get_tokenizer())
         res = tc.forward_backward_custom(data, lambda d, lps: (sum((lp * w).sum() for lp, w in zip(lps, weights)), {}))
         out[flag] = (torch.cat([o["logprobs"].to_torch() for o in res.result().loss_fn_outputs]), grads(tc))
@@ -263,3 +269,36 @@ def test_bf16_training_stays_close_to_fp32(tmp_path):
         assert float(b.norm()) > 0
         assert float(F.cosine_similarity(a.flatten(), b.flatten(), dim=0)) > 0.99
         assert abs(float(a.norm() / b.norm()) - 1) < 0.05
+
+
+def test_one_plan_per_side_and_dtype_is_what_a_client_logs_records_and_runs(tmp_path, monkeypatch):
+    """The engine plan a client logs and records is the very sampler and training plans its ops run, one
+    per side and dtype of the model: a second client shares the plans of its dtypes, and a bf16 training
+    forward makes no plan of another dtype (the fp32 unembedding it may use is read from its own plan)."""
+    import dataclasses
+
+    from trainer.backends.local import engine
+    from trainer.backends.local.plan import SamplerPlan, TrainPlan
+
+    monkeypatch.setattr(engine, "_bases", {})  # a fresh process's engine: no plan made yet
+    c = LocalServiceClient(state_dir=tmp_path / "a", sampler_dtype="float32", train_dtype="bfloat16")
+    c2 = LocalServiceClient(state_dir=tmp_path / "b", sampler_dtype="float32", train_dtype="bfloat16")
+    tc = _trained(c, seed=3, train_unembed=False)
+    data, weights = _grouped_data(tc.get_tokenizer(), n_groups=1, group=2)
+    tc.forward_backward_custom(data, lambda d, lps: (sum((lp * w).sum() for lp, w in zip(lps, weights)), {})
+                               ).result()
+    base = engine.shared_base(TINY)
+    plan = c.plan(TINY)
+    assert plan.sampler is base.sampler_ops(torch.float32).plan and plan.train is tc.compute.ops.plan
+    assert c2.plan(TINY).sampler is plan.sampler and c2.plan(TINY).train is plan.train
+    assert sorted((side, str(dt)) for side, dt in base._plans) == [("sampler", "torch.float32"),
+                                                                  ("train", "torch.bfloat16")]
+    rec = c.engine_record(TINY)
+    assert rec == plan.record()
+    assert {k: rec[k] for k in ("sampler_dtype", "train_dtype", "auto")} == \
+        {"sampler_dtype": "float32", "train_dtype": "bfloat16", "auto": None}
+    fields = {f.name for cls in (SamplerPlan, TrainPlan) for f in dataclasses.fields(cls)}
+    assert set(rec) == fields | {"auto"} and rec["train_packed_weights"] == plan.train.train_packed_weights
+    assert rec["train_head_inputs"] == str(plan.train.train_head_inputs).removeprefix("torch.")
+    c.close()
+    c2.close()

@@ -55,18 +55,17 @@ def test_smoke_run_end_to_end(tmp_path):
     assert "eval vs initial weights (4 paired items)" in p.stdout
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["arm"] == "grpo_seed0" and info["versions"]["torch"].startswith("2.")
-    # TINY names fp32, so what `auto` would mean on this CPU does not enter the run
-    prec = info["precision"]
-    assert {k: prec[k] for k in ("sampler_dtype", "train_dtype", "auto")} == \
-        {"sampler_dtype": "float32", "train_dtype": "float32", "auto": None}
-    assert isinstance(prec["train_packed_weights"], bool) and prec["train_packing"]  # and why
-    assert prec["native_kernels"].startswith(("native (", "torch path ("))
-    # the engine plan: every implementation choice, made once, logged at the start and recorded
+    # the engine plan: the resolved precision and every implementation choice, made once, logged at the
+    # start and recorded in one record; TINY names fp32, so what `auto` would mean here does not enter the run
+    assert "precision" not in info
     plan = info["engine"]
-    assert plan["kernels"] == prec["native_kernels"] and plan["sampler_dtype"] == "float32"
-    assert plan["train_packed_weights"] == prec["train_packed_weights"]
-    assert plan["decode_attention"] == prec["native_kernels"].startswith("native (")
+    assert {k: plan[k] for k in ("sampler_dtype", "train_dtype", "auto")} == \
+        {"sampler_dtype": "float32", "train_dtype": "float32", "auto": None}
+    assert isinstance(plan["train_packed_weights"], bool) and plan["train_packing"]  # and why
+    assert plan["kernels"].startswith(("native (", "torch path ("))
+    assert plan["decode_attention"] == plan["kernels"].startswith("native (")
     assert not plan["amx_projections"]  # fp32 weights: the AMX tiles take bf16 only
+    assert plan["head_inputs"] == plan["train_head_inputs"] == "float32"
     assert "engine plan: sampler float32, train float32" in p.stdout
     assert (run_dir / "config.yaml").exists() and (run_dir / "rollouts.jsonl").stat().st_size > 0
 
@@ -88,14 +87,14 @@ def test_auto_precision_override_is_checked_and_recorded(tmp_path):
     assert p.returncode == 2
     assert "PAIREDRL_AUTO_PRECISION='fp8'" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
-    from trainer.backends.local.precision import measured_precision
+    from trainer.backends.local.plan import measured_dtype
 
-    forced = "float32" if measured_precision()[0] == "bfloat16" else "bfloat16"  # what this CPU would not pick
+    forced = "float32" if measured_dtype()[0] == "bfloat16" else "bfloat16"  # what this CPU would not pick
     run_dir = tmp_path / forced
     p = run_train([*args, f"hydra.run.dir={run_dir}"], tmp_path, env={"PAIREDRL_AUTO_PRECISION": forced})
     assert p.returncode == 0, p.stderr[-3000:]
     info = json.loads((run_dir / "run_info.json").read_text())
-    assert {k: info["precision"][k] for k in ("sampler_dtype", "train_dtype", "auto")} == \
+    assert {k: info["engine"][k] for k in ("sampler_dtype", "train_dtype", "auto")} == \
         {"sampler_dtype": forced, "train_dtype": forced, "auto": f"PAIREDRL_AUTO_PRECISION={forced}"}
 
 

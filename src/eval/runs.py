@@ -16,6 +16,7 @@ import yaml
 
 from eval.records import read_item_records
 from trainer.config.ignored_keys import IGNORED_CONFIG_KEYS  # which keys may differ between arms, and why
+from trainer.run_info import resolved_precision
 
 
 class CompareError(ValueError):
@@ -366,13 +367,19 @@ def _run_notes(runs: list[Run]) -> list[str]:
     return notes
 
 
+# the fields of run_info.json's `engine` that are no implementation choice: the resolved dtypes (the
+# precision, refused or noted on its own) and the reasons given for `auto` and the training packing
+_ENGINE_NOT_CHOICES = frozenset({"sampler_dtype", "train_dtype", "auto", "train_packing"})
+
+
 def _engine_notes(runs: list[Run]) -> list[str]:
-    """A note when the arms' engine plans (run_info.json `engine`) differ: which ops ran native, on the AMX
-    tiles or on oneDNN-packed weights decides the summation order, so neither arm's bits are what the other
-    arm's code path would give (`PAIREDRL_TORCH_OPS`, another CPU or torch build). Names the fields."""
-    engines = {r.arm: r.info.get("engine") or {} for r in runs}
-    keys = sorted({k for e in engines.values() for k in e
-                   if len({json.dumps(x.get(k), sort_keys=True) for x in engines.values()}) > 1})
+    """A note when the arms' engine plans (run_info.json `engine`) differ beyond the precision: which ops ran
+    native, on the AMX tiles or on oneDNN-packed weights decides the summation order, so neither arm's bits
+    are what the other arm's code path would give (`PAIREDRL_TORCH_OPS`, another CPU or torch build). Names
+    the fields that every arm records (a run of an older build records fewer)."""
+    engines = {r.arm: r.info.get("engine") if isinstance(r.info.get("engine"), dict) else {} for r in runs}
+    shared = set.intersection(*(set(e) for e in engines.values())) - _ENGINE_NOT_CHOICES if engines else set()
+    keys = sorted(k for k in shared if len({json.dumps(e[k], sort_keys=True) for e in engines.values()}) > 1)
     if not keys:
         return []
     return [f"the arms ran different engine plans (the ops' summation order differs, so one arm's numbers are not "
@@ -381,10 +388,13 @@ def _engine_notes(runs: list[Run]) -> list[str]:
 
 
 def _run_info_values(runs: list[Run], what: str) -> dict[str, str]:
-    """{arm: value} of run_info.json's resolved `precision`, `cpu` model or torch version."""
+    """{arm: value} of run_info.json's resolved `precision` (`trainer.run_info.resolved_precision`), `cpu`
+    model or torch version."""
     def get(r: Run) -> Any:
         if what == "torch":
             return (r.info.get("versions") or {}).get("torch")
+        if what == "precision":
+            return resolved_precision(r.info)
         return r.info.get(what)
     return {r.arm: str(get(r)) for r in runs}
 
@@ -394,8 +404,9 @@ def check_precision(runs: list[Run], allow: bool) -> None:
     experiment: refused unless --allow-config-diff (then a note says so)."""
     seen = _run_info_values(runs, "precision")
     if len(set(seen.values())) > 1 and not allow:
-        raise CompareError(f"the runs trained at different resolved precisions {seen} (run_info.json `precision`): "
-                           "pin the backend dtypes, or pass --allow-config-diff to compare anyway")
+        raise CompareError(f"the runs trained at different resolved precisions {seen} (run_info.json "
+                           "`engine`; `precision` in runs of older builds): pin the backend dtypes, or pass "
+                           "--allow-config-diff to compare anyway")
 
 
 def _mixed_loss_paths(runs: list[Run]) -> dict[str, str | None]:

@@ -87,7 +87,9 @@ def check_precision(info: dict[str, Any], now: dict[str, Any] | None) -> None:
     """ResumeError when the engine's resolved precision differs from the one the run started with: `auto`
     is measured per machine, so a resume on another CPU (or with PAIREDRL_AUTO_PRECISION set) would run
     its remaining steps at another precision under the same config hash."""
-    was = info.get("precision")
+    from trainer.run_info import resolved_precision
+
+    was = resolved_precision(info)
     if not isinstance(was, dict) or not isinstance(now, dict):  # a service that decides (backend=tinker)
         return
     keys = ("sampler_dtype", "train_dtype")
@@ -202,8 +204,6 @@ def run_training(composed: DictConfig) -> float | None:
         # decides its own); a resumed run's engine says it when it restores the checkpoint
         info = write_run_files(run_dir, cfg, {"batch": batch, "run_dir": str(run_dir),
                                               "load": {"start": load.start_rec},
-                                              # the engine's resolved precision (None: the service decides)
-                                              "precision": backend.precision(service_client),
                                               "engine": backend.engine_record(service_client,
                                                                               cfg.model.base_model)})
     if sweep_dir is not None:

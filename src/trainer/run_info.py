@@ -182,3 +182,14 @@ def format_batch_arithmetic(b: dict[str, int]) -> str:
         f"  total optimizer steps      {b['total_optim_steps']}",
         "==========================",
     ])
+
+
+def resolved_precision(info: dict[str, Any]) -> dict[str, Any] | None:
+    """The dtypes a run's local engine resolved (`sampler_dtype`, `train_dtype`), from its run_info.json: the
+    `engine` record, or the `precision` record runs wrote beside it before the engine record held the dtypes.
+    None where neither is there (backend=tinker: the service decides)."""
+    for key in ("engine", "precision"):
+        rec = info.get(key)
+        if isinstance(rec, dict) and "sampler_dtype" in rec:
+            return {k: rec.get(k) for k in ("sampler_dtype", "train_dtype")}
+    return None

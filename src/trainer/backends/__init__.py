@@ -33,8 +33,9 @@ class Backend:
       server-side (`loss_id`), which the run logs;
     - `check(backend_cfg)`: what can be checked before any compute (a key, a URL), BackendConfigError;
     - `build(cfg, run_dir)`: the Tinker-shaped ServiceClient;
-    - `precision(client)` / `engine_record(client, base_model)`: the engine's resolved precision and its
-      implementation plan for run_info.json (None: the service decides its own)."""
+    - `precision(client)`: the engine's resolved dtypes (what a resume and the gates' reports check);
+      `engine_record(client, base_model)`: run_info.json's `engine`, those dtypes with every implementation
+      choice of the engine (None, both: the service decides its own)."""
 
     name: str
     local_state = False

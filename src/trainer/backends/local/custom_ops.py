@@ -6,7 +6,7 @@ its output shapes (`register_fake`), so autograd, `torch.library.opcheck`, meta 
 see them as ops.
 
 An op's implementation is the native kernel only. The torch implementation of the same step is the torch
-variant in `ops.py`, the default wherever the plan does not choose the kernel (`EnginePlan.train_rows`), so
+variant in `ops.py`, the default wherever the plan does not choose the kernel (`TrainPlan.train_rows`), so
 an op never decides per call which one runs.
 
 Why the sampler's row kernels and decode attention are called directly instead: at decode's few rows a

@@ -28,7 +28,7 @@ from trainer.backends.local.common import COMPUTE
 from trainer.backends.local.model import (ATTN_PROJ, MLP_PROJ, UNEMBED, check_architecture, dims, fuse_base,
                                           layer_names, rotary_tables, unembed_weight, weight)
 from trainer.backends.local.ops import SamplerOps, TrainOps, sampler_ops, train_ops
-from trainer.backends.local.plan import EnginePlan, plan_for
+from trainer.backends.local.plan import SamplerPlan, TrainPlan, sampler_plan_for, train_plan_for
 from trainer.backends.local.sampler_weights import SamplerWeights, build_weights, with_lora
 from trainer.backends.local.train_forward import Packed, pack_unembed, pack_unembed_grad, pack_weight
 from trainer.model_registry import resolve_base_model, spec_for
@@ -81,8 +81,8 @@ class SharedBase:
         self._compute_weights: dict[torch.dtype, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self._stacked: dict[str, torch.Tensor] | None = None
         self._packed_unembed: torch.Tensor | None = None
-        self._packed_unembed_built = False
-        self._plans: dict[tuple[str, torch.dtype], EnginePlan] = {}  # (side, dtype): `_plan_once`
+        # (side, dtype): `_plan_once`
+        self._plans: dict[tuple[str, torch.dtype], SamplerPlan | TrainPlan] = {}
         self._blocked_unembed: kernels.BlockedHead | None = None
         self._blocked_unembed_built = False
         self._packed_unembed_grad: dict[torch.dtype, torch.Tensor | None] = {}
@@ -139,7 +139,7 @@ class SharedBase:
                     warnings.simplefilter("ignore")
                     self.peft.delete_adapter(name)
 
-    def _plan_once(self, key: tuple[str, torch.dtype], make: Callable[[], EnginePlan]) -> EnginePlan:
+    def _plan_once(self, key: tuple[str, torch.dtype], make: Callable[[], Any]) -> Any:
         """The plan under `key`, made on first use and kept. Made on the compute thread: its probes run
         products, and a parallel region opened on the caller's thread would start a second OpenMP pool that
         slows every later kernel (`common.ComputeThread`). Made without the lock held: a caller waiting on the
@@ -153,18 +153,13 @@ class SharedBase:
                 plan = self._plans.setdefault(key, made)
         return plan
 
-    def sampler_plan(self, dtype: torch.dtype) -> EnginePlan:
-        """The plan a `dtype` sampler runs (`plan.plan_for`; its sampler choices depend on `dtype` only)."""
-        return self._plan_once(("sampler", dtype), lambda: plan_for(dims(self.config), dtype, torch.float32))
+    def sampler_plan(self, dtype: torch.dtype) -> SamplerPlan:
+        """The one plan of every `dtype` sampler of this model (`plan.sampler_plan_for`)."""
+        return self._plan_once(("sampler", dtype), lambda: sampler_plan_for(dims(self.config), dtype))
 
-    def train_plan(self, dtype: torch.dtype) -> EnginePlan:
-        """The plan a `dtype` training forward runs (its training choices depend on `dtype` only)."""
-        return self._plan_once(("train", dtype), lambda: plan_for(dims(self.config), torch.float32, dtype))
-
-    def plan(self, sampler_dtype: torch.dtype, train_dtype: torch.dtype) -> EnginePlan:
-        """The engine plan a client with these dtypes runs, as it is logged and recorded: the sampler plan's
-        sampler choices with the training plan's training choices, the two plans the ops are built from."""
-        return self.sampler_plan(sampler_dtype).with_training(self.train_plan(train_dtype))
+    def train_plan(self, dtype: torch.dtype) -> TrainPlan:
+        """The one plan of every `dtype` training forward of this model (`plan.train_plan_for`)."""
+        return self._plan_once(("train", dtype), lambda: train_plan_for(dims(self.config), dtype))
 
     def sampler_ops(self, dtype: torch.dtype) -> SamplerOps:
         """The sampler's ops in `dtype`."""
@@ -174,27 +169,32 @@ class SharedBase:
         """The training forward's ops in `dtype`."""
         return train_ops(self.train_plan(dtype))
 
-    def packed_unembed(self) -> torch.Tensor | None:
-        """The unembedding pre-packed for the training forward's logprobs (built on first use)."""
+    def packed_unembed(self, plan: TrainPlan) -> torch.Tensor | None:
+        """The fp32 unembedding pre-packed for the logprobs of a training forward under `plan` (built on first
+        use; None where the plan packs nothing)."""
+        if not plan.onednn_packing:
+            return None
         with self.lock:
-            if not self._packed_unembed_built:  # None is a valid result (no oneDNN)
-                self._packed_unembed = (pack_unembed(unembed_weight(self.base_state))
-                                        if self.train_plan(torch.float32).onednn_packing else None)
-                self._packed_unembed_built = True
+            if self._packed_unembed is None:
+                self._packed_unembed = pack_unembed(unembed_weight(self.base_state))
             return self._packed_unembed
 
-    def blocked_unembed(self) -> kernels.BlockedHead | None:
-        """The unembedding in bf16 for the AMX head kernel (`kernels.blocked_head`; built on first use, None
-        where the plan does not run that kernel)."""
+    def blocked_unembed(self, plan: TrainPlan) -> kernels.BlockedHead | None:
+        """The unembedding in bf16 for the AMX head kernel (`kernels.blocked_head`) where the training forward
+        under `plan` runs its logprobs on it, else None."""
+        if not plan.train_amx_unembedding:
+            return None
         with self.lock:
-            return self._blocked_head_for(torch.bfloat16)
+            return self._blocked_head()
 
     def _blocked_head_for(self, dtype: torch.dtype) -> kernels.BlockedHead | None:
         """The blocked bf16 unembedding where the plan runs a `dtype` sampler's head on the AMX kernel (its
         inputs rounded to bf16: the same logits; `model.unembed_inputs`), else None. Called with the lock
         held."""
-        if not self.sampler_plan(dtype).amx_unembedding:
-            return None
+        return self._blocked_head() if self.sampler_plan(dtype).amx_unembedding else None
+
+    def _blocked_head(self) -> kernels.BlockedHead | None:
+        """The blocked bf16 unembedding, built on first use (called with the lock held)."""
         if not self._blocked_unembed_built:
             self._blocked_unembed = kernels.blocked_head(unembed_weight(self.base_state).float())
             self._blocked_unembed_built = True

@@ -17,7 +17,7 @@ atomically. The library is opened after torch, so its OpenMP symbols resolve to 
 already loaded (same soname): the kernel's threads are torch's own, not a second pool competing for
 the cores. Without a compiler, when the build fails, or with `PAIREDRL_NATIVE_KERNELS=0`, `library()`
 is None and `describe()` says why; the run records which path it used (`run_info.json`,
-`precision.native_kernels`). The first two also print one warning line on stderr per process: the torch
+`engine.kernels`). The first two also print one warning line on stderr per process: the torch
 path is slower and sums in another order, so the same command follows another trajectory, which a user
 should not learn from a run's numbers alone. `PAIREDRL_NATIVE_KERNELS=0` is a choice and prints nothing.
 """

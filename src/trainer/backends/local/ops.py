@@ -1,8 +1,8 @@
 """The engine's ops between its layer products, each with a torch implementation and, where the plan
-(`plan.EnginePlan`) says so, a native one (`kernels.py`; the training forms as custom ops with their
-backward, `custom_ops.py`): one op table for the sampler and one for the training forward, built once
-from the plan, so the model code (`sampler_forward.py`, `train_forward.py`, `sampler_weights.py`) calls
-`ops.add_norm(...)` and never asks which runs.
+(`plan.SamplerPlan`, `plan.TrainPlan`) says so, a native one (`kernels.py`; the training forms as custom ops
+with their backward, `custom_ops.py`): one op table for the sampler and one for the training forward, built
+once from its side's plan, so the model code (`sampler_forward.py`, `train_forward.py`,
+`sampler_weights.py`) calls `ops.add_norm(...)` and never asks which runs.
 
 The two implementations of an op compute the same function in a different summation order (the native
 kernels document their roundings beside each); the plan fixes which one a run uses, so its bits do not
@@ -18,7 +18,7 @@ import torch
 
 from trainer.backends.local import custom_ops, kernels
 from trainer.backends.local.model import rms_norm, rope
-from trainer.backends.local.plan import EnginePlan
+from trainer.backends.local.plan import SamplerPlan, TrainPlan
 
 # the dtype of attention, and of the KV cache on the torch path (see `sampler_forward`)
 ATTN_DTYPE = torch.float32
@@ -130,7 +130,7 @@ def _no_tiles(w: torch.Tensor) -> None:
 class SamplerOps:
     """The sampler's ops under one plan (see the module docstring)."""
 
-    plan: EnginePlan
+    plan: SamplerPlan
     cache_dtype: torch.dtype  # of the KV cache (`new_cache`)
     add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     gate: Callable[..., torch.Tensor]
@@ -141,7 +141,7 @@ class SamplerOps:
     pack_head: bool  # the fp32 unembedding packed too
 
 
-def sampler_ops(plan: EnginePlan) -> SamplerOps:
+def sampler_ops(plan: SamplerPlan) -> SamplerOps:
     native = plan.decode_attention
     return SamplerOps(
         plan=plan, cache_dtype=plan.sampler_dtype if native else ATTN_DTYPE,
@@ -192,7 +192,7 @@ def _train_gate_native(gu: torch.Tensor, intermediate: int, act: Callable[[torch
 class TrainOps:
     """The training forward's ops under one plan (see the module docstring)."""
 
-    plan: EnginePlan
+    plan: TrainPlan
     add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rope: Callable[..., Callable[[torch.Tensor, Sequence[int]], tuple[torch.Tensor, ...]]]
     gate: Callable[..., torch.Tensor]
@@ -203,7 +203,7 @@ class TrainOps:
         return TrainOps(self.plan, add_norm_torch, _train_rope_torch, gate_torch)
 
 
-def train_ops(plan: EnginePlan) -> TrainOps:
+def train_ops(plan: TrainPlan) -> TrainOps:
     rows = plan.train_rows
     return TrainOps(
         plan=plan, add_norm=_train_add_norm_native if rows else add_norm_torch,

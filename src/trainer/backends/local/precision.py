@@ -1,21 +1,14 @@
-"""What the local engine's `auto` precision means on this machine: measured once, cached per machine.
+"""The timing behind the local engine's `auto` precision and its training packing: taken once, cached per
+machine.
 
-CPU flags alone do not settle it: without AVX512_BF16/AMX torch runs bf16 matmuls on a fallback several
-times slower than fp32, with AMX they run ~5x faster, and CPUs with AVX512_BF16 but no AMX (e.g. Zen 5)
-sit in between. So `auto` times the engine's own GEMM kinds in both precisions (a decode projection on
-oneDNN-packed weights and a training-sized `F.linear`) in a one-thread child process, and picks bf16 when
-it is at least `MIN_SPEEDUP` times faster over both. The result is cached in a small JSON file keyed by CPU
-model, bf16 flags and torch version, so every run on one machine makes the same choice (a run records the
-precision it used in `run_info.json`).
-
-`PAIREDRL_AUTO_PRECISION=float32|bfloat16` overrides the measurement (a whole test suite, subprocesses
-included, can then run the other precision); settings that name a precision keep it.
-
-The same measurement decides, per precision, whether the training forward runs its layer GEMMs on
-oneDNN-packed weights (`training_packing`): which of MKL's sgemm and oneDNN's packed kernel is faster at
-the training shapes differs between CPUs and precisions (`bench/gemm.py` measures both), so packing is
-chosen where the packed product is at least `MIN_PACK_SPEEDUP` times as fast as `F.linear`;
-`PAIREDRL_TRAIN_PACKING=0|1` overrides it.
+CPU flags alone do not settle which precision is faster: without AVX512_BF16/AMX torch runs bf16 matmuls on a
+fallback several times slower than fp32, with AMX they run ~5x faster, and CPUs with AVX512_BF16 but no AMX
+(e.g. Zen 5) sit in between. So this module times the engine's own GEMM kinds in both precisions (a decode
+projection on oneDNN-packed weights, a training layer's products plain and on packed weights) in a one-thread
+child process, and caches the seconds in a small JSON file keyed by CPU model, bf16 flags and torch version,
+so every run on one machine decides from the same numbers. What they decide (which dtype `auto` means,
+whether training packs its weights) is the engine plan's (`plan.py`), as is every other choice of the engine.
+`python -m trainer.backends.local.precision` prints a fresh timing.
 """
 
 from __future__ import annotations
@@ -35,15 +28,9 @@ import torch.nn.functional as F
 from trainer.backends.local.model import ONEDNN_PACKING, onednn_linear, onednn_pack
 from trainer.utils.machine import cpu_model
 
-AUTO_PRECISION_ENV = "PAIREDRL_AUTO_PRECISION"
-# where the measured choice is kept (default: $XDG_CACHE_HOME/pairedrl or ~/.cache/pairedrl)
+# where the timing is kept (default: $XDG_CACHE_HOME/pairedrl or ~/.cache/pairedrl)
 CACHE_DIR_ENV = "PAIREDRL_CACHE_DIR"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# bf16 rounds activations and weights: it is chosen only when it is clearly faster, not within noise
-MIN_SPEEDUP = 1.25
-# packed training weights cost a copy of every projection weight and of its transpose: only when clearly faster
-MIN_PACK_SPEEDUP = 1.2
-TRAIN_PACKING_ENV = "PAIREDRL_TRAIN_PACKING"
 # SmolLM2-135M's widest layer projection (gate|up, 576 -> 3072): 32 decode rows, 512 training rows
 _IN, _OUT, _DECODE_ROWS, _TRAIN_ROWS = 576, 3072, 32, 512
 # calls per timed sample: ~5 ms of bf16 work each on an AMX CPU (fp32 and bf16 alike run the same count)
@@ -152,20 +139,20 @@ def measure() -> dict[str, dict[str, float]]:
         return json.loads(out.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
         detail = getattr(e, "stderr", None) or e
-        raise RuntimeError(f"measuring the local engine's `auto` precision failed ({detail}); set "
-                           f"{AUTO_PRECISION_ENV}=float32 or bfloat16 to skip the measurement") from e
+        raise RuntimeError(f"timing the local engine's GEMMs (what `auto` precision and training packing "
+                           f"are decided from) failed ({detail}); set PAIREDRL_AUTO_PRECISION=float32 or "
+                           "bfloat16 and PAIREDRL_TRAIN_PACKING=0 or 1 to decide without it") from e
 
 
-def choose(seconds: dict[str, dict[str, float]]) -> tuple[str, float]:
-    """(`bfloat16` or `float32`, bf16's speedup over fp32): each precision's decode product plus its faster
-    training product (plain or packed, as `training_packing` would run it)."""
+def bf16_speedup(seconds: dict[str, dict[str, float]]) -> float:
+    """How many times as fast bf16 runs the engine's GEMMs as fp32: each precision's decode product plus its
+    faster training product (plain or packed, as the training plan would run it)."""
     def total(ks: dict[str, float]) -> float:
         return ks["decode"] + min(ks["train"], ks.get("train_packed", ks["train"]))
-    speedup = total(seconds["float32"]) / total(seconds["bfloat16"])
-    return ("bfloat16" if speedup >= MIN_SPEEDUP else "float32"), speedup
+    return total(seconds["float32"]) / total(seconds["bfloat16"])
 
 
-def choose_packing(seconds: dict[str, dict[str, float]]) -> dict[str, float]:
+def packing_gains(seconds: dict[str, dict[str, float]]) -> dict[str, float]:
     """Per precision, the packed training product's speedup over `F.linear` (absent without oneDNN)."""
     return {name: round(ks["train"] / ks["train_packed"], 3) for name, ks in seconds.items() if "train_packed" in ks}
 
@@ -182,23 +169,31 @@ def _read_cache(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
 def _valid(hit: object) -> bool:
-    return (isinstance(hit, dict) and hit.get("choice") in DTYPES and isinstance(hit.get("speedup"), (int, float))
-            and isinstance(hit.get("packing"), dict)
-            and all(isinstance(v, (int, float)) for v in hit["packing"].values()))
+    """An entry with every timing the plan decides from: both precisions' products, packed ones included
+    where this torch build packs."""
+    kinds = ("decode", "train", "train_packed") if ONEDNN_PACKING else ("decode", "train")
+    seconds = hit.get("seconds") if isinstance(hit, dict) else None
+    return isinstance(seconds, dict) and all(
+        isinstance(seconds.get(name), dict) and all(_number(seconds[name].get(k)) for k in kinds)
+        for name in DTYPES)
 
 
 def measured_entry() -> tuple[dict, str]:
-    """This machine's measurement (`choice`, `speedup`, `packing`, `seconds`) and where it is kept: from
-    the cache when this machine was measured before (an entry missing a field is measured again)."""
+    """This machine's timing (`seconds`; `speedup` and `packing` summarise it for a reader of the file) and
+    where it is kept: from the cache when this machine was timed before (an entry missing a timing is timed
+    again)."""
     key, path = machine_key(), cache_path()
     entries = _read_cache(path)
     hit = entries.get(key)
     if _valid(hit):
         return hit, f"cached in {path}"
     seconds = measure()
-    choice, speedup = choose(seconds)
-    entries[key] = hit = {"choice": choice, "speedup": round(speedup, 3), "packing": choose_packing(seconds),
+    entries[key] = hit = {"speedup": round(bf16_speedup(seconds), 3), "packing": packing_gains(seconds),
                           "seconds": seconds, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     where = "not cached: the cache folder is not writable"
     try:
@@ -210,42 +205,6 @@ def measured_entry() -> tuple[dict, str]:
     except OSError:
         pass
     return hit, where
-
-
-def measured_precision() -> tuple[str, str]:
-    """(`bfloat16` or `float32`, why)."""
-    hit, where = measured_entry()
-    return hit["choice"], (f"measured: bf16 GEMMs {hit['speedup']:.2f}x as fast as fp32 on this CPU "
-                           f"(threshold {MIN_SPEEDUP}x; {where})")
-
-
-def training_packing(dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether the training forward runs its layer GEMMs on oneDNN-packed weights in `dtype`, and why."""
-    forced = os.environ.get(TRAIN_PACKING_ENV, "").strip()
-    if forced not in ("", "0", "1"):
-        raise ValueError(f"{TRAIN_PACKING_ENV}={forced!r}: expected 0 or 1")
-    if not ONEDNN_PACKING:
-        return False, "no oneDNN packing on this torch build"
-    if forced:
-        return forced == "1", f"{TRAIN_PACKING_ENV}={forced}"
-    hit, where = measured_entry()
-    name = dtype_name(dtype)
-    gain = hit["packing"].get(name)
-    if gain is None:  # measured where packing was absent: the same torch build, so not expected
-        return False, f"no packed measurement for {name} ({where})"
-    return gain >= MIN_PACK_SPEEDUP, (f"measured: packed {name} training GEMMs {gain:.2f}x as fast as F.linear "
-                                      f"(threshold {MIN_PACK_SPEEDUP}x; {where})")
-
-
-def auto_precision() -> tuple[torch.dtype, str]:
-    """What `sampler_dtype=auto` / `train_dtype=auto` mean on this machine, and why."""
-    forced = os.environ.get(AUTO_PRECISION_ENV, "").strip()
-    if forced and forced != "auto":
-        if forced not in DTYPES:
-            raise ValueError(f"{AUTO_PRECISION_ENV}={forced!r}: expected one of auto, {', '.join(sorted(DTYPES))}")
-        return DTYPES[forced], f"{AUTO_PRECISION_ENV}={forced}"
-    choice, why = measured_precision()
-    return DTYPES[choice], why
 
 
 if __name__ == "__main__":  # the child process of `measure`

@@ -193,7 +193,7 @@ def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor,
                 gate_up=projection(stacked[n.stacked_gate_up].to(dtype), ops, pack),
                 down=projection(w(n.down), ops, pack)))
         # tied or not, the output projection in fp32, packed where the packed kernel computes what the
-        # plain product would on the plan's head inputs (`EnginePlan.packed_head`)
+        # plain product would on the plan's head inputs (`SamplerPlan.packed_head`)
         head_inputs = ops.plan.head_inputs
         lm_head = projection(unembed_weight(base).float(), ops, pack and ops.pack_head)
     return SamplerWeights(

@@ -19,12 +19,11 @@ from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.lib.public_interfaces.custom_loss import trace_loss
 
-from trainer.backends.local import ckpt, kernels
+from trainer.backends.local import ckpt
 from trainer.backends.local.common import Faults, done_future, failed_future, resolve_path
 from trainer.backends.local.engine import BASE_SNAPSHOT, LoraSnapshot, shared_base, target_modules
-from trainer.backends.local.plan import EnginePlan, forced_to_torch
-from trainer.backends.local.precision import DTYPES as _DTYPES
-from trainer.backends.local.precision import auto_precision, dtype_name, training_packing
+from trainer.backends.local.plan import EnginePlan, check_environment, resolve_dtypes
+from trainer.backends.local.precision import dtype_name
 from trainer.backends.local.sampling import LocalSamplingClient, SampleScheduler
 from trainer.backends.local.training import LocalTrainingClient
 from trainer.config.schema import LocalBackendConfig
@@ -38,14 +37,6 @@ DEFAULT_LORA_ALPHA = 32.0
 _CONFIG = LocalBackendConfig()
 
 
-def _dtype(name: str, what: str, auto: tuple[torch.dtype, str] | None) -> torch.dtype:
-    if name == "auto" and auto is not None:
-        return auto[0]
-    if name not in _DTYPES:
-        raise ValueError(f"{what} must be one of {sorted(_DTYPES) + ['auto']}, got {name!r}")
-    return _DTYPES[name]
-
-
 class LocalServiceClient:
     def __init__(self, *, state_dir: str | Path, sampler_dtype: str = _CONFIG.sampler_dtype,
                  train_dtype: str = _CONFIG.train_dtype, micro_batch_size: int = _CONFIG.micro_batch_size,
@@ -55,17 +46,14 @@ class LocalServiceClient:
                  num_threads: int | None = None, model_cache_dir: str | Path | None = None,
                  faults: dict[str, Any] | None = None, **_tinker_kwargs: Any):
         self.state_dir = Path(state_dir).expanduser().resolve()
-        auto = auto_precision() if "auto" in (sampler_dtype, train_dtype) else None
-        self.sampler_dtype = _dtype(sampler_dtype, "sampler_dtype", auto)
-        self.train_dtype = _dtype(train_dtype, "train_dtype", auto)
-        # what ran, recorded in run_info.json and the gates' reports: bf16 noise is ~1e3x fp32's
-        self.train_packed_weights, packing_why = training_packing(self.train_dtype)
-        self.precision = {"sampler_dtype": dtype_name(self.sampler_dtype), "train_dtype": dtype_name(self.train_dtype),
-                          "auto": auto[1] if auto else None,
-                          "train_packed_weights": self.train_packed_weights, "train_packing": packing_why,
-                          # whether the native kernels built here, or why not (which ops run on them is
-                          # the model's engine plan: `plan`)
-                          "native_kernels": kernels.describe()}
+        # `auto` decided by the engine plan's rule (`plan.resolve_dtypes`); a bad PAIREDRL_* variable fails
+        # here, before any model is loaded
+        check_environment()
+        self.sampler_dtype, self.train_dtype, self.auto = resolve_dtypes(sampler_dtype, train_dtype)
+        # the resolved precision, what a resume checks and the gates' reports name (bf16 noise is ~1e3x
+        # fp32's); run_info.json's `engine` record holds it with every other choice (`engine_record`)
+        self.precision = {"sampler_dtype": dtype_name(self.sampler_dtype),
+                          "train_dtype": dtype_name(self.train_dtype), "auto": self.auto}
         for name, v in (("micro_batch_size", micro_batch_size), ("micro_batch_tokens", micro_batch_tokens),
                         ("max_sample_batch", max_sample_batch)):
             if not isinstance(v, int) or v < 1:
@@ -87,7 +75,6 @@ class LocalServiceClient:
                                           batch_wait_s=float(sample_batch_wait_s))
         self._clients: weakref.WeakSet[LocalTrainingClient] = weakref.WeakSet()
         self._announced: set[str] = set()
-        forced_to_torch()  # a bad PAIREDRL_TORCH_OPS fails here, before any model is loaded
 
     # ------------------------------------------------------------------ capabilities
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
@@ -99,19 +86,19 @@ class LocalServiceClient:
         return self.get_server_capabilities()
 
     def plan(self, base_model: str) -> EnginePlan:
-        """The engine plan for `base_model` in this client's dtypes (loads the model on first use): what runs
-        on the native kernels, the AMX tiles and oneDNN's packed products, and why."""
-        plan = shared_base(base_model, self.model_cache_dir).plan(self.sampler_dtype, self.train_dtype)
+        """The engine plan for `base_model` in this client's dtypes (loads the model on first use): the
+        model's sampler and training plans its ops are built from, and how `auto` was decided."""
+        base = shared_base(base_model, self.model_cache_dir)
+        plan = EnginePlan(base.sampler_plan(self.sampler_dtype), base.train_plan(self.train_dtype), self.auto)
         if base_model not in self._announced:  # said once per model, when a run or a server first uses it
             self._announced.add(base_model)
             log.info("%s: %s", base_model, plan.line())
         return plan
 
     def engine_record(self, base_model: str) -> dict[str, Any]:
-        """Every implementation choice this client's engine runs `base_model` with, as run_info.json's
-        `engine`: the plan's, and whether the training GEMMs run on oneDNN-packed weights (decided per
-        client from the measurement, `precision.training_packing`; the reasons are in `self.precision`)."""
-        return {**self.plan(base_model).record(), "train_packed_weights": self.train_packed_weights}
+        """run_info.json's `engine`: the resolved dtypes, how `auto` was decided and every implementation
+        choice this client's engine runs `base_model` with (`EnginePlan.record`)."""
+        return self.plan(base_model).record()
 
     # ------------------------------------------------------------------ training clients
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,

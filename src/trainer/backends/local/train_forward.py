@@ -376,7 +376,7 @@ class _TargetLogprobLora(torch.autograd.Function):
 def pack_unembed(W_VH: torch.Tensor) -> torch.Tensor | None:
     """The fp32 unembedding pre-packed for oneDNN at `UNEMBED_ROWS` rows (None without oneDNN): MKL
     sgemm is slow on that wide, shallow product, oneDNN's packed kernel is not (the layer GEMMs gain
-    nothing from packing; `bench/gemm.py`). Only where the plan packs (`EnginePlan.onednn_packing`)."""
+    nothing from packing; `bench/gemm.py`). Only where the plan packs (`TrainPlan.onednn_packing`)."""
     if W_VH.dtype != torch.float32:
         return None
     return onednn_pack(W_VH, UNEMBED_ROWS)

@@ -57,8 +57,7 @@ class LocalTrainingClient(SelfFuture):
         weakref.finalize(self, base.release, self.model_id)
         self.compute = LoraCompute(base, self.model_id, self.scale, train_dtype=service.train_dtype,
                                    micro_batch_size=service.micro_batch_size,
-                                   micro_batch_tokens=service.micro_batch_tokens,
-                                   packed_weights=service.train_packed_weights)
+                                   micro_batch_tokens=service.micro_batch_tokens)
         self.optim_steps = 0
         self._worker = OrderedWorker(f"local-train-{self.model_id}")
         self._faults: Faults = service._faults

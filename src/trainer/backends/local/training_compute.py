@@ -19,7 +19,7 @@ from tinker.lib.public_interfaces.custom_loss import LossHandle, check_loss_inpu
 from trainer.backends.local import train_forward
 from trainer.backends.local.engine import SharedBase
 from trainer.backends.local.losses import REQUIRED_INPUTS, datum_loss, resolve_config
-from trainer.backends.local.model import matmul_inputs, unembed_inputs, unembed_weight
+from trainer.backends.local.model import matmul_inputs, unembed_weight
 
 # A registered (one-pass) loss that takes a `mask` input must weight every token term by it, as the
 # project's per-datum losses do (trainer/losses/per_datum.py); the engine then skips the unembedding
@@ -122,14 +122,12 @@ class LoraCompute:
     that order (what the optimizer updates and the gradients accumulate in)."""
 
     def __init__(self, base: SharedBase, model_id: str, scale: float, *, train_dtype: torch.dtype,
-                 micro_batch_size: int, micro_batch_tokens: int, packed_weights: bool = False):
+                 micro_batch_size: int, micro_batch_tokens: int):
         self.base = base
         self.model_id = model_id
         self.scale = scale
         self.train_dtype = train_dtype
         self.ops = base.train_ops(train_dtype)  # the engine plan's choices for the training forward
-        # the layer GEMMs on oneDNN-packed weights (`precision.training_packing` decides where that is faster)
-        self.packed_weights = packed_weights
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         with base.lock:
@@ -166,12 +164,14 @@ class LoraCompute:
         lora = {m: (A, B) for m, A, B in self.modules}
         pk = train_forward.pack([p.ids for p in preps], [p.share for p in preps])
         base, fused = b.compute_weights(self.train_dtype)
-        packed = b.packed_projections(self.train_dtype) if self.packed_weights else None
+        plan = self.ops.plan
+        packed = b.packed_projections(self.train_dtype) if plan.train_packed_weights else None
         hidden = train_forward.forward(b.config, base, b.cos, b.sin, lora, self.scale, pk, fused, self.train_dtype,
                                        packed, ops=self.ops)
-        # the unembedding's fp32 logits on `unembed_inputs` inputs, on every path below alike and as the
-        # sampler computes them (a recomputed anchor and the training logprobs come from the same numbers)
-        with matmul_inputs(unembed_inputs(self.train_dtype)):
+        # the unembedding's fp32 logits on the plan's head inputs (`model.unembed_inputs`), on every path
+        # below alike and as the sampler computes them (a recomputed anchor and the training logprobs come
+        # from the same numbers)
+        with matmul_inputs(plan.train_head_inputs):
             return self._unembed(hidden, pk, preps, lora.get("lm_head"), fused.get("unembed"), grad_from, entropy)
 
     def _unembed(self, hidden: torch.Tensor, pk: train_forward.Packing, preps: list[PreparedDatum],
@@ -195,8 +195,9 @@ class LoraCompute:
         # fp32 inputs run on oneDNN's packed fp32 kernel (see `model.unembed_inputs`), bf16 ones on the AMX
         # head kernel where it runs (the same logits as the plain product, from bf16 weights); every path
         # below computes its logits the same way
-        packed = (b.packed_unembed() if unembed_inputs(self.train_dtype) == torch.float32
-                  else b.blocked_unembed())
+        plan = self.ops.plan
+        packed = (b.packed_unembed(plan) if plan.train_head_inputs == torch.float32
+                  else b.blocked_unembed(plan))
         if entropy is not None:
             idx = torch.cat(list(pk.rows))
             lp, ent = train_forward.target_logprobs_and_entropy(hidden.index_select(0, idx), W, head_lora,
