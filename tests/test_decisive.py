@@ -136,6 +136,25 @@ def test_a_first_look_decides_at_its_share_of_alpha_and_names_the_next(tmp_path,
         compare([odd], n_bootstrap=0, make_plots=False)
 
 
+def test_a_later_look_reads_its_new_sweep_beside_the_first(tmp_path, capsys):
+    """The seeds of look 2 run as a second sweep (seeds 3-5); compare takes both folders: 6 seeds per arm,
+    the ledger's look 1 found, the decision at look 2's level, the output in the newest sweep."""
+    first = _gap_sweep(tmp_path, [8, 12, 16], overrides=("decision.looks=[3,6]",), name="look1")
+    assert compare([first], n_bootstrap=0, make_plots=False)["verdict"] == "inconclusive"
+    second = _gap_sweep(tmp_path, [9, 11, 13], overrides=("decision.looks=[3,6]",), name="look2", seed0=3)
+    rc, out, _ = _cli(capsys, first, second)
+    res = json.loads((second / "compare.json").read_text())
+    assert rc == 0 and res["verdict"] == "validated" and res["look"]["index"] == 2
+    assert sorted(a["seed"] for a in res["arms"] if a["loss"] == "dppo") == [0, 1, 2, 3, 4, 5]
+    assert [x["n_seeds"] for x in res["looks"]] == [3]
+    # the same seeds in both folders are one arm trained twice, not more seeds
+    again = _gap_sweep(tmp_path, [9, 11, 13], overrides=("decision.looks=[3,6]",), name="again")
+    rc, _, err = _cli(capsys, first, again)
+    assert rc == 2 and "dppo_seed0" in err
+    rc, _, err = _cli(capsys, first, first)
+    assert rc == 2 and "given twice" in err
+
+
 def test_unplanned_looks_are_counted_across_sweep_and_output_folders(tmp_path):
     two = _gap_sweep(tmp_path, [8, 12], name="two")
     first = compare([two], n_bootstrap=0, make_plots=False, out=tmp_path / "a")

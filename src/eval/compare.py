@@ -1,6 +1,6 @@
-"""`python -m eval.compare <sweep> | <run_a> <run_b> [--aa <A/A sweep>]`: the paired verdict of the arms.
+"""`python -m eval.compare <sweep> [<sweep> ...] | <run_a> <run_b> [--aa <A/A sweep>]`: the paired verdict of the arms.
 
-Finds the runs (numbered subfolders of a sweep, or two run folders), checks that they are one
+Finds the runs (numbered subfolders of one or more sweeps, or two run folders), checks that they are one
 paired experiment (same items, configs equal outside the arms' switch and the per-run keys in
 IGNORED_CONFIG_KEYS; the switch is the loss, or the one other key whose value differs, e.g.
 `schedule.updates_per_batch`, with the baseline named `key=value`), pairs each treatment with the
@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Config keys allowed to differ between runs: "
                                        + ", ".join(IGNORED_CONFIG_KEYS))
-    p.add_argument("paths", nargs="*", help="a sweep folder (A/B or A/A), or two run folders")
+    p.add_argument("paths", nargs="*",
+                   help="a sweep folder (A/B or A/A), several (the seeds of later looks, run as new sweeps), "
+                        "or two run folders")
     p.add_argument("--treatment", default=None,
                    help="loss(es) of the treatment arm(s), comma-separated (default: every loss but the baseline)")
     p.add_argument("--baseline", default=None, help="loss of the baseline arm (default: decision.baseline)")

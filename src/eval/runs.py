@@ -321,12 +321,24 @@ def sweep_subsets(runs: list[Run], paths: list[Path]) -> list[str]:
     return found
 
 
+def _is_sweep(path: Path) -> bool:
+    return path.is_dir() and not (path / "config.yaml").is_file()
+
+
 def _load_inputs(paths: list[Path], eval_name: str | None, out: str | Path | None) -> tuple[list[Run], Path]:
     if len(paths) == 1:
         if (paths[0] / "config.yaml").is_file():
             raise CompareError(f"{paths[0]} is a single run folder; pass its sweep folder or two run folders")
         runs = [load_run(p, eval_name, job) for job, p in discover_runs(paths[0])]
         return runs, Path(out).resolve() if out else paths[0]
+    if len(paths) >= 2 and all(_is_sweep(p) for p in paths):
+        # the seeds of a later look, run as a new sweep beside the first: every run of each sweep is an
+        # input (so none is a subset), labelled <sweep number>.<job> so job numbers stay unique
+        if len(set(paths)) != len(paths):
+            raise CompareError(f"a sweep folder is given twice: {[str(p) for p in paths]}")
+        runs = [load_run(p, eval_name, f"{i}.{job}") for i, sweep in enumerate(paths)
+                for job, p in discover_runs(sweep)]
+        return runs, Path(out).resolve() if out else paths[-1]
     if len(paths) == 2:
         if paths[0] == paths[1]:
             raise CompareError(f"the two run folders are the same: {paths[0]}")
@@ -336,7 +348,8 @@ def _load_inputs(paths: list[Path], eval_name: str | None, out: str | Path | Non
             raise CompareError(f"the two runs have different seeds ({a.arm}: {a.path}, {b.arm}: {b.path}); "
                                "arms are paired within one seed")
         return runs, Path(out).resolve() if out else Path(os.path.commonpath([str(p) for p in paths]))
-    raise CompareError(f"expected one sweep folder or two run folders, got {len(paths)} paths")
+    raise CompareError(f"expected sweep folders or two run folders, got {len(paths)} paths of which "
+                       f"{sum(not _is_sweep(p) for p in paths)} are run folders")
 
 
 def _run_notes(runs: list[Run]) -> list[str]:

@@ -65,7 +65,8 @@ def main(argv: list[str]) -> int:
                     report = pilot_failed(g, cfg, e)
                     pilot = None
             if pilot is not None:
-                report = (activation if g == "activation" else feasibility)(cfg, out, pilot)
+                report = (activation(cfg, out, pilot) if g == "activation" else
+                          feasibility(cfg, out, pilot, n_seeds))
         report.write(out)
         report.print_table()
         print(f"-> {Path(out) / 'preflight' / (g + '.json')}: {'PASSED' if report.passed else 'FAILED'}")
