@@ -136,6 +136,18 @@ def test_a_first_look_decides_at_its_share_of_alpha_and_names_the_next(tmp_path,
         compare([odd], n_bootstrap=0, make_plots=False)
 
 
+def test_an_early_look_that_stops_for_nothing_says_so_whatever_the_sign(tmp_path, capsys):
+    """A first look where the treatment scored lower (a fixed design would read not_supported) reads
+    `inconclusive` with a headline that says the next look decides, not that the treatment scored higher."""
+    sweep = _gap_sweep(tmp_path, [-8, -12, -16], overrides=("decision.looks=[3,6]",), name="lower")
+    rc, out, _ = _cli(capsys, sweep)
+    res = json.loads((sweep / "compare.json").read_text())
+    assert rc == 0 and res["verdict"] == "inconclusive" and res["estimate"] < 0
+    head = out.splitlines()[0]
+    assert "no decision yet (a look before the plan's last; the next look decides)" in head
+    assert "scored higher" not in head
+
+
 def test_a_later_look_reads_its_new_sweep_beside_the_first(tmp_path, capsys):
     """The seeds of look 2 run as a second sweep (seeds 3-5); compare takes both folders: 6 seeds per arm,
     the ledger's look 1 found, the decision at look 2's level, the output in the newest sweep."""

@@ -232,10 +232,10 @@ def test_activation_reads_a_batch_s_last_update_and_its_planned_count(tmp_path):
     """With 8 updates per batch (the testbed's), the mask and the drift are read at update 8, where the
     weights moved most since sampling: a regime whose mask acts only late in a batch passes, and the executed
     count is checked against schedule.updates_per_batch, not a fixed 2."""
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.preflight.gates import activation
 
-    cfg = compose_config([*LOCAL, f"preflight.dir={tmp_path}", "schedule.updates_per_batch=8"])
+    cfg = run_config([*LOCAL, f"preflight.dir={tmp_path}", "schedule.updates_per_batch=8"])
     late = [{"step": s, "update": u, "loss/dppo_masked_frac": 0.02 if u == 7 else 0.0,
              "loss/grpo_clip_frac": 0.03 if u == 7 else 0.0, "drift/abs_p_q90": 0.03 if u == 7 else 0.012}
             for s in range(3) for u in range(8)]
@@ -253,10 +253,10 @@ def test_activation_reads_a_batch_s_last_update_and_its_planned_count(tmp_path):
 def test_feasibility_projects_every_run_of_the_plan(tmp_path):
     """The projection covers 2 arms x the plan's seeds per arm, plus one shared initial eval: 8 seeds cost
     16 runs, not 2."""
-    from trainer.config.compose import compose_config
+    from trainer.config.compose import run_config
     from trainer.preflight.gates import feasibility
 
-    cfg = compose_config([*LOCAL, f"preflight.dir={tmp_path}", "eval.n_examples=10", "schedule.num_steps=5",
+    cfg = run_config([*LOCAL, f"preflight.dir={tmp_path}", "eval.n_examples=10", "schedule.num_steps=5",
                           "eval.at_start=true"])
     rows = [{"step": s, "update": 0, "tokens/sampled": 100, "tokens/trained": 100, "time/sample": 2.0,
              "time/train": 3.0, "time/step": 6.0} for s in range(3)]

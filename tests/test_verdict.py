@@ -250,6 +250,13 @@ def test_aa_sweep_reports_between_seed_spread_and_calibrates_an_ab_gap(tmp_path)
     res = compare([_sweep(tmp_path, big, name="ab2")], aa=aa, n_bootstrap=0, make_plots=False)
     assert res["aa_calibration"]["observed_gap"] == pytest.approx(0.25)
     assert res["aa_calibration"]["exceeds_aa_noise"] is True and 0.25 > T975[2] * se
+    # the A/A runs before the gates that use its seed sd: an A/B trained with preflight.skip=false still uses
+    # it, while a setting that changes training does not pass
+    gated = compare([_sweep(tmp_path, big, name="ab_gated", overrides=("preflight.skip=false",))], aa=aa,
+                    n_bootstrap=0, make_plots=False)
+    assert gated["aa_calibration"]["observed_gap"] == pytest.approx(0.25)
+    with pytest.raises(CompareError, match="optimizer.lr"):
+        compare([_sweep(tmp_path, big, name="ab_lr", overrides=("optimizer.lr=0.001",))], aa=aa, make_plots=False)
 
     # bad input: an A/A sweep passed as A/B, an A/B sweep passed as --aa, an A/A with an A/A
     old = _sentinel(ab)
@@ -677,6 +684,29 @@ def test_fewer_seeds_than_planned_and_repeated_looks_are_recorded(tmp_path):
     # the same data again is not another look
     again = compare([sweep3], n_bootstrap=0, make_plots=False, out=tmp_path / "looks")
     assert again["looks"] == second["looks"]
+
+
+def test_a_planned_look_below_the_design_s_seeds_is_a_stop_not_a_cut(tmp_path):
+    """decision.looks = [2, 3] with a design for 3 seeds: the 2-seed comparison is look 1 (decided at its
+    share of alpha), not a sweep cut short; 2 seeds without looks is still refused."""
+    from trainer.config.compose import run_config
+    from trainer.preflight.gates import design as design_gate
+
+    rng = np.random.default_rng(15)
+    arms = {}
+    for s in (0, 1):
+        arms["dppo", s], arms["grpo", s] = _with_gap(200, 60, 20, rng)
+    for looks, name in (("[2,3]", "looks"), ("null", "fixed")):
+        pre = tmp_path / f"pre_{name}"
+        overrides = (f"preflight.dir={pre}", "decision.seed_sd=0.05", f"decision.looks={looks}")
+        design_gate(run_config(list(overrides)), pre, n_seeds=3, n_sims=30).write(pre)
+        sweep = _sweep(tmp_path, arms, overrides=overrides, name=f"s_{name}")
+        if name == "looks":
+            res = compare([sweep], n_bootstrap=0, make_plots=False)
+            assert res["look"]["index"] == 1 and res["verdict"] == "inconclusive"
+        else:
+            with pytest.raises(CompareError, match=r"seeds: the plan .* has 3 seeds per arm, this comparison 2"):
+                compare([sweep], n_bootstrap=0, make_plots=False)
 
 
 # ----------------------------------------------------------------------------- calibration under seed noise

@@ -159,16 +159,18 @@ def decide_all(rows: list[dict[str, Any]], samples: list[Any], rule: Rule, level
         if verdict == "validated" and not still:
             verdict = "inconclusive"  # Holm stops at the first treatment that fails
         still = still and verdict == "validated"
+        reason = None
         if verdict != "validated" and equivalent(iv, rule.equivalence_margin):
             verdict = "equivalent"
         elif verdict != "validated" and not final_look:
-            verdict = "inconclusive"
+            # whatever the estimate's sign: an early look only stops for a decision
+            verdict, reason = "inconclusive", "a look before the plan's last; the next look decides"
         # the top-level numbers of a comparison are the rule's: its estimate, its interval at this
         # treatment's Holm level (None for the exact tests) and its Holm-adjusted p (the rule's p when K = 1)
         row.update(p_rule=m["p"], p_holm=adj[i], holm_level=lev, rule_ci=list(iv) if iv else None,
                    method=rule.method, estimate=m["estimate"], ci_low=iv[0] if iv else None,
                    ci_high=iv[1] if iv else None, p=adj[i], p_adjusted="holm" if K > 1 else None)
-        set_verdict(row, verdict, rule.scope)
+        set_verdict(row, verdict, rule.scope, reason)
 
 
 def score_rows(arms_SN: dict[str, np.ndarray], labels: dict[str, list[str]], base: str, treatments: list[str],
@@ -321,7 +323,8 @@ def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses:
                 found.append(f"decision: the runs' config differs from the preflight record {where} ("
                              + ", ".join(diff) + ")")
         n_plan = (rec.get("design") or {}).get("n_seeds")
-        if isinstance(n_plan, int) and n_seeds < n_plan:
+        # a look the plan names is a planned stop, not seeds dropped (its alpha is that look's share)
+        if isinstance(n_plan, int) and n_seeds < n_plan and not (rule.looks and n_seeds in rule.looks):
             found.append(f"seeds: the plan ({where}) has {n_plan} seeds per arm, this comparison {n_seeds}")
     elif where:
         notes.append(f"no preflight design record at {where}: the decision rule was not checked against a plan")
@@ -660,8 +663,10 @@ def _load_aa(aa: str | Path, eval_name: str, item_sha: str, ref: Run, rule: Rule
         raise CompareError(f"--aa {path}: two runs share a seed ({seeds})")
     if len(seeds) < 2:
         raise CompareError(f"--aa {path}: an A/A sweep needs >= 2 seeds, it has {seeds}")
-    # the decision group only says how to read the runs: an A/A made under another rule still measures the noise
-    skip = IGNORED_CONFIG_KEYS + ("decision",) + (() if switch == "loss" else (switch,))
+    # the decision group only says how to read the runs, and preflight.skip only whether train.py asked for the
+    # gates' records first (the A/A that measures the seed sd runs before the gates that use it): an A/A made
+    # under another rule or ungated still measures the same training noise
+    skip = IGNORED_CONFIG_KEYS + ("decision", "preflight.skip") + (() if switch == "loss" else (switch,))
     diffs = [f"{k}: {va!r} (A/B {ref.arm}) vs {vb!r} (A/A {r.arm})" for r in runs
              for k, va, vb in config_differences(ref.config, r.config, skip)]
     if diffs and not allow_config_diff:

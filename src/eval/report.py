@@ -40,7 +40,9 @@ def headline(verdict: str, scope: str, treatment: str, baseline: str, method: st
 
     own = getattr(METHODS.get(method or ""), "not_supported_text", None) if verdict == "not_supported" else None
     text = own or verdict_text(verdict, scope)
-    if reason:
+    if reason and verdict == "inconclusive":  # an early look: the generic sentence would describe the numbers
+        text = f"no decision yet ({reason})"
+    elif reason:
         text = text.replace("; nothing is said", f" ({reason}); nothing is said")
     return f"{verdict} ({_SCOPE_TEXT[scope]}): {treatment} vs {baseline}: {text}"
 _PLOT_TITLES = {
