@@ -827,6 +827,8 @@ def test_a_design_record_of_another_plan_is_not_held_against_the_runs(tmp_path):
     out = compare([sweep], n_bootstrap=0, make_plots=False)
     assert out["decision"]["overridden"] == []
     assert any("is for another plan" in n for n in out["notes"])
+    # one note, not also "no preflight design record" beside it
+    assert not any(n.startswith("no preflight design record") for n in out["notes"])
 
 
 def test_a_validated_verdict_within_the_aa_noise_floor_is_noted(tmp_path):

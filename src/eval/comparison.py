@@ -309,7 +309,8 @@ def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses:
         found.append(f"looks: decision.looks plans decisions at {rule.looks} seeds per arm, this comparison "
                      f"has {n_seeds}")
     rec, where = preflight_record(used[0])
-    if rec is not None and rec.get("plan_hash_without_decision") not in (None, _plan_key(used[0])):
+    other_plan = rec is not None and rec.get("plan_hash_without_decision") not in (None, _plan_key(used[0]))
+    if other_plan:
         notes.append(f"the preflight design record {where} is for another plan (its config differs from the runs' "
                      "outside the decision rule): the rule was not checked against it")
         rec = None
@@ -326,7 +327,7 @@ def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses:
         # a look the plan names is a planned stop, not seeds dropped (its alpha is that look's share)
         if isinstance(n_plan, int) and n_seeds < n_plan and not (rule.looks and n_seeds in rule.looks):
             found.append(f"seeds: the plan ({where}) has {n_plan} seeds per arm, this comparison {n_seeds}")
-    elif where:
+    elif where and not other_plan:
         notes.append(f"no preflight design record at {where}: the decision rule was not checked against a plan")
     return found, notes
 
