@@ -26,6 +26,8 @@ from trainer.utils.load import (
     window,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
+
 TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -53,6 +55,59 @@ def test_window_subtracts_the_process_own_cpu_time():
     assert rec["window_s"] == pytest.approx(10.0) and rec["cpus"] == cpus
     assert is_contended(rec) and f"1.00 of {cpus} CPUs busy in other processes over 10.0 s" in describe(rec)
     assert not is_contended(window(Counters(0.0, 0.0, 0.0), Counters(10.0, 4.0, 0.0)))  # 0.4 cores: quiet
+
+
+def test_a_sweep_s_other_workers_are_recorded_apart_and_not_as_contention():
+    """A parallel sweep's second worker is the sweep's own load: 30 s of machine time in a 10 s window, of
+    which 10 s this process's and 12 s a sibling worker's (one that started inside the window counts whole):
+    0.8 cores elsewhere, 1.2 in the sweep."""
+    start = Counters(wall=100.0, machine_busy_s=1000.0, own_cpu_s=5.0, siblings_cpu_s={11: 50.0})
+    end = Counters(wall=110.0, machine_busy_s=1030.0, own_cpu_s=15.0, siblings_cpu_s={11: 58.0, 12: 4.0})
+    rec = window(start, end)
+    assert rec["sweep_cores"] == pytest.approx(1.2) and rec["other_cores"] == pytest.approx(0.8)
+    assert "1.20 in the sweep's other workers" in describe(rec)
+    plain = window(Counters(100.0, 1000.0, 5.0), Counters(110.0, 1030.0, 15.0))
+    assert "sweep_cores" not in plain and plain["other_cores"] == pytest.approx(2.0)
+
+
+# a probe measuring one window with the sweep's workers counted apart and, over the same window, without
+SWEEP_PROBE = "\n".join([
+    "import dataclasses, json, time",
+    "from trainer.utils.load import Counters, LoadMonitor, window",
+    "auto = LoadMonitor(window_s=0.1).siblings",
+    "a = Counters.now(siblings=True)",
+    "time.sleep(1.0)",
+    "b = Counters.now(siblings=True)",
+    "strip = lambda c: dataclasses.replace(c, siblings_cpu_s=None)",
+    "print(json.dumps({'auto': auto, 'with': window(a, b), 'without': window(strip(a), strip(b))}))",
+])
+# the launcher: a spinning worker, and the probe beside it as the other worker
+SWEEP_PARENT = "\n".join([
+    "import subprocess, sys, time",
+    "spin = subprocess.Popen([sys.executable, '-c', 'while True: pass'])",
+    "time.sleep(0.3)",
+    "out = subprocess.run([sys.executable, '-c', sys.argv[1]], capture_output=True, text=True, check=True)",
+    "spin.kill()",
+    "print(out.stdout)",
+])
+
+
+@pytest.mark.parametrize("launcher", ["train.py", "other.py"])
+def test_a_worker_of_a_sweep_launched_by_train_py_counts_its_fellow_worker_as_the_sweep_s(tmp_path, launcher):
+    """The real /proc: a monitor whose parent is a train.py (a joblib sweep's launcher) reads the processes
+    beside it as the sweep's other workers: a spinning sibling's core moves from `other_cores` to
+    `sweep_cores` over the same window, whatever else loads the machine. Under any other parent the monitor
+    does not look for siblings."""
+    script = tmp_path / launcher
+    script.write_text(SWEEP_PARENT)
+    p = subprocess.run([sys.executable, str(script), SWEEP_PROBE], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout)
+    assert got["auto"] is (launcher == "train.py")
+    with_, without = got["with"], got["without"]
+    assert with_["sweep_cores"] >= 0.5 and "sweep_cores" not in without
+    assert without["other_cores"] - with_["other_cores"] == pytest.approx(with_["sweep_cores"], abs=0.05)
 
 
 def test_without_proc_stat_only_the_load_average_is_recorded(tmp_path):

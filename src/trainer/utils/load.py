@@ -8,6 +8,12 @@ is time the hypervisor gave to other guests) minus this process's own CPU time (
 threads and its reaped children). Divided by the window's wall time it is the number of cores kept busy
 elsewhere. Linux only: elsewhere (or with /proc unreadable) the busy-core figures are None and only the load
 average, where the OS has one, is recorded.
+
+A run that is one of a sweep's parallel workers (joblib starts one process per worker under the `train.py`
+that launched the sweep) shares the machine with the sweep's other workers by design: their CPU time
+(/proc/<pid>/stat of the processes with the same `train.py` parent) is recorded as `sweep_cores` and left out
+of `other_cores`, so a two-worker sweep on two cores is not called contended by its own second worker. A
+sibling that exits inside a window takes its time with it, which then counts as elsewhere (the safe side).
 """
 
 from __future__ import annotations
@@ -47,6 +53,49 @@ def _own_cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _proc_stat_fields(path: str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (which may hold spaces and parentheses)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+        return text[text.rindex(")") + 2:].split()
+    except (OSError, ValueError):
+        return None
+
+
+def _launched_by_sweep(proc: str = "/proc") -> bool:
+    """Whether this process's parent is a `train.py` (a sweep's launcher that runs its jobs in worker
+    processes); a plain run's parent is a shell, a test runner or a terminal."""
+    try:
+        with open(f"{proc}/{os.getppid()}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return False
+    return any(os.path.basename(a) == "train.py" for a in argv[:3])
+
+
+def _sibling_cpu_s(proc: str = "/proc") -> dict[int, float]:
+    """CPU seconds (user + system, with reaped children) of each other process that shares this one's parent."""
+    me, parent, tck = os.getpid(), os.getppid(), os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    try:
+        pids = [int(d) for d in os.listdir(proc) if d.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        if pid == me:
+            continue
+        f = _proc_stat_fields(f"{proc}/{pid}/stat")
+        # after the name: state ppid ... utime(12) stime(13) cutime(14) cstime(15), counted from state = 0
+        if f is None or len(f) < 16 or not f[1].lstrip("-").isdigit() or int(f[1]) != parent:
+            continue
+        try:
+            out[pid] = sum(int(x) for x in f[11:15]) / tck
+        except ValueError:
+            continue
+    return out
+
+
 def load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -61,10 +110,13 @@ class Counters:
     wall: float
     machine_busy_s: float | None
     own_cpu_s: float
+    # CPU seconds of each of the sweep's other workers, or None outside a parallel sweep
+    siblings_cpu_s: dict[int, float] | None = None
 
     @classmethod
-    def now(cls, stat_path: str = "/proc/stat") -> Counters:
-        return cls(time.monotonic(), _machine_busy_s(stat_path), _own_cpu_s())
+    def now(cls, stat_path: str = "/proc/stat", siblings: bool = False) -> Counters:
+        return cls(time.monotonic(), _machine_busy_s(stat_path), _own_cpu_s(),
+                   _sibling_cpu_s() if siblings else None)
 
 
 def window(start: Counters, end: Counters) -> dict[str, Any]:
@@ -75,19 +127,25 @@ def window(start: Counters, end: Counters) -> dict[str, Any]:
     cpus = os.cpu_count()
     out: dict[str, Any] = {"loadavg": load_average(), "window_s": round(wall, 3), "cpus": cpus,
                            "own_cores": round(own / wall, 3), "other_cores": None, "other_share": None}
+    sweep = 0.0
+    if start.siblings_cpu_s is not None and end.siblings_cpu_s is not None:
+        # a worker absent at the start began inside the window: all of its time is the window's
+        sweep = sum(max(t - start.siblings_cpu_s.get(pid, 0.0), 0.0) for pid, t in end.siblings_cpu_s.items())
+        out["sweep_cores"] = round(sweep / wall, 3)
     if start.machine_busy_s is not None and end.machine_busy_s is not None:
         # clock ticks are coarse (10 ms): a short window can read a little below the process's own time
-        other = max(end.machine_busy_s - start.machine_busy_s - own, 0.0) / wall
+        other = max(end.machine_busy_s - start.machine_busy_s - own - sweep, 0.0) / wall
         out["other_cores"] = round(other, 3)
         out["other_share"] = round(other / cpus, 3) if cpus else None
     return out
 
 
-def snapshot(window_s: float = START_WINDOW_S, stat_path: str = "/proc/stat") -> dict[str, Any]:
+def snapshot(window_s: float = START_WINDOW_S, stat_path: str = "/proc/stat",
+             siblings: bool = False) -> dict[str, Any]:
     """The load now: a `window` over `window_s` seconds of sleep."""
-    start = Counters.now(stat_path)
+    start = Counters.now(stat_path, siblings)
     time.sleep(window_s)
-    return window(start, Counters.now(stat_path))
+    return window(start, Counters.now(stat_path, siblings))
 
 
 def is_contended(rec: dict[str, Any] | None) -> bool:
@@ -101,6 +159,8 @@ def describe(rec: dict[str, Any]) -> str:
     if rec.get("other_cores") is not None:
         cpus, over = rec.get("cpus") or "?", rec["window_s"]
         parts.append(f"{rec['other_cores']:.2f} of {cpus} CPUs busy in other processes over {over:.1f} s")
+        if rec.get("sweep_cores") is not None:
+            parts.append(f"{rec['sweep_cores']:.2f} in the sweep's other workers")
     la = rec.get("loadavg")
     parts.append("load average " + (" ".join(f"{x:.2f}" for x in la) if la else "unknown"))
     return ", ".join(parts)
@@ -111,10 +171,13 @@ class LoadMonitor:
     line, the first time a window shows more than BUSY_ELSEWHERE_WARN cores busy elsewhere), and `end` (the
     whole run since `start`, plus the last step's window)."""
 
-    def __init__(self, stat_path: str = "/proc/stat", window_s: float = START_WINDOW_S) -> None:
+    def __init__(self, stat_path: str = "/proc/stat", window_s: float = START_WINDOW_S,
+                 siblings: bool | None = None) -> None:
         self.stat_path = stat_path
-        self.start_rec = snapshot(window_s, stat_path)
-        self._t0 = self._last = Counters.now(stat_path)
+        # one of a sweep's parallel workers: its fellow workers are the sweep's, not other load
+        self.siblings = _launched_by_sweep() if siblings is None else siblings
+        self.start_rec = snapshot(window_s, stat_path, self.siblings)
+        self._t0 = self._last = Counters.now(stat_path, self.siblings)
         self.warned: str | None = None
         self.worst: dict[str, Any] | None = None
         # the start window's warning waits for the first step: a run refused before it (a resume whose
@@ -137,7 +200,7 @@ class LoadMonitor:
     def check(self, step: int) -> dict[str, Any]:
         """The window since the previous check (a rollout step and what ran at its end)."""
         self._warn_start()
-        now = Counters.now(self.stat_path)
+        now = Counters.now(self.stat_path, self.siblings)
         rec = window(self._last, now)
         self._last = now
         self._maybe_warn(rec, f"during step {step}")
@@ -147,7 +210,7 @@ class LoadMonitor:
         """The record for run_info.json's `load`: start, the whole run, the busiest window, and whether the
         run warned."""
         self._warn_start()
-        run = window(self._t0, Counters.now(self.stat_path))
+        run = window(self._t0, Counters.now(self.stat_path, self.siblings))
         self._maybe_warn(run, "over the run")
         return {"start": self.start_rec, "end": run, "busiest": self.worst,
                 "contended": self.warned is not None, "warn_above_other_cores": BUSY_ELSEWHERE_WARN}
