@@ -229,7 +229,7 @@ def test_dimuon_optim_step_is_refused_at_once(server):
     with pytest.raises(tinker.BadRequestError, match="AdamW optimizer only"):
         tc.optim_step(types.DimuonParams(learning_rate=1e-4)).result()
     assert time.monotonic() - t0 < 10
-    sc.close("success")
+    sc.close("success").result(timeout=30)  # waited: else its heartbeat outlives the server
 
 
 def test_a_resent_sampler_save_with_a_new_sampling_session_id_is_the_same_request(tmp_path):
@@ -253,7 +253,7 @@ def test_a_resent_sampler_save_with_a_new_sampling_session_id_is_the_same_reques
         stats = s.stats()
         assert stats["faults"] == {"drop": 1}, stats
         assert stats["requests"]["save_weights_for_sampler"] == 2  # the lost reply, then the resend
-        sc.close("success")
+        sc.close("success").result(timeout=30)  # waited: else its heartbeat outlives the server
     finally:
         s.stop()
 
@@ -324,7 +324,7 @@ def test_cookbook_06_surface_sequence_ids_provenance_inflight_and_stable_reinfor
     assert moved != before
     assert list(inflight.sample(prompt, 1, greedy).result().sequences[0].tokens) == moved
     assert list(snapshot.sample(prompt, 1, greedy).result().sequences[0].tokens) == before
-    sc.close("success")
+    sc.close("success").result(timeout=30)  # waited: else its heartbeat outlives the server
 
 
 def test_unimplemented_sampling_options_are_refused_not_ignored(server):
@@ -342,4 +342,4 @@ def test_unimplemented_sampling_options_are_refused_not_ignored(server):
                           ({"topk_sample_logprobs": 2}, "topk_sample_logprobs")):
         with pytest.raises(tinker.BadRequestError, match=field):
             sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2), **kwargs).result()
-    sc.close("success")
+    sc.close("success").result(timeout=30)  # waited: else its heartbeat outlives the server

@@ -89,7 +89,7 @@ def test_concurrent_creates_from_one_key_stay_within_the_model_limit(server):
     assert all("--max-models-per-key" in str(e) for e in refused), refused[:2]
     mine = _stats(server, "tml-burst")["key"]
     assert mine["models"] == mine["model_slots"] == len(made)
-    sc.close("success")
+    sc.close("success").result(timeout=30)  # waited: else its heartbeat outlives the server
 
 
 def test_finishing_a_session_while_its_create_runs_leaks_nothing(server):
@@ -168,7 +168,7 @@ def test_in_flight_requests_per_key_are_bounded_and_the_sdk_retries(server):
         for i in range(16)
     ]
     assert all(len(f.result(timeout=300).sequences) == 2 for f in futs)
-    sc.close("success")
+    sc.close("success").result(timeout=30)  # waited: else its heartbeat outlives the server
 
 
 def test_session_timeout_must_exceed_the_sdk_heartbeat():
@@ -241,8 +241,8 @@ def test_a_killed_clients_slot_is_free_within_45_s_and_live_clients_never_expire
         assert len(out.loss_fn_outputs) == 1
         assert _stats(server, "tml-live")["expired_sessions"] == 1
         print(f"slot freed {freed_s:.1f} s after SIGKILL")
-        sc.close("success")
-        live.close("success")
+        sc.close("success").result(timeout=30)  # waited: else its heartbeat outlives the server
+        live.close("success").result(timeout=30)  # waited: else its heartbeat outlives the server
     finally:
         assert _peak_rss_kb(server) < MAX_RSS_KB
         server.stop()

@@ -83,7 +83,7 @@ def sdk(server):
     tc = sc.create_lora_training_client(TINY, rank=4, seed=0,
                                        user_metadata={"renderer": "qwen3_instruct"}).result()
     yield sc, rc, tc
-    sc.close("success")
+    sc.close("success").result(timeout=30)  # waited: else its heartbeat outlives the server
 
 
 def _rest(server: Server, key: str):
@@ -165,7 +165,7 @@ def test_load_paths_outside_the_state_dir_get_a_4xx_that_says_nothing_about_file
         with pytest.raises(tinker.NotFoundError, match="no checkpoint"):
             other.create_training_client_from_state(real).result()
     finally:
-        other.close("success")
+        other.close("success").result(timeout=30)  # waited: else its heartbeat outlives the server
 
 
 @covers("ServiceClient.create_custom_loss", "TrainingClient.forward_backward_custom",

@@ -127,7 +127,7 @@ def _service_copy(ctx: Ctx) -> Any:
     try:
         return sc.copy_weights(_state_path(ctx)).result()
     finally:
-        sc.close("success")
+        sc.close("success").result(timeout=30)  # waited: else its heartbeat outlives the server
 
 
 def _printed(out: str, expected: str) -> str:
@@ -231,7 +231,7 @@ def observe(url: str, key: str) -> dict[str, tuple[str, str]]:
     ctx.tc = ctx.sc.create_lora_training_client(TINY, rank=4, seed=0).result()
     ctx.sampler = ctx.tc.save_weights_and_get_sampling_client().result()
     rows = {row: classify(fn, evidence, ctx) for row, (fn, evidence) in PROBES.items()}
-    ctx.sc.close("success")
+    ctx.sc.close("success").result(timeout=30)  # waited: else its heartbeat outlives the server
     return {**rows, **NOT_RUN}
 
 
