@@ -8,6 +8,7 @@ a user runs) or raw HTTP (what an attacker sends). The server's peak RSS is chec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -254,8 +255,10 @@ def test_one_keys_burst_delays_another_keys_request_by_a_bounded_time(tmp_path):
     """Key A queues 30 in-limit requests of 128 samples x 500 tokens; key B's 2-sample request, sent after
     them, completes within 30 s (2 cores), as the batches of different keys take turns."""
     server = Server(tmp_path / "state", "--num-threads", "2")
+    clients = []
     try:
         a, b = _sdk(server, "tml-burst-a"), _sdk(server, "tml-burst-b")
+        clients += [a, b]
         sa = a.create_sampling_client(base_model=BASE).result(timeout=300)
         sb = b.create_sampling_client(base_model=BASE).result(timeout=300)
         prompt = types.ModelInput.from_ints([5, 6, 7, 8])
@@ -279,6 +282,10 @@ def test_one_keys_burst_delays_another_keys_request_by_a_bounded_time(tmp_path):
         assert not any(f.done() for f in burst[-5:]), "the burst finished first: the test measured nothing"
         assert _peak_rss_kb(server) < MAX_RSS_KB
     finally:
+        # the sessions end before the server goes, or their heartbeats outlive it for the rest of the run
+        for c in clients:
+            with contextlib.suppress(Exception):
+                c.close("interrupted").result(timeout=30)
         server.proc.send_signal(signal.SIGKILL)  # the burst's remaining batches are not waited for
         server.proc.wait()
 
