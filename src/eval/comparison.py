@@ -305,7 +305,8 @@ def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses:
         names = ", ".join(r.arm for r in edited[:4]) + (", ..." if len(edited) > 4 else "")
         found.append(f"decision: the `decision` block in config.yaml of {names} is not the one the run "
                      "trained under (run_info.json decision_sha256): the rule was changed after training")
-    if rule.looks and n_seeds not in rule.looks:
+    planned_look = bool(rule.looks) and n_seeds in rule.looks
+    if rule.looks and not planned_look:
         found.append(f"looks: decision.looks plans decisions at {rule.looks} seeds per arm, this comparison "
                      f"has {n_seeds}")
     rec, where = preflight_record(used[0])
@@ -325,7 +326,7 @@ def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses:
                              + ", ".join(diff) + ")")
         n_plan = (rec.get("design") or {}).get("n_seeds")
         # a look the plan names is a planned stop, not seeds dropped (its alpha is that look's share)
-        if isinstance(n_plan, int) and n_seeds < n_plan and not (rule.looks and n_seeds in rule.looks):
+        if isinstance(n_plan, int) and n_seeds < n_plan and not planned_look:
             found.append(f"seeds: the plan ({where}) has {n_plan} seeds per arm, this comparison {n_seeds}")
     elif where and not other_plan:
         notes.append(f"no preflight design record at {where}: the decision rule was not checked against a plan")

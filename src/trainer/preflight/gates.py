@@ -231,12 +231,12 @@ def activation(cfg: Config, out_dir: Path, pilot: tuple[Path, dict] | None = Non
     rows = _metrics(run_dir)
     report = GateReport("activation")
     n_updates = int(cfg.schedule.updates_per_batch)
-    last = f"update {n_updates} of {n_updates}"
-    second = [r for r in rows if n_updates >= 2 and r["update"] == n_updates - 1]
+    at_last = f"update {n_updates} of {n_updates}"
+    last_rows = [r for r in rows if n_updates >= 2 and r["update"] == n_updates - 1]
     steps = sorted({r["step"] for r in rows})
     per_step = [sum(1 for r in rows if r["step"] == s) for s in steps]
 
-    def mean_key(key: str, of: list[dict] = second) -> float | None:
+    def mean_key(key: str, of: list[dict] = last_rows) -> float | None:
         vals = [r[key] for r in of if key in r]
         return float(np.mean(vals)) if vals else None
 
@@ -257,21 +257,21 @@ def activation(cfg: Config, out_dir: Path, pilot: tuple[Path, dict] | None = Non
     report.checks += [
         Check("masked-token fraction at a batch's last update (mean over steps)", masked, "[0.001, 0.3]",
               _status(masked is not None and 0.001 <= masked <= 0.3),
-              "no later update: updates_per_batch < 2" if not second else
+              "no later update: updates_per_batch < 2" if not last_rows else
               # a comparison in this regime would read `inert` (the arms train alike): say where the rule acts
               ("the mask (almost) never fires here, so DPPO and GRPO would train alike; the regime where it "
                "acts on the local engine: +experiment=local_testbed (more updates per batch, a higher lr)"
-               if masked is not None and masked < 0.001 else last)),
+               if masked is not None and masked < 0.001 else at_last)),
         Check("masked-token fraction at update 1 (noise floor)", masked_noise, "last update >= 2x this",
               _status(masked is not None and masked_noise is not None and masked >= 2 * masked_noise),
               f"on-policy: masking by numeric noise alone; {ran}"),
         Check("drift |p - p_sampler| q90 at a batch's last update", q90, ">= 0.005",
-              _status(q90 is not None and q90 >= 0.005), last),
+              _status(q90 is not None and q90 >= 0.005), at_last),
         Check("drift q90 at update 1 (noise floor)", noise, "last update >= 2x this",
               _status(q90 is not None and noise is not None and q90 >= 2 * noise),
               f"on-policy: the sampler-vs-trainer numeric noise; {ran}"),
         Check("counterfactual GRPO clip fraction at a batch's last update", clip, ">= 0.0005",
-              _status(clip is not None and clip >= 0.0005), last),
+              _status(clip is not None and clip >= 0.0005), at_last),
         Check("executed optim steps per batch", per_step, f"== {n_updates} for every step (schedule.updates_per_batch)",
               _status(bool(per_step) and all(n == n_updates for n in per_step))),
         Check("served model", result.get("served_model"), cfg.model.base_model,
