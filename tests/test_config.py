@@ -86,6 +86,27 @@ def test_experiment_arms_differ_only_in_loss_group():
     assert b["loss"]["mode"] == "binary_tv" and b["loss"]["delta"] == 0.15
 
 
+def test_the_local_testbed_composes_its_recorded_regime():
+    """The regime the first answer was measured in (docs/verdict.md), composed as `+experiment=local_testbed`
+    gives it: every testbed run is `slow`, so without this the quick suite never reads the experiment's
+    schedule, and an edit to it (constant groups trained, one update per batch) would change the regime
+    under the recorded answer unseen. The lr falls linearly from 1e-3 to 1e-4 over all 96 updates."""
+    from trainer.lr_schedule import lr_at
+
+    for arm in ("grpo", "dppo"):
+        cfg = validate(compose_config(["+experiment=local_testbed", f"loss={arm}"]))
+        s = cfg.schedule
+        assert cfg.experiment == "local_testbed" and cfg.optimizer.lr == 1e-3 and cfg.env.format_coef == 0.1
+        assert (s.num_steps, s.groups_per_batch, s.group_size, s.updates_per_batch) == (12, 4, 8, 8)
+        assert s.drop_constant_groups is True and s.save_every == 0
+        assert (s.lr_schedule, s.min_lr_ratio, s.warmup_steps) == ("linear", 0.1, 0)
+        updates = s.num_steps * s.updates_per_batch
+        lrs = [lr_at(u, updates, cfg.optimizer.lr, s.lr_schedule, s.warmup_steps, s.min_lr_ratio)
+               for u in (0, updates)]
+        assert lrs == pytest.approx([1e-3, 1e-4], rel=1e-12)
+    assert type(cfg.loss).__name__ == "DPPOLossConfig" and cfg.loss.delta == 0.15
+
+
 def test_cfg_job_printer_expands_the_experiments_own_sweep_axes(capsys):
     """`--multirun +experiment=dppo_vs_grpo --cfg job` shows both arms (the experiment's
     hydra.sweeper.params), and a command-line axis wins over the experiment's."""

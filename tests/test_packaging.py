@@ -37,3 +37,22 @@ def test_the_wheel_carries_every_package_file_the_kernel_source_included(tmp_pat
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "trainer/backends/local/kernels.c" in names
     assert sorted(_package_files() - names) == []
+
+
+def test_only_listed_third_party_warnings_pass_a_stderr_check():
+    """The stderr checks let a listed dependency notice through and nothing else: the project's own
+    warnings, logging's WARNING lines and an unlisted package's warning all still count."""
+    from third_party_warnings import own_warning_lines
+
+    peft = ("/venv/lib/python3.11/site-packages/peft/import_utils.py:52: FutureWarning: Support for "
+            "Transformers < 5.6 is deprecated in PEFT and will be removed in the next release, v1.0.\n"
+            "  warnings.warn(\n")
+    assert own_warning_lines(peft) == []
+    ours = "/repo/src/trainer/loop.py:10: UserWarning: reinit=True is deprecated\n  warnings.warn(\n"
+    assert own_warning_lines(ours) == ["/repo/src/trainer/loop.py:10: UserWarning: reinit=True is deprecated",
+                                       "  warnings.warn("]
+    # the same message from another package is not the listed one
+    other = peft.replace("/peft/", "/otherpkg/")
+    assert len(own_warning_lines(other)) == 2
+    logged = "[2026-12-07 10:00:00][trainer][WARNING] - the machine is contended\n"
+    assert own_warning_lines(peft + logged) == [logged.strip()]
