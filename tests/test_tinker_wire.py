@@ -35,9 +35,9 @@ SPLIT_PIN = ["sampling.requests=per_group"]
 class Server:
     """`python -m trainer.serve` in a subprocess; `url` from its first stdout line."""
 
-    def __init__(self, state_dir: Path, *extra: str):
+    def __init__(self, state_dir: Path, *extra: str, engine: tuple[str, ...] | list[str] = tuple(ENGINE)):
         env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "trainer.serve", "--state-dir", str(state_dir), *ENGINE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "trainer.serve", "--state-dir", str(state_dir), *engine,
                                       *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline().strip()
         assert line.startswith("listening on http://127.0.0.1:"), (line, self.proc.stderr.read()[-2000:])
@@ -497,3 +497,44 @@ def test_a_groups_tokens_depend_on_how_it_is_split_into_requests(tmp_path):
     assert draw(False) == per_group and draw(True) == per_sample
     assert per_group != per_sample
     sc.close()
+
+
+def _readme_rehearsal() -> tuple[list[str], list[str]]:
+    """The README's offline rehearsal as written: the server's flags and train.py's overrides."""
+    import shlex
+
+    lines = (ROOT / "README.md").read_text().splitlines()
+    serve = next(ln for ln in lines if ln.startswith("python -m trainer.serve "))
+    train = next(ln for ln in lines if ln.startswith("python train.py backend=tinker schedule=smoke"))
+    serve_args = shlex.split(serve.split("&")[0])[3:]
+    return serve_args, shlex.split(train, comments=True)[2:]
+
+
+def test_the_readme_rehearsal_tells_the_server_the_default_models_lora_alpha():
+    """The protocol does not carry `lora_alpha`: the rehearsal's server flag must be the model's, or every
+    LoRA update it trains is scaled wrong."""
+    import yaml
+
+    serve_args, train_args = _readme_rehearsal()
+    model = next((a.split("=", 1)[1] for a in train_args if a.startswith("model=")), "smollm2_135m")
+    alpha = yaml.safe_load((ROOT / "conf" / "model" / f"{model}.yaml").read_text())["lora_alpha"]
+    assert float(serve_args[serve_args.index("--lora-alpha") + 1]) == alpha
+
+
+@pytest.mark.slow
+def test_the_readme_rehearsal_trains(tmp_path):
+    """The README's rehearsal block, run as written against the server it starts, trains: some update has a
+    non-zero reward and gradient norm (a rehearsal whose every gradient is 0 never exercises the training
+    path), and the paired eval before and after is written."""
+    serve_args, train_args = _readme_rehearsal()
+    server = Server(tmp_path / "state", engine=serve_args)
+    try:
+        run = tmp_path / "run"
+        p = run_train([*train_args, f"hydra.run.dir={run}"], tmp_path, env=server.env(), timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:]
+    finally:
+        server.stop()
+    rows = read_metrics(run)
+    assert any(r["env/reward_mean"] > 0 and r["optim/grad_norm"] > 0 for r in rows), rows
+    result = json.loads((run / "result.json").read_text())
+    assert result["eval_vs_start"]["n"] == 32, result["eval_vs_start"]
