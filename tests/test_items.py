@@ -93,7 +93,7 @@ def test_tinker_cookbook_eval_store_matches_the_librarys_own_reader():
         (f,) = read_items(COOK / arm / "runs" / f"arm_{arm}")
         trajs = EvalStore(COOK / arm).read_trajectories(f"arm_{arm}", "gsm8k")
         assert f.format == "tinker_cookbook" and f.metric == "reward>0" and f.repeats == 1
-        assert f.ids == [t.example_id for t in trajs]
+        assert f.ids == [f"gsm8k/{t.example_id}" for t in trajs]  # a run's folder: <benchmark>/<id>
         # the runner's own accuracy: reward > 0 (BenchmarkBuilder.aggregate)
         assert f.scores_N.tolist() == [1.0 if t.reward > 0 else 0.0 for t in trajs]
         (c,) = read_items(COOK / arm / "runs" / f"arm_{arm}" / "gsm8k" / "trajectories.jsonl",
@@ -357,3 +357,112 @@ def test_sign_flip_and_equivalence_decide_per_item_files(tmp_path, capsys):
     assert rc == 2 and err.count("\n") == 1, err
     assert "looks [3, 6] are not supported for per-item files" in err
     assert not (tmp_path / "c").exists()
+
+
+# ----------------------------------------------------------------------------- items paired by what they are
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _gen_doc(i: int, revision: int = 0) -> dict:
+    a, b = 3 + i + revision, 4 + 2 * i
+    return {"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+            "answer": f"He has {a} + {b} = {a + b} apples.\n#### {a + b}"}
+
+
+def _gen_samples(right: dict[str, set[int]], n: int = 8, revision: int = 0) -> list[dict]:
+    """A generative task's samples as lm-eval 0.4.13 writes them (evaluator.py `example`, one line per doc and
+    filter, filters in the task's order): gsm8k-style `exact_match` under `strict-match` and
+    `flexible-extract`; `right[filter]` = the doc_ids that filter scores 1."""
+    lines = []
+    for flt in right:
+        for i in range(n):
+            doc = _gen_doc(i, revision)
+            target = doc["answer"].rpartition("#### ")[2]
+            prompt = f"Question: {doc['question']}\nAnswer:"
+            ok = i in right[flt]
+            lines.append({
+                "doc_id": i, "doc": doc, "target": doc["answer"],
+                "arguments": {"gen_args_0": {"arg_0": prompt, "arg_1": {"until": ["Question:", "</s>"],
+                                                                        "do_sample": False}}},
+                "resps": [[f" The answer is {target if ok else 0}."]],
+                "filtered_resps": [target if ok else "[invalid]"], "filter": flt, "metrics": ["exact_match"],
+                "doc_hash": _sha(json.dumps(doc, indent=2, ensure_ascii=False)), "prompt_hash": _sha(prompt),
+                "target_hash": _sha(doc["answer"]), "exact_match": float(ok)})
+    return lines
+
+
+def _write_lines(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return path
+
+
+GEN = "samples_arith_gen_2026-12-07T09-10-00.000000.jsonl"
+
+
+def _reordered(src: Path, dest: Path, how: str) -> Path:
+    lines = src.read_text().splitlines(keepends=True)
+    lines = lines[::-1] if how == "reversed" else [lines[k] for k in np.random.default_rng(4).permutation(len(lines))]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text("".join(lines))
+    return dest
+
+
+def _pairs(tmp: Path) -> dict[str, tuple[Path, Path]]:
+    """Baseline and treatment file of each format, in the order their writers wrote them."""
+    plain = {}
+    rng = np.random.default_rng(8)
+    for arm, p in (("a", 0.3), ("b", 0.7)):
+        plain[arm] = _write_lines(tmp / "plain" / f"{arm}.jsonl", [
+            {"item_id": f"q{i}", "correct": bool(rng.random() < p)} for i in range(30)])
+    prime = DATA / "prime_rl"
+    return {"lm_eval": (next((LM / "a_seed0").glob("samples_arith_add_*")),
+                        next((LM / "b_seed0").glob("samples_arith_add_*"))),
+            "prime_rl": (prime / "a" / "rollouts" / "step_20" / "eval_rollouts_gsm8k.jsonl",
+                         prime / "b" / "rollouts" / "step_20" / "eval_rollouts_gsm8k.jsonl"),
+            "plain": (plain["a"], plain["b"])}
+
+
+@pytest.mark.parametrize("how", ["reversed", "shuffled"])
+@pytest.mark.parametrize("fmt", ["lm_eval", "prime_rl", "plain"])
+def test_items_are_paired_by_id_whatever_order_a_file_lists_them(tmp_path, fmt, how):
+    base, treat = _pairs(tmp_path)[fmt]
+    want = compare_items([f"a={base}", f"b={treat}"], n_bootstrap=200, out=tmp_path / "in_order")
+    moved = _reordered(treat, tmp_path / how / treat.name, how)
+    got = compare_items([f"a={base}", f"b={moved}"], n_bootstrap=200, out=tmp_path / "moved")
+    assert got["n_items"] == want["n_items"] and got["item_set_sha256"] == want["item_set_sha256"]
+    g, w = got["comparisons"][0], want["comparisons"][0]
+    assert (g["b_items"], g["c_items"]) == (w["b_items"], w["c_items"]) and w["b_items"] + w["c_items"] > 0
+    assert g["methods"] == w["methods"] and g["per_seed"] == w["per_seed"] and got["verdict"] == want["verdict"]
+
+
+def test_lm_eval_metric_names_the_filter_it_scores(tmp_path):
+    path = _write_lines(tmp_path / GEN, _gen_samples({"strict-match": {1, 4}, "flexible-extract": {1, 2, 4, 6}}))
+    (strict,) = read_items(path)
+    assert strict.metric == "exact_match,strict-match" and strict.scores_N.tolist() == [0, 1, 0, 0, 1, 0, 0, 0]
+    assert any("'strict-match' of ['strict-match', 'flexible-extract']" in n for n in strict.notes)
+    (flex,) = read_items(path, metric="exact_match,flexible-extract")
+    assert flex.metric == "exact_match,flexible-extract" and flex.scores_N.tolist() == [0, 1, 1, 0, 1, 0, 1, 0]
+    (first,) = read_items(path, metric="exact_match")  # no filter named: the first, as by default
+    assert first.scores_N.tolist() == strict.scores_N.tolist()
+
+
+@pytest.mark.parametrize("case", ["plain score 2", "plain score -0.5", "prime-rl reward 1.2"])
+def test_scores_outside_0_1_are_refused(tmp_path, case):
+    if case.startswith("plain"):
+        value = 2.0 if "2" in case.split()[-1] else -0.5
+        path = _write_lines(tmp_path / "p.jsonl", [{"item_id": "q0", "score": 0.5},
+                                                   {"item_id": "q1", "score": value}])
+        with pytest.raises(ItemsError, match=rf"p\.jsonl:2: score = {value} is not a score in \[0, 1\]"):
+            read_items(path)
+        return
+    src = DATA / "prime_rl" / "a" / "rollouts" / "step_20" / "eval_rollouts_gsm8k.jsonl"
+    rows = _lines(src)
+    rows[3]["reward"], rows[3]["metrics"]["correct_answer"] = 1.2, 1.0  # right, plus a 0.2 format bonus
+    path = _write_lines(tmp_path / "eval_rollouts_gsm8k.jsonl", rows)
+    with pytest.raises(ItemsError, match=r":4: reward = 1\.2 is not a score in \[0, 1\].*other values: "
+                                         r"\['correct_answer', 'num_turns'\], name one in \[0, 1\] with --metric"):
+        read_items(path)
+    (ok,) = read_items(path, metric="correct_answer")
+    assert ok.scores_N.max() == 1.0
