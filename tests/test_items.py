@@ -466,3 +466,114 @@ def test_scores_outside_0_1_are_refused(tmp_path, case):
         read_items(path)
     (ok,) = read_items(path, metric="correct_answer")
     assert ok.scores_N.max() == 1.0
+
+
+def _lm_arm(tmp: Path, name: str, gen_right: set[int], revision: int = 0, mc_from: str = "a_seed0") -> Path:
+    """One lm-eval run's output folder as lm-eval writes it (`<output_path>/<model>/samples_*.jsonl`): the
+    multiple-choice task arith_add (the committed file) and the generative task arith_gen."""
+    run = tmp / name / "__models__smollm2"
+    run.mkdir(parents=True)
+    mc = next((LM / mc_from).glob("samples_arith_add_*"))
+    (run / mc.name).write_text(mc.read_text())
+    flex = gen_right | {7}
+    _write_lines(run / GEN, _gen_samples({"strict-match": gen_right, "flexible-extract": flex},
+                                         revision=revision))
+    return tmp / name
+
+
+def test_lm_eval_documents_must_match_behind_each_doc_id(tmp_path, capsys):
+    a = _lm_arm(tmp_path, "a", {0, 3})
+    b = _lm_arm(tmp_path, "b", {0, 1, 3, 5}, revision=1, mc_from="b_seed0")  # another revision of arith_gen
+    rc, _, err = _run(capsys, "--items", f"a={a}", f"b={b}", "--out", str(tmp_path / "out"))
+    assert rc == 2 and err.count("\n") == 1, err
+    assert re.search(r"doc_id 0 of task arith_gen is another item in b \(.*\) than in a \(.*\): its doc_hash "
+                     r"differs \(8 of 16 items do\)", err), err
+    assert not (tmp_path / "out").exists()
+    # the task files named alone: the same check, the task named by its file
+    files = [next(x.rglob("samples_arith_gen_*")) for x in (a, b)]
+    with pytest.raises(ItemsError, match=r"doc_id 0 of task arith_gen is another item"):
+        compare_items([f"a={files[0]}", f"b={files[1]}"], out=tmp_path / "out")
+    # the same documents behind the ids: compared
+    b2 = _lm_arm(tmp_path, "b2", {0, 1, 3, 5}, mc_from="b_seed0")
+    assert compare_items([f"a={a}", f"b={b2}"], n_bootstrap=100, out=tmp_path / "ok")["n_items"] == 16
+
+
+def test_an_lm_eval_folder_of_a_multiple_choice_and_a_generative_task(tmp_path, capsys):
+    a = _lm_arm(tmp_path, "a", {0, 3})
+    b = _lm_arm(tmp_path, "b", {0, 1, 3, 5}, mc_from="b_seed0")
+    rc, out, err = _run(capsys, "--items", f"a={a}", f"b={b}", "--out", str(tmp_path / "out"), "--json",
+                        "--bootstrap", "100")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["n_items"] == 16 and res["categories"]["names"] == ["arith_add", "arith_gen"]
+    assert res["metric"] == "arith_add: acc,none; arith_gen: exact_match,strict-match"
+    assert any("each task is scored by its own first metric" in n for n in res["notes"])
+    # each task's accuracy per arm: the mean of its own metric, as lm-eval's results json reports it
+    acc = {(r["arm"], r["category"]): r for r in res["categories"]["accuracy"]}
+    for arm, src in (("a", "a_seed0"), ("b", "b_seed0")):
+        mc = _lines(next((LM / src).glob("samples_arith_add_*")))
+        assert acc[arm, "arith_add"]["accuracy"] == pytest.approx(np.mean([r["acc"] for r in mc]))
+        assert acc[arm, "arith_add"]["metric"] == "acc,none" and acc[arm, "arith_add"]["n_items"] == 8
+    assert acc["a", "arith_gen"]["accuracy"] == 2 / 8 and acc["b", "arith_gen"]["accuracy"] == 4 / 8
+    assert acc["b", "arith_gen"]["metric"] == "exact_match,strict-match"
+    md = (tmp_path / "out" / "compare.md").read_text()
+    assert "| arith_gen | exact_match,strict-match | 8 | 0.2500 | 0.5000 |" in md
+    # a task missing in one arm is named as such
+    next(b.rglob("samples_arith_gen_*")).unlink()
+    rc, _, err = _run(capsys, "--items", f"a={a}", f"b={b}", "--out", str(tmp_path / "out2"))
+    assert rc == 2 and re.search(r"b \(.*\) lacks task\(s\) \['arith_gen'\] that a \(.*\) has", err), err
+
+
+def _old_lm_eval(src: Path, dest: Path, array: bool) -> Path:
+    """The same samples as an older lm-eval writes them: 0.4.3-0.4.6 without `filter` / `metrics`
+    (evaluator.py's `example` at v0.4.5), 0.4.0-0.4.2 also without the hashes, as one JSON array
+    (`json.dumps(samples[task_name], indent=2)` into `<model_args>_<task>.jsonl`, __main__.py at v0.4.2)."""
+    rows = []
+    for r in _lines(src):
+        r = {k: v for k, v in r.items() if k not in ("filter", "metrics")}
+        if array:
+            r = {k: v for k, v in r.items() if not k.endswith("_hash")}
+        rows.append(r)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if array:
+        dest.write_text(json.dumps(rows, indent=2, ensure_ascii=False))
+    else:
+        _write_lines(dest, rows)
+    return dest
+
+
+@pytest.mark.parametrize("array", [False, True], ids=["0.4.3-0.4.6", "0.4.0-0.4.2"])
+def test_lm_eval_files_older_than_0_4_7_are_read(tmp_path, array):
+    src = next((LM / "a_seed0").glob("samples_arith_add_*"))
+    name = "pretrained__smollm2_arith_add.jsonl" if array else src.name
+    old = _old_lm_eval(src, tmp_path / name, array)
+    raw = _lines(src)
+    (f,) = read_items(old)
+    assert f.format == "lm_eval" and f.metric == "acc,none" and f.scores_N.tolist() == [r["acc"] for r in raw]
+    assert any("older than 0.4.7" in n for n in f.notes)
+    (norm,) = read_items(old, metric="acc_norm")
+    assert norm.scores_N.tolist() == [r["acc_norm"] for r in raw]
+    assert (f.content is None) == array  # 0.4.3 on write doc_hash
+    # several filters without a `filter` key: which line is which cannot be told
+    gen = _write_lines(tmp_path / "gen" / GEN, [{k: v for k, v in r.items() if k not in ("filter", "metrics")}
+                                                for r in _gen_samples({"strict-match": {1}, "flex": {2}})])
+    with pytest.raises(ItemsError, match=r":9: doc_id 0 again \(first on line 1\): an lm-eval file older than "
+                                         r"0\.4\.7 names no filter"):
+        read_items(gen)
+
+
+def test_lm_eval_results_json_points_to_the_samples_files(tmp_path, capsys):
+    results = {"results": {"arith_add": {"alias": "arith_add", "acc,none": 0.5, "acc_stderr,none": 0.189}},
+               "group_subtasks": {"arith_add": []}, "configs": {"arith_add": {"task": "arith_add"}},
+               "versions": {"arith_add": 1.0}, "n-shot": {"arith_add": 0}, "config": {"model": "hf"},
+               "git_hash": "b5fa3b7", "date": 1796634445.3}
+    path = tmp_path / "results_2026-12-07T09-07-25.331304.json"
+    path.write_text(json.dumps(results, indent=2))
+    rc, _, err = _run(capsys, "--items", f"a={path}", f"b={DATA / 'plain.jsonl'}", "--out", str(tmp_path / "o"))
+    assert rc == 2 and err.count("\n") == 1
+    assert "lm-eval's aggregate results" in err and "--log_samples" in err and "samples_<task>_<date>.jsonl" in err
+    assert "truncated or corrupted" not in err
+    renamed = tmp_path / "results.jsonl"  # by its content too, whatever its name
+    renamed.write_text(path.read_text())
+    with pytest.raises(ItemsError, match="lm-eval's aggregate results"):
+        read_items(renamed)

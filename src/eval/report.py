@@ -332,8 +332,9 @@ def _categories(result: dict[str, Any]) -> list[str]:
     cats = result.get("categories")
     if not cats:
         return []
-    lines = ["", (f"## Per category (secondary: {cats['multiplicity']}, {cats['family_size']} rows; they "
-                  "decide nothing)"), "",
+    lines = _category_accuracy(cats)
+    lines += ["", (f"## Per category (secondary: {cats['multiplicity']}, {cats['family_size']} rows; they "
+                   "decide nothing)"), "",
              ("| treatment | category | items | diff | rule interval at its Holm level | rule p | Holm p "
               "| result |"),
              "|---|---|---:|---:|---|---:|---:|---|"]
@@ -341,6 +342,25 @@ def _categories(result: dict[str, Any]) -> list[str]:
         lines.append(f"| {r['arm']} | {r['category']} | {r['n_items']} | {_pts(r['estimate'])} | "
                      f"{_ci(r['rule_ci'])} (alpha {r['holm_level']:.4g}) | {_p(r['p_rule'])} | "
                      f"{_p(r['p_holm'])} | {r['verdict']} |")
+    return lines
+
+
+def _category_accuracy(cats: dict[str, Any]) -> list[str]:
+    """Each arm's accuracy per category (an lm-eval task: the number its results json shows), averaged over
+    seeds."""
+    acc = cats.get("accuracy")
+    if not acc:
+        return []
+    arms = list(dict.fromkeys(r["arm"] for r in acc))
+    by = {(r["arm"], r["category"]): r for r in acc}
+    kind = cats.get("kind", "category")
+    lines = ["", f"## Accuracy per {kind} and arm (mean over seeds)", "",
+             f"| {kind} | metric | items | " + " | ".join(f"acc {a}" for a in arms) + " |",
+             "|---|---|---:|" + "---:|" * len(arms)]
+    for c in cats["names"]:
+        first = by[arms[0], c]
+        lines.append(f"| {c} | {first['metric']} | {first['n_items']} | "
+                     + " | ".join(f"{by[a, c]['accuracy']:.4f}" for a in arms) + " |")
     return lines
 
 
