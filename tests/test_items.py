@@ -375,12 +375,12 @@ def _gen_samples(right: dict[str, set[int]], n: int = 8, revision: int = 0) -> l
     filter, filters in the task's order): gsm8k-style `exact_match` under `strict-match` and
     `flexible-extract`; `right[filter]` = the doc_ids that filter scores 1."""
     lines = []
-    for flt in right:
+    for flt, good in right.items():
         for i in range(n):
             doc = _gen_doc(i, revision)
             target = doc["answer"].rpartition("#### ")[2]
             prompt = f"Question: {doc['question']}\nAnswer:"
-            ok = i in right[flt]
+            ok = i in good
             lines.append({
                 "doc_id": i, "doc": doc, "target": doc["answer"],
                 "arguments": {"gen_args_0": {"arg_0": prompt, "arg_1": {"until": ["Question:", "</s>"],
