@@ -577,3 +577,162 @@ def test_lm_eval_results_json_points_to_the_samples_files(tmp_path, capsys):
     renamed.write_text(path.read_text())
     with pytest.raises(ItemsError, match="lm-eval's aggregate results"):
         read_items(renamed)
+
+
+# ----------------------------------------------------------------------------- prime-rl, cookbook, verl
+PRIME = DATA / "prime_rl"
+
+
+def _prime_file(arm: str) -> Path:
+    return PRIME / arm / "rollouts" / "step_20" / "eval_rollouts_gsm8k.jsonl"
+
+
+def test_prime_rl_example_ids_must_name_the_same_question(tmp_path):
+    rows = _lines(_prime_file("b"))
+    for r in rows:
+        if r["example_id"] == 3:  # another dataset (or order) behind the same index
+            r["prompt"] = [{"role": "user", "content": "question 30"}]
+            r["answer"] = "12"
+    moved = _write_lines(tmp_path / "b" / "eval_rollouts_gsm8k.jsonl", rows)
+    with pytest.raises(ItemsError, match=r"example_id 3 of env gsm8k is another item in b \(.*\) than in a "
+                                         r"\(.*\): its question and answer differs \(1 of 5 items do\).*plain "
+                                         r"files \(item_id, score\)"):
+        compare_items([f"a={_prime_file('a')}", f"b={moved}"], out=tmp_path / "out")
+    # a system prompt (the treatment, say) may differ: the question and the answer are the item
+    rows = _lines(_prime_file("b"))
+    for r in rows:
+        r["prompt"].insert(0, {"role": "system", "content": "Think step by step."})
+    sys_prompt = _write_lines(tmp_path / "sys" / "eval_rollouts_gsm8k.jsonl", rows)
+    assert compare_items([f"a={_prime_file('a')}", f"b={sys_prompt}"], n_bootstrap=50,
+                         out=tmp_path / "ok")["n_items"] == 5
+    # within one file, one example_id with two questions
+    rows = _lines(_prime_file("a"))
+    rows[1]["prompt"] = [{"role": "user", "content": "question 9"}]
+    two = _write_lines(tmp_path / "two.jsonl", rows)
+    with pytest.raises(ItemsError, match=r"two\.jsonl:2: item '0' has another question and answer than on line 1"):
+        read_items(two)
+
+
+def test_prime_rl_errored_rollouts_are_left_out_as_prime_rl_leaves_them(tmp_path):
+    rows = _lines(_prime_file("a"))
+    error = {"error": "ModelError", "message": "vLLM request timed out", "traceback": None}
+    by_id = defaultdict(list)
+    for k, r in enumerate(rows):
+        by_id[r["example_id"]].append(k)
+    rows[by_id[2][0]].update(error=error, reward=0.0)  # one of example 2's two rollouts
+    for k in by_id[4]:  # both of example 4's
+        rows[k].update(error=error, reward=0.0)
+    path = _write_lines(tmp_path / "a" / "eval_rollouts_gsm8k.jsonl", rows)
+    (f,) = read_items(path)
+    assert f.ids == ["0", "1", "2", "3"] and f.left_out == ["4"] and f.repeats == 2
+    assert f.scores_N[2] == rows[by_id[2][1]]["reward"]  # the one rollout that did not error
+    kept = [r["reward"] for r in rows if r["error"] is None]
+    assert any("3 rollout(s) ended in an error: left out" in n for n in f.notes)
+    # with one rollout per example the arm's accuracy is prime-rl's own eval reward over the effective set
+    singles = _write_lines(tmp_path / "s" / "eval_rollouts_gsm8k.jsonl",
+                           [rows[by_id[i][1]] for i in range(5)])
+    (s,) = read_items(singles)
+    assert s.scores_N.mean() == pytest.approx(np.mean([r["reward"] for r in _lines(singles) if not r["error"]]))
+    assert len(kept) == 7
+    res = compare_items([f"a={path}", f"b={_prime_file('b')}"], n_bootstrap=50, out=tmp_path / "out")
+    assert res["n_items"] == 4
+    assert any(n.startswith("1 item(s) left out of every arm") and "'4'" in n for n in res["notes"])
+
+
+def _trace(idx: int, env: str, reward: float, error: bool = False, question: str | None = None) -> dict:
+    """One eval record of prime-rl v0.7.0's traces.jsonl: `Rollout.to_record()` (verifiers v1
+    `Trace.model_dump(mode="json")` plus kind, env_name, group_id, policy_version, eval_step)."""
+    q = question or f"What is {idx} + {idx + 2}?"
+    t0 = 1796634000.0 + idx
+    node = {"parent": None, "sampled": False, "timestamp": t0, "token_ids": [], "mask": [], "is_content": []}
+    return {
+        "id": f"{idx:04d}{env}"[:32], "task": {"type": "SingleTurnTask", "data": {
+            "idx": idx, "name": None, "description": None, "prompt": [{"role": "user", "content": q}],
+            "system_prompt": None, "image": None, "workdir": None,
+            "timeout": {"setup": None, "harness": None, "finalize": None, "scoring": None},
+            "resources": {"cpu": None, "memory": None, "gpu": None}, "answer": str(2 * idx + 2)}},
+        "runtime": None,
+        "nodes": [{**node, "message": {"role": "user", "content": q}},
+                  {**node, "parent": 0, "sampled": True, "message": {"role": "assistant", "content": "\\boxed{4}"}}],
+        "rewards": {} if error else {"correct_answer": reward},
+        "metrics": {} if error else {"correct_answer": reward, "num_turns": 1.0},
+        "info": {}, "extra_usage": [], "is_completed": not error,
+        "stop_condition": "error" if error else "no_tools_called",
+        "errors": [{"type": "ModelError", "message": "request timed out", "traceback": None}] if error else [],
+        "timing": {"start": t0, **{k: {"start": t0, "end": t0 + 1} for k in
+                                   ("setup", "generation", "finalize", "scoring")}},
+        "kind": "eval", "env_name": env, "group_id": "6f1c2d3e-0000-4000-8000-00000000000" + str(idx % 10),
+        "policy_version": 20, "eval_step": 20}
+
+
+def test_prime_rl_v0_7_eval_traces_are_read(tmp_path):
+    right = {"a": {("gsm8k", 0), ("gsm8k", 2), ("math", 1)},
+             "b": {("gsm8k", 0), ("gsm8k", 1), ("gsm8k", 2), ("math", 0), ("math", 1)}}
+    folders = {}
+    for arm, ok in right.items():
+        step = tmp_path / arm / "rollouts" / "step_20"
+        recs = [_trace(i, env, float((env, i) in ok), error=arm == "a" and (env, i) == ("gsm8k", 3))
+                for env, n in (("gsm8k", 4), ("math", 2)) for i in range(n)]
+        _write_lines(step / "eval" / "all" / "traces.jsonl", recs)
+        _write_lines(step / "eval" / "effective" / "traces.jsonl", [r for r in recs if not r["errors"]])
+        folders[arm] = step
+    (f,) = read_items(folders["a"])
+    assert f.format == "prime_rl" and f.metric == "reward" and f.category_kind == "env"
+    assert f.ids == ["gsm8k/0", "gsm8k/1", "gsm8k/2", "math/0", "math/1"] and f.left_out == ["gsm8k/3"]
+    assert f.categories == ["gsm8k"] * 3 + ["math"] * 2 and f.scores_N.tolist() == [1, 0, 1, 0, 1]
+    assert any("1 rollout(s) ended in an error" in n for n in f.notes)
+    (m,) = read_items(folders["a"] / "eval" / "all" / "traces.jsonl", metric="correct_answer")
+    assert m.scores_N.tolist() == f.scores_N.tolist()
+    res = compare_items([f"a={folders['a']}", f"b={folders['b']}"], n_bootstrap=50, out=tmp_path / "out")
+    assert res["n_items"] == 5 and res["categories"]["names"] == ["gsm8k", "math"]
+    assert any(n.startswith("1 item(s) left out of every arm") and "gsm8k/3" in n for n in res["notes"])
+    acc = {(r["arm"], r["category"]): r["accuracy"] for r in res["categories"]["accuracy"]}
+    assert acc["a", "gsm8k"] == 2 / 3 and acc["b", "math"] == 1.0
+    # another question behind an index: refused
+    _write_lines(folders["b"] / "eval" / "all" / "traces.jsonl",
+                 [_trace(i, "gsm8k", 1.0, question="Another question?" if i == 2 else None) for i in range(4)]
+                 + [_trace(i, "math", 1.0) for i in range(2)])
+    with pytest.raises(ItemsError, match=r"example_id 2 of env gsm8k is another item"):
+        compare_items([f"a={folders['a']}", f"b={folders['b']}"], out=tmp_path / "out2")
+
+
+def test_a_timed_out_cookbook_trajectory_scores_0_on_every_metric(tmp_path, capsys):
+    run = tmp_path / "runs" / "arm_b"
+    rows = _lines(COOK / "b" / "runs" / "arm_b" / "gsm8k" / "trajectories.jsonl")
+    # what the runner saves on a timeout: reward 0, the error, no metrics, no assistant turn
+    rows[4].update(reward=0.0, metrics={}, error="timeout (600s)", turns=rows[4]["turns"][:1], logs={})
+    _write_lines(run / "gsm8k" / "trajectories.jsonl", rows)
+    (f,) = read_items(run, metric="correct")
+    assert f.scores_N.tolist() == [r["metrics"].get("correct", 0.0) for r in rows] and f.scores_N[4] == 0.0
+    assert any("1 trajectory(ies) ended in an error (a timeout, say): each scores 0 on correct" in n
+               for n in f.notes)
+    rc, out, err = _run(capsys, "--items", f"a={COOK / 'a' / 'runs' / 'arm_a'}", f"b={run}", "--metric",
+                        "correct", "--out", str(tmp_path / "out"), "--bootstrap", "50")
+    assert rc == 0 and "each scores 0 on correct" in out, err
+    # a trajectory without the metric that did not fail is still refused
+    rows[4]["error"] = None
+    _write_lines(run / "gsm8k" / "trajectories.jsonl", rows)
+    with pytest.raises(ItemsError, match=r"no metric 'correct' \(this trajectory has reward and metrics \[\]\)"):
+        read_items(run, metric="correct")
+
+
+def test_a_verl_folder_gives_its_latest_dump_and_a_shared_prompt_is_named(tmp_path):
+    val = tmp_path / "val"
+    val.mkdir()
+    for step in (20, 40, 100):
+        src = DATA / "verl" / "b" / "40.jsonl"
+        rows = _lines(src)
+        for r in rows:
+            r["step"] = step
+        _write_lines(val / f"{step}.jsonl", rows)
+    (f,) = read_items(val)
+    assert f.path == val / "100.jsonl" and f.eval_name == "verl step 100"
+    assert any("steps [20, 40, 100]: the latest, 100.jsonl, is read" in n for n in f.notes)
+    # two rows of the validation set with one prompt text
+    rows = _lines(DATA / "verl" / "b" / "40.jsonl")
+    rows.append(dict(rows[2]))
+    dup = _write_lines(tmp_path / "dup" / "40.jsonl", rows)
+    with pytest.raises(ItemsError, match=r"40\.jsonl:3: 1 prompt text\(s\) come 2x as often as the others "
+                                         r"\(e\.g\. 'user\\nSolve: 2 \+ 2.*two rows of the validation set share "
+                                         r"one prompt"):
+        read_items(dup)
