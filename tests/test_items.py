@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import re
+import shutil
 from collections import defaultdict
 from pathlib import Path
 
@@ -736,3 +737,116 @@ def test_a_verl_folder_gives_its_latest_dump_and_a_shared_prompt_is_named(tmp_pa
                                          r"\(e\.g\. 'user\\nSolve: 2 \+ 2.*two rows of the validation set share "
                                          r"one prompt"):
         read_items(dup)
+
+
+# ----------------------------------------------------------------------------- the report's words
+def _bounds(obj, key=""):
+    """Every interval bound of a difference in compare.json (the keys clip_to_score_range cuts)."""
+    from eval.items import _BOUND_KEYS
+
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k in _BOUND_KEYS and isinstance(v, float):
+                yield k, v
+            elif k == "rule_ci" and isinstance(v, list):
+                yield from ((k, x) for x in v)
+            else:
+                yield from _bounds(v, k)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _bounds(v, key)
+
+
+def test_intervals_stay_within_the_range_of_a_difference_of_scores(tmp_path):
+    # 2 seeds of 16 items: seed t's interval (t = 12.7 at df 1) and Hoeffding's at 8 items reach past +-1
+    arm = {a: ",".join(str(LM / f"{a}_seed{s}") for s in (0, 1)) for a in ("a", "b")}
+    res = compare_items([f"a={arm['a']}", f"b={arm['b']}"], n_bootstrap=100, out=tmp_path)
+    found = list(_bounds(res))
+    assert len(found) > 20 and all(-1.0 <= v <= 1.0 for _, v in found)
+    assert {v for _, v in found} & {-1.0, 1.0}, "no bound was cut: the case does not test the cut"
+    assert any(n.startswith("intervals are cut to [-100, +100] pts") for n in res["notes"])
+    md = (tmp_path / "compare.md").read_text()
+    shown = [float(x) for x in re.findall(r"\[([+-]\d+\.\d+) pts, ", md) + re.findall(r", ([+-]\d+\.\d+) pts\]", md)]
+    assert shown and all(abs(x) <= 100 for x in shown)
+    assert res["verdict"] == "inconclusive"  # decided before the cut, and unchanged by it
+
+
+def test_the_report_says_pre_registered_only_for_a_plan_and_advises_only_what_items_accept(tmp_path):
+    add = [next((LM / f"{a}_seed0").glob("samples_arith_add_*")) for a in ("a", "b")]
+    specs = [f"a={add[0]}", f"b={add[1]}"]
+    compare_items(specs, n_bootstrap=50, out=tmp_path / "cli")
+    md = (tmp_path / "cli" / "compare.md").read_text()
+    assert "## Decision rule (not pre-registered: the command line's options)" in md
+    assert "(pre-registered)" not in md and "resolved from the sweep" not in md
+    assert "--aa" not in md and "--multirun" not in md and "one file per training seed" in md
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("method: auto\nbaseline: a\n")
+    compare_items(specs, plan=str(plan), n_bootstrap=50, out=tmp_path / "plan")
+    md = (tmp_path / "plan" / "compare.md").read_text()
+    assert "## Decision rule (pre-registered)" in md and f"Rule source: pre-registered in {plan}" in md
+    assert "resolved from the files" in md
+    # one arm at two seeds: the A/A spread, with no --aa advice
+    compare_items([f"a={LM / 'a_seed0'},{LM / 'a_seed1'}"], out=tmp_path / "aa")
+    md = (tmp_path / "aa" / "compare.md").read_text()
+    assert md.startswith("# A/A comparison") and "--aa" not in md
+
+
+def test_the_default_output_folder_never_overwrites_another_comparison(tmp_path, capsys):
+    root = tmp_path / "lm_out"
+    for run, src in (("a", "a_seed0"), ("b", "b_seed0")):
+        shutil.copytree(LM / src, root / run)
+    task = {t: [str(next((root / r).glob(f"samples_{t}_*"))) for r in "ab"] for t in ("arith_add", "arith_mul")}
+    rc, out, err = _run(capsys, "--items", f"a={task['arith_add'][0]}", f"b={task['arith_add'][1]}",
+                        "--bootstrap", "50")
+    assert rc == 0 and f"compare.json: {root / 'compare.json'}" in out, err
+    first = (root / "compare.json").read_text()
+    # the other task's comparison would land in the same folder: refused, naming --out, nothing written
+    rc, _, err = _run(capsys, "--items", f"a={task['arith_mul'][0]}", f"b={task['arith_mul'][1]}")
+    assert rc == 2 and err.count("\n") == 1
+    assert f"{root / 'compare.json'} holds another comparison (per-item files of 'arith_add', arms ['a', 'b'])" in err and "--out DIR" in err
+    assert (root / "compare.json").read_text() == first
+    rc, _, err = _run(capsys, "--items", f"a={task['arith_mul'][0]}", f"b={task['arith_mul'][1]}", "--out",
+                      str(tmp_path / "mul"), "--bootstrap", "50")
+    assert rc == 0 and (tmp_path / "mul" / "compare.json").is_file(), err
+    # the same comparison again writes over its own report
+    rc, _, err = _run(capsys, "--items", f"a={task['arith_add'][0]}", f"b={task['arith_add'][1]}",
+                      "--bootstrap", "50")
+    assert rc == 0, err
+
+
+def test_messages_say_what_to_do(tmp_path, capsys):
+    def refused(*argv: str) -> str:
+        rc, _, err = _run(capsys, "--items", *argv, "--out", str(tmp_path / "never"))
+        assert rc == 2 and err.count("\n") == 1, err
+        assert not (tmp_path / "never").exists()
+        return err
+
+    prime = _prime_file("a")
+    plain = DATA / "plain.jsonl"
+    # files of two frameworks: no advice to pass --metric, with it or without
+    for extra in ([], ["--metric", "reward"]):
+        err = refused(f"a={prime}", f"b={plain}", *extra) if not extra else refused(
+            f"a={prime}", f"b={_write_lines(tmp_path / 'r.jsonl', [{'item_id': 'q', 'reward': 1.0}])}", *extra)
+        assert "come from different frameworks" in err and "pass --metric" not in err
+    # lm-eval files whose first filter differs, --metric without the filter: name the filter
+    strict = _write_lines(tmp_path / "s" / GEN, _gen_samples({"strict-match": {1}, "flexible-extract": {2}}))
+    flex = _write_lines(tmp_path / "f" / GEN, _gen_samples({"flexible-extract": {2}, "strict-match": {1}}))
+    err = refused(f"a={strict}", f"b={flex}", "--metric", "exact_match")
+    assert "name the filter too, --metric exact_match,<filter>" in err and "pass --metric" not in err
+    err = refused(f"a={strict}", f"b={flex}")
+    assert "pass --metric to name one metric every file has" in err
+    # two lm_eval runs written into one folder: move them apart, not "name the file(s)"
+    two = tmp_path / "two"
+    shutil.copytree(LM / "a_seed0", two)
+    for p in (LM / "a_seed1").glob("*.jsonl"):
+        shutil.copy(p, two / p.name)
+    err = refused(f"a={two}", f"b={LM / 'b_seed0'}")
+    assert "two lm_eval runs wrote into one folder; move each run's files" in err and "name the file" not in err
+    # a folder of nothing this command reads: how to name what it reads, and that a comma list is seeds
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    err = refused(f"a={empty}", f"b={LM / 'b_seed0'}")
+    assert "comma-separated files are one arm's seeds, not its tasks" in err
+    # the cookbook's EvalStore root: the run to name
+    err = refused(f"a={COOK / 'a'}", f"b={COOK / 'b' / 'runs' / 'arm_b'}")
+    assert f"name one run, {COOK / 'a' / 'runs' / 'arm_a'}" in err

@@ -373,7 +373,7 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
         out_dir = Path(out).resolve()
     else:
         out_dir = Path(os.path.commonpath([str(f.path.resolve().parent) for f in files]))
-        _refuse_another_comparison(out_dir, item_sha, [a.name for a in arms], first.metric)
+        _refuse_another_comparison(out_dir, item_sha, [a.name for a in arms], first)
     notes = [n for f in files for n in f.notes] + match_notes
     notes = list(dict.fromkeys(notes))  # one note per distinct message
     notes.append("per-item files carry no training metrics: whether the arms' switch acted (`inert`) is not "
@@ -431,7 +431,7 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
     return _write(result, [], {}, out_dir, False, f" ({', '.join(treatments)} vs {base})")
 
 
-def _refuse_another_comparison(out_dir: Path, item_sha: str, arms: list[str], metric: str) -> None:
+def _refuse_another_comparison(out_dir: Path, item_sha: str, arms: list[str], first: ItemFile) -> None:
     """The default output folder (the files' common parent) may already hold the report of another
     comparison (another task's files, other arms): refused before anything is written, rather than
     overwritten. The same comparison at other seeds is a later look and writes over it, as for a sweep."""
@@ -443,11 +443,16 @@ def _refuse_another_comparison(out_dir: Path, item_sha: str, arms: list[str], me
     except (OSError, ValueError):
         prev = None
     same = (isinstance(prev, dict) and prev.get("source") == "items" and prev.get("item_set_sha256") == item_sha
-            and prev.get("metric") == metric
+            and prev.get("metric") == first.metric and prev.get("eval_name") == first.eval_name
             and sorted({a.get("loss") for a in prev.get("arms") or [] if isinstance(a, dict)}) == sorted(arms))
     if not same:
-        what = (f"{prev.get('source', 'sweep')} comparison of {prev.get('eval_name')!r}" if isinstance(prev, dict)
-                else "an unreadable report")
+        if not isinstance(prev, dict):
+            what = "a report this command cannot read"
+        elif prev.get("source") == "items":
+            old = sorted({str(a.get("loss")) for a in prev.get("arms") or [] if isinstance(a, dict)})
+            what = f"per-item files of {prev.get('eval_name')!r}, arms {old}"
+        else:
+            what = "a sweep's"
         raise ItemsError(f"{prev_file} holds another comparison ({what}); pass --out DIR to write this one "
                          "elsewhere (nothing was written)")
 
@@ -536,6 +541,12 @@ def items_summary(result: dict[str, Any], summary: Any) -> str:
               f"{result['n_seeds']} seed(s) per arm"), summary(result),
              f"rule source: {result['decision']['source']}"]
     cats = result.get("categories")
+    if cats and cats.get("accuracy"):
+        by: dict[str, list[str]] = {}
+        for r in cats["accuracy"]:
+            by.setdefault(f"{r['category']} ({r['metric']})", []).append(f"{r['arm']} {r['accuracy']:.4f}")
+        lines.append(f"accuracy per {cats.get('kind', 'category')}: "
+                     + "; ".join(f"{c}: {', '.join(v)}" for c, v in by.items()))
     if cats:
         lines.append(f"secondary, per category ({cats['multiplicity']}, {cats['family_size']} rows; they "
                      "decide nothing):")

@@ -91,8 +91,11 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
         lines.append("")
     for r in rows:
         lines.append(f"- {verdict_line(r, rule)}")
+    items = result.get("source") == "items"
     lines += ["", _scope_sentence(result), ""]
-    lines += ["## Decision rule (pre-registered)" if not rule["overridden"] else
+    pre_registered = rule["source"] == "config" or rule["source"].startswith("pre-registered")
+    lines += [("## Decision rule (pre-registered)" if pre_registered else
+               "## Decision rule (not pre-registered: the command line's options)") if not rule["overridden"] else
               "## Decision rule (OVERRIDDEN on the command line with --override-decision)", "",
               f"> {rule['text']}. Estimand: {rule['estimand']}.", ""]
     if rule["overridden"]:
@@ -106,7 +109,8 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
                "margin; `inert`: the switch never acted in these runs; otherwise `inconclusive`. The other methods "
                "below are secondary: they do not change the verdict."), ""]
     if rule.get("requested") == "auto":
-        lines += [f"The rule's method was resolved from the sweep: {rule['resolution']}.", ""]
+        lines += [(f"The rule's method was resolved from the {'files' if items else 'sweep'}: "
+                   f"{rule['resolution']}."), ""]
     if rule["method"] == "paired_hoeffding" and rule["endpoint"] != "auc":
         lines += [(f"At n = {first['n_items']} items and alpha = {rule['alpha']:g} the Hoeffding half-width is "
                    f"{first['hoeffding_half_width']:.4f}, so `validated` needs a gap above "
@@ -159,6 +163,12 @@ def _inert_section(r: dict[str, Any]) -> list[str]:
 
 def _scope_sentence(result: dict[str, Any]) -> str:
     S = result["n_seeds"]
+    if S == 1 and result.get("source") == "items":
+        return ("**Scope: these fixed checkpoints.** One file per arm: the verdict concerns the two trained "
+                "checkpoints and cannot separate the training procedure from training noise (two trainings "
+                "at different seeds can differ by as much). Give each arm one file per training seed (>= 2, "
+                "`NAME=FILE,FILE,...`) to learn about the procedure; one arm's files alone give the "
+                "between-seed spread.")
     if S == 1:
         return ("**Scope: these fixed checkpoints.** One seed per arm: the verdict concerns the two trained "
                 "checkpoints and cannot separate the loss from training noise (two runs of the same loss at "
@@ -304,9 +314,13 @@ def _aa_report(result: dict[str, Any]) -> list[str]:
     aa = result["aa"]
     rule = result["decision"]
     lines = [f"# A/A comparison: {aa['loss']} at seeds {aa['seeds']} (no treatment)", "",
-             (f"Eval: `{result['eval_name']}`, {result['n_items']} items; endpoint: {_endpoint(rule)}. Every run "
-              "has the same loss and config: any difference between them is training noise (seed). This is the "
-              "noise floor an A/B gap must clear; pass this folder as `--aa` to an A/B comparison."), "",
+             (f"Eval: `{result['eval_name']}`, {result['n_items']} items; endpoint: {_endpoint(rule)}. "
+              + ("Every file is one arm's, at another seed: any difference between them is training noise "
+                 "(seed), as far as the files say. This is the noise floor an A/B gap must clear; with each A/B "
+                 "arm's files at several seeds, the seed-level rule counts it." if result.get("source") == "items"
+                 else "Every run has the same loss and config: any difference between them is training noise "
+                 "(seed). This is the noise floor an A/B gap must clear; pass this folder as `--aa` to an A/B "
+                 "comparison.")), "",
              "## Between-seed spread", "",
              "| seed | endpoint mean |", "|---:|---:|"]
     lines += [f"| {s} | {a:.4f} |" for s, a in aa["accuracy_by_seed"].items()]
