@@ -574,10 +574,14 @@ def test_lm_eval_results_json_points_to_the_samples_files(tmp_path, capsys):
     assert rc == 2 and err.count("\n") == 1
     assert "lm-eval's aggregate results" in err and "--log_samples" in err and "samples_<task>_<date>.jsonl" in err
     assert "truncated or corrupted" not in err
-    renamed = tmp_path / "results.jsonl"  # by its content too, whatever its name
-    renamed.write_text(path.read_text())
-    with pytest.raises(ItemsError, match="lm-eval's aggregate results"):
-        read_items(renamed)
+    renamed = tmp_path / "results.jsonl"  # by its content too, whatever its name, pretty-printed or not
+    for text in (path.read_text(), json.dumps(results)):
+        renamed.write_text(text)
+        with pytest.raises(ItemsError, match="lm-eval's aggregate results"):
+            read_items(renamed)
+    # JSON lines in a file named .json are read as such
+    lines = _write_lines(tmp_path / "plain.json", _lines(DATA / "plain.jsonl"))
+    assert [f.seed for f in read_items(lines)] == [0, 1]
 
 
 # ----------------------------------------------------------------------------- prime-rl, cookbook, verl
@@ -847,6 +851,12 @@ def test_messages_say_what_to_do(tmp_path, capsys):
     empty.mkdir()
     err = refused(f"a={empty}", f"b={LM / 'b_seed0'}")
     assert "comma-separated files are one arm's seeds, not its tasks" in err
+    # prime-rl's rollouts folder: the step folder to name
+    rollouts = tmp_path / "rollouts"
+    for step in (20, 100):
+        shutil.copytree(_prime_file("a").parent, rollouts / f"step_{step}")
+    err = refused(f"a={rollouts}", f"b={_prime_file('b').parent}")
+    assert f"name one step folder, e.g. the last, {rollouts / 'step_100'}" in err
     # the cookbook's EvalStore root: the run to name
     err = refused(f"a={COOK / 'a'}", f"b={COOK / 'b' / 'runs' / 'arm_b'}")
     assert f"name one run, {COOK / 'a' / 'runs' / 'arm_a'}" in err

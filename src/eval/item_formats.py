@@ -157,14 +157,19 @@ def _array(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield k, obj
 
 
-def _refuse_whole_json(path: Path) -> None:
-    """A pretty-printed JSON object is no per-item file; lm-eval's aggregate results get a pointer to the files
-    that hold the items."""
-    data = _load_whole(path)
-    if isinstance(data, dict) and "results" in data and ("configs" in data or "versions" in data):
+def _refuse_lm_eval_results(path: Path, obj: Any) -> None:
+    """lm-eval's results_<date>.json (evaluation_tracker.py `save_results_aggregated`: `results`, `configs`,
+    `versions`, ...) holds one number per task: point to the files that hold the items."""
+    if isinstance(obj, dict) and "results" in obj and ("configs" in obj or "versions" in obj):
         raise ItemsError(f"{path}: lm-eval's aggregate results (one accuracy per task, no per-item scores): "
                          "run lm_eval with --log_samples and pass its samples_<task>_<date>.jsonl files, or "
                          "the output folder that holds them")
+
+
+def _refuse_whole_json(path: Path) -> None:
+    """A pretty-printed JSON object is no per-item file."""
+    data = _load_whole(path)
+    _refuse_lm_eval_results(path, data)
     raise ItemsError(f"{path}: one JSON object, not per-item lines: pass a file with one JSON object per item "
                      "per line (or CSV)")
 
@@ -627,6 +632,7 @@ def detect_format(path: Path) -> str:
     if path.suffix.lower() == ".csv":
         return "csv"
     for _, obj in _lines(path):
+        _refuse_lm_eval_results(path, obj)
         for fmt, keys in _SIGNATURES:
             if all(k in obj for k in keys):
                 return fmt
@@ -651,8 +657,14 @@ def _folder_files(folder: Path, fmt: str | None) -> tuple[str, list[tuple[Path, 
             runs = sorted(p.name for p in (folder / "runs").iterdir() if p.is_dir())
             raise ItemsError(f"{folder}: a tinker-cookbook EvalStore holding runs {runs[:5]}: name one run, "
                              f"{folder / 'runs' / (runs[0] if runs else '<run_id>')}")
-        what = "none" if not found else ", ".join(sorted(found))
-        raise ItemsError(f"{folder}: found {what} of the per-item files this command reads: {_FOLDER_HELP}")
+        steps = sorted((p for p in folder.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+                       key=lambda p: int(p.name[5:]))
+        if not found and steps:
+            raise ItemsError(f"{folder}: prime-rl rollouts of steps {[p.name for p in steps[:5]]}"
+                             f"{'...' if len(steps) > 5 else ''}: name one step folder, e.g. the last, {steps[-1]}")
+        what = ("none of the per-item files this command reads" if not found
+                else f"files of several formats ({', '.join(sorted(found))})")
+        raise ItemsError(f"{folder}: found {what}: {_FOLDER_HELP}")
     (f, paths), = found.items()
     if f == "lm_eval":
         tasks: dict[str, Path] = {}
@@ -713,8 +725,6 @@ def read_items(path: str | Path, fmt: str | None = None, metric: str | None = No
                          left_out=left, left_out_categories=left_cats, category_kind=_CATEGORY_KIND[fmt], metrics_by_category=by_cat)]
     if not path.is_file():
         raise ItemsError(f"{path}: not found")
-    if path.suffix.lower() == ".json":
-        _refuse_whole_json(path)
     fmt = fmt or detect_format(path)
     got = FORMATS[fmt](path, metric)
     return got if isinstance(got, list) else [got]
