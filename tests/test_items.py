@@ -3,8 +3,11 @@
 The sample files in tests/data/items/ (make_samples.py there writes them): lm_eval/ was written by
 lm-evaluation-harness 0.4.13 itself (its dummy model, `--log_samples`), tinker_cookbook/ by tinker-cookbook
 0.5.8's own EvalStore; prime_rl/ and verl/ were built field for field from prime-rl v0.6.0's `save_rollouts`
-and verl v0.9.0's `_write_generations` (neither installs offline); plain.jsonl / plain.csv are this
-project's plain format.
+and verl v0.7.0's `_dump_generations` (neither installs offline); plain.jsonl / plain.csv are this
+project's plain format. The tests below build the other cases field for field from the writers' code in
+tmp_path (the docstring of each helper names its version): an lm-eval generative task with two filters,
+lm-eval files older than 0.4.7, prime-rl v0.7 eval traces, a timed-out cookbook trajectory, errored prime-rl
+rollouts.
 """
 
 from __future__ import annotations

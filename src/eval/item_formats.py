@@ -1,31 +1,43 @@
 """Format adapters: per-item result files of other frameworks -> one score in [0, 1] per item id.
 
 Each adapter reads one file (or one run's folder of files, one per task/benchmark/env, whose name then becomes
-the items' category and a prefix of their ids) and returns ItemFile objects. The formats, each read from the
-writer's own source at the version named:
+the items' category and the prefix `<task>/` of their ids) and returns ItemFile objects. The formats, each
+read from the writer's own source at the version named:
 
-- `lm_eval`: lm-evaluation-harness 0.4.13 `--log_samples`, `samples_<task>_<date>.jsonl`
-  (lm_eval/evaluator.py `evaluate`, the `example` dict: `doc_id`, `doc`, `target`, `arguments`, `resps`,
+- `lm_eval`: lm-evaluation-harness `--log_samples`, `samples_<task>_<date>.jsonl` (0.4.13:
+  lm_eval/evaluator.py `evaluate`, the `example` dict: `doc_id`, `doc`, `target`, `arguments`, `resps`,
   `filtered_resps`, `filter`, `metrics` (the names), `doc_hash`, `prompt_hash`, `target_hash`, then one key
   per metric; lm_eval/loggers/evaluation_tracker.py `save_results_samples` writes one JSON line per sample and
-  filter). The item id is `doc_id`; `--metric acc` or `acc,<filter>`; the default is the first metric of the
-  file's first filter. A run's output folder gives one category per task (a group's subtasks).
+  filter). The item id is `doc_id` (the document's position in the task), checked against `doc_hash` (the
+  sha256 of the document) in every file. `--metric acc` or `acc,<filter>`; the default is the first metric of
+  the file's first filter, and a run's folder scores each task by its own (one category per task). Older
+  files (EleutherAI/lm-evaluation-harness v0.4.5 @0845b58, evaluator.py: 0.4.3-0.4.6 write no `filter` /
+  `metrics`; v0.4.2 @4600d6b, __main__.py: 0.4.0-0.4.2 write no hashes either, as one JSON array in
+  `<model_args>_<task>.jsonl`) are read with filter `none` and the first per-sample metric key; a doc_id on
+  two lines (several filters, unnamed) is refused. `results_<date>.json` is refused with a pointer to the
+  samples files.
 - `tinker_cookbook`: tinker-cookbook 0.5.8 EvalStore, `runs/<run_id>/<benchmark>/trajectories.jsonl`
   (tinker_cookbook/eval/benchmarks/_types.py `StoredTrajectory.to_dict`: `idx`, `benchmark`, `example_id`,
   `turns`, `reward`, `metrics`, `logs`, `error`, `time_seconds`; written by `_runner.py` `_save_trajectory`).
-  The id is `example_id` (the runner's fallback is `str(idx)`); the default score is `reward > 0`, the
-  runner's own accuracy (`BenchmarkBuilder.aggregate`); `--metric reward` or a key of `metrics`.
+  The id is `example_id` (`make_example_id`: a hash of the question); the default score is `reward > 0`, the
+  runner's own accuracy (`BenchmarkBuilder.aggregate`); `--metric reward` or a key of `metrics`. A failed
+  trajectory (a timeout: `error` set, reward 0, `metrics` empty) scores 0 on every metric, as the runner
+  scores it, with a note.
 - `prime_rl`: prime-rl v0.6.0 eval rollouts, `rollouts/step_<n>/eval_rollouts_<env>.jsonl` (and
   `eval_rollouts.jsonl`, PR #2248) (src/prime_rl/orchestrator/orchestrator.py `finalize_eval_batch`,
   utils.py `save_rollouts`: orjson lines of `FinishedRollout.to_dict()` without `trajectory`; the fields are
   verifiers@78c1b3c `state_to_output`: `example_id`, `prompt`, `completion`, `answer`, `info`, `reward`,
   `error`, `timing`, `is_completed`, `is_truncated`, `stop_condition`, `metrics`, plus `env_name`,
-  `group_id`, `policy_version`, `off_policy_steps`, `rollout_id`, `eval_step`). The id is `example_id`; the
-  default score is `reward`, or a key of `metrics`.
-- `verl`: verl v0.9.0 validation dump, `<trainer.validation_data_dir>/<global_step>.jsonl`
-  (verl/trainer/ppo/ray_trainer.py `_validate` -> `_write_generations`: `input`, `output`, `gts`, `score`,
-  `step`, then each reward-extra-info list, e.g. `reward`, `acc`). The dump has no id: the item id is the
-  sha256 of the decoded prompt `input`; the default score is `score`, or another key of the line.
+  `group_id`, `policy_version`, `off_policy_steps`, `rollout_id`, `eval_step`), and prime-rl >= v0.7.0
+  `rollouts/step_<n>/eval/all/traces.jsonl` (read_prime_rl_traces). The id is `example_id` (the dataset
+  index), checked against the hash of the question (the prompt's last user message) and `answer`; the
+  default score is `reward`, or a key of `metrics`. Errored rollouts are left out of their item's mean, as
+  prime-rl's eval reward leaves them out (v0.6.0 `EvalSink`, v0.7.0 the `effective` subset).
+- `verl`: verl validation dumps, `<trainer.validation_data_dir>/<global_step>.jsonl` (volcengine/verl
+  v0.7.0 @f9c855f7c, verl/trainer/ppo/ray_trainer.py `_validate` -> `_dump_generations`: `input`, `output`,
+  `gts`, `score`, `step`, then each reward-extra-info list, e.g. `reward`, `acc`); a folder gives its latest
+  step. The dump has no id: the item id is the sha256 of the decoded prompt `input` (a prompt text on two
+  dataset rows is refused as such); the default score is `score`, or another key of the line.
 - `jsonl` / `csv`: this project's plain format: `item_id` (string or integer), `score` in [0, 1] or
   `correct` (true/false, 1/0), optional `seed` (integer; one file may then hold several seeds) and
   `category`.

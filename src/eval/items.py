@@ -3,18 +3,25 @@ NAME=FILE[,FILE...] NAME=FILE[,FILE...] [--baseline NAME] [--format F] [--metric
 
 Each arm is one or more per-item result files (one per seed or checkpoint, in seed order), read by a format
 adapter (eval/item_formats.py: lm-evaluation-harness `--log_samples`, the tinker-cookbook EvalStore,
-prime-rl eval rollouts, verl validation dumps, plain JSONL/CSV). Items are matched by their stable id (a
-content hash where the format has none): every file must hold the same item set, and an id seen twice in a
-file, an item missing from one file, a metric missing from a line or an empty file is refused with a count,
-never dropped. The scores then go through the same decision as a sweep (eval.comparison.score_rows, the
+prime-rl eval rollouts, verl validation dumps, plain JSONL/CSV). Items are matched by their id, never by
+their position in a file (a content hash where the format has no id), and where the format records what an
+id stands for (lm-eval's `doc_hash`, prime-rl's question and answer) that must agree in every file: every
+file must hold the same item set, and an id seen twice in a file, an item missing from one file (a task
+missing from one arm is named as such), a metric missing from a line or an empty file is refused with a
+count, never dropped. The one exception is the frameworks' own: an item whose every sample errored has no
+score (prime-rl leaves errored rollouts out of its accuracy) and is left out of every arm, with a note. The
+scores then go through the same decision as a sweep (eval.comparison.score_rows, the
 methods of eval.methods, sign_flip and equivalence included): one file per arm gives a verdict about these
 checkpoints, several seeds per arm the seed-level rule (decision.method = auto), Holm over several
 treatments. Planned sequential looks (decision.looks) are refused: their ledger lives beside the training
 runs (eval.sequential), and files written elsewhere say nothing of where those ran or which looks came
 before. The rule is pre-registered in a YAML of the `decision` block's keys
 (`--decision plan.yaml`); without one the command line's options are the rule, and the report says that it
-was not pre-registered. Items that carry a category (lm-eval subtasks, a `category` column) also get one
-secondary result per (treatment, category), Holm-adjusted over all of them (they decide nothing).
+was not pre-registered. Items that carry a category (an lm-eval run's tasks, a `category` column) also get
+each arm's accuracy per category and one secondary result per (treatment, category), Holm-adjusted over all
+of them (they decide nothing). Every interval is cut to [-1, 1], the range of a difference of two scores in
+[0, 1]. The default output folder (the files' common parent) is refused when it holds another comparison's
+report.
 """
 
 from __future__ import annotations
