@@ -863,3 +863,19 @@ def test_messages_say_what_to_do(tmp_path, capsys):
     # the cookbook's EvalStore root: the run to name
     err = refused(f"a={COOK / 'a'}", f"b={COOK / 'b' / 'runs' / 'arm_b'}")
     assert f"name one run, {COOK / 'a' / 'runs' / 'arm_a'}" in err
+
+
+def test_a_cookbook_run_notes_repeated_samples_for_the_benchmark_that_has_them(tmp_path):
+    run = tmp_path / "runs" / "arm_a"
+    gsm = _lines(COOK / "a" / "runs" / "arm_a" / "gsm8k" / "trajectories.jsonl")
+    _write_lines(run / "gsm8k" / "trajectories.jsonl", gsm)
+    math500 = []
+    for k, r in enumerate(gsm[:3]):  # pass@k mode, num_samples = 2: each example twice
+        for s in range(2):
+            math500.append({**r, "idx": 2 * k + s, "benchmark": "math500",
+                            "example_id": r["example_id"].replace("gsm8k", "math500"), "reward": float(s == 0)})
+    _write_lines(run / "math500" / "trajectories.jsonl", math500)
+    (f,) = read_items(run)
+    assert f.categories == ["gsm8k"] * 6 + ["math500"] * 3 and f.scores_N[6:].tolist() == [0.5, 0.5, 0.5]
+    assert [n for n in f.notes if "samples per item" in n] == [
+        "tinker_cookbook math500: 2 samples per item, each item's score their mean"]

@@ -255,7 +255,7 @@ def _collect(path: Path, fmt: str, metric: str, eval_name: str, rows: list[Row],
                          "needs as many")
     repeats = k.pop()
     if repeats > 1:
-        notes.append(f"{path}: {repeats} samples per item ({eval_name}): each item's score is their mean")
+        notes.append(f"{fmt} {eval_name}: {repeats} samples per item, each item's score their mean")
     ids = [i for i in first if valid[i]]
     left_out = [i for i in first if not valid[i]]
     scores = np.fromiter((sums[i] / valid[i] for i in ids), dtype=np.float64, count=len(ids))
@@ -346,8 +346,9 @@ def read_lm_eval(path: Path, metric: str | None) -> ItemFile:
         else:
             flt = filters[0]
             if len(filters) > 1:
-                notes.append(f"lm-eval filter {flt!r} of {filters} (name another as --metric "
-                             "<metric>,<filter>)")
+                task = _LM_EVAL_FILE.match(path.name)
+                notes.append(f"{task.group(1) if task else path.stem}: lm-eval filter {flt!r} of {filters} "
+                             "(name another as --metric <metric>,<filter>)")
         lines = by_filter[flt]
         listed = list(lines[0][1]["metrics"] or [])
     name = want_metric or (listed or [None])[0]
@@ -724,7 +725,7 @@ def read_items(path: str | Path, fmt: str | None = None, metric: str | None = No
             notes += f.notes
             content += f.content or [""] * len(f.ids)
         if len(metrics) > 1:
-            notes.append(f"{path}: each {_CATEGORY_KIND[fmt]} is scored by its own first metric ("
+            notes.append(f"each {_CATEGORY_KIND[fmt]} is scored by its own first metric ("
                          + ", ".join(f"{c}: {m}" for c, m in by_cat.items())
                          + "); an arm's overall accuracy averages them, item by item")
         metric_name = (files[0].metric if len(metrics) == 1
