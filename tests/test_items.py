@@ -879,3 +879,22 @@ def test_a_cookbook_run_notes_repeated_samples_for_the_benchmark_that_has_them(t
     assert f.categories == ["gsm8k"] * 6 + ["math500"] * 3 and f.scores_N[6:].tolist() == [0.5, 0.5, 0.5]
     assert [n for n in f.notes if "samples per item" in n] == [
         "tinker_cookbook math500: 2 samples per item, each item's score their mean"]
+
+
+def test_cookbook_positional_ids_are_replaced_by_the_prompt(tmp_path):
+    """A benchmark without example_id gets the runner's fallback str(idx): a position, matched by the prompt."""
+    runs = {}
+    for arm in ("a", "b"):
+        rows = _lines(COOK / arm / "runs" / f"arm_{arm}" / "gsm8k" / "trajectories.jsonl")
+        if arm == "b":  # the runner's own order differs (async completion, another shuffle)
+            rows = rows[::-1]
+        for k, r in enumerate(rows):
+            r.update(idx=k, example_id=str(k))
+        runs[arm] = tmp_path / arm / "runs" / f"arm_{arm}"
+        _write_lines(runs[arm] / "gsm8k" / "trajectories.jsonl", rows)
+    want = compare_items([f"a={COOK / 'a' / 'runs' / 'arm_a'}", f"b={COOK / 'b' / 'runs' / 'arm_b'}"],
+                         n_bootstrap=50, out=tmp_path / "ids")
+    got = compare_items([f"a={runs['a']}", f"b={runs['b']}"], n_bootstrap=50, out=tmp_path / "prompts")
+    g, w = got["comparisons"][0], want["comparisons"][0]
+    assert (g["b_items"], g["c_items"]) == (w["b_items"], w["c_items"]) and g["methods"] == w["methods"]
+    assert any("6 trajectories carry no example_id but their position (idx)" in n for n in got["notes"])

@@ -382,7 +382,9 @@ def read_tinker_cookbook(path: Path, metric: str | None) -> ItemFile:
         if "idx" not in obj or "reward" not in obj:
             raise ItemsError(f"{where}: no `idx`/`reward` (not a tinker-cookbook trajectories.jsonl line?)")
         item = obj.get("example_id")
-        if not item:  # the runner writes str(idx) at the least; a missing id is matched by the prompt's text
+        # the runner's fallback id is str(idx) (_runner.py `_get_example_id`: "unstable across shuffles and
+        # pass@k rounds"), a position: such items are matched by their prompt's text instead
+        if not item or item == str(obj["idx"]):
             turns = obj.get("turns") or []
             first = next((t.get("content") for t in turns if isinstance(t, dict) and t.get("role") == "user"),
                          None)
@@ -404,8 +406,8 @@ def read_tinker_cookbook(path: Path, metric: str | None) -> ItemFile:
         else:
             score = _metric_score(obj, metric, where, "trajectory")
         rows.append((_item_id(item, where, "example_id"), score, lineno, None))
-    notes = ([f"{path}: {by_prompt} trajectories without an example_id are matched by their prompt's text"]
-             if by_prompt else [])
+    notes = ([f"{path}: {by_prompt} trajectories carry no example_id but their position (idx): matched by "
+              "their prompt's text instead"] if by_prompt else [])
     if errored:
         notes.append(f"{path}: {errored} trajectory(ies) ended in an error (a timeout, say): each scores 0 on "
                      f"{metric or 'reward>0'}, as the runner scores their reward 0")
