@@ -229,7 +229,7 @@ def _collect(path: Path, fmt: str, metric: str, eval_name: str, rows: list[Row],
         if item in first:
             dups.append((item, lineno))
             counts[item] += 1
-            if what is not None and content.get(item) != what:
+            if what is not None and content.setdefault(item, what) != what:
                 raise ItemsError(f"{path}:{lineno}: item {item!r} has another {content_key} than on line "
                                  f"{first[item]}: one id names two items")
         else:
@@ -261,7 +261,7 @@ def _collect(path: Path, fmt: str, metric: str, eval_name: str, rows: list[Row],
     scores = np.fromiter((sums[i] / valid[i] for i in ids), dtype=np.float64, count=len(ids))
     return ItemFile(path=path, format=fmt, metric=metric, eval_name=eval_name, ids=ids, scores_N=scores,
                     repeats=repeats, notes=notes, left_out=left_out,
-                    content=[content[i] for i in ids] if content else None, content_key=content_key)
+                    content=[content.get(i, "") for i in ids] if content else None, content_key=content_key)
 
 
 def _metric_score(obj: dict[str, Any], metric: str, where: str, what: str) -> float:
@@ -406,8 +406,10 @@ def read_tinker_cookbook(path: Path, metric: str | None) -> ItemFile:
         else:
             score = _metric_score(obj, metric, where, "trajectory")
         rows.append((_item_id(item, where, "example_id"), score, lineno, None))
-    notes = ([f"{path}: {by_prompt} trajectories carry no example_id but their position (idx): matched by "
-              "their prompt's text instead"] if by_prompt else [])
+    notes = []
+    if by_prompt:
+        notes.append(f"{path}: {by_prompt} trajectories carry no example_id but their position (idx): matched "
+                     "by their prompt's text instead")
     if errored:
         notes.append(f"{path}: {errored} trajectory(ies) ended in an error (a timeout, say): each scores 0 on "
                      f"{metric or 'reward>0'}, as the runner scores their reward 0")
