@@ -792,6 +792,13 @@ def test_the_report_says_pre_registered_only_for_a_plan_and_advises_only_what_it
     md = (tmp_path / "plan" / "compare.md").read_text()
     assert "## Decision rule (pre-registered)" in md and f"Rule source: pre-registered in {plan}" in md
     assert "resolved from the files" in md
+    # a sweep whose runs predate the decision config: its rule is the defaults, not pre-registered either
+    from eval.report import render_markdown
+
+    res = json.loads((tmp_path / "plan" / "compare.json").read_text())
+    res["decision"]["source"] = "default (the runs' config has no `decision` group: made before it existed)"
+    assert ("## Decision rule (not pre-registered: default (the runs' config has no `decision` group"
+            in render_markdown(res, tmp_path))
     # one arm at two seeds: the A/A spread, with no --aa advice
     compare_items([f"a={LM / 'a_seed0'},{LM / 'a_seed1'}"], out=tmp_path / "aa")
     md = (tmp_path / "aa" / "compare.md").read_text()

@@ -94,8 +94,10 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
     items = result.get("source") == "items"
     lines += ["", _scope_sentence(result), ""]
     pre_registered = rule["source"] == "config" or rule["source"].startswith("pre-registered")
+    not_pre = ("the command line's options" if rule["source"].startswith("the command line")
+               else rule["source"])
     lines += [("## Decision rule (pre-registered)" if pre_registered else
-               "## Decision rule (not pre-registered: the command line's options)") if not rule["overridden"] else
+               f"## Decision rule (not pre-registered: {not_pre})") if not rule["overridden"] else
               "## Decision rule (OVERRIDDEN on the command line with --override-decision)", "",
               f"> {rule['text']}. Estimand: {rule['estimand']}.", ""]
     if rule["overridden"]:
