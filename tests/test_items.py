@@ -691,6 +691,8 @@ def test_prime_rl_v0_7_eval_traces_are_read(tmp_path):
     assert any("1 rollout(s) ended in an error" in n for n in f.notes)
     (m,) = read_items(folders["a"] / "eval" / "all" / "traces.jsonl", metric="correct_answer")
     assert m.scores_N.tolist() == f.scores_N.tolist()
+    (e,) = read_items(folders["a"] / "eval" / "effective" / "traces.jsonl")
+    assert e.ids == f.ids and e.left_out == [] and any("pass eval/all/traces.jsonl" in n for n in e.notes)
     res = compare_items([f"a={folders['a']}", f"b={folders['b']}"], n_bootstrap=50, out=tmp_path / "out")
     assert res["n_items"] == 5 and res["categories"]["names"] == ["gsm8k", "math"]
     assert any(n.startswith("1 item(s) left out of every arm") and "gsm8k/3" in n for n in res["notes"])

@@ -493,8 +493,12 @@ def read_prime_rl_traces(path: Path, metric: str | None) -> ItemFile:
         env_of[item] = env or "eval"
         rows.append((item, score, lineno, what))
     name = ",".join(sorted(e for e in envs if e)) or "eval"
-    f = _collect(path, "prime_rl", metric or "reward", name, rows, True, _error_notes(path, errors),
-                 content_key="question and answer")
+    notes = _error_notes(path, errors)
+    if path.parent.name == "effective":
+        notes.append(f"{path}: the `effective` subset holds no errored rollout, so an item whose rollouts all "
+                     "errored is missing here but not in another arm; pass eval/all/traces.jsonl (or the step "
+                     "folder) to leave such items out of every arm")
+    f = _collect(path, "prime_rl", metric or "reward", name, rows, True, notes, content_key="question and answer")
     # the envs of one eval step share the file: each is a category, its name a prefix of the ids
     f.categories = [env_of[i] for i in f.ids]
     f.left_out_categories = [env_of[i] for i in f.left_out]
