@@ -407,7 +407,7 @@ GEN = "samples_arith_gen_2026-12-07T09-10-00.000000.jsonl"
 
 def _reordered(src: Path, dest: Path, how: str) -> Path:
     lines = src.read_text().splitlines(keepends=True)
-    lines = lines[::-1] if how == "reversed" else [lines[k] for k in np.random.default_rng(4).permutation(len(lines))]
+    lines = lines[::-1] if how == "reversed" else [lines[k] for k in np.random.default_rng(1).permutation(len(lines))]
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text("".join(lines))
     return dest
