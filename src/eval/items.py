@@ -3,23 +3,31 @@ NAME=FILE[,FILE...] NAME=FILE[,FILE...] [--baseline NAME] [--format F] [--metric
 
 Each arm is one or more per-item result files (one per seed or checkpoint, in seed order), read by a format
 adapter (eval/item_formats.py: lm-evaluation-harness `--log_samples`, the tinker-cookbook EvalStore,
-prime-rl eval rollouts, verl validation dumps, plain JSONL/CSV). Items are matched by their stable id (a
-content hash where the format has none): every file must hold the same item set, and an id seen twice in a
-file, an item missing from one file, a metric missing from a line or an empty file is refused with a count,
-never dropped. The scores then go through the same decision as a sweep (eval.comparison.score_rows, the
+prime-rl eval rollouts, verl validation dumps, plain JSONL/CSV). Items are matched by their id, never by
+their position in a file (a content hash where the format has no id), and where the format records what an
+id stands for (lm-eval's `doc_hash`, prime-rl's question and answer) that must agree in every file: every
+file must hold the same item set, and an id seen twice in a file, an item missing from one file (a task
+missing from one arm is named as such), a metric missing from a line or an empty file is refused with a
+count, never dropped. The one exception is the frameworks' own: an item whose every sample errored has no
+score (prime-rl leaves errored rollouts out of its accuracy) and is left out of every arm, with a note. The
+scores then go through the same decision as a sweep (eval.comparison.score_rows, the
 methods of eval.methods, sign_flip and equivalence included): one file per arm gives a verdict about these
 checkpoints, several seeds per arm the seed-level rule (decision.method = auto), Holm over several
 treatments. Planned sequential looks (decision.looks) are refused: their ledger lives beside the training
 runs (eval.sequential), and files written elsewhere say nothing of where those ran or which looks came
 before. The rule is pre-registered in a YAML of the `decision` block's keys
 (`--decision plan.yaml`); without one the command line's options are the rule, and the report says that it
-was not pre-registered. Items that carry a category (lm-eval subtasks, a `category` column) also get one
-secondary result per (treatment, category), Holm-adjusted over all of them (they decide nothing).
+was not pre-registered. Items that carry a category (an lm-eval run's tasks, a `category` column) also get
+each arm's accuracy per category and one secondary result per (treatment, category), Holm-adjusted over all
+of them (they decide nothing). Every interval is cut to [-1, 1], the range of a difference of two scores in
+[0, 1]. The default output folder (the files' common parent) is refused when it holds another comparison's
+report.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -105,39 +113,110 @@ def load_arms(specs: list[str], fmt: str | None = None, metric: str | None = Non
             seen[where] = name
             arm.files += read_items(p, fmt, metric)
         arms.append(arm)
-    formats = {(f.format, f.metric) for a in arms for f in a.files}
-    if len(formats) > 1:
-        raise ItemsError("the files score different things: " + ", ".join(
-            f"{a.name}: {f.path} ({f.format}, {f.metric})" for a in arms for f in a.files[:1])
-            + " (pass --metric to name one metric every file has)")
+    check_same_scores(arms, metric)
     return arms
 
 
-def match_items(arms: list[Arm]) -> tuple[list[str], list[str] | None]:
+def _family(fmt: str) -> str:
+    return "plain" if fmt in ("jsonl", "csv") else fmt
+
+
+def check_same_scores(arms: list[Arm], metric: str | None) -> None:
+    """Every file of one framework, and each task (or the whole file) scored by one metric in every arm."""
+    files = [(a, f) for a in arms for f in a.files]
+    by_fmt: dict[str, list[tuple[Arm, ItemFile]]] = {}
+    for a, f in files:
+        by_fmt.setdefault(_family(f.format), []).append((a, f))
+    if len(by_fmt) > 1:
+        raise ItemsError("the arms' files come from different frameworks: " + "; ".join(
+            f"{fmt}: {len(v)} file(s), e.g. {v[0][0].name}: {v[0][1].path}" for fmt, v in by_fmt.items())
+            + ": their scores mean different things; compare files written by one framework")
+    seen: dict[str, dict[str, tuple[Arm, ItemFile]]] = {}
+    for a, f in files:
+        for cat, m in (f.metrics_by_category or {"": f.metric}).items():
+            seen.setdefault(cat, {}).setdefault(m, (a, f))
+    for cat, found in seen.items():
+        if len(found) < 2:
+            continue
+        kind = files[0][1].category_kind
+        listed = "; ".join(f"{m} in {a.name}: {f.path}" for m, (a, f) in found.items())
+        advice = ("--metric resolved to another filter in some files: name the filter too, "
+                  f"--metric {metric.partition(',')[0]},<filter>" if metric
+                  else "pass --metric to name one metric every file has")
+        raise ItemsError(f"the files score different metrics{f' for {kind} {cat}' if cat else ''} ({listed}): "
+                         + advice)
+
+
+def _full(f: ItemFile) -> set[str]:
+    return set(f.ids) | set(f.left_out)
+
+
+_ID_KEY = {"lm_eval": "doc_id", "prime_rl": "example_id", "tinker_cookbook": "example_id", "verl": "prompt"}
+
+
+def _name_item(f: ItemFile, item: str, cats: dict[str, str] | None) -> str:
+    """`doc_id 3 of task arith_add`: an item as its file names it."""
+    key = _ID_KEY.get(f.format, "item_id")
+    cat = cats.get(item) if cats else None
+    if cat is not None and item.startswith(f"{cat}/"):
+        return f"{key} {item[len(cat) + 1:]} of {f.category_kind} {cat}"
+    return f"{key} {item} of {f.category_kind} {f.eval_name}"
+
+
+def match_items(arms: list[Arm], notes: list[str] | None = None) -> tuple[list[str], list[str] | None]:
     """(the item ids in one order, each item's category or None): every file must hold the first file's item
-    set, with the same category per item; refused with the counts and a few ids otherwise."""
+    set, with the same category and (where the format records one) the same content per item; refused with
+    the counts and a few ids otherwise. Items a file holds without a score (every sample errored) are left
+    out of every arm; `notes` gets a line saying how many."""
     files = [(a, f) for a in arms for f in a.files]
     (ra, ref), others = files[0], files[1:]
-    ref_ids = set(ref.ids)
-    for arm, f in others:
-        ids = set(f.ids)
-        if ids != ref_ids:
-            only_ref, only_f = sorted(ref_ids - ids), sorted(ids - ref_ids)
-            raise ItemsError(
-                f"item sets differ: {ra.name} ({ref.path}) has {len(ref_ids)} items, {arm.name} ({f.path}) "
-                f"has {len(ids)}; {len(only_ref)} only in the first (e.g. {only_ref[:5]}), {len(only_f)} "
-                f"only in the second (e.g. {only_f[:5]}): paired results need the same items in every file")
+    cats = [f.categories_by_id() for _, f in files]
+    if any(c is None for c in cats) and not all(c is None for c in cats):
+        with_c = [f"{a.name}: {f.path}" for (a, f), c in zip(files, cats) if c is not None]
+        without = [f"{a.name}: {f.path}" for (a, f), c in zip(files, cats) if c is None]
+        raise ItemsError(f"some files are a run's folder (items named <task>/<id>: {with_c[:2]}) and some a "
+                         f"single file ({without[:2]}): give every arm the same way, each a run's folder or "
+                         "each its files")
+    ref_ids = _full(ref)
+    for (arm, f), c in zip(others, cats[1:]):
+        ids = _full(f)
+        if ids == ref_ids:
+            continue
+        if c is not None:
+            have_ref, have = set(cats[0].values()), set(c.values())
+            if have_ref != have:
+                kind = ref.category_kind
+                parts = []
+                if have_ref - have:
+                    parts.append(f"{arm.name} ({f.path}) lacks {kind}(s) {sorted(have_ref - have)} that "
+                                 f"{ra.name} ({ref.path}) has")
+                if have - have_ref:
+                    parts.append(f"{arm.name} ({f.path}) has {kind}(s) {sorted(have - have_ref)} that "
+                                 f"{ra.name} ({ref.path}) lacks")
+                raise ItemsError("; ".join(parts) + f": every file needs the same {kind}s (run the missing "
+                                 f"{kind}s, or compare the {kind}s every arm has by naming their files)")
+        only_ref, only_f = sorted(ref_ids - ids), sorted(ids - ref_ids)
+        raise ItemsError(
+            f"item sets differ: {ra.name} ({ref.path}) has {len(ref_ids)} items, {arm.name} ({f.path}) "
+            f"has {len(ids)}; {len(only_ref)} only in the first (e.g. {only_ref[:5]}), {len(only_f)} "
+            f"only in the second (e.g. {only_f[:5]}): paired results need the same items in every file")
+    dropped = {i for _, f in files for i in f.left_out}
+    kept = [i for i in ref.ids if i not in dropped]
+    if not kept:
+        raise ItemsError(f"no item has a score in every file: every sample of each ended in an error in some "
+                         f"file ({len(dropped)} items)")
+    if dropped and notes is not None:
+        notes.append(f"{len(dropped)} item(s) left out of every arm, since every sample of theirs ended in an "
+                     f"error in some file (as the framework's own accuracy leaves them out), e.g. "
+                     f"{sorted(dropped)[:3]}")
     # the item order is part of the bootstrap's draw: integer ids ascending, as compare orders a sweep's
     # item indices (a sweep read back from files gets the sweep's own numbers), other ids in the first
     # file's order
-    order = (sorted(ref.ids, key=int) if all(i.isdigit() and (i == "0" or i[0] != "0") for i in ref.ids)
-             else list(ref.ids))
-    cats = [f.categories_by_id() for _, f in files]
+    order = (sorted(kept, key=int) if all(i.isdigit() and (i == "0" or i[0] != "0") for i in kept)
+             else kept)
+    _check_content(files, order, cats[0])
     if all(c is None for c in cats):
         return order, None
-    if any(c is None for c in cats):
-        missing = [str(f.path) for (_, f), c in zip(files, cats) if c is None]
-        raise ItemsError(f"some files carry item categories and some do not (none in {missing[:3]})")
     ref_cat = cats[0]
     for (arm, f), c in zip(others, cats[1:]):
         bad = [i for i in order if c[i] != ref_cat[i]]
@@ -146,6 +225,26 @@ def match_items(arms: list[Arm]) -> tuple[list[str], list[str] | None]:
                              f"another category than in {ref.path}, e.g. {bad[0]!r}: {c[bad[0]]!r} vs "
                              f"{ref_cat[bad[0]]!r}")
     return order, [ref_cat[i] for i in order]
+
+
+def _check_content(files: list[tuple[Arm, ItemFile]], order: list[str], cats: dict[str, str] | None) -> None:
+    """The same id must name the same item in every file: lm-eval's `doc_id` and prime-rl's `example_id` are
+    positions in the dataset, so another dataset revision, task file or selection puts another item behind
+    an id; the format's content field (doc_hash, the question and answer) tells."""
+    known = [(a, f, f.content_by_id()) for a, f in files if f.content is not None]
+    if len(known) < 2:
+        return
+    ra, ref, rc = known[0]
+    for arm, f, c in known[1:]:
+        bad = [i for i in order if rc[i] and c[i] and rc[i] != c[i]]
+        if bad:
+            advice = ("" if f.format == "lm_eval" else
+                      "; if the arms asked each question in other words on purpose, write both as plain files "
+                      "(item_id, score) to pair them by id alone")
+            raise ItemsError(f"{_name_item(f, bad[0], cats)} is another item in {arm.name} ({f.path}) than in "
+                             f"{ra.name} ({ref.path}): its {f.content_key} differs ({len(bad)} of {len(order)} "
+                             "items do); the runs did not score the same data (another dataset revision, task "
+                             f"file or selection): compare runs on the same items{advice}")
 
 
 def pair_seeds(arms: list[Arm]) -> list[int]:
@@ -256,7 +355,9 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
     check_options(alpha, n_bootstrap, ItemsError)
     arms = load_arms(specs, fmt, metric)
     seeds = pair_seeds(arms)
-    order, cats = match_items(arms)
+    match_notes: list[str] = []
+    order, cats = match_items(arms, match_notes)
+    task_cats = cats if cats is not None and len(set(cats)) > 1 else None  # one task: the verdict's own rows
     by_name = {a.name: a for a in arms}
     cli = {"method": method, "alpha": alpha, "margin": margin, "baseline": baseline,
            "equivalence_margin": equivalence_margin}
@@ -274,13 +375,16 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
     labels = {a.name: [a.label(s) for s in seeds] for a in arms}
     first = arms[0].files[0]
     files = [f for a in arms for f in a.files]
-    out_dir = Path(out).resolve() if out else Path(os.path.commonpath([str(f.path.resolve().parent)
-                                                                       for f in files]))
-    notes = [n for f in files for n in f.notes]
+    item_sha = hashlib.sha256("\n".join(order).encode()).hexdigest()
+    if out:
+        out_dir = Path(out).resolve()
+    else:
+        out_dir = Path(os.path.commonpath([str(f.path.resolve().parent) for f in files]))
+        _refuse_another_comparison(out_dir, item_sha, [a.name for a in arms], first)
+    notes = [n for f in files for n in f.notes] + match_notes
     notes = list(dict.fromkeys(notes))  # one note per distinct message
     notes.append("per-item files carry no training metrics: whether the arms' switch acted (`inert`) is not "
                  "checked, and the configs of the runs are not compared")
-    item_sha = hashlib.sha256("\n".join(order).encode()).hexdigest()
     arm_rows = [_arm_row(a, f, s, rule.alpha, order, role="") for a in arms for f, s in zip(a.files, seeds)]
     common = {"source": "items", "format": first.format, "metric": first.metric, "eval_name": first.eval_name,
               "n_seeds": len(seeds), "seeds": seeds, "n_items": len(order),
@@ -310,10 +414,16 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
     treatments = [a.name for a in arms if a.name != base]
     try:
         rows, _ = score_rows(arms_SN, labels, base, treatments, seeds, rule, n_bootstrap, seed)
-        categories = (category_rows(arms_SN, cats, base, treatments, rule, n_bootstrap, seed)
-                      if cats is not None else None)
+        categories = (category_rows(arms_SN, task_cats, base, treatments, rule, n_bootstrap, seed)
+                      if task_cats is not None else None)
     except ValueError as e:  # CompareError included
         raise ItemsError(str(e)) from None
+    if categories is not None:
+        categories["kind"] = first.category_kind
+        categories["accuracy"] = category_accuracy(arms, arms_SN, task_cats, seeds)
+    if clip_to_score_range([rows, categories]):
+        notes.append("intervals are cut to [-100, +100] pts, the range of a difference of two scores in [0, 1] "
+                     "(the methods' own bounds reach beyond it at few items or seeds)")
     notes += _rule_notes(rows, rule, len(seeds), None)
     for r in arm_rows:
         r["role"] = "baseline" if r["value"] == base else "treatment"
@@ -326,6 +436,73 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
         result.update({k: v for k, v in rows[0].items() if k not in result or k in ("verdict", "method")},
                       treatment=treatments[0])
     return _write(result, [], {}, out_dir, False, f" ({', '.join(treatments)} vs {base})")
+
+
+def _refuse_another_comparison(out_dir: Path, item_sha: str, arms: list[str], first: ItemFile) -> None:
+    """The default output folder (the files' common parent) may already hold the report of another
+    comparison (another task's files, other arms): refused before anything is written, rather than
+    overwritten. The same comparison at other seeds is a later look and writes over it, as for a sweep."""
+    prev_file = out_dir / "compare.json"
+    if not prev_file.is_file():
+        return
+    try:
+        prev = json.loads(prev_file.read_text())
+    except (OSError, ValueError):
+        prev = None
+    same = (isinstance(prev, dict) and prev.get("source") == "items" and prev.get("item_set_sha256") == item_sha
+            and prev.get("metric") == first.metric and prev.get("eval_name") == first.eval_name
+            and sorted({a.get("loss") for a in prev.get("arms") or [] if isinstance(a, dict)}) == sorted(arms))
+    if not same:
+        if not isinstance(prev, dict):
+            what = "a report this command cannot read"
+        elif prev.get("source") == "items":
+            old = sorted({str(a.get("loss")) for a in prev.get("arms") or [] if isinstance(a, dict)})
+            what = f"per-item files of {prev.get('eval_name')!r}, arms {old}"
+        else:
+            what = "a sweep's"
+        raise ItemsError(f"{prev_file} holds another comparison ({what}); pass --out DIR to write this one "
+                         "elsewhere (nothing was written)")
+
+
+#: compare.json keys of a paired difference's interval bounds (rows, methods, per-seed and seed-level parts)
+_BOUND_KEYS = frozenset({"ci_low", "ci_high", "hoeffding_ci_low", "hoeffding_ci_high", "t_ci_low", "t_ci_high",
+                         "bootstrap_low", "bootstrap_high", "two_level_low", "two_level_high"})
+
+
+def clip_to_score_range(obj: Any) -> bool:
+    """Cut every interval bound of a difference of two [0, 1] scores to [-1, 1] in place (Hoeffding at few
+    items and t at two seeds reach beyond it); True when any bound moved. The verdicts were decided before,
+    and no verdict depends on a bound beyond +-1 (the margins are below 1)."""
+    moved = False
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k in _BOUND_KEYS and isinstance(v, float) and abs(v) > 1.0:
+                obj[k], moved = max(-1.0, min(1.0, v)), True
+            elif k == "rule_ci" and isinstance(v, list) and any(isinstance(x, float) and abs(x) > 1 for x in v):
+                obj[k], moved = [max(-1.0, min(1.0, x)) for x in v], True
+            else:
+                moved |= clip_to_score_range(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            moved |= clip_to_score_range(v)
+    return moved
+
+
+def category_accuracy(arms: list[Arm], arms_SN: dict[str, np.ndarray], cats: list[str],
+                      seeds: list[int]) -> list[dict[str, Any]]:
+    """Each arm's accuracy per category (an lm-eval task: the number its results_*.json shows for it), over
+    the category's items, per seed and averaged over seeds."""
+    cats_N = np.asarray(cats)
+    out = []
+    for a in arms:
+        by_cat = a.files[0].metrics_by_category or {}
+        for c in sorted(set(cats)):
+            cols = np.flatnonzero(cats_N == c)
+            per_seed = arms_SN[a.name][:, cols].mean(axis=1)
+            out.append({"arm": a.name, "category": c, "metric": by_cat.get(c, a.files[0].metric),
+                        "n_items": int(cols.size), "accuracy": float(per_seed.mean()),
+                        "accuracy_per_seed": dict(zip(map(str, seeds), map(float, per_seed)))})
+    return out
 
 
 def _arm_row(arm: Arm, f: ItemFile, seed: int, alpha: float, order: list[str], role: str) -> dict[str, Any]:
@@ -371,6 +548,12 @@ def items_summary(result: dict[str, Any], summary: Any) -> str:
               f"{result['n_seeds']} seed(s) per arm"), summary(result),
              f"rule source: {result['decision']['source']}"]
     cats = result.get("categories")
+    if cats and cats.get("accuracy"):
+        by: dict[str, list[str]] = {}
+        for r in cats["accuracy"]:
+            by.setdefault(f"{r['category']} ({r['metric']})", []).append(f"{r['arm']} {r['accuracy']:.4f}")
+        lines.append(f"accuracy per {cats.get('kind', 'category')}: "
+                     + "; ".join(f"{c}: {', '.join(v)}" for c, v in by.items()))
     if cats:
         lines.append(f"secondary, per category ({cats['multiplicity']}, {cats['family_size']} rows; they "
                      "decide nothing):")

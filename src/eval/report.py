@@ -91,8 +91,13 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
         lines.append("")
     for r in rows:
         lines.append(f"- {verdict_line(r, rule)}")
+    items = result.get("source") == "items"
     lines += ["", _scope_sentence(result), ""]
-    lines += ["## Decision rule (pre-registered)" if not rule["overridden"] else
+    pre_registered = rule["source"] == "config" or rule["source"].startswith("pre-registered")
+    not_pre = ("the command line's options" if rule["source"].startswith("the command line")
+               else rule["source"])
+    lines += [("## Decision rule (pre-registered)" if pre_registered else
+               f"## Decision rule (not pre-registered: {not_pre})") if not rule["overridden"] else
               "## Decision rule (OVERRIDDEN on the command line with --override-decision)", "",
               f"> {rule['text']}. Estimand: {rule['estimand']}.", ""]
     if rule["overridden"]:
@@ -106,7 +111,8 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
                "margin; `inert`: the switch never acted in these runs; otherwise `inconclusive`. The other methods "
                "below are secondary: they do not change the verdict."), ""]
     if rule.get("requested") == "auto":
-        lines += [f"The rule's method was resolved from the sweep: {rule['resolution']}.", ""]
+        lines += [(f"The rule's method was resolved from the {'files' if items else 'sweep'}: "
+                   f"{rule['resolution']}."), ""]
     if rule["method"] == "paired_hoeffding" and rule["endpoint"] != "auc":
         lines += [(f"At n = {first['n_items']} items and alpha = {rule['alpha']:g} the Hoeffding half-width is "
                    f"{first['hoeffding_half_width']:.4f}, so `validated` needs a gap above "
@@ -159,6 +165,12 @@ def _inert_section(r: dict[str, Any]) -> list[str]:
 
 def _scope_sentence(result: dict[str, Any]) -> str:
     S = result["n_seeds"]
+    if S == 1 and result.get("source") == "items":
+        return ("**Scope: these fixed checkpoints.** One file per arm: the verdict concerns the two trained "
+                "checkpoints and cannot separate the training procedure from training noise (two trainings "
+                "at different seeds can differ by as much). Give each arm one file per training seed (>= 2, "
+                "`NAME=FILE,FILE,...`) to learn about the procedure; one arm's files alone give the "
+                "between-seed spread.")
     if S == 1:
         return ("**Scope: these fixed checkpoints.** One seed per arm: the verdict concerns the two trained "
                 "checkpoints and cannot separate the loss from training noise (two runs of the same loss at "
@@ -304,9 +316,13 @@ def _aa_report(result: dict[str, Any]) -> list[str]:
     aa = result["aa"]
     rule = result["decision"]
     lines = [f"# A/A comparison: {aa['loss']} at seeds {aa['seeds']} (no treatment)", "",
-             (f"Eval: `{result['eval_name']}`, {result['n_items']} items; endpoint: {_endpoint(rule)}. Every run "
-              "has the same loss and config: any difference between them is training noise (seed). This is the "
-              "noise floor an A/B gap must clear; pass this folder as `--aa` to an A/B comparison."), "",
+             (f"Eval: `{result['eval_name']}`, {result['n_items']} items; endpoint: {_endpoint(rule)}. "
+              + ("Every file is one arm's, at another seed: any difference between them is training noise "
+                 "(seed), as far as the files say. This is the noise floor an A/B gap must clear; with each A/B "
+                 "arm's files at several seeds, the seed-level rule counts it." if result.get("source") == "items"
+                 else "Every run has the same loss and config: any difference between them is training noise "
+                 "(seed). This is the noise floor an A/B gap must clear; pass this folder as `--aa` to an A/B "
+                 "comparison.")), "",
              "## Between-seed spread", "",
              "| seed | endpoint mean |", "|---:|---:|"]
     lines += [f"| {s} | {a:.4f} |" for s, a in aa["accuracy_by_seed"].items()]
@@ -332,8 +348,9 @@ def _categories(result: dict[str, Any]) -> list[str]:
     cats = result.get("categories")
     if not cats:
         return []
-    lines = ["", (f"## Per category (secondary: {cats['multiplicity']}, {cats['family_size']} rows; they "
-                  "decide nothing)"), "",
+    lines = _category_accuracy(cats)
+    lines += ["", (f"## Per category (secondary: {cats['multiplicity']}, {cats['family_size']} rows; they "
+                   "decide nothing)"), "",
              ("| treatment | category | items | diff | rule interval at its Holm level | rule p | Holm p "
               "| result |"),
              "|---|---|---:|---:|---|---:|---:|---|"]
@@ -341,6 +358,25 @@ def _categories(result: dict[str, Any]) -> list[str]:
         lines.append(f"| {r['arm']} | {r['category']} | {r['n_items']} | {_pts(r['estimate'])} | "
                      f"{_ci(r['rule_ci'])} (alpha {r['holm_level']:.4g}) | {_p(r['p_rule'])} | "
                      f"{_p(r['p_holm'])} | {r['verdict']} |")
+    return lines
+
+
+def _category_accuracy(cats: dict[str, Any]) -> list[str]:
+    """Each arm's accuracy per category (an lm-eval task: the number its results json shows), averaged over
+    seeds."""
+    acc = cats.get("accuracy")
+    if not acc:
+        return []
+    arms = list(dict.fromkeys(r["arm"] for r in acc))
+    by = {(r["arm"], r["category"]): r for r in acc}
+    kind = cats.get("kind", "category")
+    lines = ["", f"## Accuracy per {kind} and arm (mean over seeds)", "",
+             f"| {kind} | metric | items | " + " | ".join(f"acc {a}" for a in arms) + " |",
+             "|---|---|---:|" + "---:|" * len(arms)]
+    for c in cats["names"]:
+        first = by[arms[0], c]
+        lines.append(f"| {c} | {first['metric']} | {first['n_items']} | "
+                     + " | ".join(f"{by[a, c]['accuracy']:.4f}" for a in arms) + " |")
     return lines
 
 

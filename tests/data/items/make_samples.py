@@ -11,7 +11,7 @@ committed, so the tests need none of these libraries).
   `write_trajectory` with `StoredTrajectory` objects and `make_example_id` ids, as its benchmark runner does.
 - prime_rl/, verl/: built field for field from the writers' code (neither installs offline here): prime-rl
   v0.6.0 `save_rollouts` (orjson lines of `FinishedRollout.to_dict()` without `trajectory`, fields from
-  verifiers@78c1b3c `state_to_output`), and verl v0.9.0 `RayPPOTrainer._write_generations`.
+  verifiers@78c1b3c `state_to_output`), and verl v0.7.0 `RayPPOTrainer._dump_generations`.
 - plain.jsonl, plain.csv: this project's plain format (item_id, correct/score, seed, category).
 """
 
