@@ -51,7 +51,11 @@ class Limits:
     sessions_per_key: int = 32  # live sessions; each heartbeats, so a dead client's expire and free theirs
     inflight_per_key: int = 256  # accepted requests of one key whose result is not ready yet (429 beyond)
     session_metadata_kb: float = 64.0  # user_metadata of one session or model, as JSON
-    loss_cost: int = 2**27  # a custom-loss graph's cost in one forward_backward (`graph_cost.py`)
+    # a custom-loss graph's cost in one forward_backward, in element operations (`graph_cost.py`): every
+    # project loss fits on 512 datums of 512 tokens (about 2.6e9 with gspo's 190 nodes); at the review's
+    # timings it allows about 165,000 node runs, near the time of the largest built-in request (4096 datums)
+    loss_cost: int = 2**32
+    loss_nodes: int = 512  # nodes of one uploaded custom-loss graph (the project's losses have 150-210)
 
     def __post_init__(self) -> None:
         for f in fields(self):
