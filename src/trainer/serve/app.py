@@ -48,16 +48,16 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 
 import torch
-from aiohttp import web, web_protocol, web_server
+from aiohttp import web
 from pydantic import ValidationError
 from tinker import types
 from tinker.lib.public_interfaces.custom_loss import LossHandle, check_loss_inputs
 
 from trainer.serve import is_loopback
+from trainer.serve.connections import GUARD, ConnectionGuard, read_body
 from trainer.serve.faults import FaultPlan
 from trainer.serve.graph_cost import CostExceeded, check_at_upload, check_request
 from trainer.serve.limits import (
@@ -87,34 +87,6 @@ log = logging.getLogger("trainer.serve")
 PROTO = "application/x-protobuf"
 # results kept for retrieval; beyond this the oldest finished quarter expires (HTTP 410 when asked again)
 MAX_FUTURES = 50_000
-
-
-class _JsonErrorHandler(web_protocol.RequestHandler):
-    """aiohttp answers a request it cannot parse (headers over 8190 bytes, a bad request line) itself,
-    before any middleware, in plain text; the same reply here in the SDK's JSON error shape."""
-
-    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
-        super().handle_error(request, status, exc, message)  # logs, and refuses once bytes were sent
-        reason = getattr(exc, "message", None) or HTTPStatus(status).phrase
-        resp = error_response(status, f"{HTTPStatus(status).phrase}: {str(reason).splitlines()[0][:200]}")
-        resp.force_close()
-        return resp
-
-
-class _JsonErrorServer(web_server.Server):
-    def __call__(self) -> web_protocol.RequestHandler:
-        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
-
-
-class JsonErrorRunner(web.AppRunner):
-    """`web.AppRunner` whose connections answer unparseable requests in JSON (aiohttp 3.14:
-    `web_protocol.RequestHandler.handle_error`, `web_server.Server.__call__`)."""
-
-    async def _make_server(self) -> web_server.Server:
-        server = await super()._make_server()
-        server.__class__ = _JsonErrorServer
-        return server
 
 
 class ModelLost(RuntimeError):
@@ -226,12 +198,14 @@ class TinkerServer:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="serve-load")
         # runs, checkpoints, sessions, downloads (trainer.serve.rest); told of each session, run and sampler
         self.rest = RestSurface(self, engine.state_dir, sweep_s=ttl_sweep_s)
+        self.connections = ConnectionGuard(self.limits)  # open connections, per-key requests in progress
 
     # ------------------------------------------------------------------ app
     def app(self) -> web.Application:
         # aiohttp's own cap is the largest per-endpoint limit; `_read` applies the endpoint's own
-        app = web.Application(middlewares=[self._middleware], client_max_size=max(
+        app = web.Application(middlewares=[self._middleware, self.connections.middleware], client_max_size=max(
             self.limits.body_limit(e)[0] for e in ("forward_backward", "create_session")))
+        app[GUARD] = self.connections
         r = app.router
         post = {
             "client/config": self.client_config, "client/dynamic_config": self.dynamic_config,
@@ -334,6 +308,7 @@ class TinkerServer:
         return web.json_response({
             "requests": self.counts, "faults": self.faults.injected, "sessions": len(self.sessions),
             "models": len(self.models), "expired_sessions": self.expired_sessions,
+            "connections": self.connections.stats(),
             "key": {"sessions": sum(1 for o in self.sessions.values() if o == me),  # the asking key's own
                     "models": sum(1 for m in self.models if self.owner.get(m) == me),
                     "model_slots": len(self.slots.get(me, ())), "inflight": self.inflight.get(me, 0)}})
@@ -438,24 +413,9 @@ class TinkerServer:
         return self._pool.submit(fn)
 
     async def _read(self, request: web.Request) -> bytes:
-        """The body, read up to the endpoint's limit (a chunked body has no Content-Length to check first)."""
-        endpoint = request.path.removeprefix("/api/v1/")
-        limit, flag = self.limits.body_limit(endpoint)
-        chunks, size = [], 0
-        while True:
-            try:  # a client that stops sending mid-body must not hold its connection (and a file) forever
-                chunk = await asyncio.wait_for(request.content.read(1 << 16), self.read_timeout_s)
-            except TimeoutError:
-                request["close"] = True  # the rest of the body will not be read: close after the reply
-                raise Refused(408, f"no body bytes for {self.read_timeout_s:g} s (--read-timeout-s)"
-                              ) from None
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > limit:
-                raise Refused(413, f"request body exceeds this server's limit of {limit} bytes for {endpoint} ({flag})")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        """The body, up to the endpoint's limit and at the minimum rate (`connections.read_body`)."""
+        limit, flag = self.limits.body_limit(request.path.removeprefix("/api/v1/"))
+        return await read_body(request, limit, flag, self.read_timeout_s)
 
     async def _body(self, request: web.Request, cls: Any) -> tuple[Any, str]:
         """The request parsed with the SDK's type, and a digest of it for de-duplication."""

@@ -50,6 +50,8 @@ class Limits:
     models_per_key: int = 8
     sessions_per_key: int = 32  # live sessions; each heartbeats, so a dead client's expire and free theirs
     inflight_per_key: int = 256  # accepted requests of one key whose result is not ready yet (429 beyond)
+    connections: int = 512  # open connections (each holds a file descriptor; `connections.py`)
+    connections_per_key: int = 320  # requests of one key being handled at once (the SDK polls each in flight)
     session_metadata_kb: float = 64.0  # user_metadata of one session or model, as JSON
     # a custom-loss graph's cost in one forward_backward, in element operations (`graph_cost.py`): every
     # project loss fits on 512 datums of 512 tokens (about 2.6e9 with gspo's 190 nodes); at the review's
