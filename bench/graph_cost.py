@@ -82,12 +82,14 @@ def cases() -> list[tuple[str, torch.fx.GraphModule, list[str], int, int]]:
     per = (graph_cost.MAX_GRAPH_REFS - 2) // 4
     cats = [_call(f"c{i}", "torch.cat", [{"ref": "logprobs"}] * per) for i in range(4)]
     out = [(f"project {name}", gm, names, 512, 32) for name, gm, names in project_losses()]
-    out += [(f"neg chain {n} x 3 tokens", _graph(_chain("torch.neg", n)), [], 3, 128) for n in (2, 11, 31, 64)]
+    out += [(f"neg chain {n} x 3 tokens", _graph(_chain("torch.neg", n)), [], 3, 128)
+            for n in (2, 11, 31, 64)]
     out += [(f"neg chain {n} x 512 tokens", _graph(_chain("torch.neg", n)), [], 512, 64) for n in (2, 31)]
     out += [("mul chain 16 x 65536 tokens", _graph(_chain("operator.mul", 16, other=True)), [], 65_536, 2),
             ("o @ o, 256 tokens", _graph(outer), [], 256, 4),
             ("o @ o, 512 tokens", _graph(outer), [], 512, 1),
-            (f"4 cat x {per} refs, 8 tokens", _graph([*cats, _call("loss", "torch.sum", {"ref": "c3"})]), [], 8, 64)]
+            (f"4 cat x {per} refs, 8 tokens", _graph([*cats, _call("loss", "torch.sum", {"ref": "c3"})]), [],
+             8, 64)]
     return out
 
 

@@ -20,8 +20,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from eval.during_training import (compare_with_start, periodic_eval, run_final_eval, run_start_eval,
-                                  start_eval_key)
+from eval.during_training import (
+    compare_with_start,
+    periodic_eval,
+    run_final_eval,
+    run_start_eval,
+    start_eval_key,
+)
 from eval.run_report import write_run_report
 from trainer.backends import BackendConfigError, backend_of, build_service_client, session_finished
 from trainer.backends.errors import BackendRequestError, is_lost
@@ -30,6 +35,7 @@ from trainer.config.schema import Config, ConfigError, arm_name, composed_dict, 
 from trainer.hydra_callbacks import probe_output_dir
 from trainer.loop import RLLoop, TrainingClientLost, _ClientFailure
 from trainer.preflight.gates import require_passed
+from trainer.redaction import install as install_redaction
 from trainer.run_info import (
     batch_arithmetic,
     config_secrets,
@@ -142,6 +148,8 @@ def run_training(composed: DictConfig) -> float | None:
     run_dir, sweep_dir = hydra_dirs()
     # first: Hydra has just written the overrides as given (a key among them) into .hydra/
     redact_hydra_record(run_dir, sweep_dir, config_secrets(composed_dict(composed)))
+    # the config's own secrets, and Hydra's log handlers (console, train.log), now exist: route them too
+    install_redaction(config_secrets(composed_dict(composed)))
     try:
         cfg = validate(composed)
     except ConfigError as e:
@@ -235,7 +243,7 @@ def _eval_or_fail(what: str, run: Any) -> Any:
 
     try:
         return run()
-    except Exception as e:  # noqa: BLE001 - only the backend's failures are turned into one line
+    except Exception as e:
         if not (is_lost(e) or isinstance(e, (BackendRequestError, tinker.TinkerError, _ClientFailure))):
             raise
         fail(f"backend: {what}: {type(e).__name__}: {e}; the run resumes from its last checkpoint and redoes it "

@@ -62,12 +62,14 @@ async def read_body(request: web.Request, limit: int, flag: str, read_timeout_s:
         except TimeoutError:
             request["close"] = True  # the rest of the body will not be read: close after the reply
             raise Refused(408, f"request body not received within {read_timeout_s:g} s plus 1 s per "
-                               f"{MIN_BODY_RATE // 1024} KiB (--read-timeout-s); {size} bytes arrived") from None
+                               f"{MIN_BODY_RATE // 1024} KiB (--read-timeout-s); {size} bytes arrived"
+                          ) from None
         if not chunk:
             break
         size += len(chunk)
         if size > limit:
-            raise Refused(413, f"request body exceeds this server's limit of {limit} bytes for {endpoint} ({flag})")
+            raise Refused(413, f"request body exceeds this server's limit of {limit} bytes for {endpoint} "
+                               f"({flag})")
         chunks.append(chunk)
     return b"".join(chunks)
 
