@@ -68,9 +68,11 @@ from trainer.serve.limits import (
     check_batch,
     check_checkpoint_name,
     check_lora,
+    check_loss_fn,
     check_metadata,
     check_optimizer_config,
     check_sample,
+    check_text_only,
 )
 from trainer.serve.replies import Refused, error_response, json_result
 from trainer.serve.rest import RestSurface, add_rest_routes
@@ -104,11 +106,14 @@ class _Pending:
 # (`record_stability_info=True`); its docs (tinker-docs "Losses > StableReinforce", alpha) describe what a
 # client sends but not the objective or what is recorded, and neither the SDK 0.38 (`types/loss_fn_type.py`,
 # `types/sample_request.py`) nor tinker-cookbook 0.6.1 (`rl/train.py`, which only names the loss) defines
-# them, so the engine cannot reproduce it and refuses it with the workaround.
+# them, so the engine cannot reproduce it and refuses it with the workaround. The one parameter the SDK does
+# define, `kl_coeff`, travels in `loss_fn_config` (`types/forward_backward_input.py`), which
+# `proto/request_conv.py` sends as `loss_fn_config_v2`.
 STABLE_REINFORCE_REFUSAL = (
-    "loss_fn 'stable_reinforce' is not implemented by this server: its objective uses stability information "
-    "the Tinker service records at sampling time, which no public source defines; train with "
-    "loss_fn='importance_sampling' (tinker-cookbook: loss_fn=importance_sampling), or ppo / cispo")
+    "loss_fn 'stable_reinforce' is not implemented by this server: its objective needs stability information "
+    "the service records when sampling, which no public source defines (the SDK's loss_fn_config_v2 only "
+    "adds its kl_coeff); use loss_fn='importance_sampling' (tinker-cookbook: loss_fn=importance_sampling), "
+    "or ppo / cispo")
 
 
 class _Inflight:
@@ -235,7 +240,7 @@ class TinkerServer:
             d = _digest(key)
             if not any(hmac.compare_digest(d, k) for k in self.api_keys):
                 raise Refused(401, "invalid API key: this server accepts only the key(s) it was started with "
-                                   "(--api-key / $PAIREDRL_SERVE_API_KEY)")
+                                   "(--api-key, the lines of --api-key-file, $PAIREDRL_SERVE_API_KEY)")
             return d
         if not (self.allow_remote or is_loopback(request.remote)):
             raise Refused(403, "this server was started without --api-key and answers loopback clients only")
@@ -659,6 +664,8 @@ class TinkerServer:
             check_batch(out[2], out[4], self.limits)
             if out[3] == "custom":
                 self._check_loss_cost(out[4], out[2], request["owner"])
+            elif out[3] != "stable_reinforce":
+                check_loss_fn(out[3], out[4])
             return out
 
         _, seq_id, data, loss_fn, config, forward_only = await asyncio.get_running_loop().run_in_executor(
@@ -817,6 +824,7 @@ class TinkerServer:
     async def asample(self, request: web.Request) -> web.Response:
         req, digest = await self._body(request, types.SampleRequest)
         sc = self._owned(self.samplers, req.sampling_session_id, request, "sampling session")
+        check_text_only(req.prompt, "prompt")
         check_sample(req, self.limits)
         asked = [f for f, on in (("topk_sample_logprobs", req.topk_sample_logprobs),
                                  ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
