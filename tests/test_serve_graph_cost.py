@@ -176,3 +176,23 @@ def test_a_size_used_as_it_grows_is_accepted():
     gm = wire.rebuild_graph(_graph(_size_graph("operator.truediv", {"ref": "t"}, 2)))
     graph_cost.check_at_upload(gm, [1], Limits())
     assert graph_cost.check_request(gm, [_datum(100)], Limits()) > 0
+
+
+def test_a_graph_that_fails_on_a_class_is_metered_once_for_it():
+    """A graph that cannot run on a request's shapes (here a reshape to 3 rows, which 8 or 128 tokens do
+    not divide) is answered from the table too: its failure is kept, not metered again per request."""
+    nodes = [_call("r", "torch.reshape", {"ref": "logprobs"}, [3, -1]), _call("loss", "torch.sum", {"ref": "r"})]
+    gm = wire.rebuild_graph(_graph(nodes))
+    graph_cost.check_at_upload(gm, [1], Limits())  # fails at 8 tokens: left to the requests
+    runs = graph_cost.meter_runs(gm)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="invalid for input of size"):
+            graph_cost.check_request(gm, [_datum(100)], Limits())  # 128 and 100 do not divide by 3
+    assert graph_cost.meter_runs(gm) == runs + 2  # the 128-token class, then the exact 100 tokens
+    assert graph_cost.check_request(gm, [_datum(99)], Limits()) > 0  # 128 fails, 99 fits: exact shapes
+
+
+def test_the_check_stops_past_its_time_bound(monkeypatch):
+    monkeypatch.setattr(graph_cost, "CHECK_S", 0.0)
+    with pytest.raises(graph_cost.CostExceeded, match="ran past 0 s"):
+        graph_cost.check_at_upload(wire.rebuild_graph(_graph(_neg_chain(3))), [1], Limits())

@@ -269,8 +269,9 @@ def datum_cost(
 
 
 class _Table:
-    """One graph's datum cost per shape class: an int, or ("over", budget) when it passed `budget`, or
-    ("refused", detail) for a refusal that does not depend on the bound."""
+    """One graph's datum cost per shape class: an int, or ("over", budget) when it passed `budget`,
+    ("refused", detail) for a refusal that does not depend on the bound, or ("fails", exception) when the
+    graph itself fails on those shapes."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -315,6 +316,8 @@ def _class_cost(gm: torch.fx.GraphModule, shapes: list[tuple[int, ...]], dtypes:
                 row = ("over", budget)
             except CostExceeded as e:
                 row = ("refused", e.detail)
+            except Exception as e:  # noqa: BLE001 - the graph fails on these shapes: kept, raised again
+                row = ("fails", e.with_traceback(None))
             if len(table.rows) >= MAX_CLASSES:
                 del table.rows[next(iter(table.rows))]
             table.rows[key] = row
@@ -324,6 +327,8 @@ def _class_cost(gm: torch.fx.GraphModule, shapes: list[tuple[int, ...]], dtypes:
         return row
     if row[0] == "over":
         raise _OverBudget("over budget")
+    if row[0] == "fails":
+        raise row[1]
     raise CostExceeded(row[1])
 
 
