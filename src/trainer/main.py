@@ -20,13 +20,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from eval.during_training import (
-    compare_with_start,
-    periodic_eval,
-    run_final_eval,
-    run_start_eval,
-    start_eval_key,
-)
+from eval.during_training import (compare_with_start, periodic_eval, run_final_eval, run_start_eval,
+                                  start_eval_key)
 from eval.run_report import write_run_report
 from trainer.backends import BackendConfigError, backend_of, build_service_client, session_finished
 from trainer.backends.errors import BackendRequestError, is_lost
@@ -243,7 +238,7 @@ def _eval_or_fail(what: str, run: Any) -> Any:
 
     try:
         return run()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - only the backend's failures are turned into one line
         if not (is_lost(e) or isinstance(e, (BackendRequestError, tinker.TinkerError, _ClientFailure))):
             raise
         fail(f"backend: {what}: {type(e).__name__}: {e}; the run resumes from its last checkpoint and redoes it "
