@@ -189,3 +189,35 @@ def test_a_flood_of_bad_requests_logs_a_bounded_number_of_lines(server):
     assert text.count("Error handling request") - before <= 1, text[-3000:]
     assert text.count("Traceback") <= 2
     assert server.health_s() < 2
+
+
+def test_repeated_log_lines_are_counted_not_repeated():
+    """One line per kind per interval; the rest counted, in the next line of that kind or by `flush`."""
+    import io
+    import logging
+
+    from trainer.serve.connections import RateLimitedLog
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    limiter = RateLimitedLog(interval_s=0.2)
+    handler.addFilter(limiter)
+    log = logging.getLogger("test.rate_limited")
+    log.addHandler(handler)
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    try:
+        for i in range(50):
+            log.error("accept failed on fd %d", i)
+        log.warning("another kind")
+        log.info("below warning: never held back")
+        log.info("below warning: never held back")
+        assert out.getvalue().count("accept failed") == 1 and "another kind" in out.getvalue()
+        time.sleep(0.25)
+        limiter.flush(log)
+        assert "49 more log lines like 'accept failed on fd %d'" in out.getvalue(), out.getvalue()
+        log.error("accept failed on fd %d", 99)  # a new interval: it passes again
+        assert out.getvalue().count("accept failed on fd") == 2
+        assert out.getvalue().count("below warning") == 2
+    finally:
+        log.removeHandler(handler)
