@@ -56,6 +56,11 @@ def test_a_limit_set_out_of_range_is_named_by_its_flag():
     p = subprocess.run([sys.executable, "-m", "trainer.serve", "--max-loss-nodes", "0"], capture_output=True,
                        text=True, timeout=60, check=False, env={"PYTHONPATH": str(ROOT / "src"), "PATH": ""})
     assert p.returncode == 2 and "--max-loss-nodes must be a positive number" in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "trainer.serve", "--max-connections", str(10**12)],
+                       capture_output=True, text=True, timeout=60, check=False,
+                       env={"PYTHONPATH": str(ROOT / "src"), "PATH": ""})
+    assert p.returncode == 2 and "lower --max-connections" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
 
 
 def test_the_401_under_an_api_key_file_names_the_file_option(server):

@@ -130,10 +130,13 @@ def _descriptors_for(connections: int, p: _Parser) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < need:
         new = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError):  # past the kernel's own ceiling (fs.nr_open)
+            new = soft
         if new < need:
             p.error(f"--max-connections {connections} needs {need} open files, but this process may open "
-                    f"{hard} (ulimit -Hn); lower --max-connections")
+                    f"{new} (ulimit -n / -Hn); lower --max-connections")
 
 
 async def serve(args: argparse.Namespace) -> None:
