@@ -32,6 +32,9 @@ def main(cfg: DictConfig) -> float | None:
 
 def entry() -> None:
     """Run `main` with the command line (a config Hydra cannot compose exits 2: `HydraEntry`)."""
+    from trainer.redaction import install
+
+    install()  # what this process prints, logs or raises leaves through trainer.redaction.scrub
     argv = sys.argv[1:]
     if ("--multirun" in argv or "-m" in argv) and ("--cfg" in argv or "-c" in argv):
         from trainer.config.compose import print_sweep_configs

@@ -315,9 +315,9 @@ POW = [
     _call("s", "torch.sum", {"ref": "logprobs"}),
     _call("loss", "operator.add", {"ref": "s"}, {"ref": "m"}),
 ]
-CAT = [
-    _call("c1", "torch.cat", [{"ref": "logprobs"}] * 4096),
-    _call("c2", "torch.cat", [{"ref": "c1"}] * 4096),
+CAT = [  # 2000 references: under the graph's cap (4096 per cat is refused at upload, test_serve_graph_cost)
+    _call("c1", "torch.cat", [{"ref": "logprobs"}] * 1000),
+    _call("c2", "torch.cat", [{"ref": "c1"}] * 1000),
     _call("loss", "torch.sum", {"ref": "c2"}),
 ]
 OUTER = [
@@ -357,11 +357,12 @@ def test_python_level_blowups_are_refused_at_upload_in_milliseconds(nodes):
     assert time.perf_counter() - t < 1.0
 
 
-@pytest.mark.parametrize("nodes,tokens", [(CAT, 16), (OUTER, 1000)], ids=["cat_chain", "outer_products"])
-def test_tensor_blowups_are_refused_naming_the_flag(nodes, tokens):
+@pytest.mark.parametrize("nodes,tokens,why", [(CAT, 1024, "memory"), (OUTER, 1000, "--max-loss-cost")],
+                         ids=["cat_chain", "outer_products"])
+def test_tensor_blowups_are_refused_naming_the_bound(nodes, tokens, why):
     gm = wire.rebuild_graph(_graph(nodes))
     graph_cost.check_at_upload(gm, [1], Limits(loss_cost=2**40))  # a huge bound lets it through
-    with pytest.raises(graph_cost.CostExceeded, match="--max-loss-cost"):
+    with pytest.raises(graph_cost.CostExceeded, match=why):
         graph_cost.check_request(gm, [[((tokens,), __import__("torch").float32)]], Limits())
 
 
@@ -385,29 +386,6 @@ def test_every_project_loss_fits_the_default_bound_at_the_largest_batch(name):
     shapes = [((tokens,), torch.float32)] * len(handle.inputs)
     cost = graph_cost.check_request(gm, [shapes] * (limits.batch_tokens // tokens), limits)
     assert cost < limits.loss_cost
-
-
-def test_a_graph_at_the_bound_runs_in_bounded_time():
-    """The documented lock bound: a chain of element-wise products costed just under the default bound
-    runs forward and backward in a few seconds (the time is printed with the load)."""
-    import torch
-
-    nodes, prev = [], "logprobs"
-    for i in range(120):
-        nodes.append(_call(f"x{i}", "operator.mul", {"ref": prev}, {"ref": "logprobs"}))
-        prev = f"x{i}"
-    nodes.append(_call("loss", "torch.sum", {"ref": prev}))
-    gm = wire.rebuild_graph(_graph(nodes))
-    tokens = 262_144
-    cost = graph_cost.check_request(gm, [[((tokens,), torch.float32)]], Limits())
-    assert cost > 0.7 * Limits().loss_cost
-    lp = torch.randn(tokens, requires_grad=True)
-    t = time.perf_counter()
-    gm(lp)[0].backward()
-    took = time.perf_counter() - t
-    share = cost / Limits().loss_cost
-    print(f"cost {cost} ({share:.2f} of the bound) ran in {took:.2f} s, load {os.getloadavg()}")
-    assert took < 20
 
 
 def test_pow_graph_is_refused_while_health_checks_answer(server):

@@ -77,6 +77,15 @@ def _target(ctx: Ctx) -> Any:
     return _sample(ctx, target_prompt_logprobs=types.TensorData(data=[6, 7], dtype="int64", shape=[2, 1]))
 
 
+def _dmel(ctx: Ctx) -> Any:
+    from tinker import types
+
+    # a TensorContainer header (dtype byte 0, 2 dimensions: 3 x 4) and its payload: audio frames to the SDK
+    audio = types.DmelChunk(dmel=bytes([0, 2, 3, 4]) + bytes(48))
+    prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[5, 6]), audio])
+    return ctx.sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+
+
 def _session_id(ctx: Ctx) -> str:
     return ctx.rc.list_sessions().result().sessions[0]
 
@@ -158,6 +167,11 @@ PROBES: dict[str, tuple[Callable[[Ctx], Any], str | None]] = {
     "TrainingClient.optim_step(DimuonParams)": (_dimuon_step, None),
     "TrainingClient.forward_backward(loss_fn='stable_reinforce')": (
         lambda c: c.tc.forward_backward([_datum()], "stable_reinforce").result(), None),
+    "TrainingClient.forward_backward(loss_fn='dro', no loss_fn_config)": (
+        lambda c: c.tc.forward_backward([_datum()], "dro").result(), None),
+    "TrainingClient.forward_backward(loss_fn='gspo', no loss_fn_config)": (
+        lambda c: c.tc.forward_backward([_datum()], "gspo").result(), None),
+    "SamplingClient.sample(ModelInput with a DmelChunk)": (_dmel, None),
     "SamplingClient.sample(topk_sample_logprobs)": (lambda c: _sample(c, topk_sample_logprobs=2), None),
     "SamplingClient.sample(target_prompt_logprobs)": (_target, None),
     "SamplingClient.sample(prompt_alt_tokens_k)": (lambda c: _sample(c, prompt_alt_tokens_k=2), None),

@@ -30,6 +30,7 @@ from trainer.config.schema import Config, ConfigError, arm_name, composed_dict, 
 from trainer.hydra_callbacks import probe_output_dir
 from trainer.loop import RLLoop, TrainingClientLost, _ClientFailure
 from trainer.preflight.gates import require_passed
+from trainer.redaction import install as install_redaction
 from trainer.run_info import (
     batch_arithmetic,
     config_secrets,
@@ -142,6 +143,8 @@ def run_training(composed: DictConfig) -> float | None:
     run_dir, sweep_dir = hydra_dirs()
     # first: Hydra has just written the overrides as given (a key among them) into .hydra/
     redact_hydra_record(run_dir, sweep_dir, config_secrets(composed_dict(composed)))
+    # the config's own secrets, and Hydra's log handlers (console, train.log), now exist: route them too
+    install_redaction(config_secrets(composed_dict(composed)))
     try:
         cfg = validate(composed)
     except ConfigError as e:

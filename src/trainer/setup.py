@@ -20,8 +20,10 @@ log = logging.getLogger("pairedrl")
 
 
 def fail(msg: str) -> NoReturn:
-    """Stop before any compute with a message naming the problem (exit code 2)."""
-    print(f"error: {msg}", file=sys.stderr)
+    """Stop before any compute with a message naming the problem (exit code 2), secrets scrubbed."""
+    from trainer.redaction import scrub
+
+    print(f"error: {scrub(msg)}", file=sys.stderr)
     raise SystemExit(2)
 
 

@@ -210,14 +210,19 @@ def probe_service(base_url: str, key: str, timeout_s: float, key_env: str = "TIN
     import httpx
     import tinker
 
+    from trainer.redaction import add_secrets, scrub
+
     url = base_url.rstrip("/") + "/api/v1/client/config"
+    add_secrets([key])  # a password in the URL (or the key) is no part of a message
+    shown, shown_url = scrub(base_url), scrub(url)
     deadline = time.monotonic() + timeout_s
     last = ""
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise BackendConfigError(f"the Tinker service at {base_url} did not answer within {timeout_s:.0f} s "
-                                     f"({last}); check TINKER_BASE_URL / backend.base_url and the network")
+            raise BackendConfigError(f"the Tinker service at {shown} did not answer within {timeout_s:.0f} s "
+                                     f"({scrub(last)}); check TINKER_BASE_URL / backend.base_url and "
+                                     "the network")
         try:
             r = httpx.post(url, json={"sdk_version": tinker.__version__}, headers={"X-API-Key": key},
                            timeout=httpx.Timeout(min(5.0, left)))
@@ -225,17 +230,17 @@ def probe_service(base_url: str, key: str, timeout_s: float, key_env: str = "TIN
             last = f"{type(e).__name__}: {e}"
         else:
             if r.status_code in (401, 403):
-                raise BackendConfigError(f"the Tinker service at {base_url} refused the API key in "
+                raise BackendConfigError(f"the Tinker service at {shown} refused the API key in "
                                          f"${key_env} (HTTP {r.status_code}: {r.text[:200]})")
             if r.status_code < 300:
                 try:
                     r.json()
                     return
                 except ValueError:
-                    raise BackendConfigError(f"{base_url} answered {url} with a non-JSON body: it does not look "
-                                             "like a Tinker service") from None
+                    raise BackendConfigError(f"{shown} answered {shown_url} with a non-JSON body: it does "
+                                             "not look like a Tinker service") from None
             if r.status_code < 500 and r.status_code not in (408, 429):
-                raise BackendConfigError(f"{base_url} answered {url} with HTTP {r.status_code}: it does not look "
-                                         f"like a Tinker service ({r.text[:200]!r})")
+                raise BackendConfigError(f"{shown} answered {shown_url} with HTTP {r.status_code}: it does "
+                                         f"not look like a Tinker service ({r.text[:200]!r})")
             last = f"HTTP {r.status_code}"
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))

@@ -76,8 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"{SESSION_TIMEOUT_S:g}, when the SDK warns that the session will be terminated; "
                         f"must be > {SDK_HEARTBEAT_S:g})")
     p.add_argument("--read-timeout-s", type=float, default=30.0,
-                   help="a client that sends no byte of its request (headers or body) for this long is "
-                        "answered 408 / disconnected (default 30)")
+                   help="a request's headers must arrive within this long, and its body within this long plus "
+                        "1 s per 64 KiB; slower ones are answered 408 / disconnected (default 30)")
     p.add_argument("--insecure-allow-remote", action="store_true",
                    help="bind a non-loopback --host without --api-key (anyone who reaches the port can train "
                         "and sample; a warning is printed)")
@@ -111,6 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.session_timeout_s > SDK_HEARTBEAT_S:  # NaN fails too
         p.error(f"--session-timeout-s must be > {SDK_HEARTBEAT_S:g} (the SDK heartbeats every "
                 f"{SDK_HEARTBEAT_S:g} s; a shorter timeout would end live sessions)")
+    _descriptors_for(args.limits.connections, p)
     if not 0 < args.read_timeout_s <= 3600:
         p.error("--read-timeout-s must be in (0, 3600]")
     if not args.ttl_sweep_s > 0:
@@ -120,11 +121,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _descriptors_for(connections: int, p: _Parser) -> None:
+    """Raise the soft limit on open files so that --max-connections fit beside the engine's own files
+    (the model, checkpoints, pipes), or refuse to start."""
+    import resource
+
+    need = connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError):  # past the kernel's own ceiling (fs.nr_open)
+            new = soft
+        if new < need:
+            p.error(f"--max-connections {connections} needs {need} open files, but this process may open "
+                    f"{new} (ulimit -n / -Hn); lower --max-connections")
+
+
 async def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
     from trainer.backends.local import LocalServiceClient
-    from trainer.serve.app import JsonErrorRunner, TinkerServer
+    from trainer.serve.app import TinkerServer
+    from trainer.serve.connections import JsonErrorRunner, flush_logs_forever, install_log_limit
     from trainer.serve.faults import FaultPlan
 
     faults = FaultPlan.parse(args.faults)
@@ -152,11 +172,13 @@ async def serve(args: argparse.Namespace) -> None:
     await site.start()
     host, port = site._server.sockets[0].getsockname()[:2]  # the port the OS picked for --port 0
     print(f"listening on http://{host}:{port}", flush=True)
+    flusher = asyncio.get_running_loop().create_task(flush_logs_forever(install_log_limit()))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    flusher.cancel()
     await runner.cleanup()
     engine.close()
     if faults.active:

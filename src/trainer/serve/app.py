@@ -48,16 +48,16 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 
 import torch
-from aiohttp import web, web_protocol, web_server
+from aiohttp import web
 from pydantic import ValidationError
 from tinker import types
 from tinker.lib.public_interfaces.custom_loss import LossHandle, check_loss_inputs
 
 from trainer.serve import is_loopback
+from trainer.serve.connections import GUARD, ConnectionGuard, read_body
 from trainer.serve.faults import FaultPlan
 from trainer.serve.graph_cost import CostExceeded, check_at_upload, check_request
 from trainer.serve.limits import (
@@ -68,9 +68,11 @@ from trainer.serve.limits import (
     check_batch,
     check_checkpoint_name,
     check_lora,
+    check_loss_fn,
     check_metadata,
     check_optimizer_config,
     check_sample,
+    check_text_only,
 )
 from trainer.serve.replies import Refused, error_response, json_result
 from trainer.serve.rest import RestSurface, add_rest_routes
@@ -89,34 +91,6 @@ PROTO = "application/x-protobuf"
 MAX_FUTURES = 50_000
 
 
-class _JsonErrorHandler(web_protocol.RequestHandler):
-    """aiohttp answers a request it cannot parse (headers over 8190 bytes, a bad request line) itself,
-    before any middleware, in plain text; the same reply here in the SDK's JSON error shape."""
-
-    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
-        super().handle_error(request, status, exc, message)  # logs, and refuses once bytes were sent
-        reason = getattr(exc, "message", None) or HTTPStatus(status).phrase
-        resp = error_response(status, f"{HTTPStatus(status).phrase}: {str(reason).splitlines()[0][:200]}")
-        resp.force_close()
-        return resp
-
-
-class _JsonErrorServer(web_server.Server):
-    def __call__(self) -> web_protocol.RequestHandler:
-        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
-
-
-class JsonErrorRunner(web.AppRunner):
-    """`web.AppRunner` whose connections answer unparseable requests in JSON (aiohttp 3.14:
-    `web_protocol.RequestHandler.handle_error`, `web_server.Server.__call__`)."""
-
-    async def _make_server(self) -> web_server.Server:
-        server = await super()._make_server()
-        server.__class__ = _JsonErrorServer
-        return server
-
-
 class ModelLost(RuntimeError):
     """The model was dropped by an injected `poison` fault; its requests fail from then on."""
 
@@ -132,11 +106,14 @@ class _Pending:
 # (`record_stability_info=True`); its docs (tinker-docs "Losses > StableReinforce", alpha) describe what a
 # client sends but not the objective or what is recorded, and neither the SDK 0.38 (`types/loss_fn_type.py`,
 # `types/sample_request.py`) nor tinker-cookbook 0.6.1 (`rl/train.py`, which only names the loss) defines
-# them, so the engine cannot reproduce it and refuses it with the workaround.
+# them, so the engine cannot reproduce it and refuses it with the workaround. The one parameter the SDK does
+# define, `kl_coeff`, travels in `loss_fn_config` (`types/forward_backward_input.py`), which
+# `proto/request_conv.py` sends as `loss_fn_config_v2`.
 STABLE_REINFORCE_REFUSAL = (
-    "loss_fn 'stable_reinforce' is not implemented by this server: its objective uses stability information "
-    "the Tinker service records at sampling time, which no public source defines; train with "
-    "loss_fn='importance_sampling' (tinker-cookbook: loss_fn=importance_sampling), or ppo / cispo")
+    "loss_fn 'stable_reinforce' is not implemented by this server: its objective needs stability information "
+    "the service records when sampling, which no public source defines (the SDK's loss_fn_config_v2 only "
+    "adds its kl_coeff); use loss_fn='importance_sampling' (tinker-cookbook: loss_fn=importance_sampling), "
+    "or ppo / cispo")
 
 
 class _Inflight:
@@ -226,12 +203,14 @@ class TinkerServer:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="serve-load")
         # runs, checkpoints, sessions, downloads (trainer.serve.rest); told of each session, run and sampler
         self.rest = RestSurface(self, engine.state_dir, sweep_s=ttl_sweep_s)
+        self.connections = ConnectionGuard(self.limits)  # open connections, per-key requests in progress
 
     # ------------------------------------------------------------------ app
     def app(self) -> web.Application:
         # aiohttp's own cap is the largest per-endpoint limit; `_read` applies the endpoint's own
-        app = web.Application(middlewares=[self._middleware], client_max_size=max(
+        app = web.Application(middlewares=[self._middleware, self.connections.middleware], client_max_size=max(
             self.limits.body_limit(e)[0] for e in ("forward_backward", "create_session")))
+        app[GUARD] = self.connections
         r = app.router
         post = {
             "client/config": self.client_config, "client/dynamic_config": self.dynamic_config,
@@ -261,7 +240,7 @@ class TinkerServer:
             d = _digest(key)
             if not any(hmac.compare_digest(d, k) for k in self.api_keys):
                 raise Refused(401, "invalid API key: this server accepts only the key(s) it was started with "
-                                   "(--api-key / $PAIREDRL_SERVE_API_KEY)")
+                                   "(--api-key, the lines of --api-key-file, $PAIREDRL_SERVE_API_KEY)")
             return d
         if not (self.allow_remote or is_loopback(request.remote)):
             raise Refused(403, "this server was started without --api-key and answers loopback clients only")
@@ -334,6 +313,7 @@ class TinkerServer:
         return web.json_response({
             "requests": self.counts, "faults": self.faults.injected, "sessions": len(self.sessions),
             "models": len(self.models), "expired_sessions": self.expired_sessions,
+            "connections": self.connections.stats(),
             "key": {"sessions": sum(1 for o in self.sessions.values() if o == me),  # the asking key's own
                     "models": sum(1 for m in self.models if self.owner.get(m) == me),
                     "model_slots": len(self.slots.get(me, ())), "inflight": self.inflight.get(me, 0)}})
@@ -438,24 +418,9 @@ class TinkerServer:
         return self._pool.submit(fn)
 
     async def _read(self, request: web.Request) -> bytes:
-        """The body, read up to the endpoint's limit (a chunked body has no Content-Length to check first)."""
-        endpoint = request.path.removeprefix("/api/v1/")
-        limit, flag = self.limits.body_limit(endpoint)
-        chunks, size = [], 0
-        while True:
-            try:  # a client that stops sending mid-body must not hold its connection (and a file) forever
-                chunk = await asyncio.wait_for(request.content.read(1 << 16), self.read_timeout_s)
-            except TimeoutError:
-                request["close"] = True  # the rest of the body will not be read: close after the reply
-                raise Refused(408, f"no body bytes for {self.read_timeout_s:g} s (--read-timeout-s)"
-                              ) from None
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > limit:
-                raise Refused(413, f"request body exceeds this server's limit of {limit} bytes for {endpoint} ({flag})")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        """The body, up to the endpoint's limit and at the minimum rate (`connections.read_body`)."""
+        limit, flag = self.limits.body_limit(request.path.removeprefix("/api/v1/"))
+        return await read_body(request, limit, flag, self.read_timeout_s)
 
     async def _body(self, request: web.Request, cls: Any) -> tuple[Any, str]:
         """The request parsed with the SDK's type, and a digest of it for de-duplication."""
@@ -699,6 +664,8 @@ class TinkerServer:
             check_batch(out[2], out[4], self.limits)
             if out[3] == "custom":
                 self._check_loss_cost(out[4], out[2], request["owner"])
+            elif out[3] != "stable_reinforce":
+                check_loss_fn(out[3], out[4])
             return out
 
         _, seq_id, data, loss_fn, config, forward_only = await asyncio.get_running_loop().run_in_executor(
@@ -857,6 +824,7 @@ class TinkerServer:
     async def asample(self, request: web.Request) -> web.Response:
         req, digest = await self._body(request, types.SampleRequest)
         sc = self._owned(self.samplers, req.sampling_session_id, request, "sampling session")
+        check_text_only(req.prompt, "prompt")
         check_sample(req, self.limits)
         asked = [f for f, on in (("topk_sample_logprobs", req.topk_sample_logprobs),
                                  ("target_prompt_logprobs", req.target_prompt_logprobs is not None),

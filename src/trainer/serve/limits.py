@@ -50,14 +50,20 @@ class Limits:
     models_per_key: int = 8
     sessions_per_key: int = 32  # live sessions; each heartbeats, so a dead client's expire and free theirs
     inflight_per_key: int = 256  # accepted requests of one key whose result is not ready yet (429 beyond)
+    connections: int = 512  # open connections (each holds a file descriptor; `connections.py`)
+    connections_per_key: int = 320  # requests of one key being handled at once (the SDK polls each in flight)
     session_metadata_kb: float = 64.0  # user_metadata of one session or model, as JSON
-    loss_cost: int = 2**27  # a custom-loss graph's cost in one forward_backward (`graph_cost.py`)
+    # a custom-loss graph's cost in one forward_backward, in element operations (`graph_cost.py`): every
+    # project loss fits on 512 datums of 512 tokens (about 2.6e9 with gspo's 190 nodes); at the review's
+    # timings it allows about 165,000 node runs, near the time of the largest built-in request (4096 datums)
+    loss_cost: int = 2**32
+    loss_nodes: int = 512  # nodes of one uploaded custom-loss graph (the project's losses have 150-210)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"limit {f.name} must be a positive number, got {v!r}")
+                raise ValueError(f"{Limits.flag(f.name)} must be a positive number, got {v!r}")
 
     @staticmethod
     def flag(name: str) -> str:
@@ -89,11 +95,13 @@ def finite_in(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = Fa
 MAX_TOPK = 64
 
 
-def at_most(what: str, value: int, limits: Limits, name: str) -> None:
-    """LimitExceeded naming `what`, the value, the bound `limits.<name>` and the flag that sets it."""
+def at_most(what: str, value: int, limits: Limits, name: str, hint: str = "") -> None:
+    """LimitExceeded naming `what`, the value, the bound `limits.<name>` and the flag that sets it (then
+    `hint`: what the client can change)."""
     bound = getattr(limits, name)
     if value > bound:
-        raise LimitExceeded(f"{what} = {value} exceeds this server's limit {bound} ({Limits.flag(name)})")
+        raise LimitExceeded(f"{what} = {value} exceeds this server's limit {bound} ({Limits.flag(name)})"
+                            + (f"; {hint}" if hint else ""))
 
 
 def check_sample(req: types.SampleRequest, limits: Limits) -> None:
@@ -104,7 +112,10 @@ def check_sample(req: types.SampleRequest, limits: Limits) -> None:
     finite_in("sampling_params.temperature", p.temperature, 0.0, 100.0)
     finite_in("sampling_params.top_p", p.top_p, 0.0, 1.0, lo_open=True)
     max_tokens = limits.max_tokens if p.max_tokens is None else int(p.max_tokens)
-    at_most("sampling_params.max_tokens", max_tokens, limits, "max_tokens")
+    at_most("sampling_params.max_tokens", max_tokens, limits, "max_tokens",
+            hint="ask for fewer: tinker-cookbook programs set it in their config (max_tokens=..., e.g. "
+                 "BenchmarkConfig(max_tokens=...) for its eval runner), and a longer generation does not fit "
+                 "the served models' context anyway")
     prompt = req.prompt.length
     at_most("prompt length", prompt, limits, "prompt_tokens")
     at_most("num_samples x (prompt + max_tokens)", req.num_samples * (prompt + max_tokens), limits, "sample_tokens")
@@ -167,9 +178,31 @@ def check_checkpoint_name(name: str) -> str:
     return name
 
 
+def check_text_only(model_input: types.ModelInput, what: str) -> None:
+    """The served models read token ids: a prompt or datum with an image or audio chunk is refused by its
+    type (tinker 0.38 `types/model_input_chunk.py`: EncodedTextChunk, ImageChunk, ImageAssetPointerChunk,
+    DmelChunk), not sampled or trained on without it."""
+    for chunk in model_input.chunks:
+        kind = str(getattr(chunk, "type", type(chunk).__name__))
+        if kind != "encoded_text":
+            raise ValueError(f"{what} holds a {kind!r} chunk ({type(chunk).__name__}); this server's models "
+                             "read token ids only (EncodedTextChunk, ModelInput.from_ints): image and audio "
+                             "(DmelChunk) input is not implemented")
+
+
+def check_loss_fn(loss_fn: str, config: dict[str, Any] | None) -> None:
+    """A built-in loss's name and config as the engine will resolve them, refused before the request is
+    queued (`dro` and `gspo` without their config would otherwise fail later, as a future)."""
+    from trainer.backends.local.losses import resolve_config
+
+    resolve_config(loss_fn, config or None)
+
+
 def check_batch(data: list[types.Datum], config: dict[str, Any], limits: Limits) -> None:
     """A forward / forward_backward batch: its size, and every number in its config and inputs finite."""
     at_most("datums in one request", len(data), limits, "batch_datums")
+    for i, d in enumerate(data):
+        check_text_only(d.model_input, f"datum[{i}].model_input")
     tokens = sum(d.model_input.length for d in data)
     at_most("tokens in one request", tokens, limits, "batch_tokens")
     for k, v in config.items():
