@@ -120,11 +120,12 @@ def test_the_prefix_budget_counts_every_earlier_token_hand_computed():
     assert m["loss/cppo_masked_frac"] == pytest.approx(3 / 4)
     assert m["loss/cppo_budget_masked_frac"] == pytest.approx(3 / 4) and m["loss/cppo_token_masked_frac"] == 0.0
     assert m["loss/dppo_masked_frac"] == 0.0  # no D above 0.15: DPPO keeps them all
-    # the same sequence after a masked prompt (garbage logprobs) and before padding: positions with mask 0
-    # count in neither t, T, S, W nor P90
+    # the same sequence after a masked prompt and before padding: positions with mask 0 count in neither t,
+    # T, S, W nor P90, whatever they hold (a garbage logprob of 800 has exp = inf: no NaN may reach S)
     logp2, slp2, adv2, mask2 = hand([0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.0], [0.01, 0.9, 0.6, 0.6, 0.6, 0.55, 0.3],
                                     [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0], [0, 0, 1, 1, 1, 1, 0])
     slp2 = torch.where(mask2 > 0, slp2, torch.zeros_like(slp2))
+    logp2[0, 0] = 800.0
     _, grad2, m2 = value_grad(loss, logp2, slp2, adv2, mask2)
     torch.testing.assert_close(grad2[:, 2:6], grad)
     assert m2["loss/cppo_masked_frac"] == pytest.approx(3 / 4)
