@@ -352,8 +352,8 @@ def test_every_arm_reports_the_same_rules_at_default_settings():
     )
     from trainer.losses.trust_region import TrustRegionRules
 
-    rules = {cls.__name__: cls().rules for cls in (GRPOLoss, DPPOLoss, ImportanceSamplingLoss, CISPOLoss, GSPOLoss,
-                                                    CPPOLoss)}
+    arms = (GRPOLoss, DPPOLoss, ImportanceSamplingLoss, CISPOLoss, GSPOLoss, CPPOLoss)
+    rules = {cls.__name__: cls().rules for cls in arms}
     assert all(r == TrustRegionRules() for r in rules.values()), rules
     assert reference.DEFAULT_RULES == TrustRegionRules().settings
     # the table: each rule's owner is a loss, its mask a trust_region function, its settings named by owner

@@ -60,8 +60,8 @@ def test_cppo_matches_the_float64_reference_in_value_gradient_and_diagnostics(se
     loss = CPPOLoss(aggregation=aggregation, anchor="recomputed" if anchored else "sampler", **settings)
     extra = {"anchor_logp": anchor} if anchored else {}
     value, grad, metrics = value_grad(loss, logp, sampler, adv, mask, **extra)
-    ref = ref_loss("cppo", logp.tolist(), sampler.tolist(), adv.tolist(), mask.tolist(), aggregation=aggregation,
-                   anchor_logp=anchor.tolist() if anchored else None, **settings)
+    ref = ref_loss("cppo", logp.tolist(), sampler.tolist(), adv.tolist(), mask.tolist(),
+                   aggregation=aggregation, anchor_logp=anchor.tolist() if anchored else None, **settings)
     assert float(value) == pytest.approx(ref.value, rel=1e-12, abs=1e-12)
     assert float((grad - torch.tensor(ref.grad, dtype=F64)).abs().max()) <= 1e-12
     assert list(metrics) == list(DIAGNOSTIC_KEYS)
@@ -85,7 +85,8 @@ def test_at_w_min_1_and_an_unbounded_budget_cppo_is_binary_tv_dppo_exactly(delta
         kw = {"aggregation": aggregation, "anchor": "recomputed" if anchored else "sampler"}
         v_c, g_c, m_c = value_grad(CPPOLoss(w_min=1.0, delta_b=delta_b, delta=0.15, **kw),
                                    logp, sampler, adv, mask, **extra)
-        v_d, g_d, m_d = value_grad(DPPOLoss(mode="binary_tv", delta=0.15, **kw), logp, sampler, adv, mask, **extra)
+        v_d, g_d, m_d = value_grad(DPPOLoss(mode="binary_tv", delta=0.15, **kw), logp, sampler, adv, mask,
+                                   **extra)
         assert torch.equal(v_c, v_d) and torch.equal(g_c, g_d)
         assert m_c["loss/cppo_budget_masked_frac"] == 0.0
         # DPPO also drops A = 0 tokens (no gradient either way): CPPO's mask is DPPO's on A != 0
@@ -118,11 +119,13 @@ def test_the_prefix_budget_counts_every_earlier_token_hand_computed():
     torch.testing.assert_close(grad, torch.tensor([[-1.2, 0.0, 0.0, 0.0]], dtype=F64))
     assert float(value) == pytest.approx(-1.2 * math.log(0.6))
     assert m["loss/cppo_masked_frac"] == pytest.approx(3 / 4)
-    assert m["loss/cppo_budget_masked_frac"] == pytest.approx(3 / 4) and m["loss/cppo_token_masked_frac"] == 0.0
+    assert m["loss/cppo_budget_masked_frac"] == pytest.approx(3 / 4)
+    assert m["loss/cppo_token_masked_frac"] == 0.0
     assert m["loss/dppo_masked_frac"] == 0.0  # no D above 0.15: DPPO keeps them all
     # the same sequence after a masked prompt and before padding: positions with mask 0 count in neither t,
     # T, S, W nor P90, whatever they hold (a garbage logprob of 800 has exp = inf: no NaN may reach S)
-    logp2, slp2, adv2, mask2 = hand([0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.0], [0.01, 0.9, 0.6, 0.6, 0.6, 0.55, 0.3],
+    logp2, slp2, adv2, mask2 = hand([0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.0],
+                                    [0.01, 0.9, 0.6, 0.6, 0.6, 0.55, 0.3],
                                     [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0], [0, 0, 1, 1, 1, 1, 0])
     slp2 = torch.where(mask2 > 0, slp2, torch.zeros_like(slp2))
     logp2[0, 0] = 800.0

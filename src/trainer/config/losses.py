@@ -248,8 +248,9 @@ RULE_TABLE: tuple[RuleSpec, ...] = (
               ("gspo_eps_high", GSPOLossConfig.seq_clip_eps_high))),
     # CPPO's mask and its two causes, which partition it: the per-token threshold (Z_t > delta) and the
     # prefix budget alone (c_t < Z_t <= delta)
-    *(RuleSpec(name, "cppo", mask, (("cppo_delta", CPPOLossConfig.delta), ("cppo_w_min", CPPOLossConfig.w_min),
-                                    ("cppo_delta_b", CPPOLossConfig.delta_b)), per_datum=False)
+    *(RuleSpec(name, "cppo", mask,
+               (("cppo_delta", CPPOLossConfig.delta), ("cppo_w_min", CPPOLossConfig.w_min),
+                ("cppo_delta_b", CPPOLossConfig.delta_b)), per_datum=False)
       for name, mask in (("cppo_masked", "cppo_rule_mask"), ("cppo_token_masked", "cppo_token_rule_mask"),
                          ("cppo_budget_masked", "cppo_budget_rule_mask"))),
 )

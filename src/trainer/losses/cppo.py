@@ -45,7 +45,8 @@ class CPPOLoss(PolicyLoss):
         self, logp: torch.Tensor, anchor_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """1.0 where the token is kept, 0.0 where CPPO drops it (detached, logp's dtype)."""
-        dropped = cppo_drop_masks(logp, anchor_logp, advantages, mask, self.delta, self.w_min, self.delta_b)[0]
+        dropped, _, _ = cppo_drop_masks(logp, anchor_logp, advantages, mask, self.delta, self.w_min,
+                                        self.delta_b)
         return (~dropped).to(logp.dtype)
 
     def token_loss(

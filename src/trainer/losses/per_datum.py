@@ -73,8 +73,9 @@ def make_per_datum_fn(loss: Any) -> PerDatumLoss:
     Summed over datums it equals the padded batch loss in value and gradient. Its metrics
     are counts / sums (see `finalize_per_datum_metrics`); quantiles and maxima cannot be
     combined by tinker's sum/mean rule and are left to `loss.diagnostics` on the returned
-    logprobs, as are the rules the rule table does not count per datum (`RuleSpec.per_datum`). The anchor input is always read (`with_per_datum_inputs` fills it with the
-    sampler logprobs when there is no recomputed anchor); `ref_logprobs` only with kl_coef > 0.
+    logprobs, as are the rules the rule table does not count per datum (`RuleSpec.per_datum`).
+    The anchor input is always read (`with_per_datum_inputs` fills it with the sampler logprobs
+    when there is no recomputed anchor); `ref_logprobs` only with kl_coef > 0.
     """
     if getattr(loss, "aggregation", None) != "sum":
         raise ValueError(

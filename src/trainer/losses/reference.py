@@ -195,7 +195,8 @@ def ref_diagnostics(
     abs_dp: list[float] = []
     for i, (lp_row, s_row, a_row, m_row, al_row) in enumerate(zip(logp, sampler_logp, adv, mask, anchor)):
         s_a = seq[i][1]
-        cppo = ref_cppo_causes(lp_row, al_row, a_row, m_row, rl["cppo_delta"], rl["cppo_w_min"], rl["cppo_delta_b"])
+        cppo = ref_cppo_causes(lp_row, al_row, a_row, m_row, rl["cppo_delta"], rl["cppo_w_min"],
+                               rl["cppo_delta_b"])
         for lp, slp, a, m, alp, why in zip(lp_row, s_row, a_row, m_row, al_row, cppo):
             if m == 0:
                 continue
@@ -333,7 +334,8 @@ def ref_loss(
             keep = 0.0 if ref_dppo_dropped(lp, alp, a, mode, dl, dh) else 1.0
             return -a * w * keep * lp, -a * w * keep
     elif loss == "cppo":
-        delta, w_min, delta_b = params.get("delta", 0.15), params.get("w_min", 0.8), params.get("delta_b", 0.02)
+        delta, w_min = params.get("delta", 0.15), params.get("w_min", 0.8)
+        delta_b = params.get("delta_b", 0.02)
         rl.update(cppo_delta=delta, cppo_w_min=w_min, cppo_delta_b=delta_b)
         causes = [ref_cppo_causes(lp_row, al_row, a_row, m_row, delta, w_min, delta_b)
                   for lp_row, al_row, a_row, m_row in zip(logp, anchor, adv, mask)]

@@ -275,7 +275,8 @@ def cppo_drop_masks(
     e1211ee627228407787fa7d6b41b63d7e300fb28, unirl/algorithms/cppo.py::_cppo_mask. Per sequence (a row;
     the last dim is the token dim), t = 1..T over its loss tokens (mask != 0):
         D_t = |p_t - p_anchor,t|,  w_t = 1 - (1 - w_min)(t - 1)/max(T - 1, 1),  Z_t = w_t D_t,
-        S_{t-1} = sum_{j<t} Z_j,  W_{t-1} = sum_{j<t} w_j,  delta_b^seq = clamp(P90(D_1..T), delta_b, 2 delta_b),
+        S_{t-1} = sum_{j<t} Z_j,  W_{t-1} = sum_{j<t} w_j,
+        delta_b^seq = clamp(P90(D_1..T), delta_b, 2 delta_b),
         c_t = min(delta, delta + delta_b^seq W_{t-1} - S_{t-1}),
         keep iff A_t (r_t - 1) <= 0 or Z_t <= c_t,  r_t = exp(clamp(logp - anchor_logp, -20, 20)).
     The paper's text leaves open what the reference code settles:
@@ -302,7 +303,8 @@ def cppo_drop_masks(
     div = torch.where(sel, torch.abs(torch.exp(logp) - torch.exp(anchor_logp)), zeros)
     count = sel.to(logp.dtype).sum(dim=-1, keepdim=True)
     position = torch.cumsum(sel.to(logp.dtype), dim=-1)
-    weight = torch.where(sel, 1.0 - (1.0 - w_min) * (position - 1.0) / torch.clamp(count - 1.0, min=1.0), zeros)
+    weight = 1.0 - (1.0 - w_min) * (position - 1.0) / torch.clamp(count - 1.0, min=1.0)
+    weight = torch.where(sel, weight, zeros)
     z = weight * div
     budget = torch.clamp(masked_quantile(div, sel, 0.9), min=delta_b, max=2.0 * delta_b)
     threshold = torch.clamp(delta + budget * exclusive_cumsum(weight) - exclusive_cumsum(z), max=delta)

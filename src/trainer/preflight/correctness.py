@@ -12,7 +12,8 @@ the last four at the aggregations they are run with) is compared with
   (the one-pass `create_custom_loss` path; sum aggregation only).
 Tolerances (docs/architecture.md): loss atol 1e-5 / rtol 1e-4; gradient atol 1e-5 /
 rtol 1e-3 and cosine >= 0.9999. Negative controls (wrong loss mask, trust region off,
-delta_low/high swapped, CPPO's prefix budget off) must *differ* from the plugin, showing the comparison can fail.
+delta_low/high swapped, CPPO's prefix budget off) must *differ* from the plugin, showing the
+comparison can fail.
 """
 
 from __future__ import annotations
