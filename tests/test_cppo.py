@@ -178,6 +178,33 @@ def test_only_the_cppo_arm_registers_a_graph_that_sorts():
     assert "sort" not in targets(GRPOLoss()) and "sort" not in targets(DPPOLoss(anchor="recomputed"))
 
 
+def test_the_server_rebuilds_cppos_graph_and_runs_it_as_the_sdk_traced_it():
+    """`python -m trainer.serve` takes CPPO's one-pass graph (its table allows torch.sort), bounds its cost,
+    and the graph it rebuilds from the wire gives the SDK-traced graph's loss, gradient and sums."""
+    from tinker.lib.public_interfaces.custom_loss import encode_graph
+
+    from trainer.serve import wire
+    from trainer.serve.graph_cost import check_at_upload, check_request
+    from trainer.serve.limits import Limits
+
+    pd = make_per_datum_fn(CPPOLoss(w_min=0.5))
+    traced = trace_loss(pd.fn, pd.input_ranks, "test").graph
+    rebuilt = wire.rebuild_graph(encode_graph(trace_loss(pd.fn, pd.input_ranks, "test")))
+    n_inputs = len(pd.input_ranks)
+    check_at_upload(rebuilt, [1] * n_inputs, Limits())
+    assert 0 < check_request(rebuilt, [[((40,), torch.float32)] * n_inputs] * 4, Limits())
+    logp, sampler, adv, mask, anchor = batch(2)
+    row = [t[4].float() for t in (logp, sampler, adv, mask, anchor)]
+    outs = []
+    for graph in (traced, rebuilt):
+        leaf = row[0].clone().requires_grad_(True)
+        value, metrics = graph(leaf, *row[1:])
+        value.backward()
+        outs.append((value.detach(), leaf.grad, {k: float(v) for k, v in metrics.items()}))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert outs[0][2] == outs[1][2] and float((outs[0][1] != 0).sum()) > 0
+
+
 def test_cppo_config_defaults_bounds_and_registry():
     from trainer.config.losses import CPPOLossConfig
 
