@@ -245,7 +245,7 @@ def test_resume_hash_ignores_only_keys_that_do_not_change_the_computation():
 
 
 # ----------------------------------------------------------------------------- one source of truth
-LOSS_OPTIONS = ("grpo", "dppo", "importance_sampling", "cispo", "gspo")
+LOSS_OPTIONS = ("grpo", "dppo", "importance_sampling", "cispo", "gspo", "cppo")
 
 
 @pytest.mark.parametrize("option", LOSS_OPTIONS)
@@ -282,6 +282,10 @@ def test_composed_loss_group_equals_the_typed_config_defaults(option):
     ("dppo", {"mode": "topk"}, "loss.mode must be one of ['binary_tv', 'binary_kl'], got 'topk'"),
     ("cispo", {"clip_low_threshold": 2.0}, "loss.clip_low_threshold must be in [0, 1], got 2.0"),
     ("gspo", {"seq_clip_eps_low": -1e-4}, "loss.seq_clip_eps_low must be > 0"),
+    ("cppo", {"delta": 1.5}, "loss.delta must be in (0, 1] (a binary-TV threshold), got 1.5"),
+    ("cppo", {"w_min": -0.5}, "loss.w_min must be in [0, 1], got -0.5"),
+    ("cppo", {"delta_b": 0.0}, "loss.delta_b must be a finite number > 0 (any value >= 1 turns the prefix "
+     "budget off), got 0.0"),
     ("importance_sampling", {"aggregation": "mean"}, "loss.aggregation must be one of ['sum', "),
 ])
 def test_bad_loss_bound_fails_with_one_message_naming_the_key(option, fields, message):
@@ -355,10 +359,11 @@ def test_the_local_engines_defaults_are_the_schemas():
 
 def test_every_arm_reports_the_same_rules_at_default_settings():
     """The counterfactual rules an arm logs default to the other losses' own defaults, so at default
-    settings the GRPO, DPPO, IS, CISPO and GSPO arms report the same four rules."""
+    settings the GRPO, DPPO, IS, CISPO, GSPO and CPPO arms report the same rules."""
     from trainer.config.losses import LOSS_SCHEMAS, RULE_TABLE, rules_owned_by
     from trainer.losses import (
         CISPOLoss,
+        CPPOLoss,
         DPPOLoss,
         GRPOLoss,
         GSPOLoss,
@@ -368,7 +373,8 @@ def test_every_arm_reports_the_same_rules_at_default_settings():
     )
     from trainer.losses.trust_region import TrustRegionRules
 
-    rules = {cls.__name__: cls().rules for cls in (GRPOLoss, DPPOLoss, ImportanceSamplingLoss, CISPOLoss, GSPOLoss)}
+    arms = (GRPOLoss, DPPOLoss, ImportanceSamplingLoss, CISPOLoss, GSPOLoss, CPPOLoss)
+    rules = {cls.__name__: cls().rules for cls in arms}
     assert all(r == TrustRegionRules() for r in rules.values()), rules
     assert reference.DEFAULT_RULES == TrustRegionRules().settings
     # the table: each rule's owner is a loss, its mask a trust_region function, its settings named by owner
@@ -378,6 +384,7 @@ def test_every_arm_reports_the_same_rules_at_default_settings():
         assert all(k.startswith(spec.owner + "_") for k, _ in spec.defaults), spec
     assert rules_owned_by(("grpo", "dppo")) == ("dppo_masked", "grpo_clip")
     assert rules_owned_by(("importance_sampling",)) == ()
+    assert rules_owned_by(("cppo",)) == ("cppo_masked", "cppo_token_masked", "cppo_budget_masked")
     with pytest.raises(TypeError, match="unknown rule setting"):
         TrustRegionRules(grpo_eps=0.1)
 

@@ -31,7 +31,8 @@ def test_gate_passes_and_writes_json(tmp_path, capsys):
                 f"custom_fn/{loss}/{agg}/grad_cosine",
             } <= names
         assert f"per_datum/{loss}/sum/trace" in names
-    assert sum(n.startswith("negative/") for n in names) == 3
+    assert {"f64/cppo/sum/grad", "per_datum/cppo/sum/metrics", "fixture/cppo_budget_masked_frac"} <= names
+    assert sum(n.startswith("negative/") for n in names) == 4
     on_disk = json.loads((tmp_path / "preflight" / "correctness.json").read_text())
     assert on_disk["gate"] == "correctness" and on_disk["passed"] is True
     assert on_disk["counts"]["fail"] == 0 and len(on_disk["checks"]) == len(report.checks)

@@ -14,6 +14,7 @@ from tinker.lib.public_interfaces.custom_loss import run_loss_handle, trace_loss
 
 from trainer.losses import (
     CISPOLoss,
+    CPPOLoss,
     DPPOLoss,
     GRPOLoss,
     GSPOLoss,
@@ -145,13 +146,14 @@ def test_every_arm_reports_the_same_keys_and_identical_counterfactuals_at_the_de
     """At their defaults the five arms evaluate the same four rules: identical diagnostics, so any
     two arms' curves compare point by point."""
     logp, sampler, adv, mask, _, _ = drifted(5, drift=0.6)
-    arms = [GRPOLoss(), DPPOLoss(), ImportanceSamplingLoss(), CISPOLoss(), GSPOLoss()]
+    arms = [GRPOLoss(), DPPOLoss(), ImportanceSamplingLoss(), CISPOLoss(), GSPOLoss(), CPPOLoss()]
     results = [arm(logp, sampler, adv, mask)[1] for arm in arms]
     for m in results:
         assert list(m) == list(DIAGNOSTIC_KEYS)
         assert m == results[0]
     m = results[0]
-    for rule in ("dppo_masked", "grpo_clip", "cispo_clip", "gspo_clip"):
+    for rule in ("dppo_masked", "grpo_clip", "cispo_clip", "gspo_clip", "cppo_masked", "cppo_token_masked",
+                 "cppo_budget_masked"):
         assert 0 < m[f"loss/{rule}_frac"] < 1, rule
     # a counterfactual follows the arm's own setting of its rule
     _, m_tight = CISPOLoss(clip_high_threshold=1.1)(logp, sampler, adv, mask)
@@ -212,7 +214,8 @@ def test_gspo_clips_whole_sequences():
 
 @pytest.mark.parametrize("make", [
     lambda: ImportanceSamplingLoss(), lambda: CISPOLoss(), lambda: GSPOLoss(seq_clip_eps_low=0.05, seq_clip_eps_high=0.05),
-    lambda: GRPOLoss(kl_coef=0.1), lambda: DPPOLoss(anchor="recomputed"),
+    lambda: GRPOLoss(kl_coef=0.1), lambda: DPPOLoss(anchor="recomputed"), lambda: CPPOLoss(),
+    lambda: CPPOLoss(anchor="recomputed", w_min=0.5),
 ])
 def test_custom_fn_and_traced_per_datum_fn_equal_the_batch_loss(make):
     """The two tinker paths (two-pass callable, one-pass registered per-datum function) give the batch
@@ -405,7 +408,7 @@ def test_any_two_loss_configs_agree_on_the_keys_they_share():
 
     from trainer.config.compose import compose_config
 
-    names = ["grpo", "dppo", "importance_sampling", "cispo", "gspo"]
+    names = ["grpo", "dppo", "importance_sampling", "cispo", "gspo", "cppo"]
     cfgs = {n: OmegaConf.to_container(compose_config([f"loss={n}"]).loss, resolve=True) for n in names}
     for a, b in combinations(names, 2):
         shared = (set(cfgs[a]) & set(cfgs[b])) - {"name", "_target_"}

@@ -14,7 +14,7 @@ from test_losses import make_datums
 from tinker import types
 
 from trainer.datums import Rollout, rollout_to_datum
-from trainer.losses import CISPOLoss, DPPOLoss, GRPOLoss, GSPOLoss, ImportanceSamplingLoss
+from trainer.losses import CISPOLoss, CPPOLoss, DPPOLoss, GRPOLoss, GSPOLoss, ImportanceSamplingLoss
 from trainer.losses.inputs import ANCHOR_KEY, REF_KEY, LossNeeds, default_mask
 from trainer.losses.paths import InputClients, OnePassLossPath, TwoPassLossPath
 
@@ -62,7 +62,7 @@ def test_one_pass_prepare_adds_the_per_datum_keys_and_leaves_the_minibatch_alone
 
 
 # ----------------------------------------------------------------------------- the loss's optional inputs
-@pytest.mark.parametrize("cls", [GRPOLoss, DPPOLoss, ImportanceSamplingLoss, CISPOLoss, GSPOLoss])
+@pytest.mark.parametrize("cls", [GRPOLoss, DPPOLoss, ImportanceSamplingLoss, CISPOLoss, GSPOLoss, CPPOLoss])
 def test_every_loss_declares_the_inputs_its_settings_use(cls):
     assert cls().needs == LossNeeds()
     assert cls(anchor="recomputed").needs == LossNeeds(anchor=True)
@@ -243,7 +243,7 @@ def _forward_data(data: list) -> list:
         "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": d.loss_fn_inputs["mask"]}) for d in data]
 
 
-@pytest.mark.parametrize("loss", [GRPOLoss(), DPPOLoss()], ids=["grpo", "dppo"])
+@pytest.mark.parametrize("loss", [GRPOLoss(), DPPOLoss(), CPPOLoss()], ids=["grpo", "dppo", "cppo"])
 def test_both_paths_give_the_same_metrics_and_update_on_one_minibatch(sc, loss):
     """One minibatch, the same initial weights: the one-pass path's metrics (rebuilt from per-datum sums
     and the returned logprobs) equal the two-pass path's (the loss's own), and the weights after the

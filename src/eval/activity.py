@@ -28,10 +28,10 @@ def _rule_fraction_keys(losses: tuple[str, ...]) -> re.Pattern[str]:
 
 
 #: losses whose gradient, where no rule clips or masks a token, is the same r A grad log p (GRPO's and CISPO's
-#: clipped ratio, DPPO's masked REINFORCE and importance sampling all reduce to it). GSPO is not
+#: clipped ratio, DPPO's and CPPO's masked REINFORCE and importance sampling all reduce to it). GSPO is not
 #: among them: its gradient carries the sequence's geometric-mean ratio s in place of the token ratio, so two
 #: arms of which one is GSPO train differently even when no rule fires
-SAME_UNCLIPPED_GRADIENT = frozenset({"grpo", "dppo", "cispo", "importance_sampling"})
+SAME_UNCLIPPED_GRADIENT = frozenset({"grpo", "dppo", "cppo", "cispo", "importance_sampling"})
 
 
 def switch_activity(pairs: dict[int, tuple[Run, Run]], loss_switch: bool = True) -> tuple[dict[str, Any], list[str]]:

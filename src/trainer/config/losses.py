@@ -129,6 +129,36 @@ class DPPOLossConfig(LossCommonConfig):
 
 
 @dataclass
+class CPPOLossConfig(LossCommonConfig):
+    # hydra.utils.instantiate target of this loss plugin
+    _target_: str = "trainer.losses.cppo.CPPOLoss"
+    # name of the loss (the arm's loss label)
+    name: str = "cppo"
+    # per-token binary-TV threshold delta on Z_t = w_t |p - p_anchor| (probability units); arXiv 2606.10968
+    # Table 3: 0.15 for dense models (0.20 for the 30B-A3B MoE), DPPO's binary-TV default
+    delta: float = DPPO_DEFAULT_DELTA["binary_tv"]
+    # floor of the position weight w_t = w_min + (1 - w_min)(T - t)/(T - 1): 1 at the first loss token of a
+    # sequence, w_min at its last (the paper's and UniRL's default 0.8); 1 = no position weighting
+    w_min: float = 0.8
+    # floor of the per-sequence prefix budget delta_b^seq = clamp(P90(D), delta_b, 2 delta_b) (paper Eq. 22,
+    # UniRL's cppo_delta_b 0.02); finite: any delta_b >= 1 never binds (S_{t-1} <= W_{t-1} since D <= 1)
+    delta_b: float = 0.02
+    # truncation cap c of the importance weight min(r, c), as DPPO's (the reference has none: r <= e^20)
+    is_cap: float = DPPOLossConfig.is_cap
+
+    def __post_init__(self) -> None:
+        self._check_name("cppo")
+        self._check_numbers()
+        # a TV distance between two-point distributions is at most 1
+        require(0 < self.delta <= 1, "delta", "must be in (0, 1] (a binary-TV threshold)", self.delta)
+        require(0 <= self.w_min <= 1, "w_min", "must be in [0, 1]", self.w_min)
+        require(0 < self.delta_b < math.inf, "delta_b",
+                "must be a finite number > 0 (any value >= 1 turns the prefix budget off)", self.delta_b)
+        require(self.is_cap >= 1, "is_cap", "must be >= 1", self.is_cap)
+        self._check_common()
+
+
+@dataclass
 class ImportanceSamplingLossConfig(LossCommonConfig):
     # hydra.utils.instantiate target of this loss plugin
     _target_: str = "trainer.losses.importance_sampling.ImportanceSamplingLoss"
@@ -189,12 +219,17 @@ class RuleSpec:
 
     `mask` names the rule's bool-mask function in `trainer.losses.trust_region`, called as
     `mask(logp, sampler_logp, anchor_logp, advantages, mask, **settings)`; `defaults` are its settings
-    (keyword names, prefixed by the owner) at the owner's own defaults, the values the other arms use."""
+    (keyword names, prefixed by the owner) at the owner's own defaults, the values the other arms use.
+    `per_datum` says whether the one-pass per-datum function counts the rule: False for a rule that sorts
+    along the sequence (CPPO's P90), a function a service's table of what uploaded graphs may call can lack;
+    the one-pass path then computes its fractions client-side from the returned logprobs
+    (`OnePassLossPath.metrics`), so only the arm whose loss needs the sort registers a graph that calls it."""
 
     name: str
     owner: str
     mask: str
     defaults: tuple[tuple[str, Any], ...]
+    per_datum: bool = True
 
 
 #: Every rule, in the order every arm reports them. The loss fields, diagnostics and per-datum keys,
@@ -211,8 +246,17 @@ RULE_TABLE: tuple[RuleSpec, ...] = (
     RuleSpec("gspo_clip", "gspo", "gspo_rule_mask",
              (("gspo_eps_low", GSPOLossConfig.seq_clip_eps_low),
               ("gspo_eps_high", GSPOLossConfig.seq_clip_eps_high))),
+    # CPPO's mask and its two causes, which partition it: the per-token threshold (Z_t > delta) and the
+    # prefix budget alone (c_t < Z_t <= delta)
+    *(RuleSpec(name, "cppo", mask,
+               (("cppo_delta", CPPOLossConfig.delta), ("cppo_w_min", CPPOLossConfig.w_min),
+                ("cppo_delta_b", CPPOLossConfig.delta_b)), per_datum=False)
+      for name, mask in (("cppo_masked", "cppo_rule_mask"), ("cppo_token_masked", "cppo_token_rule_mask"),
+                         ("cppo_budget_masked", "cppo_budget_rule_mask"))),
 )
 RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULE_TABLE)
+#: the rules the one-pass per-datum function counts (RuleSpec.per_datum)
+PER_DATUM_RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULE_TABLE if r.per_datum)
 #: every rule setting at its owner's default
 RULE_DEFAULTS: dict[str, Any] = {k: v for r in RULE_TABLE for k, v in r.defaults}
 
@@ -230,6 +274,7 @@ LOSS_SCHEMAS: dict[str, type[LossCommonConfig]] = {
     "importance_sampling_schema": ImportanceSamplingLossConfig,
     "cispo_schema": CISPOLossConfig,
     "gspo_schema": GSPOLossConfig,
+    "cppo_schema": CPPOLossConfig,
 }
 
 

@@ -1,4 +1,4 @@
-"""Loss plugins: aggregation, GRPO, DPPO and the Tinker built-ins' forms, diagnostics, tinker adapters
+"""Loss plugins: aggregation, GRPO, DPPO, CPPO and the Tinker built-ins' forms, diagnostics, tinker adapters
 and the two loss paths.
 
 `build_loss(cfg.loss)` (or `hydra.utils.instantiate(cfg.loss)`: the same `_target_` selects the class)
@@ -12,6 +12,7 @@ from trainer.losses.aggregate import AGGREGATIONS, aggregate
 from trainer.losses.base import PolicyLoss
 from trainer.losses.build import build_loss, loss_class
 from trainer.losses.cispo import CISPOLoss
+from trainer.losses.cppo import CPPOLoss
 from trainer.losses.dppo import DPPOLoss
 from trainer.losses.grpo import GRPOLoss
 from trainer.losses.gspo import GSPOLoss
@@ -22,6 +23,7 @@ from trainer.losses.per_datum import make_per_datum_fn
 __all__ = [
     "AGGREGATIONS",
     "CISPOLoss",
+    "CPPOLoss",
     "DPPOLoss",
     "GRPOLoss",
     "GSPOLoss",

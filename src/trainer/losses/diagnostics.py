@@ -10,6 +10,10 @@ its own rule and every other loss's rule as a counterfactual, point by point com
 - `loss/cispo_clip_frac`: fraction whose CISPO importance weight is truncated (r outside
   [low, high]; the gradient is kept, scaled);
 - `loss/gspo_clip_frac`: fraction in sequences whose GSPO sequence-ratio clip binds;
+- `loss/cppo_masked_frac`: fraction CPPO's position-weighted, prefix-budgeted rule drops, split by cause
+  into `loss/cppo_token_masked_frac` (Z_t = w_t D_t above delta: the per-token threshold) and
+  `loss/cppo_budget_masked_frac` (Z_t <= delta, dropped only because the spent prefix budget put c_t
+  below delta); the two add up to the first;
 - `loss/<rule>_frac_adv_pos`, `loss/<rule>_frac_adv_neg`: each rule's fraction among the loss
   tokens with A > 0, resp. A < 0 (0.0 when there are none), the share it acts on by sign;
 - `drift/abs_p_q50|q90|q99|max`: quantiles (linear interpolation) of |p - p_sampler|;
@@ -22,7 +26,7 @@ its own rule and every other loss's rule as a counterfactual, point by point com
   E_t H(mu(.|prefix)) because y ~ mu); the exact entropy needs full logits and is logged
   separately where the engine returns it (`entropy/exact`);
 - `loss/n_tokens`: number of loss tokens.
-With a recomputed anchor the DPPO, GRPO and GSPO rules are evaluated against it (the drift
+With a recomputed anchor the DPPO, CPPO, GRPO and GSPO rules are evaluated against it (the drift
 keys stay sampler-relative).
 """
 

@@ -30,6 +30,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 import tinker
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from trainer.losses.adapter import make_custom_loss_fn
 from trainer.losses.inputs import ANCHOR_KEY, MASK_KEY, REF_KEY, LossNeeds, datum_inputs, optional_input
@@ -149,9 +150,10 @@ class OnePassLossPath(LossPath):
         return CustomLossCall([with_per_datum_inputs(d) for d in minibatch], self.handle)
 
     def metrics(self, result: Any, data: list) -> dict[str, Any]:
-        """The server returns per-datum sums only; quantiles and maxima are recomputed here from the
-        current logprobs the forward pass returned. A server that drops either still gives what the
-        other allows (with one warning), since the update has already been applied."""
+        """The server returns per-datum sums only; quantiles, maxima and the rules not counted per datum
+        (`RuleSpec.per_datum`) are recomputed here from the current logprobs the forward pass returned,
+        one row per datum (a rule may act along a sequence). A server that drops either still gives what
+        the other allows (with one warning), since the update has already been applied."""
         try:
             out = finalize_per_datum_metrics(result.metrics)
         except ValueError as e:  # a server that drops the custom/...:sum keys: the logprobs still serve
@@ -163,13 +165,14 @@ class OnePassLossPath(LossPath):
                 for o in outs if "logprobs" in o]
         if len(logp) != len(data):
             self._warn_once("logprobs", "one-pass loss: %d of %d datums came back with logprobs; the drift, "
-                            "ratio quantile and max diagnostics are not logged", len(logp), len(data))
+                            "ratio quantile and max diagnostics and the rules not counted per datum are not "
+                            "logged", len(logp), len(data))
         else:
             slp, adv, mask = zip(*[datum_inputs(d, i, len(lp)) for i, (d, lp) in enumerate(zip(data, logp))])
-            cat = [torch.cat(x) for x in (logp, slp, adv, mask)]
+            rows = [pad_sequence(list(x), batch_first=True) for x in (logp, slp, adv, mask)]
             anchors = [optional_input(d, ANCHOR_KEY, i, len(lp)) for i, (d, lp) in enumerate(zip(data, logp))]
-            anchor = torch.cat(anchors) if all(a is not None for a in anchors) else None
-            diag = self.loss.diagnostics(*cat, anchor)
+            anchor = pad_sequence(anchors, batch_first=True) if all(a is not None for a in anchors) else None
+            diag = self.loss.diagnostics(*rows, anchor)
             out.update({k: v for k, v in diag.items() if k not in out})
         return out
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from trainer.config.losses import RULE_NAMES as RULES
+from trainer.config.losses import PER_DATUM_RULE_NAMES as RULES
 from trainer.losses.base import kl_k3
 from trainer.losses.inputs import (
     ADVANTAGES_KEY,
@@ -73,8 +73,9 @@ def make_per_datum_fn(loss: Any) -> PerDatumLoss:
     Summed over datums it equals the padded batch loss in value and gradient. Its metrics
     are counts / sums (see `finalize_per_datum_metrics`); quantiles and maxima cannot be
     combined by tinker's sum/mean rule and are left to `loss.diagnostics` on the returned
-    logprobs. The anchor input is always read (`with_per_datum_inputs` fills it with the
-    sampler logprobs when there is no recomputed anchor); `ref_logprobs` only with kl_coef > 0.
+    logprobs, as are the rules the rule table does not count per datum (`RuleSpec.per_datum`).
+    The anchor input is always read (`with_per_datum_inputs` fills it with the sampler logprobs
+    when there is no recomputed anchor); `ref_logprobs` only with kl_coef > 0.
     """
     if getattr(loss, "aggregation", None) != "sum":
         raise ValueError(
@@ -90,7 +91,7 @@ def make_per_datum_fn(loss: Any) -> PerDatumLoss:
         token_loss = loss.token_loss(logprobs, sampler_logprobs, advantages, mask, anchor_logprobs)
         value = torch.where(sel, token_loss, torch.zeros_like(token_loss)).sum()
 
-        masks = loss.rules.masks(logprobs, sampler_logprobs, advantages, mask, anchor_logprobs)
+        masks = loss.rules.masks(logprobs, sampler_logprobs, advantages, mask, anchor_logprobs, names=RULES)
         log_ratio = logprobs.detach() - sampler_logprobs
         ratio = torch.exp(log_ratio)
         zeros = torch.zeros_like(ratio)
@@ -155,7 +156,7 @@ def make_loss_handle(loss: Any, service_client: Any) -> Any:
 def finalize_per_datum_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     """Turn summed per-datum metrics into the shared diagnostic keys derivable from sums.
 
-    Returns loss/n_tokens, every rule's loss/<rule>_frac[_adv_pos|_adv_neg],
+    Returns loss/n_tokens, loss/<rule>_frac[_adv_pos|_adv_neg] of the rules counted per datum,
     loss/dppo_masked_frac_nonzero_adv, ratio/mean, ratio/cap_hits, drift/kl_sampler_current,
     entropy/sampled_token_estimate, and loss/kl_ref when the KL term ran.
     """

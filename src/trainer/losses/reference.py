@@ -11,6 +11,11 @@ Slow by design; meant for fixtures of a few thousand tokens.
 - DPPO (Stable-RL @ c6af1d1 compute_policy_loss_with_mask): w = min(exp(min(logp -
   logp_s, 20)), c); l = -A*w*keep*logp; dl/dlogp = -A*w*keep; keep from the binary TV /
   binary KL rule with the A > 0 / A <= 0 directions.
+- CPPO (UniRL @ e1211ee cppo.py::_cppo_mask, arXiv 2606.10968 Eq. 8-11, 22): DPPO's l and dl/dlogp with
+  keep from CPPO's rule, walked token by token along each sequence's loss tokens t = 1..T: D_t = |p - p_a|,
+  w_t = w_min + (1 - w_min)(T - t)/(T - 1) (1 when T = 1), Z_t = w_t D_t, running sums S and W of the
+  earlier Z and w, b = clamp(P90 of the sequence's D, delta_b, 2 delta_b), c_t = min(delta, delta + b W - S);
+  dropped iff A (r_a - 1) > 0 and Z_t > c_t; by the per-token threshold if Z_t > delta, else by the budget.
 - Importance sampling (Tinker `importance_sampling`): l = -r*A; dl/dlogp = -A*r.
 - CISPO (Tinker `cispo`): w = clip(r, low, high); l = -w*A*logp; dl/dlogp = -A*w.
 - GSPO (Tinker `gspo`, GSPO-token): s = exp(mean of logp - logp_s over the sequence's loss
@@ -62,6 +67,28 @@ def ref_dppo_dropped(lp: float, slp: float, a: float, mode: str, delta_low: floa
             return kl > delta_high and p > ps
         return kl > delta_low and p < ps
     raise ValueError(f"unknown DPPO mode {mode!r}")
+
+
+def ref_cppo_causes(lp_row: Sequence[float], alp_row: Sequence[float], a_row: Sequence[float],
+                    m_row: Sequence[float], delta: float, w_min: float, delta_b: float) -> list[str | None]:
+    """Per position of one sequence: why CPPO drops the token ("token": Z_t > delta; "budget": only the
+    prefix budget's c_t < delta), or None (kept, or not a loss token)."""
+    idx = [j for j, m in enumerate(m_row) if m != 0]
+    big_t = len(idx)
+    div = [abs(math.exp(lp_row[j]) - math.exp(alp_row[j])) for j in idx]
+    budget = min(max(_quantile(sorted(div), 0.9), delta_b), 2.0 * delta_b) if div else 0.0
+    out: list[str | None] = [None] * len(m_row)
+    spent = weights = 0.0
+    for t, (j, d) in enumerate(zip(idx, div), start=1):
+        w = w_min + (1.0 - w_min) * (big_t - t) / (big_t - 1) if big_t > 1 else 1.0
+        z = w * d
+        c = min(delta, delta + budget * weights - spent)
+        r_a = math.exp(min(max(lp_row[j] - alp_row[j], -20.0), 20.0))
+        if a_row[j] * (r_a - 1.0) > 0 and z > c:
+            out[j] = "token" if z > delta else "budget"
+        spent += z
+        weights += w
+    return out
 
 
 def _weights(mask: Rows, aggregation: str, norm_length: float | None = None) -> list[list[float]]:
@@ -168,7 +195,9 @@ def ref_diagnostics(
     abs_dp: list[float] = []
     for i, (lp_row, s_row, a_row, m_row, al_row) in enumerate(zip(logp, sampler_logp, adv, mask, anchor)):
         s_a = seq[i][1]
-        for lp, slp, a, m, alp in zip(lp_row, s_row, a_row, m_row, al_row):
+        cppo = ref_cppo_causes(lp_row, al_row, a_row, m_row, rl["cppo_delta"], rl["cppo_w_min"],
+                               rl["cppo_delta_b"])
+        for lp, slp, a, m, alp, why in zip(lp_row, s_row, a_row, m_row, al_row, cppo):
             if m == 0:
                 continue
             r, r_a = math.exp(lp - slp), math.exp(lp - alp)
@@ -179,6 +208,9 @@ def ref_diagnostics(
                 "grpo_clip": (a > 0 and r_a > 1.0 + rl["grpo_eps_high"]) or (a < 0 and r_a < 1.0 - rl["grpo_eps_low"]),
                 "cispo_clip": r > rl["cispo_high"] or r < rl["cispo_low"],
                 "gspo_clip": (a > 0 and s_a > 1.0 + rl["gspo_eps_high"]) or (a < 0 and s_a < 1.0 - rl["gspo_eps_low"]),
+                "cppo_masked": why is not None,
+                "cppo_token_masked": why == "token",
+                "cppo_budget_masked": why == "budget",
             }
             if set(acts) != set(RULE_NAMES):
                 raise ValueError(f"ref_diagnostics has formulas for {sorted(acts)}, the rule table names "
@@ -228,18 +260,19 @@ def _reduce(
     token_fn, logp: Rows, sampler_logp: Rows, adv: Rows, mask: Rows, aggregation: str,
     norm_length: float | None = None, anchor_logp: Rows | None = None,
 ) -> RefResult:
-    """`token_fn(i, lp, slp, alp, a) -> (loss, dloss/dlogp)` reduced with the aggregation weights."""
+    """`token_fn(i, t, lp, slp, alp, a) -> (loss, dloss/dlogp)` (sequence i, position t) reduced with the
+    aggregation weights."""
     weights = _weights(mask, aggregation, norm_length)
     anchor = sampler_logp if anchor_logp is None else anchor_logp
     value = 0.0
     grad = []
     for i, (lp_row, s_row, a_row, w_row, al_row) in enumerate(zip(logp, sampler_logp, adv, weights, anchor)):
         g_row = []
-        for lp, slp, a, w, alp in zip(lp_row, s_row, a_row, w_row, al_row):
+        for t, (lp, slp, a, w, alp) in enumerate(zip(lp_row, s_row, a_row, w_row, al_row)):
             if w == 0.0:
                 g_row.append(0.0)
                 continue
-            loss_t, grad_t = token_fn(i, lp, slp, alp, a)
+            loss_t, grad_t = token_fn(i, t, lp, slp, alp, a)
             value += w * loss_t
             g_row.append(w * grad_t)
         grad.append(g_row)
@@ -279,43 +312,54 @@ def ref_loss(
     cap: float = 1e4,
     **params: Any,
 ) -> RefResult:
-    """Reference value, gradient and diagnostics of `loss` (grpo | dppo | importance_sampling |
+    """Reference value, gradient and diagnostics of `loss` (grpo | dppo | cppo | importance_sampling |
     cispo | gspo) on `[B][T]` nested lists. `params` are the loss's own settings:
-    grpo eps_low/eps_high; dppo mode/delta_low/delta_high (cap = c); cispo low/high;
-    gspo eps_low/eps_high. `rules` overrides the diagnostics' counterfactual settings."""
+    grpo eps_low/eps_high; dppo mode/delta_low/delta_high (cap = c); cppo delta/w_min/delta_b (cap = c);
+    cispo low/high; gspo eps_low/eps_high. `rules` overrides the diagnostics' counterfactual settings."""
     anchor = sampler_logp if anchor_logp is None else anchor_logp
     rl = dict(rules or {})
     if loss == "grpo":
         el, eh = params.get("eps_low", 0.2), params.get("eps_high", 0.2)
         rl.update(grpo_eps_low=el, grpo_eps_high=eh)
 
-        def fn(i, lp, slp, alp, a):
+        def fn(i, t, lp, slp, alp, a):
             return ref_clip_token(lp, slp, alp, a, el, eh)
     elif loss == "dppo":
         mode = params.get("mode", "binary_tv")
         dl, dh = params.get("delta_low", 0.15), params.get("delta_high", 0.15)
         rl.update(dppo_mode=mode, dppo_delta_low=dl, dppo_delta_high=dh)
 
-        def fn(i, lp, slp, alp, a):
+        def fn(i, t, lp, slp, alp, a):
             w = min(math.exp(min(lp - slp, 20.0)), cap)
             keep = 0.0 if ref_dppo_dropped(lp, alp, a, mode, dl, dh) else 1.0
             return -a * w * keep * lp, -a * w * keep
+    elif loss == "cppo":
+        delta, w_min = params.get("delta", 0.15), params.get("w_min", 0.8)
+        delta_b = params.get("delta_b", 0.02)
+        rl.update(cppo_delta=delta, cppo_w_min=w_min, cppo_delta_b=delta_b)
+        causes = [ref_cppo_causes(lp_row, al_row, a_row, m_row, delta, w_min, delta_b)
+                  for lp_row, al_row, a_row, m_row in zip(logp, anchor, adv, mask)]
+
+        def fn(i, t, lp, slp, alp, a):
+            w = min(math.exp(min(lp - slp, 20.0)), cap)
+            keep = 0.0 if causes[i][t] is not None else 1.0
+            return -a * w * keep * lp, -a * w * keep
     elif loss == "importance_sampling":
 
-        def fn(i, lp, slp, alp, a):
+        def fn(i, t, lp, slp, alp, a):
             return ref_is_token(lp, slp, a)
     elif loss == "cispo":
         low, high = params.get("low", 0.0), params.get("high", 4.0)
         rl.update(cispo_low=low, cispo_high=high)
 
-        def fn(i, lp, slp, alp, a):
+        def fn(i, t, lp, slp, alp, a):
             return ref_cispo_token(lp, slp, a, low, high)
     elif loss == "gspo":
         el, eh = params.get("eps_low", 3e-4), params.get("eps_high", 4e-4)
         rl.update(gspo_eps_low=el, gspo_eps_high=eh)
         seq = _seq_ratios(logp, sampler_logp, anchor, mask)
 
-        def fn(i, lp, slp, alp, a):
+        def fn(i, t, lp, slp, alp, a):
             return ref_gspo_token(*seq[i], a, el, eh)
     else:
         raise ValueError(f"unknown loss {loss!r}")

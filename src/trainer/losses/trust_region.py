@@ -7,6 +7,7 @@ Every returned mask is computed from detached inputs: no gradient flows through 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -237,6 +238,81 @@ def gspo_clip_active(
     return ((adv > 0) & (seq_ratio > 1.0 + eps_high)) | ((adv < 0) & (seq_ratio < 1.0 - eps_low))
 
 
+def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of the earlier entries along the last dim (0 at the first): cat([0], cumsum(x)[:-1]), the
+    prefix sums S_{t-1} / W_{t-1} of CPPO, added in the same order as the reference's."""
+    total = torch.cumsum(x, dim=-1)
+    return torch.cat([torch.zeros_like(total[..., :1]), total[..., :-1]], dim=-1)
+
+
+def masked_quantile(x: torch.Tensor, sel: torch.Tensor, q: float) -> torch.Tensor:
+    """The q-quantile of x over the entries `sel` of each row (last dim), shaped to broadcast; 0 for a row
+    without any. Linear interpolation between order statistics, as `torch.quantile` (its lerp included)
+    and numpy's default; traceable (a sort and gathers, no Python branch on values)."""
+    n = sel.to(x.dtype).sum(dim=-1, keepdim=True)
+    last = torch.clamp(n - 1.0, min=0.0)
+    ordered = torch.sort(torch.where(sel, x, torch.full_like(x, math.inf)), dim=-1)[0]
+    pos = q * last
+    lo = torch.floor(pos)
+    hi = torch.minimum(lo + 1.0, last)
+    value = torch.lerp(torch.gather(ordered, -1, lo.long()), torch.gather(ordered, -1, hi.long()), pos - lo)
+    return torch.where(n > 0, value, torch.zeros_like(value))
+
+
+def cppo_drop_masks(
+    logp: torch.Tensor,
+    anchor_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    delta: float,
+    w_min: float,
+    delta_b: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dropped, dropped by the per-token threshold, dropped by the prefix budget alone): bool masks of
+    the loss tokens CPPO drops, the complement of its keep rule; the two causes partition `dropped`.
+
+    CPPO, arXiv 2606.10968 Eq. 8-11 and 22, pinned to Tencent-Hunyuan/UniRL @
+    e1211ee627228407787fa7d6b41b63d7e300fb28, unirl/algorithms/cppo.py::_cppo_mask. Per sequence (a row;
+    the last dim is the token dim), t = 1..T over its loss tokens (mask != 0):
+        D_t = |p_t - p_anchor,t|,  w_t = 1 - (1 - w_min)(t - 1)/max(T - 1, 1),  Z_t = w_t D_t,
+        S_{t-1} = sum_{j<t} Z_j,  W_{t-1} = sum_{j<t} w_j,
+        delta_b^seq = clamp(P90(D_1..T), delta_b, 2 delta_b),
+        c_t = min(delta, delta + delta_b^seq W_{t-1} - S_{t-1}),
+        keep iff A_t (r_t - 1) <= 0 or Z_t <= c_t,  r_t = exp(clamp(logp - anchor_logp, -20, 20)).
+    The paper's text leaves open what the reference code settles:
+    - S sums Z_j over *every* earlier token, kept or dropped (a cumsum of Z; the keep decisions do not
+      feed back), and W is the cumulative position weight; S_0 = W_0 = 0, so c_1 = delta;
+    - T is each sequence's own length and t is 1-based; w is written 1 - (1 - w_min)(t - 1)/max(T - 1, 1),
+      the paper's w_min + (1 - w_min)(T - t)/(T - 1) for T > 1, and 1 for T = 1 (the UniRL README's
+      formula would give w_min there; its code gives 1, and so the first token's weight is always 1);
+    - P90 is over the sequence's own D_1..T (torch.quantile, linear interpolation), not the batch.
+    One choice is this project's: the sequence is the row's loss tokens. UniRL's packed segments hold only
+    the response (its loss_mask zeroes tokens but they still count in T, S, W and P90); a row here also
+    holds prompt and padding positions, whose anchor logprobs are not a policy's, so every position with
+    mask 0 is left out of T, t, S, W and P90 and is never dropped.
+    With w_min = 1 and delta_b >= 1 (then c_t = delta exactly) this is DPPO's binary-TV rule at delta
+    (`dppo_drop_mask`) on every token with A != 0.
+    """
+    logp = logp.detach()
+    anchor_logp = anchor_logp.detach()
+    adv = advantages.detach()
+    sel = mask.detach() != 0
+    zeros = torch.zeros_like(logp)
+    ratio = clamped_ratio(logp, anchor_logp)
+    pushes_away = adv * (ratio - 1.0) > 0.0
+    div = torch.where(sel, torch.abs(torch.exp(logp) - torch.exp(anchor_logp)), zeros)
+    count = sel.to(logp.dtype).sum(dim=-1, keepdim=True)
+    position = torch.cumsum(sel.to(logp.dtype), dim=-1)
+    weight = 1.0 - (1.0 - w_min) * (position - 1.0) / torch.clamp(count - 1.0, min=1.0)
+    weight = torch.where(sel, weight, zeros)
+    z = weight * div
+    budget = torch.clamp(masked_quantile(div, sel, 0.9), min=delta_b, max=2.0 * delta_b)
+    threshold = torch.clamp(delta + budget * exclusive_cumsum(weight) - exclusive_cumsum(z), max=delta)
+    dropped = sel & pushes_away & (z > threshold)
+    over_delta = z > delta
+    return dropped, dropped & over_delta, dropped & ~over_delta
+
+
 # The rule masks of RULE_TABLE (trainer/config/losses.py), one signature for all: the trust regions
 # (DPPO, GRPO, GSPO) act on the anchor's ratio, CISPO's weight truncation on the sampler's.
 def dppo_rule_mask(logp, sampler_logp, anchor_logp, advantages, mask, *, dppo_mode, dppo_delta_low,
@@ -257,6 +333,21 @@ def cispo_rule_mask(logp, sampler_logp, anchor_logp, advantages, mask, *, cispo_
 def gspo_rule_mask(logp, sampler_logp, anchor_logp, advantages, mask, *, gspo_eps_low,
                    gspo_eps_high) -> torch.Tensor:
     return gspo_clip_active(logp, anchor_logp, advantages, mask, gspo_eps_low, gspo_eps_high)
+
+
+def cppo_rule_mask(logp, sampler_logp, anchor_logp, advantages, mask, *, cppo_delta, cppo_w_min,
+                   cppo_delta_b) -> torch.Tensor:
+    return cppo_drop_masks(logp, anchor_logp, advantages, mask, cppo_delta, cppo_w_min, cppo_delta_b)[0]
+
+
+def cppo_token_rule_mask(logp, sampler_logp, anchor_logp, advantages, mask, *, cppo_delta, cppo_w_min,
+                         cppo_delta_b) -> torch.Tensor:
+    return cppo_drop_masks(logp, anchor_logp, advantages, mask, cppo_delta, cppo_w_min, cppo_delta_b)[1]
+
+
+def cppo_budget_rule_mask(logp, sampler_logp, anchor_logp, advantages, mask, *, cppo_delta, cppo_w_min,
+                          cppo_delta_b) -> torch.Tensor:
+    return cppo_drop_masks(logp, anchor_logp, advantages, mask, cppo_delta, cppo_w_min, cppo_delta_b)[2]
 
 
 class TrustRegionRules:
@@ -288,12 +379,14 @@ class TrustRegionRules:
         advantages: torch.Tensor,
         mask: torch.Tensor,
         anchor_logp: torch.Tensor | None = None,
+        names: tuple[str, ...] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """{rule: bool mask of the tokens it acts on}, detached, in RULE_TABLE's order."""
+        """{rule: bool mask of the tokens it acts on}, detached, in RULE_TABLE's order: every rule, or those
+        `names` lists (only those are computed, so a traced graph calls nothing the others need)."""
         anchor = sampler_logp if anchor_logp is None else anchor_logp
         return {spec.name: _RULE_MASKS[spec.name](logp, sampler_logp, anchor, advantages, mask,
                                                   **{k: self.settings[k] for k, _ in spec.defaults})
-                for spec in RULE_TABLE}
+                for spec in RULE_TABLE if names is None or spec.name in names}
 
 
 _RULE_MASKS = {spec.name: globals()[spec.mask] for spec in RULE_TABLE}

@@ -3,8 +3,8 @@
 On a fixed seeded fixture (>= 1000 loss tokens, variable lengths, prompt and padding
 positions filled with garbage, all-zero-advantage groups, realistic sampler/current
 drift, a few r > c spikes) every loss (GRPO, DPPO binary_tv, DPPO binary_kl, each
-aggregation; plus clip-higher GRPO, asymmetric-delta DPPO, importance sampling, CISPO and GSPO,
-the last three at the aggregations they are run with) is compared with
+aggregation; plus clip-higher GRPO, asymmetric-delta DPPO, CPPO, importance sampling, CISPO and GSPO,
+the last four at the aggregations they are run with) is compared with
 `trainer.losses.reference` three ways:
 - float64 tensors through the plugin (value, gradient, diagnostics);
 - float32 tinker `Datum`s through `make_custom_loss_fn` (the two-pass forward_backward_custom path);
@@ -12,7 +12,8 @@ the last three at the aggregations they are run with) is compared with
   (the one-pass `create_custom_loss` path; sum aggregation only).
 Tolerances (docs/architecture.md): loss atol 1e-5 / rtol 1e-4; gradient atol 1e-5 /
 rtol 1e-3 and cosine >= 0.9999. Negative controls (wrong loss mask, trust region off,
-delta_low/high swapped) must *differ* from the plugin, showing the comparison can fail.
+delta_low/high swapped, CPPO's prefix budget off) must *differ* from the plugin, showing the
+comparison can fail.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from trainer.config.enums import AGGREGATIONS
 from trainer.losses.adapter import make_custom_loss_fn
 from trainer.losses.diagnostics import DIAGNOSTIC_KEYS
 from trainer.losses.cispo import CISPOLoss
+from trainer.losses.cppo import CPPOLoss
 from trainer.losses.dppo import DPPOLoss
 from trainer.losses.grpo import GRPOLoss
 from trainer.losses.gspo import GSPOLoss
@@ -158,6 +160,7 @@ def default_cases() -> list[Case]:
              ("sum",), eps_low=0.2, eps_high=0.28),
         case("dppo_tv_asym_c3", lambda **kw: DPPOLoss(mode="binary_tv", delta_low=0.1, delta_high=0.2, is_cap=3.0, **kw),
              "dppo", ("sum",), mode="binary_tv", delta_low=0.1, delta_high=0.2, cap=3.0),
+        case("cppo", CPPOLoss, "cppo", ("sum", "seq_mean_token_sum_norm")),
         case("importance_sampling", ImportanceSamplingLoss, "importance_sampling", ("sum", "token_mean")),
         case("cispo", CISPOLoss, "cispo", ("sum", "seq_mean_token_sum_norm")),
         case("gspo", GSPOLoss, "gspo", ("sum", "seq_mean_token_mean")),
@@ -315,6 +318,8 @@ def _fixture_checks(fx: Fixture) -> list[Check]:
         at_least("grpo_clip_frac", tv["loss/grpo_clip_frac"], 0.01),
         at_least("cispo_clip_frac", tv["loss/cispo_clip_frac"], 0.005),
         at_least("gspo_clip_frac", tv["loss/gspo_clip_frac"], 0.01),
+        at_least("cppo_token_masked_frac", tv["loss/cppo_token_masked_frac"], 0.01),
+        at_least("cppo_budget_masked_frac", tv["loss/cppo_budget_masked_frac"], 0.01),
     ]
 
 
@@ -399,6 +404,7 @@ def _negative_controls(fx: Fixture, rows64: tuple) -> list[Check]:
     _, grad_grpo, _ = _plugin_f64(GRPOLoss(), fx)
     _, grad_tv, _ = _plugin_f64(DPPOLoss(mode="binary_tv"), fx)
     _, grad_asym, _ = _plugin_f64(DPPOLoss(mode="binary_tv", delta_low=0.1, delta_high=0.2), fx)
+    _, grad_cppo, _ = _plugin_f64(CPPOLoss(), fx)
     all_ones = [[1.0] * len(row) for row in mask]
     return [
         _negative_control(
@@ -418,6 +424,12 @@ def _negative_controls(fx: Fixture, rows64: tuple) -> list[Check]:
             grad_asym,
             ref_dppo(logp, slp, adv, mask, delta_low=0.2, delta_high=0.1),
             "reference with delta_low/delta_high swapped",
+        ),
+        _negative_control(
+            "cppo_prefix_budget_off",
+            grad_cppo,
+            ref_loss("cppo", logp, slp, adv, mask, delta_b=1.0),
+            "reference CPPO with delta_b = 1 (the prefix budget never binds)",
         ),
     ]
 

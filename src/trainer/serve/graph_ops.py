@@ -59,6 +59,8 @@ _TORCH = (
     torch.sum, torch.mean, torch.prod, torch.amax, torch.amin, torch.max, torch.min, torch.argmax,
     torch.argmin, torch.any, torch.all, torch.logsumexp, torch.cumsum, torch.cumprod, torch.var,
     torch.std, torch.norm, torch.count_nonzero, torch.nansum, torch.nanmean,
+    # a sort along a dim: its outputs have the input's size (CPPO's per-sequence P90 needs it)
+    torch.sort,
     # shapes and selection bounded by the inputs' own sizes
     torch.cat, torch.concat, torch.stack, torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze,
     torch.transpose, torch.gather, torch.index_select, torch.masked_select, torch.narrow, torch.flip,
