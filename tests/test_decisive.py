@@ -154,7 +154,7 @@ def test_a_later_look_reads_its_new_sweep_beside_the_first(tmp_path, capsys):
     first = _gap_sweep(tmp_path, [8, 12, 16], overrides=("decision.looks=[3,6]",), name="look1")
     assert compare([first], n_bootstrap=0, make_plots=False)["verdict"] == "inconclusive"
     second = _gap_sweep(tmp_path, [9, 11, 13], overrides=("decision.looks=[3,6]",), name="look2", seed0=3)
-    rc, out, _ = _cli(capsys, first, second)
+    rc, _, _ = _cli(capsys, first, second)
     res = json.loads((second / "compare.json").read_text())
     assert rc == 0 and res["verdict"] == "validated" and res["look"]["index"] == 2
     assert sorted(a["seed"] for a in res["arms"] if a["loss"] == "dppo") == [0, 1, 2, 3, 4, 5]
@@ -179,14 +179,63 @@ def test_unplanned_looks_are_counted_across_sweep_and_output_folders(tmp_path):
     assert len(list(ledger.iterdir())) == 1 and second["looks_ledger"].startswith(str(ledger))
 
 
+#: every method the registry scopes to fixed checkpoints: none of them can add seeds at a look
+ITEM_LEVEL = ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap")
+
+
+def test_the_item_level_methods_are_the_registry_s_checkpoint_methods():
+    from eval.methods import DECIDING, METHOD_SCOPE
+
+    assert {m for m in DECIDING if METHOD_SCOPE[m] == "fixed_checkpoints"} == set(ITEM_LEVEL)
+
+
+def test_the_ledger_is_per_item_set(tmp_path):
+    """Another item set is another comparison: its looks are not this one's (and this one's look at a seed
+    count the other recorded is still recorded)."""
+    from eval.sequential import ledger_key
+
+    assert ledger_key("x", "grpo", ["dppo"], "a" * 64, "final") != ledger_key("x", "grpo", ["dppo"], "b" * 64,
+                                                                          "final")
+    three = _gap_sweep(tmp_path, [8, 12, 16], name="three")
+    assert compare([three], n_bootstrap=0, make_plots=False)["looks"] == []
+    rng = np.random.default_rng(7)
+    arms = {}
+    for s, g in enumerate([8, 12, 16, 9, 11, 13]):
+        arms["dppo", s], arms["grpo", s] = _with_gap(100, 40, g, rng)  # 100 items: another eval set
+    six = _sweep(tmp_path, arms, name="six")
+    res = compare([six], n_bootstrap=0, make_plots=False)
+    assert res["looks"] == [] and not any("earlier looks" in n or "look 2" in n for n in res["notes"])
+
+
+def test_a_compare_re_run_on_the_same_seeds_is_not_an_earlier_look(tmp_path):
+    sweep = _gap_sweep(tmp_path, [8, 12, 16])
+    for _ in range(2):
+        res = compare([sweep], n_bootstrap=0, make_plots=False, out=tmp_path / "out")
+        assert res["looks"] == [] and not any("look 2" in n for n in res["notes"])
+
+
+def test_equivalence_is_read_at_the_rule_s_level_not_twice_it(tmp_path):
+    """TOST here reads the rule's 1 - alpha interval (each bound a one-sided test at alpha / 2), not the
+    textbook 1 - 2 alpha one. Gaps +-1 pt at 6 seeds: the 95% interval (+-0.94 pts) straddles a 0.8-pt
+    margin, the 90% one (+-0.74 pts) lies inside it: not `equivalent`."""
+    sweep = _gap_sweep(tmp_path, [2, -2, 0, 2, -2, 0], overrides=("decision.equivalence_margin=0.008",))
+    res = compare([sweep], n_bootstrap=0, make_plots=False)
+    D = np.array([2, -2, 0, 2, -2, 0]) / N_ITEMS
+    se = D.std(ddof=1) / math.sqrt(6)
+    assert 2.015048372669157 * se < 0.008 < 2.5705818366147395 * se
+    assert res["ci_high"] == pytest.approx(2.5705818366147395 * se)
+    assert res["verdict"] != "equivalent"
+
+
 def test_looks_need_a_seed_level_rule():
     from trainer.config.compose import compose_config
     from trainer.config.schema import ConfigError, validate
 
     with pytest.raises(ConfigError, match="decision.looks"):
         validate(compose_config(["decision.looks=[3,2]"]))
-    with pytest.raises(ConfigError, match="decision.looks.*seed-level"):
-        validate(compose_config(["decision.looks=[3,6]", "decision.method=mcnemar_exact"]))
+    for method in ITEM_LEVEL:
+        with pytest.raises(ConfigError, match="decision.looks.*seed-level"):
+            validate(compose_config(["decision.looks=[3,6]", f"decision.method={method}"]))
     with pytest.raises(ConfigError, match="decision.equivalence_margin"):
         validate(compose_config(["decision.equivalence_margin=1.5"]))
 
@@ -365,6 +414,12 @@ def test_effect_sizes_in_compare_json_and_md(tmp_path):
     D = np.array([8, 12, 0, -4]) / N_ITEMS
     assert es["gap_sd"] == pytest.approx(D.std(ddof=1))
     assert es["item_sampling_var"] + es["training_var"] >= es["item_sampling_var"] > 0
+    # by hand: seed s has |g_s| items at +-1 and the rest at 0, so var_i(d_si) (ddof 1) is
+    # (|g_s| - n m_s^2) / (n - 1) with m_s = g_s / n; the item part is its mean over seeds / n
+    g = np.array([8, 12, 0, -4])
+    var_S = (np.abs(g) - N_ITEMS * (g / N_ITEMS) ** 2) / (N_ITEMS - 1)
+    assert es["item_sampling_var"] == pytest.approx(var_S.mean() / N_ITEMS, rel=1e-12)
+    assert es["training_var"] == pytest.approx(max(0.0, D.var(ddof=1) - var_S.mean() / N_ITEMS), rel=1e-12)
     assert res["scope_settings"]["optimizer.lr"] is not None and "schedule.num_steps" in res["scope_settings"]
     md = (sweep / "compare.md").read_text()
     assert "Probability of improvement" in md and "optimizer.lr" in md

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eval.stats import (  # noqa: E402
+from eval.stats import (
     bootstrap_mean_ci,
     decide,
     hoeffding_half_width,
@@ -175,3 +175,13 @@ def test_bad_inputs_raise():
         hoeffding_half_width(10, 1.5)
     with pytest.raises(ValueError, match="no items"):
         paired_compare(np.zeros(0, bool), np.zeros(0, bool))
+
+
+def test_monte_carlo_sign_flip_p_counts_the_observed_pattern():
+    """Above SIGN_FLIP_EXACT_MAX seeds the p is (1 + hits) / (1 + draws): the observed pattern is one of the
+    equally likely ones, so p >= 1 / (draws + 1) even when no drawn pattern is as extreme (17 equal gaps:
+    only the 2 all-equal sign patterns of 2^17 reach the observed mean)."""
+    from eval.stats import SIGN_FLIP_EXACT_MAX, sign_flip_p
+
+    assert 17 > SIGN_FLIP_EXACT_MAX
+    assert sign_flip_p(np.ones(17), n_draws=10) == pytest.approx(1 / 11)
