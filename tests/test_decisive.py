@@ -174,7 +174,8 @@ def test_unplanned_looks_are_counted_across_sweep_and_output_folders(tmp_path):
     three = _gap_sweep(tmp_path, [8, 12, 16], name="three")
     second = compare([three], n_bootstrap=0, make_plots=False, out=tmp_path / "b")
     assert [x["n_seeds"] for x in second["looks"]] == [2]
-    assert any(n.startswith("look 2 at this comparison") and "decision.looks" in n for n in second["notes"])
+    assert any(n.startswith("decision 2 of this comparison") and "decision.looks" in n for n in second["notes"])
+    assert second["decisions"]["count"] == 2
     ledger = tmp_path / ".pairedrl" / "looks"
     assert len(list(ledger.iterdir())) == 1 and second["looks_ledger"].startswith(str(ledger))
 
@@ -225,6 +226,95 @@ def test_equivalence_is_read_at_the_rule_s_level_not_twice_it(tmp_path):
     assert 2.015048372669157 * se < 0.008 < 2.5705818366147395 * se
     assert res["ci_high"] == pytest.approx(2.5705818366147395 * se)
     assert res["verdict"] != "equivalent"
+
+
+LOOKS = ("decision.looks=[3,6]",)
+
+
+def _tree(tmp_path, name="train"):
+    """A training folder as Hydra leaves it: <name>/multirun/<sweeps>."""
+    (tmp_path / name / "multirun").mkdir(parents=True)
+    return tmp_path / name / "multirun"
+
+
+def test_a_planned_look_is_decided_once_whatever_the_seeds(tmp_path, capsys):
+    """looks [3, 6]: look 2 decided on seeds 0-5 cannot be decided again on seeds 0-2 + 6-8 (the audit's
+    re-roll), nor look 1 on seeds 6-8 after seeds 0-2; the refusal says what was decided before, and writes
+    nothing. The record is in each run folder that took part."""
+    runs = _tree(tmp_path)
+    a = _gap_sweep(runs, [8, 12, 16], overrides=LOOKS, name="a")
+    b = _gap_sweep(runs, [-9, -11, -13], overrides=LOOKS, name="b", seed0=3)
+    c = _gap_sweep(runs, [9, 11, 13], overrides=LOOKS, name="c", seed0=6)
+    assert compare([a], n_bootstrap=0, make_plots=False)["verdict"] == "inconclusive"
+    first = compare([a, b], n_bootstrap=0, make_plots=False)
+    assert first["look"]["index"] == 2 and first["seeds"] == [0, 1, 2, 3, 4, 5]
+    rec = json.loads((a / "0" / "looks.json").read_text())["decisions"]
+    assert [(x["n_seeds"], x["seeds"]) for x in rec] == [(3, [0, 1, 2]), (6, [0, 1, 2, 3, 4, 5])]
+    rc, _, err = _cli(capsys, a, c)
+    assert rc == 2 and "the look at 6 seeds per arm was already decided on seeds [0, 1, 2, 3, 4, 5]" in err
+    assert f"dppo: {first['verdict']}" in err and "seeds [0, 1, 2, 6, 7, 8]" in err
+    assert not (c / "compare.json").exists()
+    rc, _, err = _cli(capsys, c)
+    assert rc == 2 and "the look at 3 seeds per arm was already decided on seeds [0, 1, 2]" in err
+    # the same seeds again are the same look, re-read
+    assert compare([a, b], n_bootstrap=0, make_plots=False)["looks"] == [
+        {"n_seeds": 3, "seeds": [0, 1, 2], "verdicts": {"dppo": "inconclusive"}}
+    ]
+    rc, out, _ = _cli(capsys, a, c, "--override-decision")
+    assert rc == 0 and "OVERRIDDEN" in out and "already decided on seeds [0, 1, 2, 3, 4, 5]" in out
+
+
+def test_decisions_without_planned_looks_are_counted_with_their_family_wise_alpha(tmp_path, capsys):
+    """Three disjoint 3-seed sweeps, each decided at 0.05 (the audit: 7.26% false positives, no note): the
+    third says it is decision 3, and the family-wise alpha 1 - 0.95^3, on stdout, compare.json and compare.md."""
+    runs = _tree(tmp_path)
+    for k in range(3):
+        sweep = _gap_sweep(runs, [8, 12, 16], name=f"s{k}", seed0=3 * k)
+        rc, out, _ = _cli(capsys, sweep)
+        res = json.loads((sweep / "compare.json").read_text())
+        assert rc == 0 and res["decisions"]["count"] == k + 1
+    fw = 1 - 0.95**3
+    assert res["decisions"]["family_wise_alpha"] == pytest.approx(fw)
+    assert [x["seeds"] for x in res["looks"]] == [[0, 1, 2], [3, 4, 5]]
+    line = "decision 3 of this comparison"
+    assert f"note: {line}" in out and f"1 - (1 - 0.05)^3 = {fw:.3g}" in out
+    assert line in (sweep / "compare.md").read_text()
+
+
+def test_moving_the_training_tree_keeps_the_looks(tmp_path):
+    runs = _tree(tmp_path)
+    a = _gap_sweep(runs, [8, 12, 16], overrides=LOOKS, name="a")
+    compare([a], n_bootstrap=0, make_plots=False)
+    shutil.move(tmp_path / "train", tmp_path / "moved")
+    moved = tmp_path / "moved" / "multirun"
+    b = _gap_sweep(moved, [9, 11, 13], overrides=LOOKS, name="b", seed0=3)
+    res = compare([moved / "a", b], n_bootstrap=0, make_plots=False, out=tmp_path / "o")
+    assert res["look"]["index"] == 2 and [x["seeds"] for x in res["looks"]] == [[0, 1, 2]]
+    c = _gap_sweep(moved, [9, 11, 13], overrides=LOOKS, name="c", seed0=6)
+    with pytest.raises(CompareError, match=r"look at 3 seeds per arm was already decided on seeds \[0, 1, 2\]"):
+        compare([c], n_bootstrap=0, make_plots=False)
+
+
+def test_a_copy_whose_original_is_gone_keeps_the_looks(tmp_path):
+    runs = _tree(tmp_path)
+    a = _gap_sweep(runs, [8, 12, 16], overrides=LOOKS, name="a")
+    compare([a], n_bootstrap=0, make_plots=False)
+    copy = tmp_path / "elsewhere" / "a"
+    shutil.copytree(a, copy)
+    shutil.rmtree(tmp_path / "train")
+    b = _gap_sweep(tmp_path / "elsewhere", [9, 11, 13], overrides=LOOKS, name="b", seed0=3)
+    res = compare([copy, b], n_bootstrap=0, make_plots=False, out=tmp_path / "o")
+    assert res["look"]["index"] == 2 and [x["seeds"] for x in res["looks"]] == [[0, 1, 2]]
+
+
+def test_a_deleted_ledger_and_another_output_folder_keep_the_looks(tmp_path):
+    runs = _tree(tmp_path)
+    a = _gap_sweep(runs, [8, 12, 16], name="a")
+    compare([a], n_bootstrap=0, make_plots=False, out=tmp_path / "o1")
+    shutil.rmtree(tmp_path / "train" / ".pairedrl")
+    b = _gap_sweep(runs, [9, 11, 13], name="b", seed0=3)
+    res = compare([a, b], n_bootstrap=0, make_plots=False, out=tmp_path / "o2")
+    assert res["decisions"]["count"] == 2 and [x["seeds"] for x in res["looks"]] == [[0, 1, 2]]
 
 
 def test_looks_need_a_seed_level_rule():
