@@ -679,8 +679,8 @@ def test_fewer_seeds_than_planned_and_repeated_looks_are_recorded(tmp_path):
     second = compare([sweep3], n_bootstrap=0, make_plots=False, out=tmp_path / "looks")
     assert second["decision"]["overridden"] == []
     assert second["looks"] == [{"n_seeds": 2, "seeds": [0, 1], "verdicts": {"dppo": first["verdict"]}}]
-    assert any(x.startswith("look 2 at this comparison") for x in second["notes"])
-    assert "look 2 at this comparison" in (tmp_path / "looks" / "compare.md").read_text()
+    assert any(x.startswith("decision 2 of this comparison") for x in second["notes"])
+    assert "decision 2 of this comparison" in (tmp_path / "looks" / "compare.md").read_text()
     # the same data again is not another look
     again = compare([sweep3], n_bootstrap=0, make_plots=False, out=tmp_path / "looks")
     assert again["looks"] == second["looks"]
