@@ -374,6 +374,101 @@ def test_a_decision_block_edited_after_training_is_refused_without_a_preflight_r
     assert compare([sweep], n_bootstrap=0, make_plots=False)["decision"]["overridden"] == []
 
 
+def _edit_runs(sweep, method="mcnemar_exact", drop=("decision_sha256",)):
+    for run in sweep.iterdir():
+        if run.is_dir():
+            cfg = yaml.safe_load((run / "config.yaml").read_text())
+            cfg["decision"]["method"] = method
+            (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+            info = json.loads((run / "run_info.json").read_text())
+            for k in drop:
+                info.pop(k, None)
+            (run / "run_info.json").write_text(json.dumps(info))
+
+
+def test_a_removed_decision_digest_does_not_switch_the_check_off(tmp_path, capsys):
+    """The audit's PV3: decision.method edited to mcnemar_exact after training and decision_sha256 deleted
+    read `validated` with no note. A build that writes the digest also writes run_info_version (and run_dir):
+    a run of it without the digest is refused. Runs of a build before the digest get a note instead."""
+    sweep = _gap_sweep(tmp_path, [50, 2, -6])
+    info = json.loads((sweep / "0" / "run_info.json").read_text())
+    assert info["run_info_version"] == 2 and "sweep" in info
+    _edit_runs(sweep)
+    rc, _, err = _cli(capsys, sweep)
+    assert rc == 2 and "has no decision_sha256, though the build that wrote it records one" in err
+    _edit_runs(sweep, drop=("decision_sha256", "run_info_version"))  # run_dir still says which build
+    rc, _, err = _cli(capsys, sweep)
+    assert rc == 2 and "has no decision_sha256" in err
+    old = _gap_sweep(tmp_path, [50, 2, -6], name="old")
+    _edit_runs(old, drop=("decision_sha256", "run_info_version", "run_dir", "sweep"))
+    res = compare([old], n_bootstrap=0, make_plots=False)
+    assert any("was not checked against the one it trained under" in n for n in res["notes"])
+
+
+def _launched(sweep, params, overrides):
+    """Give each run of a constructed sweep the membership record train.py copies from its launch."""
+    from trainer.hydra_callbacks import sweep_membership
+
+    m = sweep_membership(params, overrides)
+    for run in sweep.iterdir():
+        if run.is_dir():
+            info = json.loads((run / "run_info.json").read_text())
+            cfg = yaml.safe_load((run / "config.yaml").read_text())
+            job = m["jobs"].index([f"loss={cfg['loss']['name']}", f"seed={cfg['seed']}"])
+            assert job == int(run.name)  # the constructed sweep numbers its jobs as Hydra does
+            info["sweep"] = {**m, "job": job}
+            (run / "run_info.json").write_text(json.dumps(info))
+    return m
+
+
+def test_a_subset_is_named_from_the_runs_own_membership_without_the_sweep_folder(tmp_path, capsys):
+    """The audit's PV6: a 2-of-6 copy was accepted once the original folder was renamed. Each run now carries
+    its launch's membership (jobs, hash), so the subset is named from the copy alone."""
+    sweep = _gap_sweep(tmp_path, [50, 2, -6])
+    _launched(sweep, {"loss": "dppo,grpo"}, ["seed=0,1,2"])
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    shutil.copytree(sweep / "0", copied / "0")  # dppo seed 0
+    shutil.copytree(sweep / "3", copied / "1")  # grpo seed 0
+    sweep.rename(tmp_path / "renamed")
+    rc, _, err = _cli(capsys, copied)
+    assert rc == 2 and "inputs: 2 of the 6 runs of the sweep" in err
+    assert "job 1: loss=dppo seed=1" in err and "--override-decision" in err
+    # the whole launch is no subset, wherever it is
+    assert compare([tmp_path / "renamed"], n_bootstrap=0, make_plots=False)["decision"]["overridden"] == []
+
+
+def test_the_membership_record_lists_the_jobs_in_hydra_s_own_order(tmp_path):
+    """SweepRecord runs in a real --multirun (the sweeper's params and the command line's overrides): job
+    number k of sweep.json is the overrides Hydra gave job k."""
+    import subprocess
+    import sys
+
+    app = tmp_path / "app.py"
+    app.write_text(
+        "import json, hydra\n"
+        "from hydra.core.hydra_config import HydraConfig\n"
+        "@hydra.main(version_base=None, config_path='.', config_name='cfg')\n"
+        "def main(cfg):\n"
+        "    hc = HydraConfig.get()\n"
+        "    open(f'job{hc.job.num}.json', 'w').write(json.dumps(list(hc.overrides.task)))\n"
+        "main()\n"
+    )
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({
+        "a": 0, "seed": 0, "hydra": {
+            "callbacks": {"rec": {"_target_": "trainer.hydra_callbacks.SweepRecord"}},
+            "sweeper": {"params": {"a": "x,y"}},
+            "sweep": {"dir": str(tmp_path / "multi"), "subdir": "${hydra.job.num}"},
+            "job": {"chdir": True}}}))
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    subprocess.run([sys.executable, str(app), "--multirun", "seed=range(0,3)"], cwd=tmp_path, check=True,
+                   env={**os.environ, "PYTHONPATH": src}, capture_output=True, timeout=120)
+    rec = json.loads((tmp_path / "multi" / "sweep.json").read_text())
+    assert len(rec["jobs"]) == 6 and rec["seeds"] == ["0", "1", "2"] and rec["arms"] == ["a=x", "a=y"]
+    for k, job in enumerate(rec["jobs"]):
+        assert json.loads((tmp_path / "multi" / str(k) / f"job{k}.json").read_text()) == job
+
+
 # ----------------------------------------------------------------------------- inert
 def _metrics(run, frac_by_key: dict[str, float], shift: float):
     with (run / "metrics.jsonl").open("w") as f:

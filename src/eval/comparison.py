@@ -317,6 +317,26 @@ def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses:
         names = ", ".join(r.arm for r in edited[:4]) + (", ..." if len(edited) > 4 else "")
         found.append(f"decision: the `decision` block in config.yaml of {names} is not the one the run "
                      "trained under (run_info.json decision_sha256): the rule was changed after training")
+    # a build that records the digest always writes it (run_info_version 2, or run_dir, written with it since
+    # both began): a run that lacks it had it removed, and the rule it trained under cannot be checked
+    removed = [r for r in used if r.info.get("decision_sha256") is None
+               and (r.info.get("run_info_version") is not None or "run_dir" in r.info)]
+    lacking = [r for r in used if r.info.get("decision_sha256") is None]
+    if removed or (lacking and len(lacking) < len(used)):
+        names = ", ".join(r.arm for r in (removed or lacking)[:4])
+        found.append(f"decision: run_info.json of {names} has no decision_sha256, though the build that "
+                     "wrote it records one (or the other runs have it): the digest of the rule the run "
+                     "trained under was removed, so an edit of the `decision` block cannot be ruled out")
+    stripped = [r for r in used if isinstance(r.info.get("run_info_version"), int)
+                and r.info["run_info_version"] >= 2 and "sweep" not in r.info]
+    if stripped:
+        found.append(f"inputs: run_info.json of {', '.join(r.arm for r in stripped[:4])} has no `sweep` "
+                     "membership record, though the build that wrote it always writes one: it was "
+                     "removed, so a subset of its sweep cannot be ruled out")
+    if lacking and not removed and len(lacking) == len(used):
+        notes.append(f"the rule of {', '.join(r.arm for r in lacking[:4])} was not checked against the "
+                     "one it trained under: run_info.json has no decision_sha256 (a build before it was "
+                     "recorded)")
     planned_look = bool(rule.looks) and n_seeds in rule.looks
     if rule.looks and not planned_look:
         found.append(f"looks: decision.looks plans decisions at {rule.looks} seeds per arm, this comparison "
