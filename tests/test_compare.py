@@ -148,7 +148,8 @@ def test_metrics_dedup_by_step_and_global_update_index(tmp_path):
 
 # ----------------------------------------------------------------------------- end to end
 def test_cli_on_one_seed_sweep_writes_report_and_plots(tmp_path):
-    sweep, correct = make_sweep(tmp_path)
+    # the rule paired_compare reports (auto would read one run per arm with exact McNemar)
+    sweep, correct = make_sweep(tmp_path, overrides=("decision.method=paired_hoeffding",))
     proc = _cli(str(sweep), "--bootstrap", "2000", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -210,7 +211,8 @@ def test_two_run_folders_pick_roles_by_loss(tmp_path):
     assert out["acc_treatment"] == pytest.approx(t.mean()) and out["acc_baseline"] == pytest.approx(b.mean())
     assert out["config_diff"] == [] and out["bootstrap_low"] is None
     assert out["output_dir"] == str(base.resolve()) and (base / "compare.json").is_file()
-    assert out["verdict"] == ("inconclusive" if t.sum() > b.sum() else "not_supported")
+    assert out["verdict"] == ("worse" if out["ci_high"] < 0 else "validated" if out["ci_low"] > 0
+                              else "inconclusive")
 
 
 def test_config_differences_respects_ignore_list():

@@ -64,7 +64,7 @@ def test_gaps_within_half_a_point_read_equivalent_and_real_gaps_do_not(tmp_path,
     assert res["verdict"] == "inconclusive" and res["ci_low"] > -0.03 and res["ci_high"] > 0.03
     # the same sweep without the margin never reads equivalent
     off = _gap_sweep(tmp_path, [1, -1, 0, 1, -1, 0], name="off")
-    assert compare([off], n_bootstrap=0, make_plots=False)["verdict"] == "not_supported"
+    assert compare([off], n_bootstrap=0, make_plots=False)["verdict"] == "inconclusive"
 
 
 def test_equivalence_margin_on_the_command_line_is_an_override(tmp_path):
@@ -75,6 +75,138 @@ def test_equivalence_margin_on_the_command_line_is_an_override(tmp_path):
     assert res["verdict"] == "equivalent" and res["decision"]["overridden"] == [
         "equivalence_margin: None -> 0.05"
     ]
+
+
+# ----------------------------------------------------------------------------- the words
+def _said(capsys, sweep):
+    """(compare.json, stdout's first line, compare.md): the three places a verdict is read."""
+    rc, out, _ = _cli(capsys, sweep)
+    assert rc == 0
+    md = (sweep / "compare.md").read_text()
+    return json.loads((sweep / "compare.json").read_text()), out.splitlines()[0], md
+
+
+def test_a_significant_loss_reads_worse_and_a_null_interval_inconclusive(tmp_path, capsys):
+    """The audit's C16 / C18: gaps -10/-12/-11/-9 pts (interval [-12.6, -8.4]) and gaps +20/-20 (+-254 pts)
+    both read `not_supported`. Now: `worse`, and `inconclusive`, alike on stdout, compare.json and
+    compare.md."""
+    loss = _gap_sweep(tmp_path, [-20, -24, -22, -18], name="loss")
+    res, head, md = _said(capsys, loss)
+    assert res["verdict"] == "worse" and res["ci_high"] < 0
+    assert head.startswith("worse (this training procedure): dppo vs grpo: the treatment trains worse")
+    assert "## Verdict: **worse**" in md and res["headline"] in md
+    null = _gap_sweep(tmp_path, [40, -40], name="null", overrides=("decision.target_effect=0.15",))
+    res, head, md = _said(capsys, null)
+    assert res["verdict"] == "inconclusive" and res["ci_high"] > 0.15
+    assert head.startswith("inconclusive (this training procedure)") and "## Verdict: **inconclusive**" in md
+
+
+def test_not_supported_only_where_the_interval_rules_out_the_target(tmp_path, capsys):
+    """Gaps +-15 pts around -8.5 (upper bound below +15 pts): `not_supported` with decision.target_effect
+    = 0.15, `inconclusive` without a target (nothing to rule out)."""
+    gaps = [-17, -47, -8, 13, -2, -20, -60, 5]  # items of 200: mean -17 items = -8.5 pts
+    with_target = _gap_sweep(tmp_path, gaps, name="target", overrides=("decision.target_effect=0.15",))
+    res, head, md = _said(capsys, with_target)
+    assert res["verdict"] == "not_supported" and 0 < res["ci_high"] < 0.15 and res["ci_low"] < 0
+    assert "rules out the plan's target gain" in head and "## Verdict: **not_supported**" in md
+    without = _gap_sweep(tmp_path, gaps, name="none")
+    assert compare([without], n_bootstrap=0, make_plots=False)["verdict"] == "inconclusive"
+
+
+def test_a_gain_below_the_margin_says_the_treatment_scored_higher(tmp_path, capsys):
+    """The audit's C13: margin 5 pts, gaps averaging +1.67 (interval above 0, below the margin) read
+    `not_supported` under the headline "did not score higher". Now the headline says it did, by less than the
+    margin; with a target of 5 pts the interval rules it out (`not_supported`), without one `inconclusive`."""
+    gaps = [3, 4, 3, 3, 4, 3]
+    for name, extra, verdict in (("m", (), "inconclusive"),
+                                 ("mt", ("decision.target_effect=0.05",), "not_supported")):
+        sweep = _gap_sweep(tmp_path, gaps, name=name, overrides=("decision.margin=0.05", *extra))
+        res, head, md = _said(capsys, sweep)
+        assert res["verdict"] == verdict and 0 < res["ci_low"] and res["ci_high"] < 0.05
+        said = (f"the treatment did score higher (lower bound {100 * res['ci_low']:+.2f} pts > 0), by less "
+                "than")
+        assert said in head and said in res["headline"] and said in md
+        assert "did not score higher" not in head
+
+
+def test_equivalent_needs_an_interval_of_some_width(tmp_path, capsys):
+    """The audit's E4: identical gaps +2.5/+2.5 read `equivalent` [+2.50, +2.50] beside "the verdict is at
+    best inconclusive". A zero spread says nothing: `inconclusive`."""
+    sweep = _gap_sweep(tmp_path, [5, 5], overrides=("decision.equivalence_margin=0.05",))
+    res, head, _ = _said(capsys, sweep)
+    assert res["verdict"] == "inconclusive" and res["ci_low"] == res["ci_high"]
+    assert head.startswith("inconclusive") and "sd 0" in head
+
+
+def test_the_null_reads_inconclusive_but_for_each_word_s_own_rate():
+    """Under no effect the plain rule says `validated` and `worse` each in at most alpha / 2 of sweeps (3
+    Monte Carlo se) and nothing else; a target adds `not_supported` (right under the null), whose error at a
+    true gain of the target is at most alpha / 2."""
+    from eval.calibrate import verdicts
+
+    n = 3000
+    rows = verdicts(n, seed=4, seeds=(3, 6))
+    for row in rows:
+        assert row["validated"] <= 0.025 + 3 * _se(n) and row["worse"] <= 0.025 + 3 * _se(n), row
+        if row["rule"] == "plain":
+            assert row["equivalent"] == row["not_supported"] == 0.0
+            assert row["inconclusive"] >= 0.95 - 6 * _se(n)
+        if "not_supported_at_target" in row:
+            assert row["not_supported_at_target"] <= 0.025 + 3 * _se(n) and row["not_supported"] > 0.1
+
+
+# ----------------------------------------------------------------------------- auto with one run per arm
+def _generative(n=40, both=3, only_t=13, only_b=1):
+    """The audit's generative task: 0.40 vs 0.10 over 40 items, 13 items only the treatment gets, 1 only the
+    baseline: exact McNemar p = 2 (1 + 14) / 2^14 = 0.0018, while Hoeffding's half-width at 40 items is 43
+    pts."""
+    t, b = np.zeros(n, bool), np.zeros(n, bool)
+    t[:both] = b[:both] = True
+    t[both:both + only_t] = True
+    b[both + only_t:both + only_t + only_b] = True
+    return t, b
+
+
+def test_auto_with_one_run_per_arm_on_right_or_wrong_scores_is_exact_mcnemar(tmp_path, capsys):
+    from eval.comparison import binary_scores
+
+    t, b = _generative()
+    sweep = _sweep(tmp_path, {("dppo", 0): t, ("grpo", 0): b})
+    res, head, md = _said(capsys, sweep)
+    assert res["decision"]["method"] == "mcnemar_exact" and res["decision"]["requested"] == "auto"
+    assert "auto -> mcnemar_exact (1 run per arm, binary scores" in res["decision"]["resolution"]
+    assert res["verdict"] == "validated" and res["p"] == pytest.approx(2 * 15 / 2**14)
+    assert res["methods"]["paired_hoeffding"]["verdict"] == "inconclusive"
+    said = "(decision.method auto, one run per arm on right / wrong scores: exact McNemar)"
+    assert said in head and said in res["headline"] and said in md
+    # K samples per item (fractional scores), or the area under the curve, keep paired Hoeffding
+    assert binary_scores({"eval": {"samples_per_item": 1}}, "final")
+    assert not binary_scores({"eval": {"samples_per_item": 4}}, "final")
+    assert not binary_scores({"eval": {"samples_per_item": 1}}, "auc")
+    # a margin the exact test cannot shift keeps paired Hoeffding too
+    margin = _sweep(tmp_path, {("dppo", 0): t, ("grpo", 0): b}, overrides=("decision.margin=0.02",), name="m")
+    assert compare([margin], n_bootstrap=0, make_plots=False)["decision"]["method"] == "paired_hoeffding"
+
+
+def test_auto_on_per_item_files_of_one_run_per_arm_is_exact_mcnemar(tmp_path):
+    from eval.items import compare_items
+
+    t, b = _generative()
+    files = []
+    for arm, x in (("new", t), ("old", b)):
+        f = tmp_path / f"{arm}.jsonl"
+        f.write_text("".join(json.dumps({"item_id": i, "seed": 0, "correct": bool(c)}) + "\n"
+                             for i, c in enumerate(x)))
+        files.append(f"{arm}={f}")
+    res = compare_items(files, baseline="old", n_bootstrap=0, out=tmp_path / "out")
+    assert res["decision"]["method"] == "mcnemar_exact" and res["verdict"] == "validated"
+
+
+def test_the_flagship_plan_keeps_paired_hoeffding_pre_registered():
+    from trainer.config.compose import run_config
+
+    for exp in ("dppo_vs_grpo", "dppo_vs_grpo_8updates"):
+        assert run_config([f"+experiment={exp}"]).decision.method == "paired_hoeffding"
 
 
 # ----------------------------------------------------------------------------- the exact sign-flip test
@@ -560,18 +692,19 @@ def test_holm_label_bootstrap_floor_and_mcnemar_wording(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "0.00e+00" not in (boot / "compare.md").read_text()
     assert "< 0.0001 (1/R)" in (boot / "compare.md").read_text()
-    # McNemar's not_supported: more items favour the baseline though the mean favours the treatment
-    t = np.zeros(200, bool)
-    b = np.zeros(200, bool)
-    t[:40] = True  # 40 items only the treatment gets ... (as AUC-like scores would weigh them)
-    b[40:100] = True  # ... 60 items only the baseline gets
-    mc = _sweep(
-        tmp_path, {("dppo", 0): t, ("grpo", 0): b}, overrides=("decision.method=mcnemar_exact",), name="mc"
-    )
-    res = compare([mc], n_bootstrap=0, make_plots=False)
-    assert res["verdict"] == "not_supported"
-    assert "no more items favour the treatment than the baseline (b <= c)" in res["headline"]
-    assert "did not score higher" not in res["headline"]
+    # McNemar's `worse` counts items: 30 items only the treatment gets, 70 only the baseline (p < 0.001);
+    # 40 against 60 (two-sided p 0.057) is no decision either way
+    for only_t, only_b, verdict in ((30, 70, "worse"), (40, 60, "inconclusive")):
+        t = np.zeros(200, bool)
+        b = np.zeros(200, bool)
+        t[:only_t] = True
+        b[only_t:only_t + only_b] = True
+        mc = _sweep(tmp_path, {("dppo", 0): t, ("grpo", 0): b}, overrides=("decision.method=mcnemar_exact",),
+                    name=f"mc{only_t}")
+        res = compare([mc], n_bootstrap=0, make_plots=False)
+        assert res["verdict"] == verdict
+        worse_text = "significantly more items favour the baseline than the treatment (c > b)"
+        assert (worse_text in res["headline"]) == (verdict == "worse")
 
 
 def test_design_exits_non_zero_when_it_prints_a_problem():

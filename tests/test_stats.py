@@ -44,14 +44,14 @@ def _vectors(n: int, k_t: int, k_b: int, n_both: int) -> tuple[np.ndarray, np.nd
     return t, b
 
 
-def test_all_ties_gives_zero_diff_not_supported_and_p_one():
+def test_all_ties_gives_zero_diff_inconclusive_and_p_one():
     rng = np.random.default_rng(1)
     correct = rng.random(500) < 0.4
     r = paired_compare(correct, correct.copy(), n_bootstrap=200)
     assert r["diff"] == 0.0
     assert r["b"] == 0 and r["c"] == 0
     assert r["mcnemar_p"] == 1.0
-    assert r["verdict"] == "not_supported"
+    assert r["verdict"] == "inconclusive"
     assert r["bootstrap_low"] == 0.0 and r["bootstrap_high"] == 0.0
     assert r["acc_treatment"] == r["acc_baseline"] == pytest.approx(correct.mean())
 
@@ -98,19 +98,23 @@ def test_clearly_better_treatment_is_validated():
     assert 0 < r["bootstrap_low"] < r["diff"] < r["bootstrap_high"]
 
 
-def test_small_positive_diff_is_inconclusive_and_negative_not_supported():
+def test_small_positive_or_negative_diff_is_inconclusive_and_a_clear_loss_worse():
     t, b = _vectors(1319, 680, 660, 600)  # +1.5 points
     r = paired_compare(t, b, n_bootstrap=0)
     assert 0 < r["diff"] < r["half_width"]
     assert r["ci_low"] < 0 and r["verdict"] == "inconclusive"
     r = paired_compare(b, t, n_bootstrap=0)
-    assert r["diff"] < 0 and r["verdict"] == "not_supported"
+    assert r["diff"] < 0 and r["ci_high"] > 0 and r["verdict"] == "inconclusive"
+    t, b = _vectors(1319, 500, 660, 450)  # -12.1 points
+    r = paired_compare(t, b, n_bootstrap=0)
+    assert r["ci_high"] < 0 and r["verdict"] == "worse"
 
 
 def test_decision_rule_boundaries():
-    assert decide(0.1, 0.0) == "inconclusive"  # the bound must be strictly above 0
-    assert decide(0.1, 1e-9) == "validated"
-    assert decide(0.0, -0.07) == "not_supported"
+    assert decide(0.0, 0.2) == "inconclusive"  # the bound must be strictly above 0
+    assert decide(1e-9, 0.2) == "validated"
+    assert decide(-0.07, 0.0) == "inconclusive"  # and strictly below 0 for `worse`
+    assert decide(-0.07, -1e-9) == "worse"
 
 
 def test_wilson_interval_known_values():

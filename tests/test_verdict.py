@@ -444,7 +444,9 @@ def test_mcnemar_direction_comes_from_the_item_counts_with_several_seeds(tmp_pat
     assert (m["b_items"], m["c_items"]) == (30, 60)
     assert m["p_two_sided"] == pytest.approx(0.00211, abs=5e-5) and m["p"] == 1.0
     assert out["decision"]["method"] == "mcnemar_exact"
-    assert out["verdict"] == "not_supported" and m["verdict"] == "not_supported"
+    # 60 items favour the baseline, 30 the treatment
+    assert out["verdict"] == "worse" and m["verdict"] == "worse"
+    assert "significantly more items favour the baseline" in out["headline"]
 
 
 def test_mcnemar_direction_with_the_auc_endpoint(tmp_path):
@@ -465,7 +467,7 @@ def test_mcnemar_direction_with_the_auc_endpoint(tmp_path):
     assert out["decision"]["endpoint"] == "auc"
     assert out["diff"] == pytest.approx((20 - 50 * 0.25) / n)
     assert (m["b_items"], m["c_items"]) == (20, 50) and m["p_two_sided"] < 0.001
-    assert out["verdict"] == "not_supported"
+    assert out["verdict"] == "worse"
 
 
 # ----------------------------------------------------------------------------- degenerate and secondary statistics

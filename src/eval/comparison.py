@@ -34,6 +34,7 @@ from eval.methods import (
     equivalent,
     method_table,
     min_sign_flip_p,
+    rules_out_target,
     seed_t_power,
 )
 from eval.records import summarize, wilson_interval
@@ -111,9 +112,11 @@ class Rule:
                    if self.looks else ""))
 
 
-def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool, n_seeds: int = 1) -> Rule:
+def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool, n_seeds: int = 1,
+                 binary: bool | None = None) -> Rule:
     """The runs' pre-registered `decision` config, and the command line's changes to it (only with
-    --override-decision). `auto` resolves by the seeds per arm on both sides before they are compared, so
+    --override-decision). `auto` resolves by the seeds per arm (and, with one, by whether the scores are
+    binary: `binary`, else the runs' config says so) on both sides before they are compared, so
     `--method seed_t` on a 3-seed sweep whose config says auto is not an override."""
     from trainer.config.schema import ConfigError, DecisionConfig
 
@@ -122,6 +125,8 @@ def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool, n_seeds: 
     if raw is None:
         raw, source = {}, "default (the runs' config has no `decision` group: made before it existed)"
     known = {f for f in DecisionConfig.__dataclass_fields__}
+    if binary is None:
+        binary = binary_scores(runs[0].config, cli.get("endpoint") or raw.get("endpoint") or "final")
     try:
         cfg = DecisionConfig(**{k: v for k, v in raw.items() if k in known})
     except (ConfigError, TypeError) as e:
@@ -131,7 +136,8 @@ def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool, n_seeds: 
         # the threshold only sets a secondary (reported) endpoint: changing it decides nothing
         if value is None or value == getattr(cfg, key) or key == "threshold":
             continue
-        if key == "method" and resolve_method(value, n_seeds)[0] == resolve_method(cfg.method, n_seeds)[0]:
+        if key == "method" and (resolve_method(value, n_seeds, binary, cfg.margin)[0]
+                                == resolve_method(cfg.method, n_seeds, binary, cfg.margin)[0]):
             continue
         changed.append(f"{key}: {getattr(cfg, key)!r} -> {value!r}")
     if changed and not override:
@@ -143,19 +149,27 @@ def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool, n_seeds: 
         cfg = DecisionConfig(**merged)
     except ConfigError as e:
         raise CompareError(f"decision rule: {e}") from None
-    method, resolution = resolve_method(cfg.method, n_seeds)
+    method, resolution = resolve_method(cfg.method, n_seeds, binary, cfg.margin)
     return Rule(method=method, alpha=cfg.alpha, margin=cfg.margin, endpoint=cfg.endpoint, step=cfg.step,
                 threshold=cfg.threshold, baseline=cfg.baseline, source=source, overridden=changed,
                 requested=cfg.method, resolution=resolution, equivalence_margin=cfg.equivalence_margin,
                 looks=list(cfg.looks) if cfg.looks else None, target_effect=cfg.target_effect)
 
 
+def binary_scores(config: dict[str, Any], endpoint: str) -> bool:
+    """Whether a run's endpoint scores are right / wrong per item: one sample per item (eval.samples_per_item
+    1) and an endpoint at one eval (the area under the curve is a fraction)."""
+    k = (config.get("eval") or {}).get("samples_per_item") or 1
+    return k == 1 and endpoint != "auc"
+
+
 def decide_all(rows: list[dict[str, Any]], samples: list[Any], rule: Rule, level: float | None = None,
                final_look: bool = True) -> None:
     """Holm's step-down over the treatments: the j-th smallest rule p is decided at level L / (K - j), with
     the rule's own interval at that level (at K = 1 this is the plain rule); the first failure stops. L is
-    alpha, or this look's share of it under decision.looks (eval.sequential). Where the rule does not
-    validate, its interval inside +-decision.equivalence_margin reads `equivalent` (TOST at the same level);
+    alpha, or this look's share of it under decision.looks (eval.sequential). Where the rule neither
+    validates nor finds the treatment worse, its interval inside +-decision.equivalence_margin reads
+    `equivalent` (TOST at the same level), and its upper bound below decision.target_effect `not_supported`;
     at a look before the last, anything else reads `inconclusive` (the next look decides)."""
     method = METHODS[rule.method]
     L = rule.alpha if level is None else level
@@ -172,9 +186,11 @@ def decide_all(rows: list[dict[str, Any]], samples: list[Any], rule: Rule, level
             verdict = "inconclusive"  # Holm stops at the first treatment that fails
         still = still and verdict == "validated"
         reason = None
-        if verdict != "validated" and equivalent(iv, rule.equivalence_margin):
+        if verdict == "inconclusive" and equivalent(iv, rule.equivalence_margin):
             verdict = "equivalent"
-        elif verdict != "validated" and not final_look:
+        elif verdict == "inconclusive" and rules_out_target(iv, rule.target_effect):
+            verdict = "not_supported"
+        elif verdict == "inconclusive" and not final_look:
             # whatever the estimate's sign: an early look only stops for a decision
             verdict, reason = "inconclusive", "a look before the plan's last; the next look decides"
         # the top-level numbers of a comparison are the rule's: its estimate, its interval at this
@@ -182,7 +198,10 @@ def decide_all(rows: list[dict[str, Any]], samples: list[Any], rule: Rule, level
         row.update(p_rule=m["p"], p_holm=adj[i], holm_level=lev, rule_ci=list(iv) if iv else None,
                    method=rule.method, estimate=m["estimate"], ci_low=iv[0] if iv else None,
                    ci_high=iv[1] if iv else None, p=adj[i], p_adjusted="holm" if K > 1 else None)
-        set_verdict(row, verdict, rule.scope, reason)
+        set_verdict(row, verdict, rule.scope, reason, margin=rule.margin)
+        if rule.requested == "auto" and rule.method == "mcnemar_exact":  # not what `auto` means at >= 2 seeds
+            row["headline"] += (" (decision.method auto, one run per arm on right / wrong scores: exact "
+                                "McNemar)")
 
 
 def score_rows(arms_SN: dict[str, np.ndarray], labels: dict[str, list[str]], base: str, treatments: list[str],
@@ -213,14 +232,15 @@ def score_rows(arms_SN: dict[str, np.ndarray], labels: dict[str, list[str]], bas
     return rows, samples
 
 
-def set_verdict(row: dict[str, Any], verdict: str, scope: str, reason: str | None = None) -> None:
+def set_verdict(row: dict[str, Any], verdict: str, scope: str, reason: str | None = None,
+                margin: float = 0.0) -> None:
     """The verdict with its scope, in every form compare shows it (the token, the scope key, the scope in
-    words and the headline sentence)."""
+    words and the headline sentence, which says so when the rule's interval shows a gain below the margin)."""
     from eval.report import headline
 
     row.update(verdict=verdict, verdict_scope=scope, verdict_about=SCOPE_TEXT[scope],
                headline=headline(verdict, scope, row["treatment"], row["baseline"], method=row.get("method"),
-                                 reason=reason))
+                                 reason=reason, interval=row.get("rule_ci"), margin=margin))
 
 
 # the item-level Hoeffding numbers every comparison carries, under names that say so: the top-level
@@ -581,7 +601,7 @@ def _rule_notes(rows: list[dict[str, Any]], rule: Rule, n_seeds: int,
                          f"is {sf['p_min']:.4g}; a distribution-free claim at alpha = {rule.alpha:g} needs "
                          f"{distribution_free_seeds(rule.alpha)} seeds per arm)")
         sl = r.get("seed_level") or {}
-        if rule.method == "seed_t" and sl.get("sd") and r["verdict"] not in ("validated", "inert"):
+        if rule.method == "seed_t" and sl.get("sd") and r["verdict"] == "inconclusive":
             # the design's target when the plan states one, else a gap as large as the observed one
             shift = rule.target_effect or (abs(sl["mean"]) if sl["mean"] else sl["sd"])
             what = "decision.target_effect" if rule.target_effect else "a gap as large as this one"
@@ -595,7 +615,7 @@ def _rule_notes(rows: list[dict[str, Any]], rule: Rule, n_seeds: int,
                              "<this sweep>")
         if m.get("note") and r["verdict"] != "inert":
             notes.append(f"{who}: {m['note']}")
-        if look and not look["final"] and r["verdict"] != "validated":
+        if look and not look["final"] and r["verdict"] == "inconclusive":
             notes.append(f"{who}: look {look['index']} of {look['of']} ({n_seeds} seeds per arm, decided at "
                          f"alpha {look['level']:.3g}): no decision yet: continue to {look['next_seeds']} "
                          "seeds per arm")
