@@ -192,7 +192,10 @@ def test_one_seed_says_the_verdict_is_about_two_checkpoints(tmp_path):
     assert out["verdict_scope"] == "fixed_checkpoints" and out["seed_level"] is None
     assert "seed_t" not in out["methods"]
     # auto with one seed per arm: paired Hoeffding, a verdict about these two checkpoints, said in the headline
-    assert out["decision"]["requested"] == "auto" and out["decision"]["method"] == "paired_hoeffding"
+    # one run per arm on right / wrong scores: `auto` is exact McNemar, and the headline says so
+    assert out["decision"]["requested"] == "auto" and out["decision"]["method"] == "mcnemar_exact"
+    assert out["headline"].endswith("(decision.method auto, one run per arm on right / wrong scores: exact "
+                                    "McNemar)")
     assert out["verdict"] == "validated" and out["diff"] == pytest.approx(0.25)
     assert out["headline"].startswith("validated (these checkpoints): dppo vs grpo: the treatment's checkpoints")
     assert "not a finding about the training procedure" in out["headline"]
@@ -278,7 +281,8 @@ def test_several_treatments_are_holm_adjusted(tmp_path):
     t1, b = _with_gap(n, 300, 92, rng)
     t2 = b.copy()  # the third arm: right where the baseline is, and on 89 more items
     t2[np.flatnonzero(~b)[:89]] = True
-    sweep = _sweep(tmp_path, {("grpo", 0): b, ("dppo", 0): t1, ("cispo", 0): t2})
+    sweep = _sweep(tmp_path, {("grpo", 0): b, ("dppo", 0): t1, ("cispo", 0): t2},
+                   overrides=("decision.method=paired_hoeffding",))
     out = compare([sweep], n_bootstrap=0, make_plots=False)
     assert out["treatments"] == ["cispo", "dppo"] and out["baseline"] == "grpo"
     rows = {r["treatment"]: r for r in out["comparisons"]}

@@ -553,9 +553,8 @@ def plan_from_config(cfg: Config, n_seeds: int, discordance: float | None = None
     target = target_effect if target_effect is not None else d.target_effect
     # `auto` resolves here, at plan time, by the plan's seeds per arm; compare resolves it the same way from
     # the sweep and the gate's record holds the resolution
-    method, sources["method"] = resolve_method(str(d.method), n_seeds,
-                                               int(getattr(cfg.eval, "samples_per_item", 1) or 1) == 1
-                                               and d.endpoint != "auc", float(d.margin))
+    binary = cfg.eval.samples_per_item == 1 and d.endpoint != "auc"  # right / wrong per item
+    method, sources["method"] = resolve_method(str(d.method), n_seeds, binary, float(d.margin))
     return Plan(n_items=eval_items(cfg), n_seeds=n_seeds, alpha=float(d.alpha), power=float(d.power),
                 margin=float(d.margin), discordance=float(P), seed_sd=float(sd), method=method,
                 target_scope=d.target_scope,
