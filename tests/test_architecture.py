@@ -312,7 +312,8 @@ def test_the_capability_check_sees_imports_names_and_attributes(tmp_path):
 #: for a Hydra callback, reads Hydra's own run-folder settings) and hands only the typed Config on
 HYDRA_ENTRIES = {("trainer.main", "run_training"), ("eval.run", "main"),
                  ("trainer.hydra_callbacks", "RunFolderCheck.on_run_start"),
-                 ("trainer.hydra_callbacks", "RunFolderCheck.on_multirun_start")}
+                 ("trainer.hydra_callbacks", "RunFolderCheck.on_multirun_start"),
+                 ("trainer.hydra_callbacks", "SweepRecord.on_multirun_start")}
 
 
 @functools.cache

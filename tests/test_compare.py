@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from eval.compare import IGNORED_CONFIG_KEYS, CompareError, compare, config_differences, main  # noqa: E402
 from eval.plots import load_metrics, per_update, reward_by_step  # noqa: E402
 from eval.records import RecordError, read_item_records, summarize, write_item_records  # noqa: E402
-from eval.stats import paired_compare  # noqa: E402
+from eval.stats import paired_compare, pvalue_verdict  # noqa: E402
 
 EVAL = "arithmetic"  # eval.name of the default config
 N = 200
@@ -148,7 +148,8 @@ def test_metrics_dedup_by_step_and_global_update_index(tmp_path):
 
 # ----------------------------------------------------------------------------- end to end
 def test_cli_on_one_seed_sweep_writes_report_and_plots(tmp_path):
-    sweep, correct = make_sweep(tmp_path)
+    # the rule paired_compare reports (auto would read one run per arm with exact McNemar)
+    sweep, correct = make_sweep(tmp_path, overrides=("decision.method=paired_hoeffding",))
     proc = _cli(str(sweep), "--bootstrap", "2000", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -210,7 +211,10 @@ def test_two_run_folders_pick_roles_by_loss(tmp_path):
     assert out["acc_treatment"] == pytest.approx(t.mean()) and out["acc_baseline"] == pytest.approx(b.mean())
     assert out["config_diff"] == [] and out["bootstrap_low"] is None
     assert out["output_dir"] == str(base.resolve()) and (base / "compare.json").is_file()
-    assert out["verdict"] == ("inconclusive" if t.sum() > b.sum() else "not_supported")
+    # one run per arm on right / wrong scores: `auto` decides with exact McNemar
+    m = out["methods"]["mcnemar_exact"]
+    assert out["decision"]["method"] == "mcnemar_exact"
+    assert out["verdict"] == pvalue_verdict(m["b_items"], m["c_items"], m["p"], 0.05)
 
 
 def test_config_differences_respects_ignore_list():

@@ -64,7 +64,7 @@ def test_gaps_within_half_a_point_read_equivalent_and_real_gaps_do_not(tmp_path,
     assert res["verdict"] == "inconclusive" and res["ci_low"] > -0.03 and res["ci_high"] > 0.03
     # the same sweep without the margin never reads equivalent
     off = _gap_sweep(tmp_path, [1, -1, 0, 1, -1, 0], name="off")
-    assert compare([off], n_bootstrap=0, make_plots=False)["verdict"] == "not_supported"
+    assert compare([off], n_bootstrap=0, make_plots=False)["verdict"] == "inconclusive"
 
 
 def test_equivalence_margin_on_the_command_line_is_an_override(tmp_path):
@@ -75,6 +75,138 @@ def test_equivalence_margin_on_the_command_line_is_an_override(tmp_path):
     assert res["verdict"] == "equivalent" and res["decision"]["overridden"] == [
         "equivalence_margin: None -> 0.05"
     ]
+
+
+# ----------------------------------------------------------------------------- the words
+def _said(capsys, sweep):
+    """(compare.json, stdout's first line, compare.md): the three places a verdict is read."""
+    rc, out, _ = _cli(capsys, sweep)
+    assert rc == 0
+    md = (sweep / "compare.md").read_text()
+    return json.loads((sweep / "compare.json").read_text()), out.splitlines()[0], md
+
+
+def test_a_significant_loss_reads_worse_and_a_null_interval_inconclusive(tmp_path, capsys):
+    """The audit's C16 / C18: gaps -10/-12/-11/-9 pts (interval [-12.6, -8.4]) and gaps +20/-20 (+-254 pts)
+    both read `not_supported`. Now: `worse`, and `inconclusive`, alike on stdout, compare.json and
+    compare.md."""
+    loss = _gap_sweep(tmp_path, [-20, -24, -22, -18], name="loss")
+    res, head, md = _said(capsys, loss)
+    assert res["verdict"] == "worse" and res["ci_high"] < 0
+    assert head.startswith("worse (this training procedure): dppo vs grpo: the treatment trains worse")
+    assert "## Verdict: **worse**" in md and res["headline"] in md
+    null = _gap_sweep(tmp_path, [40, -40], name="null", overrides=("decision.target_effect=0.15",))
+    res, head, md = _said(capsys, null)
+    assert res["verdict"] == "inconclusive" and res["ci_high"] > 0.15
+    assert head.startswith("inconclusive (this training procedure)") and "## Verdict: **inconclusive**" in md
+
+
+def test_not_supported_only_where_the_interval_rules_out_the_target(tmp_path, capsys):
+    """Gaps +-15 pts around -8.5 (upper bound below +15 pts): `not_supported` with decision.target_effect
+    = 0.15, `inconclusive` without a target (nothing to rule out)."""
+    gaps = [-17, -47, -8, 13, -2, -20, -60, 5]  # items of 200: mean -17 items = -8.5 pts
+    with_target = _gap_sweep(tmp_path, gaps, name="target", overrides=("decision.target_effect=0.15",))
+    res, head, md = _said(capsys, with_target)
+    assert res["verdict"] == "not_supported" and 0 < res["ci_high"] < 0.15 and res["ci_low"] < 0
+    assert "rules out the plan's target gain" in head and "## Verdict: **not_supported**" in md
+    without = _gap_sweep(tmp_path, gaps, name="none")
+    assert compare([without], n_bootstrap=0, make_plots=False)["verdict"] == "inconclusive"
+
+
+def test_a_gain_below_the_margin_says_the_treatment_scored_higher(tmp_path, capsys):
+    """The audit's C13: margin 5 pts, gaps averaging +1.67 (interval above 0, below the margin) read
+    `not_supported` under the headline "did not score higher". Now the headline says it did, by less than the
+    margin; with a target of 5 pts the interval rules it out (`not_supported`), without one `inconclusive`."""
+    gaps = [3, 4, 3, 3, 4, 3]
+    for name, extra, verdict in (("m", (), "inconclusive"),
+                                 ("mt", ("decision.target_effect=0.05",), "not_supported")):
+        sweep = _gap_sweep(tmp_path, gaps, name=name, overrides=("decision.margin=0.05", *extra))
+        res, head, md = _said(capsys, sweep)
+        assert res["verdict"] == verdict and 0 < res["ci_low"] and res["ci_high"] < 0.05
+        said = (f"the treatment did score higher (lower bound {100 * res['ci_low']:+.2f} pts > 0), by less "
+                "than")
+        assert said in head and said in res["headline"] and said in md
+        assert "did not score higher" not in head
+
+
+def test_equivalent_needs_an_interval_of_some_width(tmp_path, capsys):
+    """The audit's E4: identical gaps +2.5/+2.5 read `equivalent` [+2.50, +2.50] beside "the verdict is at
+    best inconclusive". A zero spread says nothing: `inconclusive`."""
+    sweep = _gap_sweep(tmp_path, [5, 5], overrides=("decision.equivalence_margin=0.05",))
+    res, head, _ = _said(capsys, sweep)
+    assert res["verdict"] == "inconclusive" and res["ci_low"] == res["ci_high"]
+    assert head.startswith("inconclusive") and "sd 0" in head
+
+
+def test_the_null_reads_inconclusive_but_for_each_word_s_own_rate():
+    """Under no effect the plain rule says `validated` and `worse` each in at most alpha / 2 of sweeps (3
+    Monte Carlo se) and nothing else; a target adds `not_supported` (right under the null), whose error at a
+    true gain of the target is at most alpha / 2."""
+    from eval.calibrate import verdicts
+
+    n = 3000
+    rows = verdicts(n, seed=4, seeds=(3, 6))
+    for row in rows:
+        assert row["validated"] <= 0.025 + 3 * _se(n) and row["worse"] <= 0.025 + 3 * _se(n), row
+        if row["rule"] == "plain":
+            assert row["equivalent"] == row["not_supported"] == 0.0
+            assert row["inconclusive"] >= 0.95 - 6 * _se(n)
+        if "not_supported_at_target" in row:
+            assert row["not_supported_at_target"] <= 0.025 + 3 * _se(n) and row["not_supported"] > 0.1
+
+
+# ----------------------------------------------------------------------------- auto with one run per arm
+def _generative(n=40, both=3, only_t=13, only_b=1):
+    """The audit's generative task: 0.40 vs 0.10 over 40 items, 13 items only the treatment gets, 1 only the
+    baseline: exact McNemar p = 2 (1 + 14) / 2^14 = 0.0018, while Hoeffding's half-width at 40 items is 43
+    pts."""
+    t, b = np.zeros(n, bool), np.zeros(n, bool)
+    t[:both] = b[:both] = True
+    t[both:both + only_t] = True
+    b[both + only_t:both + only_t + only_b] = True
+    return t, b
+
+
+def test_auto_with_one_run_per_arm_on_right_or_wrong_scores_is_exact_mcnemar(tmp_path, capsys):
+    from eval.comparison import binary_scores
+
+    t, b = _generative()
+    sweep = _sweep(tmp_path, {("dppo", 0): t, ("grpo", 0): b})
+    res, head, md = _said(capsys, sweep)
+    assert res["decision"]["method"] == "mcnemar_exact" and res["decision"]["requested"] == "auto"
+    assert "auto -> mcnemar_exact (1 run per arm, binary scores" in res["decision"]["resolution"]
+    assert res["verdict"] == "validated" and res["p"] == pytest.approx(2 * 15 / 2**14)
+    assert res["methods"]["paired_hoeffding"]["verdict"] == "inconclusive"
+    said = "(decision.method auto, one run per arm on right / wrong scores: exact McNemar)"
+    assert said in head and said in res["headline"] and said in md
+    # K samples per item (fractional scores), or the area under the curve, keep paired Hoeffding
+    assert binary_scores({"eval": {"samples_per_item": 1}}, "final")
+    assert not binary_scores({"eval": {"samples_per_item": 4}}, "final")
+    assert not binary_scores({"eval": {"samples_per_item": 1}}, "auc")
+    # a margin the exact test cannot shift keeps paired Hoeffding too
+    margin = _sweep(tmp_path, {("dppo", 0): t, ("grpo", 0): b}, overrides=("decision.margin=0.02",), name="m")
+    assert compare([margin], n_bootstrap=0, make_plots=False)["decision"]["method"] == "paired_hoeffding"
+
+
+def test_auto_on_per_item_files_of_one_run_per_arm_is_exact_mcnemar(tmp_path):
+    from eval.items import compare_items
+
+    t, b = _generative()
+    files = []
+    for arm, x in (("new", t), ("old", b)):
+        f = tmp_path / f"{arm}.jsonl"
+        f.write_text("".join(json.dumps({"item_id": i, "seed": 0, "correct": bool(c)}) + "\n"
+                             for i, c in enumerate(x)))
+        files.append(f"{arm}={f}")
+    res = compare_items(files, baseline="old", n_bootstrap=0, out=tmp_path / "out")
+    assert res["decision"]["method"] == "mcnemar_exact" and res["verdict"] == "validated"
+
+
+def test_the_flagship_plan_keeps_paired_hoeffding_pre_registered():
+    from trainer.config.compose import run_config
+
+    for exp in ("dppo_vs_grpo", "dppo_vs_grpo_8updates"):
+        assert run_config([f"+experiment={exp}"]).decision.method == "paired_hoeffding"
 
 
 # ----------------------------------------------------------------------------- the exact sign-flip test
@@ -154,7 +286,7 @@ def test_a_later_look_reads_its_new_sweep_beside_the_first(tmp_path, capsys):
     first = _gap_sweep(tmp_path, [8, 12, 16], overrides=("decision.looks=[3,6]",), name="look1")
     assert compare([first], n_bootstrap=0, make_plots=False)["verdict"] == "inconclusive"
     second = _gap_sweep(tmp_path, [9, 11, 13], overrides=("decision.looks=[3,6]",), name="look2", seed0=3)
-    rc, out, _ = _cli(capsys, first, second)
+    rc, _, _ = _cli(capsys, first, second)
     res = json.loads((second / "compare.json").read_text())
     assert rc == 0 and res["verdict"] == "validated" and res["look"]["index"] == 2
     assert sorted(a["seed"] for a in res["arms"] if a["loss"] == "dppo") == [0, 1, 2, 3, 4, 5]
@@ -174,9 +306,147 @@ def test_unplanned_looks_are_counted_across_sweep_and_output_folders(tmp_path):
     three = _gap_sweep(tmp_path, [8, 12, 16], name="three")
     second = compare([three], n_bootstrap=0, make_plots=False, out=tmp_path / "b")
     assert [x["n_seeds"] for x in second["looks"]] == [2]
-    assert any(n.startswith("look 2 at this comparison") and "decision.looks" in n for n in second["notes"])
+    assert any(n.startswith("decision 2 of this comparison") and "decision.looks" in n for n in second["notes"])
+    assert second["decisions"]["count"] == 2
     ledger = tmp_path / ".pairedrl" / "looks"
     assert len(list(ledger.iterdir())) == 1 and second["looks_ledger"].startswith(str(ledger))
+
+
+#: every method the registry scopes to fixed checkpoints: none of them can add seeds at a look
+ITEM_LEVEL = ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap")
+
+
+def test_the_item_level_methods_are_the_registry_s_checkpoint_methods():
+    from eval.methods import DECIDING, METHOD_SCOPE
+
+    assert {m for m in DECIDING if METHOD_SCOPE[m] == "fixed_checkpoints"} == set(ITEM_LEVEL)
+
+
+def test_the_ledger_is_per_item_set(tmp_path):
+    """Another item set is another comparison: its looks are not this one's (and this one's look at a seed
+    count the other recorded is still recorded)."""
+    from eval.sequential import ledger_key
+
+    assert ledger_key("x", "grpo", ["dppo"], "a" * 64, "final") != ledger_key("x", "grpo", ["dppo"], "b" * 64,
+                                                                          "final")
+    three = _gap_sweep(tmp_path, [8, 12, 16], name="three")
+    assert compare([three], n_bootstrap=0, make_plots=False)["looks"] == []
+    rng = np.random.default_rng(7)
+    arms = {}
+    for s, g in enumerate([8, 12, 16, 9, 11, 13]):
+        arms["dppo", s], arms["grpo", s] = _with_gap(100, 40, g, rng)  # 100 items: another eval set
+    six = _sweep(tmp_path, arms, name="six")
+    res = compare([six], n_bootstrap=0, make_plots=False)
+    assert res["looks"] == [] and not any("earlier looks" in n or "look 2" in n for n in res["notes"])
+
+
+def test_a_compare_re_run_on_the_same_seeds_is_not_an_earlier_look(tmp_path):
+    sweep = _gap_sweep(tmp_path, [8, 12, 16])
+    for _ in range(2):
+        res = compare([sweep], n_bootstrap=0, make_plots=False, out=tmp_path / "out")
+        assert res["looks"] == [] and not any("look 2" in n for n in res["notes"])
+
+
+def test_equivalence_is_read_at_the_rule_s_level_not_twice_it(tmp_path):
+    """TOST here reads the rule's 1 - alpha interval (each bound a one-sided test at alpha / 2), not the
+    textbook 1 - 2 alpha one. Gaps +-1 pt at 6 seeds: the 95% interval (+-0.94 pts) straddles a 0.8-pt
+    margin, the 90% one (+-0.74 pts) lies inside it: not `equivalent`."""
+    sweep = _gap_sweep(tmp_path, [2, -2, 0, 2, -2, 0], overrides=("decision.equivalence_margin=0.008",))
+    res = compare([sweep], n_bootstrap=0, make_plots=False)
+    D = np.array([2, -2, 0, 2, -2, 0]) / N_ITEMS
+    se = D.std(ddof=1) / math.sqrt(6)
+    assert 2.015048372669157 * se < 0.008 < 2.5705818366147395 * se
+    assert res["ci_high"] == pytest.approx(2.5705818366147395 * se)
+    assert res["verdict"] != "equivalent"
+
+
+LOOKS = ("decision.looks=[3,6]",)
+
+
+def _tree(tmp_path, name="train"):
+    """A training folder as Hydra leaves it: <name>/multirun/<sweeps>."""
+    (tmp_path / name / "multirun").mkdir(parents=True)
+    return tmp_path / name / "multirun"
+
+
+def test_a_planned_look_is_decided_once_whatever_the_seeds(tmp_path, capsys):
+    """looks [3, 6]: look 2 decided on seeds 0-5 cannot be decided again on seeds 0-2 + 6-8 (the audit's
+    re-roll), nor look 1 on seeds 6-8 after seeds 0-2; the refusal says what was decided before, and writes
+    nothing. The record is in each run folder that took part."""
+    runs = _tree(tmp_path)
+    a = _gap_sweep(runs, [8, 12, 16], overrides=LOOKS, name="a")
+    b = _gap_sweep(runs, [-9, -11, -13], overrides=LOOKS, name="b", seed0=3)
+    c = _gap_sweep(runs, [9, 11, 13], overrides=LOOKS, name="c", seed0=6)
+    assert compare([a], n_bootstrap=0, make_plots=False)["verdict"] == "inconclusive"
+    first = compare([a, b], n_bootstrap=0, make_plots=False)
+    assert first["look"]["index"] == 2 and first["seeds"] == [0, 1, 2, 3, 4, 5]
+    rec = json.loads((a / "0" / "looks.json").read_text())["decisions"]
+    assert [(x["n_seeds"], x["seeds"]) for x in rec] == [(3, [0, 1, 2]), (6, [0, 1, 2, 3, 4, 5])]
+    rc, _, err = _cli(capsys, a, c)
+    assert rc == 2 and "the look at 6 seeds per arm was already decided on seeds [0, 1, 2, 3, 4, 5]" in err
+    assert f"dppo: {first['verdict']}" in err and "seeds [0, 1, 2, 6, 7, 8]" in err
+    assert not (c / "compare.json").exists()
+    rc, _, err = _cli(capsys, c)
+    assert rc == 2 and "the look at 3 seeds per arm was already decided on seeds [0, 1, 2]" in err
+    # the same seeds again are the same look, re-read
+    assert compare([a, b], n_bootstrap=0, make_plots=False)["looks"] == [
+        {"n_seeds": 3, "seeds": [0, 1, 2], "verdicts": {"dppo": "inconclusive"}}
+    ]
+    rc, out, _ = _cli(capsys, a, c, "--override-decision")
+    assert rc == 0 and "OVERRIDDEN" in out and "already decided on seeds [0, 1, 2, 3, 4, 5]" in out
+
+
+def test_decisions_without_planned_looks_are_counted_with_their_family_wise_alpha(tmp_path, capsys):
+    """Three disjoint 3-seed sweeps, each decided at 0.05 (the audit: 7.26% false positives, no note): the
+    third says it is decision 3, and the family-wise alpha 1 - 0.95^3, on stdout, compare.json and compare.md."""
+    runs = _tree(tmp_path)
+    for k in range(3):
+        sweep = _gap_sweep(runs, [8, 12, 16], name=f"s{k}", seed0=3 * k)
+        rc, out, _ = _cli(capsys, sweep)
+        res = json.loads((sweep / "compare.json").read_text())
+        assert rc == 0 and res["decisions"]["count"] == k + 1
+    fw = 1 - 0.95**3
+    assert res["decisions"]["family_wise_alpha"] == pytest.approx(fw)
+    assert [x["seeds"] for x in res["looks"]] == [[0, 1, 2], [3, 4, 5]]
+    line = "decision 3 of this comparison"
+    assert f"note: {line}" in out and f"1 - (1 - 0.05)^3 = {fw:.3g}" in out
+    assert line in (sweep / "compare.md").read_text()
+
+
+def test_moving_the_training_tree_keeps_the_looks(tmp_path):
+    runs = _tree(tmp_path)
+    a = _gap_sweep(runs, [8, 12, 16], overrides=LOOKS, name="a")
+    compare([a], n_bootstrap=0, make_plots=False)
+    shutil.move(tmp_path / "train", tmp_path / "moved")
+    moved = tmp_path / "moved" / "multirun"
+    b = _gap_sweep(moved, [9, 11, 13], overrides=LOOKS, name="b", seed0=3)
+    res = compare([moved / "a", b], n_bootstrap=0, make_plots=False, out=tmp_path / "o")
+    assert res["look"]["index"] == 2 and [x["seeds"] for x in res["looks"]] == [[0, 1, 2]]
+    c = _gap_sweep(moved, [9, 11, 13], overrides=LOOKS, name="c", seed0=6)
+    with pytest.raises(CompareError, match=r"look at 3 seeds per arm was already decided on seeds \[0, 1, 2\]"):
+        compare([c], n_bootstrap=0, make_plots=False)
+
+
+def test_a_copy_whose_original_is_gone_keeps_the_looks(tmp_path):
+    runs = _tree(tmp_path)
+    a = _gap_sweep(runs, [8, 12, 16], overrides=LOOKS, name="a")
+    compare([a], n_bootstrap=0, make_plots=False)
+    copy = tmp_path / "elsewhere" / "a"
+    shutil.copytree(a, copy)
+    shutil.rmtree(tmp_path / "train")
+    b = _gap_sweep(tmp_path / "elsewhere", [9, 11, 13], overrides=LOOKS, name="b", seed0=3)
+    res = compare([copy, b], n_bootstrap=0, make_plots=False, out=tmp_path / "o")
+    assert res["look"]["index"] == 2 and [x["seeds"] for x in res["looks"]] == [[0, 1, 2]]
+
+
+def test_a_deleted_ledger_and_another_output_folder_keep_the_looks(tmp_path):
+    runs = _tree(tmp_path)
+    a = _gap_sweep(runs, [8, 12, 16], name="a")
+    compare([a], n_bootstrap=0, make_plots=False, out=tmp_path / "o1")
+    shutil.rmtree(tmp_path / "train" / ".pairedrl")
+    b = _gap_sweep(runs, [9, 11, 13], name="b", seed0=3)
+    res = compare([a, b], n_bootstrap=0, make_plots=False, out=tmp_path / "o2")
+    assert res["decisions"]["count"] == 2 and [x["seeds"] for x in res["looks"]] == [[0, 1, 2]]
 
 
 def test_looks_need_a_seed_level_rule():
@@ -185,8 +455,9 @@ def test_looks_need_a_seed_level_rule():
 
     with pytest.raises(ConfigError, match="decision.looks"):
         validate(compose_config(["decision.looks=[3,2]"]))
-    with pytest.raises(ConfigError, match="decision.looks.*seed-level"):
-        validate(compose_config(["decision.looks=[3,6]", "decision.method=mcnemar_exact"]))
+    for method in ITEM_LEVEL:
+        with pytest.raises(ConfigError, match="decision.looks.*seed-level"):
+            validate(compose_config(["decision.looks=[3,6]", f"decision.method={method}"]))
     with pytest.raises(ConfigError, match="decision.equivalence_margin"):
         validate(compose_config(["decision.equivalence_margin=1.5"]))
 
@@ -233,6 +504,101 @@ def test_a_decision_block_edited_after_training_is_refused_without_a_preflight_r
         if run.is_dir():
             _trained_under(run, method="mcnemar_exact")
     assert compare([sweep], n_bootstrap=0, make_plots=False)["decision"]["overridden"] == []
+
+
+def _edit_runs(sweep, method="mcnemar_exact", drop=("decision_sha256",)):
+    for run in sweep.iterdir():
+        if run.is_dir():
+            cfg = yaml.safe_load((run / "config.yaml").read_text())
+            cfg["decision"]["method"] = method
+            (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+            info = json.loads((run / "run_info.json").read_text())
+            for k in drop:
+                info.pop(k, None)
+            (run / "run_info.json").write_text(json.dumps(info))
+
+
+def test_a_removed_decision_digest_does_not_switch_the_check_off(tmp_path, capsys):
+    """The audit's PV3: decision.method edited to mcnemar_exact after training and decision_sha256 deleted
+    read `validated` with no note. A build that writes the digest also writes run_info_version (and run_dir):
+    a run of it without the digest is refused. Runs of a build before the digest get a note instead."""
+    sweep = _gap_sweep(tmp_path, [50, 2, -6])
+    info = json.loads((sweep / "0" / "run_info.json").read_text())
+    assert info["run_info_version"] == 2 and "sweep" in info
+    _edit_runs(sweep)
+    rc, _, err = _cli(capsys, sweep)
+    assert rc == 2 and "has no decision_sha256, though the build that wrote it records one" in err
+    _edit_runs(sweep, drop=("decision_sha256", "run_info_version"))  # run_dir still says which build
+    rc, _, err = _cli(capsys, sweep)
+    assert rc == 2 and "has no decision_sha256" in err
+    old = _gap_sweep(tmp_path, [50, 2, -6], name="old")
+    _edit_runs(old, drop=("decision_sha256", "run_info_version", "run_dir", "sweep"))
+    res = compare([old], n_bootstrap=0, make_plots=False)
+    assert any("was not checked against the one it trained under" in n for n in res["notes"])
+
+
+def _launched(sweep, params, overrides):
+    """Give each run of a constructed sweep the membership record train.py copies from its launch."""
+    from trainer.hydra_callbacks import sweep_membership
+
+    m = sweep_membership(params, overrides)
+    for run in sweep.iterdir():
+        if run.is_dir():
+            info = json.loads((run / "run_info.json").read_text())
+            cfg = yaml.safe_load((run / "config.yaml").read_text())
+            job = m["jobs"].index([f"loss={cfg['loss']['name']}", f"seed={cfg['seed']}"])
+            assert job == int(run.name)  # the constructed sweep numbers its jobs as Hydra does
+            info["sweep"] = {**m, "job": job}
+            (run / "run_info.json").write_text(json.dumps(info))
+    return m
+
+
+def test_a_subset_is_named_from_the_runs_own_membership_without_the_sweep_folder(tmp_path, capsys):
+    """The audit's PV6: a 2-of-6 copy was accepted once the original folder was renamed. Each run now carries
+    its launch's membership (jobs, hash), so the subset is named from the copy alone."""
+    sweep = _gap_sweep(tmp_path, [50, 2, -6])
+    _launched(sweep, {"loss": "dppo,grpo"}, ["seed=0,1,2"])
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    shutil.copytree(sweep / "0", copied / "0")  # dppo seed 0
+    shutil.copytree(sweep / "3", copied / "1")  # grpo seed 0
+    sweep.rename(tmp_path / "renamed")
+    rc, _, err = _cli(capsys, copied)
+    assert rc == 2 and "inputs: 2 of the 6 runs of the sweep" in err
+    assert "job 1: loss=dppo seed=1" in err and "--override-decision" in err
+    # the whole launch is no subset, wherever it is
+    assert compare([tmp_path / "renamed"], n_bootstrap=0, make_plots=False)["decision"]["overridden"] == []
+
+
+def test_the_membership_record_lists_the_jobs_in_hydra_s_own_order(tmp_path):
+    """SweepRecord runs in a real --multirun (the sweeper's params and the command line's overrides): job
+    number k of sweep.json is the overrides Hydra gave job k."""
+    import subprocess
+    import sys
+
+    app = tmp_path / "app.py"
+    app.write_text(
+        "import json, hydra\n"
+        "from hydra.core.hydra_config import HydraConfig\n"
+        "@hydra.main(version_base=None, config_path='.', config_name='cfg')\n"
+        "def main(cfg):\n"
+        "    hc = HydraConfig.get()\n"
+        "    open(f'job{hc.job.num}.json', 'w').write(json.dumps(list(hc.overrides.task)))\n"
+        "main()\n"
+    )
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({
+        "a": 0, "seed": 0, "hydra": {
+            "callbacks": {"rec": {"_target_": "trainer.hydra_callbacks.SweepRecord"}},
+            "sweeper": {"params": {"a": "x,y"}},
+            "sweep": {"dir": str(tmp_path / "multi"), "subdir": "${hydra.job.num}"},
+            "job": {"chdir": True}}}))
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    subprocess.run([sys.executable, str(app), "--multirun", "seed=range(0,3)"], cwd=tmp_path, check=True,
+                   env={**os.environ, "PYTHONPATH": src}, capture_output=True, timeout=120)
+    rec = json.loads((tmp_path / "multi" / "sweep.json").read_text())
+    assert len(rec["jobs"]) == 6 and rec["seeds"] == ["0", "1", "2"] and rec["arms"] == ["a=x", "a=y"]
+    for k, job in enumerate(rec["jobs"]):
+        assert json.loads((tmp_path / "multi" / str(k) / f"job{k}.json").read_text()) == job
 
 
 # ----------------------------------------------------------------------------- inert
@@ -326,18 +692,19 @@ def test_holm_label_bootstrap_floor_and_mcnemar_wording(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "0.00e+00" not in (boot / "compare.md").read_text()
     assert "< 0.0001 (1/R)" in (boot / "compare.md").read_text()
-    # McNemar's not_supported: more items favour the baseline though the mean favours the treatment
-    t = np.zeros(200, bool)
-    b = np.zeros(200, bool)
-    t[:40] = True  # 40 items only the treatment gets ... (as AUC-like scores would weigh them)
-    b[40:100] = True  # ... 60 items only the baseline gets
-    mc = _sweep(
-        tmp_path, {("dppo", 0): t, ("grpo", 0): b}, overrides=("decision.method=mcnemar_exact",), name="mc"
-    )
-    res = compare([mc], n_bootstrap=0, make_plots=False)
-    assert res["verdict"] == "not_supported"
-    assert "no more items favour the treatment than the baseline (b <= c)" in res["headline"]
-    assert "did not score higher" not in res["headline"]
+    # McNemar's `worse` counts items: 30 items only the treatment gets, 70 only the baseline (p < 0.001);
+    # 40 against 60 (two-sided p 0.057) is no decision either way
+    for only_t, only_b, verdict in ((30, 70, "worse"), (40, 60, "inconclusive")):
+        t = np.zeros(200, bool)
+        b = np.zeros(200, bool)
+        t[:only_t] = True
+        b[only_t:only_t + only_b] = True
+        mc = _sweep(tmp_path, {("dppo", 0): t, ("grpo", 0): b}, overrides=("decision.method=mcnemar_exact",),
+                    name=f"mc{only_t}")
+        res = compare([mc], n_bootstrap=0, make_plots=False)
+        assert res["verdict"] == verdict
+        worse_text = "significantly more items favour the baseline than the treatment (c > b)"
+        assert (worse_text in res["headline"]) == (verdict == "worse")
 
 
 def test_design_exits_non_zero_when_it_prints_a_problem():
@@ -365,6 +732,12 @@ def test_effect_sizes_in_compare_json_and_md(tmp_path):
     D = np.array([8, 12, 0, -4]) / N_ITEMS
     assert es["gap_sd"] == pytest.approx(D.std(ddof=1))
     assert es["item_sampling_var"] + es["training_var"] >= es["item_sampling_var"] > 0
+    # by hand: seed s has |g_s| items at +-1 and the rest at 0, so var_i(d_si) (ddof 1) is
+    # (|g_s| - n m_s^2) / (n - 1) with m_s = g_s / n; the item part is its mean over seeds / n
+    g = np.array([8, 12, 0, -4])
+    var_S = (np.abs(g) - N_ITEMS * (g / N_ITEMS) ** 2) / (N_ITEMS - 1)
+    assert es["item_sampling_var"] == pytest.approx(var_S.mean() / N_ITEMS, rel=1e-12)
+    assert es["training_var"] == pytest.approx(max(0.0, D.var(ddof=1) - var_S.mean() / N_ITEMS), rel=1e-12)
     assert res["scope_settings"]["optimizer.lr"] is not None and "schedule.num_steps" in res["scope_settings"]
     md = (sweep / "compare.md").read_text()
     assert "Probability of improvement" in md and "optimizer.lr" in md

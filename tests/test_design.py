@@ -24,6 +24,7 @@ from eval.design import (
     mde_closed_form,
     pilot_estimates,
     power_closed_form,
+    render,
     seed_t_power,
 )
 from eval.stats import mcnemar_exact_p
@@ -236,7 +237,74 @@ def test_design_problems_scope_unstated_seed_sd_and_clipping():
 
 def test_a_plan_resolves_auto_by_its_seeds():
     assert Plan(n_items=100, n_seeds=3, method="auto").method == "seed_t"
+    # one run per arm: the simulated scores are right / wrong, so `auto` is exact McNemar (as compare reads
+    # it), and paired Hoeffding with a margin the exact test cannot shift
     one = Plan(n_items=100, n_seeds=1, method="auto")
-    assert one.method == "paired_hoeffding" and "auto -> paired_hoeffding" in one.sources["method"]
+    assert one.method == "mcnemar_exact" and "auto -> mcnemar_exact" in one.sources["method"]
+    shifted = Plan(n_items=100, n_seeds=1, method="auto", margin=0.02)
+    assert shifted.method == "paired_hoeffding" and "auto -> paired_hoeffding" in shifted.sources["method"]
     with pytest.raises(DesignError, match="decision method must be one of"):
         Plan(n_items=100, n_seeds=1, method="wilcoxon")
+
+
+def _first_answer_plan(**kw) -> Plan:
+    """The first real answer's plan: 200 items, 8 seeds per arm, A/A seed sd 8.22 pts, discordance 0.276,
+    seed t, target +15 pts."""
+    kw = {"n_items": 200, "n_seeds": 8, "method": "seed_t", "seed_sd": 0.0822, "discordance": 0.276,
+          "power": 0.8, "target_effect": 0.15, **kw}
+    return Plan(**kw)
+
+
+def test_design_simulates_the_plan_s_looks():
+    """decision.looks [4, 8]: the sweep decides at 0.0056 on 4 seeds, then at 0.0444 on 8, so its power is
+    below the fixed 8-seed design's (the audit: 0.90 reported, 0.86 with the looks); one look at 8 seeds is
+    the fixed design, sweep for sweep."""
+    fixed = design(_first_answer_plan(), n_sims=400, grid=5)
+    seq = design(_first_answer_plan(looks=[4, 8]), n_sims=400, grid=5)
+    assert "looks" not in fixed and seq["looks"]["looks"] == [4, 8]
+    assert seq["looks"]["power_at_target"] < fixed["power_at_target"]["seed_t"]
+    assert 4 < seq["looks"]["expected_seeds_at_target"] < 8
+    one = design(_first_answer_plan(looks=[8]), n_sims=400, grid=5)
+    assert one["looks"]["power_at_target"] == fixed["power_at_target"]["seed_t"]
+    assert "with decision.looks [4, 8]" in render(seq)
+    # a plan whose power with the looks misses decision.power is not `detectable`, though its fixed MDE is
+    # (these 400 seeded sweeps: fixed power 0.8925 and MDE 14.8 pts at power 0.884, 0.8825 with the looks)
+    strict = design(_first_answer_plan(looks=[4, 8], power=0.884), n_sims=400, grid=31)
+    assert strict["mde"]["seed_t"] <= 0.15 and strict["looks"]["power_at_target"] < 0.884
+    assert not strict["detectable"]
+
+
+def test_design_reports_power_at_the_pilot_s_spread_and_warns_when_the_aa_understates_it():
+    """The first answer's A/A said 8.22 pts; its 8 seed pairs' gaps had an sd of 14 pts (a seed sd of 9.9
+    pts): power at +15 pts with the looks falls (the audit: 0.86 -> 0.72), and the design says so."""
+    plan = _first_answer_plan(looks=[4, 8], spreads={"stated (decision.seed_sd)": 0.0822,
+                                                     "pilot's observed (A/B sweep x)": 0.14 / math.sqrt(2)})
+    res = design(plan, n_sims=400, grid=5)
+    stated, pilot = res["power_by_spread"]
+    assert stated["seed_sd"] == 0.0822 and pilot["seed_sd"] == pytest.approx(0.099, abs=1e-3)
+    assert pilot["power_with_looks"] < stated["power_with_looks"]
+    assert pilot["power_one_look"] < stated["power_one_look"]
+    (warning,) = [w for w in res["warnings"] if "understates" in w]
+    assert "stated seed sd 0.0822 (stated (decision.seed_sd)) understates the pilot's observed" in warning
+    assert f"from {stated['power_with_looks']:.2f} to {pilot['power_with_looks']:.2f}" in warning
+    assert "at seed sd 0.0990 (pilot's observed (A/B sweep x))" in render(res)
+    # a pilot whose spread is smaller says nothing
+    calm = _first_answer_plan(spreads={"stated (decision.seed_sd)": 0.0822, "pilot's observed (p)": 0.05})
+    assert not [w for w in design(calm, n_sims=200, grid=5)["warnings"] if "understates" in w]
+
+
+def test_plan_from_config_reads_the_looks_and_the_pilot_s_spread(tmp_path):
+    from eval.design import plan_from_config
+    from trainer.config.compose import run_config
+
+    rng = np.random.default_rng(8)
+    sweep = tmp_path / "ab"
+    sweep.mkdir()
+    for job, (loss, s) in enumerate((("dppo", 0), ("dppo", 1), ("grpo", 0), ("grpo", 1))):
+        make_run(sweep / str(job), loss, s, rng.random(200) < (0.3 + 0.2 * s if loss == "dppo" else 0.4))
+    cfg = run_config(["eval.n_examples=200", "decision.looks=[2,4]", "decision.seed_sd=0.01",
+                      "decision.target_effect=0.1"])
+    plan = plan_from_config(cfg, 4, pilot=sweep)
+    assert plan.looks == [2, 4] and plan.spreads["stated (decision.seed_sd)"] == 0.01
+    (pilot,) = [v for k, v in plan.spreads.items() if k.startswith("pilot's observed (A/B sweep")]
+    assert pilot == pytest.approx(pilot_estimates(sweep)["seed_sd"])

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eval.stats import (  # noqa: E402
+from eval.stats import (
     bootstrap_mean_ci,
     decide,
     hoeffding_half_width,
@@ -44,14 +44,14 @@ def _vectors(n: int, k_t: int, k_b: int, n_both: int) -> tuple[np.ndarray, np.nd
     return t, b
 
 
-def test_all_ties_gives_zero_diff_not_supported_and_p_one():
+def test_all_ties_gives_zero_diff_inconclusive_and_p_one():
     rng = np.random.default_rng(1)
     correct = rng.random(500) < 0.4
     r = paired_compare(correct, correct.copy(), n_bootstrap=200)
     assert r["diff"] == 0.0
     assert r["b"] == 0 and r["c"] == 0
     assert r["mcnemar_p"] == 1.0
-    assert r["verdict"] == "not_supported"
+    assert r["verdict"] == "inconclusive"
     assert r["bootstrap_low"] == 0.0 and r["bootstrap_high"] == 0.0
     assert r["acc_treatment"] == r["acc_baseline"] == pytest.approx(correct.mean())
 
@@ -98,19 +98,23 @@ def test_clearly_better_treatment_is_validated():
     assert 0 < r["bootstrap_low"] < r["diff"] < r["bootstrap_high"]
 
 
-def test_small_positive_diff_is_inconclusive_and_negative_not_supported():
+def test_small_positive_or_negative_diff_is_inconclusive_and_a_clear_loss_worse():
     t, b = _vectors(1319, 680, 660, 600)  # +1.5 points
     r = paired_compare(t, b, n_bootstrap=0)
     assert 0 < r["diff"] < r["half_width"]
     assert r["ci_low"] < 0 and r["verdict"] == "inconclusive"
     r = paired_compare(b, t, n_bootstrap=0)
-    assert r["diff"] < 0 and r["verdict"] == "not_supported"
+    assert r["diff"] < 0 and r["ci_high"] > 0 and r["verdict"] == "inconclusive"
+    t, b = _vectors(1319, 500, 660, 450)  # -12.1 points
+    r = paired_compare(t, b, n_bootstrap=0)
+    assert r["ci_high"] < 0 and r["verdict"] == "worse"
 
 
 def test_decision_rule_boundaries():
-    assert decide(0.1, 0.0) == "inconclusive"  # the bound must be strictly above 0
-    assert decide(0.1, 1e-9) == "validated"
-    assert decide(0.0, -0.07) == "not_supported"
+    assert decide(0.0, 0.2) == "inconclusive"  # the bound must be strictly above 0
+    assert decide(1e-9, 0.2) == "validated"
+    assert decide(-0.07, 0.0) == "inconclusive"  # and strictly below 0 for `worse`
+    assert decide(-0.07, -1e-9) == "worse"
 
 
 def test_wilson_interval_known_values():
@@ -175,3 +179,13 @@ def test_bad_inputs_raise():
         hoeffding_half_width(10, 1.5)
     with pytest.raises(ValueError, match="no items"):
         paired_compare(np.zeros(0, bool), np.zeros(0, bool))
+
+
+def test_monte_carlo_sign_flip_p_counts_the_observed_pattern():
+    """Above SIGN_FLIP_EXACT_MAX seeds the p is (1 + hits) / (1 + draws): the observed pattern is one of the
+    equally likely ones, so p >= 1 / (draws + 1) even when no drawn pattern is as extreme (17 equal gaps:
+    only the 2 all-equal sign patterns of 2^17 reach the observed mean)."""
+    from eval.stats import SIGN_FLIP_EXACT_MAX, sign_flip_p
+
+    assert 17 > SIGN_FLIP_EXACT_MAX
+    assert sign_flip_p(np.ones(17), n_draws=10) == pytest.approx(1 / 11)

@@ -107,8 +107,9 @@ def test_multirun_pair_then_compare(tmp_path):
     from eval.records import read_item_records, write_item_records
 
     sweep = tmp_path / "sweep"
+    # paired Hoeffding pre-registered (`auto` reads one run per arm on right / wrong scores with McNemar)
     p = run_train(["--multirun", "loss=grpo,dppo", "seed=0", *TINY, "eval.n_examples=40",
-                   f"hydra.sweep.dir={sweep}"], tmp_path, timeout=400)
+                   "decision.method=paired_hoeffding", f"hydra.sweep.dir={sweep}"], tmp_path, timeout=400)
     assert p.returncode == 0, p.stderr[-3000:]
     arms = json.loads((sweep / "arms.json").read_text())
     assert {a["arm"] for a in arms.values()} == {"grpo_seed0", "dppo_seed0"}
@@ -140,7 +141,7 @@ def test_multirun_pair_then_compare(tmp_path):
     swapped = compare("--treatment", "grpo", "--baseline", "dppo", "--override-decision",
                       "--out", str(tmp_path / "swapped"), "--no-plots")
     assert swapped["diff"] == pytest.approx(-25 / 40) and (swapped["b"], swapped["c"]) == (0, 25)
-    assert swapped["verdict"] == "not_supported", swapped["verdict"]
+    assert swapped["verdict"] == "worse", swapped["verdict"]
 
 
 def test_periodic_evals_hold_the_final_eval_items_and_form_a_curve(tmp_path):

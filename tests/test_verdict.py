@@ -192,7 +192,10 @@ def test_one_seed_says_the_verdict_is_about_two_checkpoints(tmp_path):
     assert out["verdict_scope"] == "fixed_checkpoints" and out["seed_level"] is None
     assert "seed_t" not in out["methods"]
     # auto with one seed per arm: paired Hoeffding, a verdict about these two checkpoints, said in the headline
-    assert out["decision"]["requested"] == "auto" and out["decision"]["method"] == "paired_hoeffding"
+    # one run per arm on right / wrong scores: `auto` is exact McNemar, and the headline says so
+    assert out["decision"]["requested"] == "auto" and out["decision"]["method"] == "mcnemar_exact"
+    assert out["headline"].endswith("(decision.method auto, one run per arm on right / wrong scores: exact "
+                                    "McNemar)")
     assert out["verdict"] == "validated" and out["diff"] == pytest.approx(0.25)
     assert out["headline"].startswith("validated (these checkpoints): dppo vs grpo: the treatment's checkpoints")
     assert "not a finding about the training procedure" in out["headline"]
@@ -278,7 +281,8 @@ def test_several_treatments_are_holm_adjusted(tmp_path):
     t1, b = _with_gap(n, 300, 92, rng)
     t2 = b.copy()  # the third arm: right where the baseline is, and on 89 more items
     t2[np.flatnonzero(~b)[:89]] = True
-    sweep = _sweep(tmp_path, {("grpo", 0): b, ("dppo", 0): t1, ("cispo", 0): t2})
+    sweep = _sweep(tmp_path, {("grpo", 0): b, ("dppo", 0): t1, ("cispo", 0): t2},
+                   overrides=("decision.method=paired_hoeffding",))
     out = compare([sweep], n_bootstrap=0, make_plots=False)
     assert out["treatments"] == ["cispo", "dppo"] and out["baseline"] == "grpo"
     rows = {r["treatment"]: r for r in out["comparisons"]}
@@ -444,7 +448,9 @@ def test_mcnemar_direction_comes_from_the_item_counts_with_several_seeds(tmp_pat
     assert (m["b_items"], m["c_items"]) == (30, 60)
     assert m["p_two_sided"] == pytest.approx(0.00211, abs=5e-5) and m["p"] == 1.0
     assert out["decision"]["method"] == "mcnemar_exact"
-    assert out["verdict"] == "not_supported" and m["verdict"] == "not_supported"
+    # 60 items favour the baseline, 30 the treatment
+    assert out["verdict"] == "worse" and m["verdict"] == "worse"
+    assert "significantly more items favour the baseline" in out["headline"]
 
 
 def test_mcnemar_direction_with_the_auc_endpoint(tmp_path):
@@ -465,7 +471,7 @@ def test_mcnemar_direction_with_the_auc_endpoint(tmp_path):
     assert out["decision"]["endpoint"] == "auc"
     assert out["diff"] == pytest.approx((20 - 50 * 0.25) / n)
     assert (m["b_items"], m["c_items"]) == (20, 50) and m["p_two_sided"] < 0.001
-    assert out["verdict"] == "not_supported"
+    assert out["verdict"] == "worse"
 
 
 # ----------------------------------------------------------------------------- degenerate and secondary statistics
@@ -679,8 +685,8 @@ def test_fewer_seeds_than_planned_and_repeated_looks_are_recorded(tmp_path):
     second = compare([sweep3], n_bootstrap=0, make_plots=False, out=tmp_path / "looks")
     assert second["decision"]["overridden"] == []
     assert second["looks"] == [{"n_seeds": 2, "seeds": [0, 1], "verdicts": {"dppo": first["verdict"]}}]
-    assert any(x.startswith("look 2 at this comparison") for x in second["notes"])
-    assert "look 2 at this comparison" in (tmp_path / "looks" / "compare.md").read_text()
+    assert any(x.startswith("decision 2 of this comparison") for x in second["notes"])
+    assert "decision 2 of this comparison" in (tmp_path / "looks" / "compare.md").read_text()
     # the same data again is not another look
     again = compare([sweep3], n_bootstrap=0, make_plots=False, out=tmp_path / "looks")
     assert again["looks"] == second["looks"]

@@ -1,5 +1,5 @@
-"""`python -m eval.calibrate {equivalence,looks,sign_flip} [--sweeps N] [--seed K]`: the calibration record of
-docs/verdict.md, from seeded simulations of whole sweeps.
+"""`python -m eval.calibrate {equivalence,looks,sign_flip,verdicts} [--sweeps N] [--seed K]`: the calibration
+record of docs/verdict.md, from seeded simulations of whole sweeps.
 
 The sweep model is eval.design's (its module docstring): the arms of seed s differ on the item population by
 delta_s = delta + tau z_s (training noise tau, z_s ~ N(0, 1), or a heavier-tailed law with --noise t3), and on
@@ -152,7 +152,51 @@ def sign_flip(
     return rows
 
 
-TABLES = {"equivalence": equivalence, "looks": looks, "sign_flip": sign_flip}
+def seed_t_words(D: np.ndarray, alpha: float, margin: float = 0.0, equivalence_margin: float | None = None,
+                 target: float | None = None) -> np.ndarray:
+    """Each sweep's verdict word under seed t, in eval.comparison.decide_all's order: `validated` (lower bound
+    above the margin), `worse` (upper bound below 0), `equivalent` (inside +-equivalence_margin),
+    `not_supported` (upper bound below the target), `inconclusive` otherwise; a zero spread (no interval)
+    is `inconclusive`."""
+    lo, hi = seed_t_bounds(D, alpha)
+    words = np.full(D.shape[0], "inconclusive", dtype=object)
+    undecided = np.ones(D.shape[0], bool)
+    for word, hit in (("validated", lo > margin), ("worse", hi < 0),
+                      ("equivalent", (lo > -equivalence_margin) & (hi < equivalence_margin)
+                       if equivalence_margin else np.zeros_like(undecided)),
+                      ("not_supported", hi < target if target else np.zeros_like(undecided))):
+        words[undecided & hit] = word
+        undecided &= ~hit
+    return words
+
+
+#: the rules the verdicts table reads the null through: the plain rule, then with each word's own option
+VERDICT_RULES = {"plain": {}, "target 8 pts": {"target": 0.08},
+                 "equivalence 5 pts": {"equivalence_margin": 0.05}}
+WORDS = ("validated", "worse", "equivalent", "not_supported", "inconclusive")
+
+
+def verdicts(n_sweeps: int, seed: int, alpha: float = 0.05, seeds: tuple[int, ...] = (3, 6, 10),
+             target: float = 0.08) -> list[dict[str, Any]]:
+    """The share of null sweeps (true gap 0) reading each word under seed t, per rule: the plain rule says
+    `validated` or `worse` each in at most alpha / 2 of them and `inconclusive` otherwise; `not_supported`
+    (with a target) and `equivalent` (with a margin) are right under the null, and their error is at a true
+    gap of the target (`not_supported_at_target`, at most alpha / 2) or of the margin (eval.calibrate
+    equivalence)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for S in seeds:
+        D = gaps(n_sweeps, S, 0.0, rng)
+        for name, options in VERDICT_RULES.items():
+            words = seed_t_words(D, alpha, **options)
+            rows.append({"seeds_per_arm": S, "rule": name,
+                         **{w: float(np.mean(words == w)) for w in WORDS}})
+        at_target = seed_t_words(gaps(n_sweeps, S, target, rng), alpha, target=target)
+        rows[-2]["not_supported_at_target"] = float(np.mean(at_target == "not_supported"))
+    return rows
+
+
+TABLES = {"equivalence": equivalence, "looks": looks, "sign_flip": sign_flip, "verdicts": verdicts}
 
 
 def main(argv: list[str] | None = None) -> int:

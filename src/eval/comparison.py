@@ -34,6 +34,7 @@ from eval.methods import (
     equivalent,
     method_table,
     min_sign_flip_p,
+    rules_out_target,
     seed_t_power,
 )
 from eval.records import summarize, wilson_interval
@@ -57,7 +58,19 @@ from eval.runs import (
     pair_by_seed,
     sweep_subsets,
 )
-from eval.sequential import LEDGER_DIR, ledger_key, ledger_root, look_levels, read_ledger, record_look
+from eval.sequential import (
+    LEDGER_DIR,
+    RUN_RECORD,
+    ledger_key,
+    ledger_root,
+    look_levels,
+    read_ledger,
+    read_run_records,
+    record_in_run,
+    record_look,
+    same_decision,
+    seed_set,
+)
 from eval.stats import SCOPE_TEXT, holm_adjust, paired_compare, resolve_method, seed_t_interval, t_quantile
 from trainer.config.digest import decision_hash
 from trainer.config.ignored_keys import IGNORED_CONFIG_KEYS
@@ -99,9 +112,11 @@ class Rule:
                    if self.looks else ""))
 
 
-def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool, n_seeds: int = 1) -> Rule:
+def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool, n_seeds: int = 1,
+                 binary: bool | None = None) -> Rule:
     """The runs' pre-registered `decision` config, and the command line's changes to it (only with
-    --override-decision). `auto` resolves by the seeds per arm on both sides before they are compared, so
+    --override-decision). `auto` resolves by the seeds per arm (and, with one, by whether the scores are
+    binary: `binary`, else the runs' config says so) on both sides before they are compared, so
     `--method seed_t` on a 3-seed sweep whose config says auto is not an override."""
     from trainer.config.schema import ConfigError, DecisionConfig
 
@@ -110,6 +125,8 @@ def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool, n_seeds: 
     if raw is None:
         raw, source = {}, "default (the runs' config has no `decision` group: made before it existed)"
     known = {f for f in DecisionConfig.__dataclass_fields__}
+    if binary is None:
+        binary = binary_scores(runs[0].config, cli.get("endpoint") or raw.get("endpoint") or "final")
     try:
         cfg = DecisionConfig(**{k: v for k, v in raw.items() if k in known})
     except (ConfigError, TypeError) as e:
@@ -119,7 +136,8 @@ def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool, n_seeds: 
         # the threshold only sets a secondary (reported) endpoint: changing it decides nothing
         if value is None or value == getattr(cfg, key) or key == "threshold":
             continue
-        if key == "method" and resolve_method(value, n_seeds)[0] == resolve_method(cfg.method, n_seeds)[0]:
+        if key == "method" and (resolve_method(value, n_seeds, binary, cfg.margin)[0]
+                                == resolve_method(cfg.method, n_seeds, binary, cfg.margin)[0]):
             continue
         changed.append(f"{key}: {getattr(cfg, key)!r} -> {value!r}")
     if changed and not override:
@@ -131,19 +149,27 @@ def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool, n_seeds: 
         cfg = DecisionConfig(**merged)
     except ConfigError as e:
         raise CompareError(f"decision rule: {e}") from None
-    method, resolution = resolve_method(cfg.method, n_seeds)
+    method, resolution = resolve_method(cfg.method, n_seeds, binary, cfg.margin)
     return Rule(method=method, alpha=cfg.alpha, margin=cfg.margin, endpoint=cfg.endpoint, step=cfg.step,
                 threshold=cfg.threshold, baseline=cfg.baseline, source=source, overridden=changed,
                 requested=cfg.method, resolution=resolution, equivalence_margin=cfg.equivalence_margin,
                 looks=list(cfg.looks) if cfg.looks else None, target_effect=cfg.target_effect)
 
 
+def binary_scores(config: dict[str, Any], endpoint: str) -> bool:
+    """Whether a run's endpoint scores are right / wrong per item: one sample per item (eval.samples_per_item
+    1) and an endpoint at one eval (the area under the curve is a fraction)."""
+    k = (config.get("eval") or {}).get("samples_per_item") or 1
+    return k == 1 and endpoint != "auc"
+
+
 def decide_all(rows: list[dict[str, Any]], samples: list[Any], rule: Rule, level: float | None = None,
                final_look: bool = True) -> None:
     """Holm's step-down over the treatments: the j-th smallest rule p is decided at level L / (K - j), with
     the rule's own interval at that level (at K = 1 this is the plain rule); the first failure stops. L is
-    alpha, or this look's share of it under decision.looks (eval.sequential). Where the rule does not
-    validate, its interval inside +-decision.equivalence_margin reads `equivalent` (TOST at the same level);
+    alpha, or this look's share of it under decision.looks (eval.sequential). Where the rule neither
+    validates nor finds the treatment worse, its interval inside +-decision.equivalence_margin reads
+    `equivalent` (TOST at the same level), and its upper bound below decision.target_effect `not_supported`;
     at a look before the last, anything else reads `inconclusive` (the next look decides)."""
     method = METHODS[rule.method]
     L = rule.alpha if level is None else level
@@ -160,9 +186,11 @@ def decide_all(rows: list[dict[str, Any]], samples: list[Any], rule: Rule, level
             verdict = "inconclusive"  # Holm stops at the first treatment that fails
         still = still and verdict == "validated"
         reason = None
-        if verdict != "validated" and equivalent(iv, rule.equivalence_margin):
+        if verdict == "inconclusive" and equivalent(iv, rule.equivalence_margin):
             verdict = "equivalent"
-        elif verdict != "validated" and not final_look:
+        elif verdict == "inconclusive" and rules_out_target(iv, rule.target_effect):
+            verdict = "not_supported"
+        elif verdict == "inconclusive" and not final_look:
             # whatever the estimate's sign: an early look only stops for a decision
             verdict, reason = "inconclusive", "a look before the plan's last; the next look decides"
         # the top-level numbers of a comparison are the rule's: its estimate, its interval at this
@@ -170,7 +198,10 @@ def decide_all(rows: list[dict[str, Any]], samples: list[Any], rule: Rule, level
         row.update(p_rule=m["p"], p_holm=adj[i], holm_level=lev, rule_ci=list(iv) if iv else None,
                    method=rule.method, estimate=m["estimate"], ci_low=iv[0] if iv else None,
                    ci_high=iv[1] if iv else None, p=adj[i], p_adjusted="holm" if K > 1 else None)
-        set_verdict(row, verdict, rule.scope, reason)
+        set_verdict(row, verdict, rule.scope, reason, margin=rule.margin)
+        if rule.requested == "auto" and rule.method == "mcnemar_exact":  # not what `auto` means at >= 2 seeds
+            row["headline"] += (" (decision.method auto, one run per arm on right / wrong scores: exact "
+                                "McNemar)")
 
 
 def score_rows(arms_SN: dict[str, np.ndarray], labels: dict[str, list[str]], base: str, treatments: list[str],
@@ -201,14 +232,15 @@ def score_rows(arms_SN: dict[str, np.ndarray], labels: dict[str, list[str]], bas
     return rows, samples
 
 
-def set_verdict(row: dict[str, Any], verdict: str, scope: str, reason: str | None = None) -> None:
+def set_verdict(row: dict[str, Any], verdict: str, scope: str, reason: str | None = None,
+                margin: float = 0.0) -> None:
     """The verdict with its scope, in every form compare shows it (the token, the scope key, the scope in
-    words and the headline sentence)."""
+    words and the headline sentence, which says so when the rule's interval shows a gain below the margin)."""
     from eval.report import headline
 
     row.update(verdict=verdict, verdict_scope=scope, verdict_about=SCOPE_TEXT[scope],
                headline=headline(verdict, scope, row["treatment"], row["baseline"], method=row.get("method"),
-                                 reason=reason))
+                                 reason=reason, interval=row.get("rule_ci"), margin=margin))
 
 
 # the item-level Hoeffding numbers every comparison carries, under names that say so: the top-level
@@ -305,6 +337,26 @@ def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses:
         names = ", ".join(r.arm for r in edited[:4]) + (", ..." if len(edited) > 4 else "")
         found.append(f"decision: the `decision` block in config.yaml of {names} is not the one the run "
                      "trained under (run_info.json decision_sha256): the rule was changed after training")
+    # a build that records the digest always writes it (run_info_version 2, or run_dir, written with it since
+    # both began): a run that lacks it had it removed, and the rule it trained under cannot be checked
+    removed = [r for r in used if r.info.get("decision_sha256") is None
+               and (r.info.get("run_info_version") is not None or "run_dir" in r.info)]
+    lacking = [r for r in used if r.info.get("decision_sha256") is None]
+    if removed or (lacking and len(lacking) < len(used)):
+        names = ", ".join(r.arm for r in (removed or lacking)[:4])
+        found.append(f"decision: run_info.json of {names} has no decision_sha256, though the build that "
+                     "wrote it records one (or the other runs have it): the digest of the rule the run "
+                     "trained under was removed, so an edit of the `decision` block cannot be ruled out")
+    stripped = [r for r in used if isinstance(r.info.get("run_info_version"), int)
+                and r.info["run_info_version"] >= 2 and "sweep" not in r.info]
+    if stripped:
+        found.append(f"inputs: run_info.json of {', '.join(r.arm for r in stripped[:4])} has no `sweep` "
+                     "membership record, though the build that wrote it always writes one: it was "
+                     "removed, so a subset of its sweep cannot be ruled out")
+    if lacking and not removed and len(lacking) == len(used):
+        notes.append(f"the rule of {', '.join(r.arm for r in lacking[:4])} was not checked against the "
+                     "one it trained under: run_info.json has no decision_sha256 (a build before it was "
+                     "recorded)")
     planned_look = bool(rule.looks) and n_seeds in rule.looks
     if rule.looks and not planned_look:
         found.append(f"looks: decision.looks plans decisions at {rule.looks} seeds per arm, this comparison "
@@ -376,36 +428,65 @@ def _look(rule: Rule, n_seeds: int) -> dict[str, Any] | None:
 
 
 def _home(run: Run) -> Path:
-    """Where the run was written (run_info.json run_dir), else its folder with links resolved."""
+    """Where the run was written (run_info.json run_dir) while that folder exists, else its present folder
+    with links resolved (a moved or renamed training tree: the ledger moved with it)."""
     rd = run.info.get("run_dir")
-    return Path(rd) if isinstance(rd, str) and rd else run.path.resolve()
+    if isinstance(rd, str) and rd and Path(rd).is_dir():
+        return Path(rd)
+    return run.path.resolve()
 
 
-def _ledger(runs: list[Run], result: dict[str, Any]) -> tuple[Path, dict[str, Any], dict[str, Any]] | None:
-    """The earlier looks at this comparison, from the ledger beside the runs (eval.sequential) and an earlier
-    compare.json in the output folder, into result["looks"] (and a note); returns what _write records."""
-    if not _home(runs[0]).is_dir():  # runs built in memory (no run folder): no ledger beside them
-        result["looks"] = []
-        return None
+def _ledger(runs: list[Run], result: dict[str, Any], rule: Rule,
+            override: bool) -> tuple[Path, dict[str, Any], dict[str, Any], list[Path]] | None:
+    """The earlier decisions of this comparison (eval.sequential: the ledger beside the runs, each run's own
+    record, an earlier compare.json in the output folder), into result["looks"] with a note; a planned look
+    already decided on another seed set is refused (recorded as an override with --override-decision).
+    Returns what _write records: (ledger path, this decision, the key's fields, the run folders)."""
+    folders = [r.path for r in runs if r.path.is_dir()]
     key_fields = {"experiment": runs[0].config.get("experiment"), "baseline": result["baseline"],
                   "treatments": sorted(result["treatments"]), "item_set_sha256": result["item_set_sha256"],
                   "endpoint": result["decision"]["endpoint"]}
-    path = ledger_root([_home(r) for r in runs]) / LEDGER_DIR / f"{ledger_key(*key_fields.values())}.json"
-    earlier_looks(result, path)
-    entry = {"n_seeds": result["n_seeds"], "seeds": result["seeds"],
-             "verdicts": {v["treatment"]: v["verdict"] for v in result["verdicts"]}}
-    return path, entry, key_fields
+    key = ledger_key(*key_fields.values())
+    if not folders:  # runs built in memory (no run folder): no record beside them
+        earlier_looks(result, None)
+        return None
+    path = ledger_root([_home(r) for r in runs if r.path.is_dir()]) / LEDGER_DIR / f"{key}.json"
+    records = []
+    for f in folders:
+        try:
+            records += [(x, f"{f / RUN_RECORD}") for x in read_run_records(f, key)]
+        except ValueError as e:
+            raise CompareError(str(e)) from None
+    clash = earlier_looks(result, path, records=records)
+    if clash and rule.looks:
+        x, where = clash[0]
+        said = x.get("verdicts") or {}
+        text = (f"decision.looks: the look at {result['n_seeds']} seeds per arm was already decided on seeds "
+                f"{x.get('seeds')} ({', '.join(f'{k}: {v}' for k, v in said.items()) or 'verdicts unknown'}; "
+                f"recorded in {where}), this comparison has seeds {result['seeds']}: a look is decided once "
+                "(deciding it again on other seeds re-rolls it and spends alpha the plan does not have)")
+        if not override:
+            raise CompareError(text + "; continue to the next look with these seeds added, or pass "
+                               "--override-decision to decide anyway (the report then says so)")
+        rule.overridden.append(text)
+    entry = {"key": key, **key_fields, "n_seeds": result["n_seeds"], "seeds": sorted(result["seeds"]),
+             "verdicts": {v["treatment"]: v["verdict"] for v in result["verdicts"]},
+             "level": (result.get("look") or {}).get("level", result["alpha"]), "planned_looks": rule.looks,
+             "overridden": bool(rule.overridden), "output_dir": result["output_dir"]}
+    return path, entry, key_fields, folders
 
 
-def earlier_looks(result: dict[str, Any], path: Path | None, plannable: bool = True) -> None:
-    """The earlier looks at this comparison (fewer seeds per arm), from the ledger at `path` (None: no
-    ledger) and an earlier compare.json of the same comparison in the output folder, into result["looks"],
-    with a note saying what re-deciding costs when decision.looks did not plan them (`plannable`: whether
-    decision.looks could have)."""
-    seen = {x["n_seeds"]: x for x in read_ledger(path)} if path is not None else {}
-    where = f" (ledger {path})" if path is not None else f" (compare.json in {result['output_dir']})"
+def earlier_looks(result: dict[str, Any], path: Path | None, plannable: bool = True,
+                  records: list[tuple[dict[str, Any], str]] = ()) -> list[tuple[dict[str, Any], str]]:
+    """The earlier decisions of this comparison on other seed sets, from the ledger at `path` (None: no
+    ledger), the runs' own `records` ((decision, where) pairs) and an earlier compare.json of the same
+    comparison in the output folder, into result["looks"] and result["decisions"] (how many decisions this
+    one makes and the family-wise alpha they reach), with a note when decision.looks did not plan them
+    (`plannable`: whether it could have). Returns the earlier decisions at this comparison's seed count."""
+    found: list[tuple[dict[str, Any], str]] = [(x, str(path)) for x in read_ledger(path)] if path else []
+    found += list(records)
     prev_file = Path(result["output_dir"]) / "compare.json"
-    if prev_file.is_file():  # a report written before the ledger existed still counts as a look
+    if prev_file.is_file():  # a report written before the ledger existed still counts as a decision
         try:
             prev = json.loads(prev_file.read_text())
         except (OSError, ValueError):
@@ -415,28 +496,37 @@ def earlier_looks(result: dict[str, Any], path: Path | None, plannable: bool = T
                 and (prev.get("decision") or {}).get("endpoint") == result["decision"]["endpoint"])
         if same:
             for x in (prev.get("looks") or []) + [prev]:
-                if isinstance(x.get("n_seeds"), int):
-                    seen.setdefault(x["n_seeds"], {"n_seeds": x["n_seeds"], "seeds": x.get("seeds"),
-                                                   "verdicts": x.get("verdicts")})
-    looks = []
-    for n in sorted(k for k in seen if k < result["n_seeds"]):
-        x = seen[n]
-        verdicts = x.get("verdicts")
-        if isinstance(verdicts, list):  # compare.json's own verdict list
-            verdicts = {v["treatment"]: v["verdict"] for v in verdicts if isinstance(v, dict)}
-        looks.append({"n_seeds": n, "seeds": x.get("seeds"), "verdicts": verdicts})
+                if isinstance(x, dict) and isinstance(x.get("n_seeds"), int):
+                    found.append(({"n_seeds": x["n_seeds"], "seeds": x.get("seeds"),
+                                   "verdicts": x.get("verdicts")}, str(prev_file)))
+    this = {"n_seeds": result["n_seeds"], "seeds": result["seeds"]}
+    others: list[tuple[dict[str, Any], str]] = []
+    for x, where in found:
+        if not same_decision(x, this) and not any(same_decision(x, y) for y, _ in others):
+            verdicts = x.get("verdicts")
+            if isinstance(verdicts, list):  # compare.json's own verdict list
+                verdicts = {v["treatment"]: v["verdict"] for v in verdicts if isinstance(v, dict)}
+            others.append(({"n_seeds": x["n_seeds"], "seeds": x.get("seeds"), "verdicts": verdicts}, where))
+    others.sort(key=lambda e: (e[0]["n_seeds"], seed_set(e[0]) or ()))
+    looks = [x for x, _ in others]
     result["looks"] = looks
     rule = result["decision"]
+    k, a = len(looks) + 1, result["alpha"]
+    result["decisions"] = {"count": k, "alpha": a, "family_wise_alpha": 1 - (1 - a) ** k,
+                           "planned_looks": rule.get("looks")}
+    wheres = sorted({w for _, w in others})
     if looks and not rule.get("looks"):
         result["notes"].append(
-            f"look {len(looks) + 1} at this comparison: earlier looks at "
-            + ", ".join(f"{x['n_seeds']} seed(s) ({x['verdicts']})" for x in looks)
-            + f"{where}; the rule's alpha = {result['alpha']:g} holds for one pre-planned look, so "
-            "re-deciding as seeds are added raises the false-positive rate above it"
-            + (" (plan the looks: decision.looks)" if plannable else ""))
+            f"decision {k} of this comparison: earlier decisions on other seeds at "
+            + ", ".join(f"{x['n_seeds']} seed(s) {x['seeds']} ({x['verdicts']})" for x in looks)
+            + f" (recorded in {', '.join(wheres)}); each decided at alpha = {a:g}, so the chance of a false "
+            f"`validated` among these {k} decisions is up to 1 - (1 - {a:g})^{k} = {1 - (1 - a) ** k:.3g}, "
+            f"not {a:g}" + (" (plan the looks: decision.looks)" if plannable else ""))
     elif looks:
         result["notes"].append(f"earlier looks at this comparison: {[x['n_seeds'] for x in looks]} seeds per "
-                               f"arm{where}; decision.looks = {rule['looks']} spends alpha over them")
+                               f"arm (recorded in {', '.join(wheres)}); decision.looks = {rule['looks']} spends "
+                               "alpha over them")
+    return [(x, w) for x, w in others if x["n_seeds"] == result["n_seeds"]]
 
 
 def effect_sizes(t_SN: np.ndarray, b_SN: np.ndarray, alpha: float) -> dict[str, Any]:
@@ -511,7 +601,7 @@ def _rule_notes(rows: list[dict[str, Any]], rule: Rule, n_seeds: int,
                          f"is {sf['p_min']:.4g}; a distribution-free claim at alpha = {rule.alpha:g} needs "
                          f"{distribution_free_seeds(rule.alpha)} seeds per arm)")
         sl = r.get("seed_level") or {}
-        if rule.method == "seed_t" and sl.get("sd") and r["verdict"] not in ("validated", "inert"):
+        if rule.method == "seed_t" and sl.get("sd") and r["verdict"] == "inconclusive":
             # the design's target when the plan states one, else a gap as large as the observed one
             shift = rule.target_effect or (abs(sl["mean"]) if sl["mean"] else sl["sd"])
             what = "decision.target_effect" if rule.target_effect else "a gap as large as this one"
@@ -525,7 +615,7 @@ def _rule_notes(rows: list[dict[str, Any]], rule: Rule, n_seeds: int,
                              "<this sweep>")
         if m.get("note") and r["verdict"] != "inert":
             notes.append(f"{who}: {m['note']}")
-        if look and not look["final"] and r["verdict"] != "validated":
+        if look and not look["final"] and r["verdict"] == "inconclusive":
             notes.append(f"{who}: look {look['index']} of {look['of']} ({n_seeds} seeds per arm, decided at "
                          f"alpha {look['level']:.3g}): no decision yet: continue to {look['next_seeds']} "
                          "seeds per arm")
@@ -861,7 +951,7 @@ def compare_runs(runs: list[Run], out_dir: str | Path, paths: list[Path] | None 
         # kept from the one-treatment report: the alpha, method and decision-rule text at the top level
         "alpha": rule.alpha, "method": rule.method, "decision_rule": rule.text(),
     }
-    ledger = _ledger(ordered, result)
+    ledger = _ledger(ordered, result, rule, override_decision)
     if len(rows) == 1:  # one treatment: its numbers (the rule's estimate, interval, p, verdict) at the top level
         result.update({k: v for k, v in rows[0].items() if k not in result or k in ("verdict", "method")},
                       treatment=treatments[0])
@@ -910,18 +1000,29 @@ def _compare_aa(runs: list[Run], rule: Rule, eval_name: str, paths: list[Path], 
 
 
 def _write(result: dict[str, Any], runs: list[Run], roles: dict[str, str], out_dir: Path, make_plots: bool,
-           title_suffix: str, ledger: tuple[Path, dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+           title_suffix: str,
+           ledger: tuple[Path, dict[str, Any], dict[str, Any], list[Path]] | None = None) -> dict[str, Any]:
     """Everything is checked: from here on we write (the looks ledger, plots, compare.md, then compare.json
     last)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     notes = result["notes"]
     if ledger is not None:
+        path, entry, key_fields, folders = ledger
         try:
-            record_look(*ledger)
-            result["looks_ledger"] = str(ledger[0])
+            record_look(path, entry, key_fields)
+            result["looks_ledger"] = str(path)
         except OSError as e:
-            notes.append(f"this look was not recorded in the ledger {ledger[0]} ({e}): a later look will not "
-                         "count it")
+            notes.append(f"this decision was not recorded in the ledger {path} ({e}); the run folders' "
+                         f"{RUN_RECORD} still count it")
+        unrecorded = []
+        for f in folders:  # the record that travels with the data
+            try:
+                record_in_run(f, entry)
+            except (OSError, ValueError) as e:
+                unrecorded.append(f"{f} ({e})")
+        if unrecorded:
+            notes.append(f"this decision was not recorded in {RUN_RECORD} of " + "; ".join(unrecorded)
+                         + ": copies of those runs will not count it")
     if make_plots:
         from eval.plots import PlotRun, load_metrics, plot_eval_curve
         from eval.plots import make_plots as _make_plots

@@ -69,6 +69,10 @@ class Plan:
     target_effect: float | None = None
     target_scope: str | None = None  # procedure | checkpoints | None (the method's own scope)
     sources: dict[str, str] = field(default_factory=dict)
+    looks: list[int] | None = None  # decision.looks: seeds per arm at each look (the last = n_seeds)
+    # every seed sd the inputs state (the config's or the command line's, and a pilot's observed one), by
+    # where it came from: the design reports power at each
+    spreads: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.n_items, int) and self.n_items >= 1):
@@ -86,7 +90,8 @@ class Plan:
         if self.method not in METHODS:
             if self.method != "auto":
                 raise DesignError(f"decision method must be one of {['auto', *METHODS]}, got {self.method!r}")
-            self.method, self.sources["method"] = resolve_method(self.method, self.n_seeds)
+            self.method, self.sources["method"] = resolve_method(self.method, self.n_seeds, True,
+                                                                 self.margin)
 
     @property
     def tau(self) -> float:
@@ -192,12 +197,35 @@ class Simulator:
         self.h = hoeffding_half_width(n, plan.alpha)
         self.t_crit = t_quantile(1 - plan.alpha / 2, S - 1) if S >= 2 else None
 
+    def _items(self, delta: float) -> np.ndarray:
+        """d [sims, S, n]: the per-item gaps in {-1, 0, 1} of the simulated sweeps at effect delta."""
+        p = self.plan
+        P = p.discordance
+        delta_S = np.clip(delta + p.tau * self.Z, -P, P)[:, :, None]
+        up, down = self.U < (P + delta_S) / 2, self.U >= 1 - (P - delta_S) / 2
+        return up.astype(np.int8) - down.astype(np.int8)
+
+    def sequential(self, delta: float) -> dict[str, float]:
+        """The plan's decision.looks on the simulated sweeps at effect delta (eval.sequential): look k decides
+        with the plan's seed-level method at its spending level on the first S_k seeds, and a sweep stops at
+        its first `validated`. (share validated at some look, expected seeds per arm)."""
+        from eval.sequential import look_levels
+
+        p = self.plan
+        D = self._items(delta).sum(axis=2) / p.n_items - p.margin
+        stopped = np.zeros(self.n_sims, bool)
+        used = np.full(self.n_sims, float(p.looks[-1]))
+        for S, lev in zip(p.looks, look_levels(p.looks, p.alpha)):
+            hit = ~stopped & _seed_level_validates(p.method, D[:, :S], lev)
+            used[hit] = S
+            stopped |= hit
+        return {"power": float(stopped.mean()), "expected_seeds": float(used.mean())}
+
     def decisions(self, delta: float, methods: tuple[str, ...] = METHODS) -> dict[str, np.ndarray]:
         """Per method, a bool per simulated sweep: did the method validate? (each method's `simulate`)"""
         p = self.plan
-        P, S, n = p.discordance, p.n_seeds, p.n_items
-        delta_S = np.clip(delta + p.tau * self.Z, -P, P)[:, :, None]
-        d = (self.U < (P + delta_S) / 2).astype(np.int8) - (self.U >= 1 - (P - delta_S) / 2).astype(np.int8)
+        S, n = p.n_seeds, p.n_items
+        d = self._items(delta)
         d_N = d.sum(axis=1)  # S x the per-item mean over seeds, exact integers
         diff = d_N.sum(axis=1) / (S * n)
         out: dict[str, np.ndarray] = {}
@@ -231,6 +259,40 @@ class Simulator:
             for k, v in self.decisions(float(delta), methods).items():
                 curves[k].append(float(v.mean()))
         return {k: v for k, v in curves.items() if v}
+
+
+def _seed_level_validates(method: str, D: np.ndarray, level: float) -> np.ndarray:
+    """Per sweep, does the seed-level `method` validate on the per-seed gaps D [sims, S] (already less the
+    margin) at two-sided `level`: seed t's lower bound above 0, or the exact sign-flip p below the level."""
+    S = D.shape[1]
+    m = D.mean(axis=1)
+    if method == "sign_flip":
+        from eval.methods import _sign_patterns
+
+        flipped = np.abs(D @ _sign_patterns(S).T / S)
+        p = (flipped >= np.abs(m)[:, None] - 1e-12).mean(axis=1)
+        return (m > 0) & (p < level)
+    sd = D.std(axis=1, ddof=1)
+    return (sd > 0) & (m - t_quantile(1 - level / 2, S - 1) * sd / math.sqrt(S) > 0)
+
+
+def spread_power(plan: Plan, n_sims: int, seed: int) -> list[dict[str, Any]]:
+    """Power at the target of the plan's own method, with its looks when it has them and as one look at its
+    seeds, at each seed sd the inputs state (plan.spreads: the assumed one and a pilot's observed one), on
+    the same random numbers."""
+    from dataclasses import replace
+
+    rows = []
+    for source, sd in plan.spreads.items():
+        sim = Simulator(replace(plan, seed_sd=sd), n_sims, 200, seed)
+        fixed = sim.decisions(plan.target_effect, (plan.method,)).get(plan.method)
+        row = {"source": source, "seed_sd": sd, "tau": replace(plan, seed_sd=sd).tau,
+               "power_one_look": None if fixed is None else float(fixed.mean())}
+        if plan.looks and plan.looks[-1] == plan.n_seeds and plan.n_seeds >= 2:
+            seq = sim.sequential(plan.target_effect)
+            row.update(power_with_looks=seq["power"], expected_seeds=seq["expected_seeds"])
+        rows.append(row)
+    return rows
 
 
 def _crossing(deltas: np.ndarray, power: list[float], target: float) -> float | None:
@@ -288,8 +350,37 @@ def design(plan: Plan, n_sims: int = 1000, n_bootstrap: int = 400, grid: int = 3
         out["seeds_needed"] = {k: seeds_needed(k, plan, plan.target_effect) for k in METHODS}
         m = mde[plan.method]
         out["detectable"] = m is not None and m <= plan.target_effect
+        if plan.looks and plan.looks[-1] != plan.n_seeds:
+            out["notes"].append(f"decision.looks {plan.looks} end at {plan.looks[-1]} seeds per arm, the "
+                                f"plan has {plan.n_seeds} (seed=...): the looks are not simulated")
+        elif plan.looks and plan.n_seeds >= 2:
+            seq = sim.sequential(plan.target_effect)
+            out["looks"] = {"looks": plan.looks, "power_at_target": seq["power"],
+                            "expected_seeds_at_target": seq["expected_seeds"]}
+            # the sweep decides at the looks' levels, not at alpha: the plan's power is the sequential one
+            out["detectable"] = out["detectable"] and seq["power"] >= plan.power
+        out["power_by_spread"] = spread_power(plan, n_sims, seed) if plan.spreads else []
+        out["warnings"] += spread_warnings(plan, out["power_by_spread"])
     if plot is not None:
         out["plot"] = str(plot_power(out, Path(plot)))
+    return out
+
+
+def spread_warnings(plan: Plan, rows: list[dict[str, Any]]) -> list[str]:
+    """A stated (A/A) seed sd below a pilot's observed one: the plan's power is then a best case."""
+    stated = [r for r in rows if not r["source"].startswith("pilot")]
+    pilots = [r for r in rows if r["source"].startswith("pilot")]
+    out = []
+    for pr in pilots:
+        for st in stated:
+            if pr["seed_sd"] > st["seed_sd"]:
+                key = "power_with_looks" if "power_with_looks" in st else "power_one_look"
+                if st[key] is None or pr[key] is None:
+                    continue
+                out.append(f"the stated seed sd {st['seed_sd']:.4f} ({st['source']}) understates the "
+                           f"{pr['source']} {pr['seed_sd']:.4f}: power at the target "
+                           f"{100 * plan.target_effect:.2f} pts falls from {st[key]:.2f} to {pr[key]:.2f}; "
+                           "plan with the larger spread (more seeds)")
     return out
 
 
@@ -455,14 +546,20 @@ def plan_from_config(cfg: Config, n_seeds: int, discordance: float | None = None
     sd, sources["seed_sd"] = _first_given(
         (seed_sd, "--seed-sd"), (est.get("seed_sd"), est.get("source")), (d.seed_sd, "decision.seed_sd"),
         (0.0, "assumed 0 (no training noise: a lower bound on every MDE; pass --seed-sd or --from an A/A sweep)"))
+    stated = ((seed_sd, "--seed-sd"), (d.seed_sd, "decision.seed_sd"))
+    spreads = {f"stated ({where})": float(v) for v, where in stated if v is not None}
+    if est.get("seed_sd") is not None:
+        spreads[f"pilot's observed ({est['source']})"] = float(est["seed_sd"])
     target = target_effect if target_effect is not None else d.target_effect
     # `auto` resolves here, at plan time, by the plan's seeds per arm; compare resolves it the same way from
     # the sweep and the gate's record holds the resolution
-    method, sources["method"] = resolve_method(str(d.method), n_seeds)
+    binary = cfg.eval.samples_per_item == 1 and d.endpoint != "auc"  # right / wrong per item
+    method, sources["method"] = resolve_method(str(d.method), n_seeds, binary, float(d.margin))
     return Plan(n_items=eval_items(cfg), n_seeds=n_seeds, alpha=float(d.alpha), power=float(d.power),
                 margin=float(d.margin), discordance=float(P), seed_sd=float(sd), method=method,
                 target_scope=d.target_scope,
-                target_effect=None if target is None else float(target), sources=sources)
+                target_effect=None if target is None else float(target), sources=sources,
+                looks=list(d.looks) if d.looks else None, spreads=spreads if target is not None else {})
 
 
 def render(result: dict[str, Any]) -> str:
@@ -490,6 +587,15 @@ def render(result: dict[str, Any]) -> str:
     else:
         lines += ["", ("(no target effect: pass --target-effect E, or decision.target_effect, for the items "
                        "and seeds a gain of E needs)")]
+    if result.get("looks"):
+        lk = result["looks"]
+        lines.append(f"  with decision.looks {lk['looks']} (alpha spent over the looks): power "
+                     f"{lk['power_at_target']:.3f}, {lk['expected_seeds_at_target']:.2f} seeds per arm "
+                     "expected")
+    for r in result.get("power_by_spread") or []:
+        seq = f", with the looks {r['power_with_looks']:.3f}" if "power_with_looks" in r else ""
+        one = "-" if r["power_one_look"] is None else f"{r['power_one_look']:.3f}"
+        lines.append(f"  at seed sd {r['seed_sd']:.4f} ({r['source']}): power in one look {one}{seq}")
     if any(v is None for v in list(result["mde"].values()) + list(result["mde_closed_form"].values())):
         lines.append(f"(none: no effect up to the discordance, {100 * result['discordance']:.1f} pts, reaches power "
                      f"{result['power']:g}, or no closed form for this design)")
@@ -544,7 +650,7 @@ def plan_from_items(specs: list[str], plan_path: str | None, fmt: str | None = N
     sd, sources["seed_sd"] = _first_given(
         (seed_sd, "--seed-sd"), (est["seed_sd"], est["source"]), (d.seed_sd, "decision.seed_sd"),
         (0.0, "assumed 0 (the files have one seed per arm: no training noise measured; pass --seed-sd)"))
-    method, sources["method"] = resolve_method(d.method, S)
+    method, sources["method"] = resolve_method(d.method, S, est["binary"], float(d.margin))
     target = target_effect if target_effect is not None else d.target_effect
     return Plan(n_items=est["n_items"], n_seeds=S, alpha=d.alpha, power=d.power, margin=d.margin,
                 discordance=P, seed_sd=sd, method=method, target_effect=target, target_scope=d.target_scope,

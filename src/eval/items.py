@@ -312,7 +312,7 @@ def load_plan(path: str | Path) -> dict[str, Any]:
 
 
 def resolve_items_rule(plan_path: str | None, cli: dict[str, Any], override: bool, first_arm: str,
-                       n_seeds: int) -> Rule:
+                       n_seeds: int, binary: bool = False) -> Rule:
     """The Rule of eval.comparison.resolve_rule, from a plan file (command-line changes to it need
     --override-decision) or, with no plan, from the command line alone (then nothing was pre-registered, and
     the rule says so)."""
@@ -330,7 +330,7 @@ def resolve_items_rule(plan_path: str | None, cli: dict[str, Any], override: boo
     stub = Run(path=Path(plan_path or "."), config={"decision": plan}, info={}, loss="", seed=0,
                      eval_name="items")
     try:
-        rule = resolve_rule([stub], given, override, n_seeds=n_seeds)
+        rule = resolve_rule([stub], given, override, n_seeds=n_seeds, binary=binary)
     except CompareError as e:
         msg = str(e).replace(f"run {stub.path}: decision config", f"--decision {plan_path}")
         raise ItemsError(msg) from None
@@ -361,7 +361,9 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
     by_name = {a.name: a for a in arms}
     cli = {"method": method, "alpha": alpha, "margin": margin, "baseline": baseline,
            "equivalence_margin": equivalence_margin}
-    rule = resolve_items_rule(plan, cli, override_decision, arms[0].name, len(seeds))
+    # one run per arm on right / wrong scores: `auto` is the exact McNemar test (eval.stats.resolve_method)
+    binary = all(np.isin(f.scores_in(order), (0.0, 1.0)).all() for a in arms for f in a.files)
+    rule = resolve_items_rule(plan, cli, override_decision, arms[0].name, len(seeds), binary)
     moved = (n_bootstrap, seed) != (DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED)
     if moved and rule.method == "paired_bootstrap":
         if not override_decision:
@@ -578,6 +580,7 @@ def pilot_from_items(specs: list[str], fmt: str | None = None, metric: str | Non
     order, _ = match_items(arms)
     n = len(order)
     arms_SN = {a.name: np.stack([f.scores_in(order) for f in a.files]) for a in arms}
+    binary = bool(all(np.isin(x, (0.0, 1.0)).all() for x in arms_SN.values()))  # auto's one-seed test
     f0 = arms[0].files[0]
     what = f"{len(arms)} arm(s) x {len(seeds)} seed(s) of {f0.format} files ({f0.metric})"
     if len(arms) == 1:
@@ -588,7 +591,7 @@ def pilot_from_items(specs: list[str], fmt: str | None = None, metric: str | Non
         disc = [float(np.abs(s_SN[i] - s_SN[j]).mean()) for i in range(S) for j in range(i + 1, S)]
         sd = float(np.std(s_SN.mean(axis=1), ddof=1))
         return {"n_items": n, "n_seeds": len(seeds), "discordance": max(float(np.mean(disc)), 1.0 / n),
-                "seed_sd": sd, "source": f"A/A {what}"}
+                "seed_sd": sd, "source": f"A/A {what}", "binary": binary}
     base = baseline if baseline is not None else arms[0].name
     if base not in arms_SN:
         raise ItemsError(f"--from: the baseline {base!r} names no arm ({list(arms_SN)})")
@@ -600,4 +603,4 @@ def pilot_from_items(specs: list[str], fmt: str | None = None, metric: str | Non
             gaps += [float(x) for x in (t_SN - b_SN).mean(axis=1)]
     sd = float(np.std(gaps, ddof=1) / np.sqrt(2)) if len(gaps) >= 2 else None
     return {"n_items": n, "n_seeds": len(seeds), "discordance": max(float(np.mean(disc)), 1.0 / n),
-            "seed_sd": sd, "source": f"A/B {what}, baseline {base}"}
+            "seed_sd": sd, "source": f"A/B {what}, baseline {base}", "binary": binary}

@@ -11,7 +11,13 @@ which must equal DECIDING: tests/test_decisive.py checks it) and its tests and d
 Equivalence (decision.equivalence_margin) is the two one-sided tests (Schuirmann 1987) read from the
 method's own two-sided 1 - level interval: each bound is a one-sided test at level / 2, and the interval
 inside +-margin rejects both "gap <= -margin" and "gap >= +margin". A method without an interval (the exact
-tests) cannot say `equivalent`.
+tests) cannot say `equivalent`, nor `not_supported` (the interval's upper bound below decision.target_effect).
+
+The words: `validated` (lower bound above the margin), `worse` (upper bound below 0), `equivalent`
+(interval of non-zero width inside +-equivalence margin), `not_supported` (upper bound below the plan's target
+gain), `inconclusive` otherwise; compare adds `inert` (the switch never acted). Under no effect a sweep reads
+`validated` or `worse` each at most alpha / 2 of the time, and `inconclusive` otherwise, unless the rule also
+names an equivalence margin or a target (eval.calibrate verdicts).
 """
 
 from __future__ import annotations
@@ -74,8 +80,8 @@ class Method:
     rule_text: ClassVar[str] = ""  # the rule in words ({conf}, {alpha}); empty: cannot decide
     min_seeds: ClassVar[int] = 1
     needs_bootstrap: ClassVar[bool] = False
-    #: what `not_supported` means for this method, when the generic sentence (about an interval) does not fit
-    not_supported_text: ClassVar[str | None] = None
+    #: what `worse` means for this method, when the generic sentence (about an interval) does not fit
+    worse_text: ClassVar[str | None] = None
 
     @property
     def decides(self) -> bool:
@@ -92,7 +98,7 @@ class Method:
 
     def verdict_at(self, s: Sample, row: dict[str, Any], level: float) -> str:
         iv = self.interval(s, level)
-        return interval_verdict(row["estimate"], iv[0], iv[1], s.margin)
+        return interval_verdict(iv[0], iv[1], s.margin)
 
     # design (eval.design, the preflight design gate): `plan` is eval.design.Plan; `sim` an eval.design
     # Simulator whose draw gives d ([sims, S, n] per-item gaps in {-1, 0, 1}), d_N (their sums over seeds)
@@ -124,7 +130,7 @@ class PairedHoeffding(Method):
             "ci_low": it["ci_low"],
             "ci_high": it["ci_high"],
             "p": hoeffding_p(s.diff, s.n_items, s.margin),
-            "verdict": interval_verdict(s.diff, it["ci_low"], it["ci_high"], s.margin),
+            "verdict": interval_verdict(it["ci_low"], it["ci_high"], s.margin),
         }
 
     def interval(self, s: Sample, level: float) -> tuple[float, float]:
@@ -143,8 +149,8 @@ class PairedHoeffding(Method):
 class McNemarExact(Method):
     name, label, scope = "mcnemar_exact", "exact McNemar (sign test over items)", "fixed_checkpoints"
     rule_text = "exact McNemar (sign) test over items at two-sided alpha = {alpha:g}"
-    not_supported_text = (
-        "no more items favour the treatment than the baseline (b <= c), whatever the mean "
+    worse_text = (
+        "significantly more items favour the baseline than the treatment (c > b), whatever the mean "
         "gap: the exact test counts items, not points"
     )
 
@@ -196,7 +202,7 @@ class PairedBootstrap(Method):
             "ci_high": hi,
             "p": bootstrap_p(means, s.diff, s.margin),
             "p_resolution": 1.0 / s.n_bootstrap,
-            "verdict": interval_verdict(s.diff, lo, hi, s.margin),
+            "verdict": interval_verdict(lo, hi, s.margin),
         }
 
     def interval(self, s: Sample, level: float) -> tuple[float, float]:
@@ -226,7 +232,7 @@ class SeedT(Method):
             "ci_low": st["ci_low"],
             "ci_high": st["ci_high"],
             "p": st["p"],
-            "verdict": seed_t_verdict(st["mean"], st["ci_low"], st["ci_high"], st["se"], s.margin),
+            "verdict": seed_t_verdict(st["ci_low"], st["ci_high"], st["se"], s.margin),
         }
         if st["degenerate"]:
             out["note"] = ZERO_SPREAD_NOTE
@@ -238,7 +244,7 @@ class SeedT(Method):
 
     def verdict_at(self, s: Sample, row: dict[str, Any], level: float) -> str:
         lo, hi = self.interval(s, level)
-        return seed_t_verdict(row["estimate"], lo, hi, seed_t_interval(s.D_S)["se"], s.margin)
+        return seed_t_verdict(lo, hi, seed_t_interval(s.D_S)["se"], s.margin)
 
     def power(self, plan: Any, delta: float, n: int, S: int) -> float | None:
         if S < 2:
@@ -275,23 +281,25 @@ class SignFlip(Method):
     def row(self, s: Sample) -> dict[str, Any]:
         mean = float(np.mean(s.D_S))
         p = sign_flip_p(s.D_S, s.margin)
+        p_lower = sign_flip_p(-s.D_S)  # the same test of "the treatment scored lower"
         return {
             "estimate": mean,
             "ci_low": None,
             "ci_high": None,
             "p": p,
+            "p_lower": p_lower,
             "p_min": min_sign_flip_p(s.S),
-            "verdict": self._verdict(mean, p, s.margin, s.alpha),
+            "verdict": self._verdict(mean, p, p_lower, s.margin, s.alpha),
         }
 
     def verdict_at(self, s: Sample, row: dict[str, Any], level: float) -> str:
-        return self._verdict(row["estimate"], row["p"], s.margin, level)
+        return self._verdict(row["estimate"], row["p"], row["p_lower"], s.margin, level)
 
     @staticmethod
-    def _verdict(mean: float, p: float, margin: float, level: float) -> str:
+    def _verdict(mean: float, p: float, p_lower: float, margin: float, level: float) -> str:
         if mean > margin and p < level:
             return "validated"
-        return "inconclusive" if mean > 0 else "not_supported"
+        return "worse" if mean < 0 and p_lower < level else "inconclusive"
 
     def simulate(self, sim: Any, d: np.ndarray, d_N: np.ndarray, diff: np.ndarray) -> np.ndarray | None:
         S, n = sim.plan.n_seeds, sim.plan.n_items
@@ -397,10 +405,19 @@ def method_table(
 
 
 def equivalent(interval: tuple[float, float] | None, equivalence_margin: float | None) -> bool:
-    """TOST from the rule's two-sided interval: both bounds inside +-margin (strictly)."""
-    if interval is None or equivalence_margin is None:
+    """TOST from the rule's two-sided interval: both bounds inside +-margin (strictly), and the interval of
+    non-zero width (a zero-width interval comes from identical per-seed gaps, not from precision)."""
+    if interval is None or equivalence_margin is None or not interval[1] > interval[0]:
         return False
     return -equivalence_margin < interval[0] and interval[1] < equivalence_margin
+
+
+def rules_out_target(interval: tuple[float, float] | None, target: float | None) -> bool:
+    """`not_supported`: the rule's interval (of non-zero width) has its upper bound below the plan's target
+    gain (decision.target_effect), a one-sided test of "the gain is at least the target" at half the level."""
+    if interval is None or target is None or not interval[1] > interval[0]:
+        return False
+    return interval[1] < target
 
 
 def seed_t_power(shift: float, sd_D: float, S: int, alpha: float, grid: int = 2000) -> float:

@@ -17,11 +17,15 @@ _VERDICT_TEXT = {
                                         "bound is above the margin; training noise is not counted, so this is "
                                         "not a finding about the training procedure",
     ("validated", "across_seeds"): "the treatment trains better: the rule's bound over seeds is above the margin",
-    "inconclusive": "the treatment scored higher, but the decision rule's bound is not above the margin",
-    "not_supported": "the treatment did not score higher than the baseline, or the interval rules out a gain "
-                     "above the margin",
-    "equivalent": "the rule's interval lies inside +-the equivalence margin (two one-sided tests at the rule's "
-                  "level): any difference is smaller than the margin",
+    ("worse", "fixed_checkpoints"): ("the treatment's checkpoints scored lower than the baseline's: the "
+                                     "rule's upper bound is below 0; training noise is not counted"),
+    ("worse", "across_seeds"): "the treatment trains worse: the rule's upper bound over seeds is below 0",
+    "inconclusive": ("no decision: the rule's interval neither clears the margin, nor lies below 0, nor "
+                     "rules out the plan's target gain"),
+    "not_supported": ("the rule's interval rules out the plan's target gain (decision.target_effect): its "
+                      "upper bound is below it; a smaller gain, or none, is not ruled out"),
+    "equivalent": ("the rule's interval (of non-zero width) lies inside +-the equivalence margin (two "
+                   "one-sided tests at the rule's level): any difference is smaller than the margin"),
     "inert": "the switch never acted in these runs; nothing is said about it",
 }
 _SCOPE_TEXT = {"fixed_checkpoints": "these checkpoints", "across_seeds": "this training procedure"}
@@ -32,19 +36,27 @@ def verdict_text(verdict: str, scope: str) -> str:
 
 
 def headline(verdict: str, scope: str, treatment: str, baseline: str, method: str | None = None,
-             reason: str | None = None) -> str:
+             reason: str | None = None, interval: list[float] | tuple[float, float] | None = None,
+             margin: float = 0.0) -> str:
     """`<verdict> (<scope>): <treatment> vs <baseline>: <what it means>`, the line a reader sees first. A
     method's own sentence replaces the generic one where that would not fit its numbers (the exact McNemar
-    test's `not_supported` counts items, not points); `reason` says which condition fired (inert)."""
+    test's `worse` counts items, not points); `reason` says which condition fired (inert, an early look). A
+    gain the rule's interval shows above 0 but not above the margin is said (`interval`, `margin`)."""
     from eval.methods import METHODS
 
-    own = getattr(METHODS.get(method or ""), "not_supported_text", None) if verdict == "not_supported" else None
+    own = getattr(METHODS.get(method or ""), "worse_text", None) if verdict == "worse" else None
     text = own or verdict_text(verdict, scope)
     if reason and verdict == "inconclusive":  # an early look: the generic sentence would describe the numbers
         text = f"no decision yet ({reason})"
     elif reason:
         text = text.replace("; nothing is said", f" ({reason}); nothing is said")
+    if (interval is not None and margin > 0 and 0 < interval[0] <= margin
+            and verdict in ("inconclusive", "not_supported", "equivalent")):
+        text += (f"; the treatment did score higher (lower bound {100 * interval[0]:+.2f} pts > 0), by less "
+                 f"than the margin {100 * margin:.2f} pts can show")
     return f"{verdict} ({_SCOPE_TEXT[scope]}): {treatment} vs {baseline}: {text}"
+
+
 _PLOT_TITLES = {
     "reward": "Training reward (env/reward_mean) per rollout step",
     "masked_frac": "DPPO masked fraction (loss/dppo_masked_frac) per update",
@@ -105,11 +117,13 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
                   + ". This verdict is not the pre-registered one.", ""]
     if rule["source"] != "config":
         lines += [f"Rule source: {rule['source']}.", ""]
-    lines += [("`validated` needs the rule's lower bound above the margin (exact McNemar, a test without an "
-               "interval: more discordant items favour the treatment, b > c, and p < alpha); `not_supported`: the "
-               "treatment did not score higher (McNemar: b <= c), or the interval's upper bound is at or below the "
-               "margin; `inert`: the switch never acted in these runs; otherwise `inconclusive`. The other methods "
-               "below are secondary: they do not change the verdict."), ""]
+    lines += [("`validated` needs the rule's lower bound above the margin (exact McNemar, a test "
+               "without an interval: more discordant items favour the treatment, b > c, and p < alpha); "
+               "`worse`: the upper bound is below 0 (McNemar: c > b and p < alpha); `equivalent`: the "
+               "interval, of non-zero width, lies inside +-decision.equivalence_margin; `not_supported`: the "
+               "interval's upper bound is below decision.target_effect (the plan's target gain); `inert`: "
+               "the switch never acted in these runs; otherwise `inconclusive`. The other methods below are "
+               "secondary: they do not change the verdict."), ""]
     if rule.get("requested") == "auto":
         lines += [(f"The rule's method was resolved from the {'files' if items else 'sweep'}: "
                    f"{rule['resolution']}."), ""]

@@ -297,13 +297,36 @@ def sweep_subsets(runs: list[Run], paths: list[Path]) -> list[str]:
     """The sweeps of which only some runs are here. A run's sweep is the folder its run_info.json `run_dir`
     names (where train.py wrote it), else its folder's real parent (symbolic links resolved): runs linked or
     copied into a new folder still name the sweep they came from. One line per such sweep, naming the runs
-    left out."""
+    left out.
+
+    Runs that recorded their launch's membership (run_info.json `sweep`: every job's overrides and a hash,
+    trainer.hydra_callbacks.SweepRecord) are checked against it, so a subset is named even when the
+    sweep's folder is gone or renamed."""
+    found, by_launch = [], {}
+    for r in runs:
+        m = r.info.get("sweep")
+        if isinstance(m, dict) and isinstance(m.get("jobs"), list) and isinstance(m.get("job"), int):
+            by_launch.setdefault(str(m.get("sha256")), (m, []))[1].append(r)
+    for m, members in by_launch.values():
+        have = {r.info["sweep"]["job"] for r in members}
+        left = [j for j in range(len(m["jobs"])) if j not in have]
+        if left:
+            rd = members[0].info.get("run_dir")
+            origin = Path(rd).parent if isinstance(rd, str) and rd else members[0].path.resolve().parent
+            shown = "; ".join(f"job {j}: {' '.join(m['jobs'][j])}" for j in left[:6])
+            shown += "; ..." if len(left) > 6 else ""
+            found.append(f"inputs: {len(have)} of the {len(m['jobs'])} runs of the sweep {origin} "
+                         f"(launched as {len(m['jobs'])} jobs, membership sha256 {str(m.get('sha256'))[:12]} "
+                         "in each run's run_info.json: a subset, whatever folder they are in now; left out: "
+                         f"{shown}; a job that failed counts as left out: rerun it)")
+    listed = {id(r) for _, members in by_launch.values() for r in members}
     by_origin: dict[Path, set[str]] = {}
     for r in runs:
+        if id(r) in listed:  # checked against its launch's own record above
+            continue
         rd = r.info.get("run_dir")
         home = Path(rd) if isinstance(rd, str) and rd else r.path.resolve()
         by_origin.setdefault(home.parent, set()).add(home.name)
-    found = []
     for origin, have in sorted(by_origin.items()):
         if not origin.is_dir():
             continue

@@ -15,12 +15,18 @@ under this spending function: it spends almost nothing early (at [3, 6, 10] seed
 joint law (Jennison & Turnbull 2000, ch. 7) would need the statistics' correlation under 2-9 df of seed
 noise, which is exactly what a few seeds cannot pin down.
 
-The ledger. Looks are counted per experiment and comparison (the arms, the items, the endpoint), wherever
-the runs were written: a JSON file in the folder above the runs' sweep folders (the folder that holds
-`multirun/` or `outputs/`, where training ran; the runs' own run_info.json `run_dir` says where that is,
-so runs linked or copied elsewhere still find it), `.pairedrl/looks/<key>.json`. A new sweep folder
-with more seeds, or another --out, finds the same ledger; only a comparison at more seeds than the last
-recorded look is a new look (re-running compare on the same seeds is the same look).
+The record. A decision is known by its comparison (the experiment, the arms, the item set's hash, the
+endpoint: `ledger_key`) and its exact seed set; re-running compare on the same seeds is the same decision
+re-read, any other seed set is another decision. Each decision is written twice:
+- into every run folder that took part, `looks.json` (RUN_RECORD), so the record travels with the data:
+  moving, renaming or copying the training tree, or deleting the ledger, keeps the count;
+- into a ledger in the folder above the runs' sweep folders (the folder that holds `multirun/` or
+  `outputs/`, where training ran; the runs' run_info.json `run_dir` says where that is, so runs linked or
+  copied elsewhere still find it; the runs' present folder once that is gone), `.pairedrl/looks/<key>.json`,
+  which also holds the decisions made on other runs of the same comparison (a new sweep of other seeds).
+With decision.looks a planned look decided once cannot be decided again on another seed set (compare
+refuses it: re-rolling a look until it validates spends alpha the plan does not have); without it, every
+decision on another seed set is counted and its cost said (family_wise_alpha).
 """
 
 from __future__ import annotations
@@ -75,7 +81,12 @@ def ledger_key(
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+#: the decisions a run folder took part in (eval.compare writes it; it moves with the run)
+RUN_RECORD = "looks.json"
+
+
 def read_ledger(path: Path) -> list[dict[str, Any]]:
+    """The decisions a ledger holds (entries without an integer n_seeds are skipped)."""
     if not path.is_file():
         return []
     try:
@@ -85,13 +96,61 @@ def read_ledger(path: Path) -> list[dict[str, Any]]:
     return [x for x in looks or [] if isinstance(x, dict) and isinstance(x.get("n_seeds"), int)]
 
 
-def record_look(path: Path, entry: dict[str, Any], key_fields: dict[str, Any]) -> list[dict[str, Any]]:
-    """Add `entry` (n_seeds, seeds, verdicts, output folder) to the ledger unless a look at as many seeds is
-    there already (the same look, re-read); returns the earlier looks (fewer seeds than this one)."""
-    looks = read_ledger(path)
-    earlier = [x for x in looks if x["n_seeds"] < entry["n_seeds"]]
-    if not any(x["n_seeds"] == entry["n_seeds"] for x in looks):
-        looks = sorted(looks + [entry], key=lambda x: x["n_seeds"])
+def read_run_records(run_dir: Path, key: str) -> list[dict[str, Any]]:
+    """The decisions of comparison `key` that the run folder took part in (its RUN_RECORD)."""
+    return [x for x in _run_decisions(run_dir / RUN_RECORD) if x.get("key") == key]
+
+
+def _run_decisions(path: Path) -> list[dict[str, Any]]:
+    """A RUN_RECORD's decisions; a file that is there but unreadable is an error, not an empty record (it
+    would reset the count)."""
+    if not path.is_file():
+        return []
+    try:
+        found = json.loads(path.read_text()).get("decisions")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: not a readable decisions record ({e}); restore it from a copy of the run "
+                         "(it counts the decisions this run took part in)") from None
+    return [x for x in found or [] if isinstance(x, dict) and isinstance(x.get("n_seeds"), int)]
+
+
+def seed_set(entry: dict[str, Any]) -> tuple[int, ...] | None:
+    """A decision's seed set (sorted), None for a record that predates seed sets."""
+    seeds = entry.get("seeds")
+    if not isinstance(seeds, list) or not all(isinstance(x, int) for x in seeds):
+        return None
+    return tuple(sorted(seeds))
+
+
+def same_decision(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same seeds per arm and the same seed set (a record without seeds matches on the count alone)."""
+    if a["n_seeds"] != b["n_seeds"]:
+        return False
+    sa, sb = seed_set(a), seed_set(b)
+    return sa is None or sb is None or sa == sb
+
+
+def _add(entries: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """entries with `entry` added, or None when it is there already (the same decision re-read)."""
+    if any(same_decision(x, entry) for x in entries):
+        return None
+    return sorted([*entries, entry], key=lambda x: (x["n_seeds"], seed_set(x) or ()))
+
+
+def record_look(path: Path, entry: dict[str, Any], key_fields: dict[str, Any]) -> None:
+    """Add `entry` (key, n_seeds, seeds, verdicts, ...) to the ledger unless the same decision (seed set) is
+    there already."""
+    looks = _add(read_ledger(path), entry)
+    if looks is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, {**key_fields, "looks": looks})
-    return earlier
+
+
+def record_in_run(run_dir: Path, entry: dict[str, Any]) -> None:
+    """Add `entry` to the run folder's RUN_RECORD unless the same decision of the same comparison is there."""
+    path = run_dir / RUN_RECORD
+    found = _run_decisions(path)
+    mine = [x for x in found if x.get("key") == entry["key"]]
+    if _add(mine, entry) is None:
+        return
+    atomic_write_json(path, {"decisions": [*found, entry]})

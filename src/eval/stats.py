@@ -47,8 +47,7 @@ DECISION_RULE = (
     "Paired Hoeffding {conf:g}% CI on the per-item difference in correctness (treatment - baseline; "
     "with several seeds, each item's difference averaged over its seeds), each difference in [-1, 1] "
     "so the half-width is sqrt(2 ln(2/alpha) / n) with n = the number of items. "
-    "`validated` only if the lower bound > 0; `inconclusive` if the difference is positive but the "
-    "lower bound is not; `not_supported` otherwise (difference <= 0)."
+    "`validated` only if the lower bound > 0; `worse` if the upper bound < 0; `inconclusive` otherwise."
 )
 
 
@@ -122,14 +121,10 @@ def bootstrap_means(diff_N: np.ndarray, n_resamples: int = 10000, seed: int = 0,
     return means_R
 
 
-def decide(diff: float, ci_low: float) -> str:
+def decide(ci_low: float, ci_high: float) -> str:
     """The paired-Hoeffding verdict at margin 0 (DECISION_RULE), the one paired_compare reports; eval.compare
     decides with the config's `decision` rule instead (interval_verdict / pvalue_verdict)."""
-    if ci_low > 0:
-        return "validated"
-    if diff > 0:
-        return "inconclusive"
-    return "not_supported"
+    return interval_verdict(ci_low, ci_high)
 
 
 def paired_compare(correct_T: Any, correct_B: Any, alpha: float = 0.05, n_bootstrap: int = 10000,
@@ -174,7 +169,7 @@ def paired_compare(correct_T: Any, correct_B: Any, alpha: float = 0.05, n_bootst
         "ci_high": ci_high,
         "method": METHOD,
         "alpha": alpha,
-        "verdict": decide(diff, ci_low),
+        "verdict": decide(ci_low, ci_high),
         # an item-level test: about these two checkpoints (or evals), never about a training procedure
         "verdict_scope": "fixed_checkpoints",
         "b": int((t_SN > b_SN).sum()),
@@ -299,15 +294,10 @@ def seed_t_interval(diff_S: Any, alpha: float = 0.05, margin: float = 0.0) -> di
             "degenerate": se == 0, "per_seed": [float(x) for x in d]}
 
 
-def seed_t_verdict(mean: float, low: float, high: float, se: float, margin: float = 0.0) -> str:
-    """interval_verdict for the seed-level t, except that a zero spread over seeds (se = 0) is never
-    `validated`: the interval [mean, mean] is an artefact of identical per-seed gaps, not a precise estimate."""
-    verdict = interval_verdict(mean, low, high, margin)
-    if se == 0 and verdict == "validated":
-        return "inconclusive"
-    if se == 0 and verdict == "not_supported" and mean > 0:
-        return "inconclusive"
-    return verdict
+def seed_t_verdict(low: float, high: float, se: float, margin: float = 0.0) -> str:
+    """interval_verdict for the seed-level t, except that a zero spread over seeds (se = 0) says nothing:
+    the interval [mean, mean] is an artefact of identical per-seed gaps, not a precise estimate."""
+    return "inconclusive" if se == 0 else interval_verdict(low, high, margin)
 
 
 #: up to this many seed pairs the sign-flip test enumerates all 2^S patterns; beyond, it draws patterns
@@ -371,15 +361,23 @@ SCOPE_TEXT = {"fixed_checkpoints": "these checkpoints", "across_seeds": "this tr
 # each method's scope, estimand, rule text and name in the report: eval.methods (the registry)
 
 
-def resolve_method(method: str, n_seeds: int) -> tuple[str, str]:
+def resolve_method(method: str, n_seeds: int, binary: bool = False, margin: float = 0.0) -> tuple[str, str]:
     """(the test that decides, why): `auto` is seed_t with >= 2 seeds per arm, the only default test whose
     false-positive rate stays at alpha / 2 when training noise moves whole checkpoints (item-level tests
-    treat the checkpoints as fixed), and paired Hoeffding with one seed, where no seed-level test exists."""
+    treat the checkpoints as fixed). With one run per arm no seed-level test exists: on binary (right /
+    wrong) scores at margin 0 the exact McNemar test, the exact paired test over items (lm-eval's users ask
+    for it: lm-evaluation-harness issue #3831; Hoeffding's bound is wide at tens of items: 13 vs 1
+    discordant items of 40 read p = 0.0018 exactly and `inconclusive` under Hoeffding); otherwise (fractional
+    scores, a margin) paired Hoeffding."""
     if method != AUTO_METHOD:
         return method, f"decision.method = {method} (pre-registered)"
     if n_seeds >= 2:
         return "seed_t", f"decision.method = auto -> seed_t ({n_seeds} seeds per arm)"
-    return "paired_hoeffding", f"decision.method = auto -> paired_hoeffding ({n_seeds} seed per arm)"
+    if binary and margin == 0:
+        return "mcnemar_exact", (f"decision.method = auto -> mcnemar_exact ({n_seeds} run per arm, binary "
+                                 "scores: the exact paired test over items)")
+    why = "fractional scores" if not binary else "a margin, which the exact test cannot shift"
+    return "paired_hoeffding", f"decision.method = auto -> paired_hoeffding ({n_seeds} seed per arm, {why})"
 
 
 def hoeffding_p(diff: float, n_items: int, margin: float = 0.0) -> float:
@@ -397,14 +395,15 @@ def bootstrap_p(means_R: np.ndarray, diff: float, margin: float = 0.0) -> float:
     return min(1.0, 2.0 * float(np.mean(np.asarray(means_R) <= margin)))
 
 
-def interval_verdict(diff: float, low: float, high: float, margin: float = 0.0) -> str:
-    """`validated` if the lower bound is above the margin; `not_supported` if the treatment did not score
-    higher or the interval rules out a gain above the margin; `inconclusive` otherwise. At margin 0
-    this is `decide`."""
+def interval_verdict(low: float, high: float, margin: float = 0.0) -> str:
+    """The words an interval decides alone: `validated` if the lower bound is above the margin, `worse` if
+    the upper bound is below 0 (the treatment scored lower), `inconclusive` otherwise. `equivalent` and
+    `not_supported` need the rule's equivalence margin and target gain: eval.comparison.decide_all adds
+    them from the same interval."""
     if low > margin:
         return "validated"
-    if diff <= 0 or high <= margin:
-        return "not_supported"
+    if high < 0:
+        return "worse"
     return "inconclusive"
 
 
@@ -417,12 +416,14 @@ def mcnemar_directional_p(b_items: int, c_items: int) -> float:
 
 
 def pvalue_verdict(b_items: int, c_items: int, p: float, alpha: float) -> str:
-    """The three verdicts for the exact McNemar (sign) test, keyed on the discordant item counts it tests:
-    `validated` if more items favour the treatment (b > c) and p < alpha; `inconclusive` if more items
-    favour it but p >= alpha; `not_supported` if they do not (b <= c)."""
+    """The exact McNemar (sign) test's verdicts, keyed on the discordant item counts it tests: `validated`
+    if more items favour the treatment (b > c) and p < alpha; `worse` if more favour the baseline (c > b)
+    and the same test's p < alpha; `inconclusive` otherwise."""
     if b_items > c_items and p < alpha:
         return "validated"
-    return "inconclusive" if b_items > c_items else "not_supported"
+    if c_items > b_items and mcnemar_exact_p(b_items, c_items) < alpha:
+        return "worse"
+    return "inconclusive"
 
 
 def holm_adjust(p_K: Any) -> list[float]:

@@ -27,7 +27,7 @@ from trainer.backends import BackendConfigError, backend_of, build_service_clien
 from trainer.backends.errors import BackendRequestError, is_lost
 from trainer.checkpoint import ResumeError, check_resumable, config_hash
 from trainer.config.schema import Config, ConfigError, arm_name, composed_dict, validate
-from trainer.hydra_callbacks import probe_output_dir
+from trainer.hydra_callbacks import SWEEP_RECORD, probe_output_dir
 from trainer.loop import RLLoop, TrainingClientLost, _ClientFailure
 from trainer.preflight.gates import require_passed
 from trainer.redaction import install as install_redaction
@@ -102,6 +102,19 @@ def check_precision(info: dict[str, Any], now: dict[str, Any] | None) -> None:
         raise ResumeError(f"the run started at {fmt(a)} (run_info.json), but the engine now resolves to {fmt(b)}; "
                           "refusing to resume at another precision. Resume where `auto` resolves as it did (or "
                           f"with PAIREDRL_AUTO_PRECISION={a[differs]}), or start the run in a new folder")
+
+
+def sweep_record(sweep_dir: Path | None) -> dict[str, Any] | None:
+    """This job's sweep membership (trainer.hydra_callbacks.SweepRecord's file) with its job number, for
+    run_info.json; None for a single run, or a sweep launched without the callback."""
+    if sweep_dir is None or not (sweep_dir / SWEEP_RECORD).is_file():
+        return None
+    try:
+        record = read_json(sweep_dir / SWEEP_RECORD, "sweep record")
+    except (FileNotFoundError, ValueError) as e:
+        log.warning("sweep membership not recorded: %s", e)
+        return None
+    return {**record, "job": HydraConfig.get().job.num} if isinstance(record, dict) else None
 
 
 def record_arm(sweep_dir: Path, job_num: int, info: dict[str, Any]) -> None:
@@ -206,6 +219,7 @@ def run_training(composed: DictConfig) -> float | None:
         # every implementation choice of the local engine, made once for this model and logged (a service
         # decides its own); a resumed run's engine says it when it restores the checkpoint
         info = write_run_files(run_dir, cfg, {"batch": batch, "run_dir": str(run_dir),
+                                              "sweep": sweep_record(sweep_dir),
                                               "load": {"start": load.start_rec},
                                               "engine": backend.engine_record(service_client,
                                                                               cfg.model.base_model)})

@@ -129,6 +129,12 @@ def _torch_threads() -> int:
     return torch.get_num_threads()
 
 
+#: what a run_info.json of this build holds for eval.compare's provenance checks: 2 = `decision_sha256` and
+#: `sweep` (the launch's membership, null for a single run) are always written, so a run that says 2 and
+#: lacks either had it removed
+RUN_INFO_VERSION = 2
+
+
 def write_run_files(run_dir: Path, config: Config, extra: dict[str, Any]) -> dict[str, Any]:
     cfg_d = resolved_config_dict(config)
     atomic_write_text(run_dir / "config.yaml", config_yaml(cfg_d))
@@ -147,6 +153,8 @@ def write_run_files(run_dir: Path, config: Config, extra: dict[str, Any]) -> dic
         # config.yaml edited afterwards, cannot pass for another comparison's
         "run_dir": str(Path(run_dir).resolve()),
         "decision_sha256": decision_hash(cfg_d.get("decision")),
+        "run_info_version": RUN_INFO_VERSION,
+        "sweep": None,
         **extra,
     }
     atomic_write_json(run_dir / "run_info.json", redact(info, current_secrets()))
