@@ -70,7 +70,7 @@ class SampleScheduler:
     """Queue + worker that batches requests sharing a snapshot, and interleaves tenants' batches."""
 
     def __init__(self, dtype: torch.dtype, max_batch: int, faults: Faults, batch_wait_s: float = 0.01,
-                 max_wait_s: float = 0.5):
+                 max_wait_s: float = 0.5, start: bool = True):
         self.dtype = dtype
         self.max_batch = max_batch
         self.faults = faults
@@ -80,10 +80,11 @@ class SampleScheduler:
         self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="local-sampler", daemon=True)
-        self._thread.start()
         self.batches_run = 0
         self._turns = 0
         self._served: dict[str, int] = {}  # tenant -> the turn it was last served
+        if start:  # start=False: no worker, a caller drives `_take_batch` itself (the fairness test)
+            self._thread.start()
 
     def submit(self, req: _Request) -> None:
         with self._cv:
@@ -102,7 +103,7 @@ class SampleScheduler:
         for r in pending:  # not started: failed now rather than run by a worker that is shutting down
             if r.future.set_running_or_notify_cancel():
                 r.future.set_exception(RuntimeError("the local service client was closed"))
-        if threading.current_thread() is not self._thread:
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
             self._thread.join()
 
     def _take_batch(self, running: dict[str, _Running]) -> list[_Request]:
