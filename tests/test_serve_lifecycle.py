@@ -69,6 +69,45 @@ def short_sessions(tmp_path):
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from local_client import local_service_client
+
+    yield from local_service_client(tmp_path_factory, "lifecycle_engine", micro_batch_size=1)
+
+
+def test_a_cancelled_training_client_stops_between_micro_batches_and_drops_its_queue(engine):
+    """A custom loss cancels its own client between Tinker's two passes: the request fails with
+    RequestCancelled before the second pass's first micro-batch, the request queued behind it never
+    starts, and a later one is refused at once."""
+    import concurrent.futures
+
+    import torch
+
+    from trainer.backends.local.common import RequestCancelled
+
+    tc = engine.create_lora_training_client(BASE, rank=4, seed=0).result()
+    data = [types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                        loss_fn_inputs={"target_tokens": [6, 7, 8]}) for _ in range(3)]  # 3 micro-batches
+    ran = []
+
+    def loss(batch, logprobs):  # runs between the passes, on the engine's compute thread
+        ran.append("loss")
+        tc.cancel()
+        return sum(lp.sum() for lp in logprobs), {}
+
+    running = tc.forward_backward_custom(data, loss)
+    queued = tc.forward_backward(data, "cross_entropy")
+    with pytest.raises(RequestCancelled):
+        running.result(timeout=120)
+    assert ran == ["loss"]
+    with pytest.raises((RequestCancelled, concurrent.futures.CancelledError)):
+        queued.result(timeout=30)
+    assert all(p.grad is None or not torch.any(p.grad) for p in tc.compute.params)  # no pass-2 backward
+    with pytest.raises(RequestCancelled):
+        tc.optim_step(types.AdamParams(learning_rate=0.1)).result(timeout=30)
+
+
 def _sample(raw: Raw, sampler: str, seq: int, max_tokens: int = 1, n: int = 1) -> dict:
     return raw.ok("asample", types.SampleRequest(
         num_samples=n, prompt=types.ModelInput.from_ints([5, 6]), sampling_session_id=sampler, seq_id=seq,
@@ -97,3 +136,62 @@ def test_any_request_of_a_session_keeps_it_alive_without_heartbeats(short_sessio
     assert r.status_code == 410, r.text
     r = busy.post("session_heartbeat", types.SessionHeartbeatRequest(session_id=busy.session))
     assert r.status_code == 200, r.text
+
+
+# ----------------------------------------------------------------------------- a session's end stops its work
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from test_serve_sessions import MAX_RSS_KB, _peak_rss_kb
+    from test_tinker_wire import Server
+
+    s = Server(tmp_path_factory.mktemp("lifecycle_state"), "--num-threads", "1")
+    yield s
+    assert _peak_rss_kb(s) < MAX_RSS_KB
+    s.stop()
+
+
+def _wait_for(what: str, check, bound_s: float) -> float:
+    """Seconds until `check()` holds (polled every 0.2 s), or an AssertionError naming `what` after
+    `bound_s`."""
+    t = time.monotonic()
+    while not check():
+        assert time.monotonic() - t < bound_s, f"{what}: not within {bound_s} s"
+        time.sleep(0.2)
+    return time.monotonic() - t
+
+
+def test_finishing_a_session_cancels_its_queued_and_running_work(server):
+    """Key A queues four long sampling requests (minutes of decoding on two shared cores) and training
+    behind a slow one, then finishes its session: within 10 s nothing of it is in flight, and the engine's
+    sampler is neither decoding nor queuing anything; the key can work again at once."""
+    key = "tml-walks-away"
+    raw = Raw(server.url, key)
+    model = raw.model(0)
+    sampler = raw.ok("create_sampling_session", types.CreateSamplingSessionRequest(
+        session_id=raw.session, sampling_session_seq_id=0, base_model=BASE))["sampling_session_id"]
+    for i in range(4):
+        _sample(raw, sampler, i, max_tokens=500, n=64)
+    from test_serve_security import fwdbwd_body
+
+    for seq in range(3):  # queued on the model's ordered worker, behind each other
+        body = fwdbwd_body(model, seq, tokens=600)
+        r = raw.http.post("/forward_backward", content=body, headers={"content-type": "application/x-protobuf"})
+        assert r.status_code == 200, r.text
+    mine = httpx.get(server.url + "/stats", headers={"X-API-Key": key}, timeout=30).json()
+    assert mine["key"]["inflight"] >= 4, mine  # the samples at least; the training may have run
+    _wait_for("the sampler starts decoding", lambda: httpx.get(
+        server.url + "/stats", headers={"X-API-Key": key}, timeout=30).json()["sampler"]["running"] > 0, 120)
+    assert raw.ok(f"sessions/{raw.session}/finish", {"reason": {"type": "success"}}) is None
+
+    def idle() -> bool:
+        s = httpx.get(server.url + "/stats", headers={"X-API-Key": key}, timeout=30).json()
+        return s["key"]["inflight"] == 0 and s["sampler"] == {"queued": 0, "queued_rows": 0, "running": 0,
+                                                              "running_rows": 0}
+
+    took = _wait_for("the finished session's work stops", idle, 10)
+    print(f"in flight 0 {took:.1f} s after finish")
+    again = Raw(server.url, key)
+    sampler = again.ok("create_sampling_session", types.CreateSamplingSessionRequest(
+        session_id=again.session, sampling_session_seq_id=0, base_model=BASE))["sampling_session_id"]
+    out = again.result(_sample(again, sampler, 0, max_tokens=2)["request_id"])
+    assert out.status_code == 200

@@ -74,6 +74,7 @@ from trainer.serve.limits import (
 )
 from trainer.serve.replies import Refused, error_response, json_result
 from trainer.serve.rest import RestSurface, add_rest_routes
+from trainer.serve.sessions import stop_work, work_stats
 from trainer.serve.wire import (
     decode_forward_backward,
     encode_forward_backward_output,
@@ -334,6 +335,7 @@ class TinkerServer:
         return web.json_response({
             "requests": self.counts, "faults": self.faults.injected, "sessions": len(self.sessions),
             "models": len(self.models), "expired_sessions": self.expired_sessions,
+            **work_stats(self.engine, self.inflight, self._lock),
             "key": {"sessions": sum(1 for o in self.sessions.values() if o == me),  # the asking key's own
                     "models": sum(1 for m in self.models if self.owner.get(m) == me),
                     "model_slots": len(self.slots.get(me, ())), "inflight": self.inflight.get(me, 0)}})
@@ -552,7 +554,7 @@ class TinkerServer:
 
     def _end_session(self, sid: str) -> None:
         """Release everything of a session: models (and the key's slots), samplers, losses, futures and
-        de-duplication records. Work already on the engine finishes; its result is dropped."""
+        de-duplication records. Its work on the engine is cancelled (`sessions.stop_work`)."""
         with self._lock:
             owner = self.sessions.pop(sid, None)
             self.last_seen.pop(sid, None)
@@ -566,15 +568,14 @@ class TinkerServer:
                 for ident in [i for i in table if i.startswith(prefix)]:
                     obj = table.pop(ident)
                     self.owner.pop(ident, None)
-                    if table is self.models:
+                    if table is not self.losses:
                         closing.append(obj)
             for rid in [r for r, p in self.futures.items() if p.session == sid]:
                 self._forget_future(rid)
             for k in [k for k in self.taken if str(k[2]).startswith(prefix) or k[2] == sid]:
                 del self.taken[k]
         for obj in closing:
-            if hasattr(obj, "close"):
-                obj.close()
+            stop_work(obj)
         # ended sessions stay listed (REST `sessions`) up to the per-key cap, newest first
         ended = sorted((s.created_at, i) for i, s in self.rest.sessions.items()
                        if s.owner == owner and i not in self.sessions)

@@ -61,6 +61,12 @@ class SelfFuture:
         return self.result_async().__await__()
 
 
+class RequestCancelled(RuntimeError):
+    """The request's client was cancelled (a server's session ended) before its work finished: a queued
+    request never starts, a running sampling batch stops at its next decode slice, a running training
+    request between two micro-batches."""
+
+
 class ComputeThread:
     """The one thread on which all of the engine's torch work runs (sampling, forward/backward, optim).
 
@@ -101,8 +107,9 @@ class OrderedWorker:
     def submit(self, fn: Callable[[], T]) -> AwaitableConcurrentFuture:
         return AwaitableConcurrentFuture(self._pool.submit(fn))
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=False)
+    def shutdown(self, cancel_queued: bool = False) -> None:
+        """No more requests; those queued still run, or (`cancel_queued`) are cancelled, never started."""
+        self._pool.shutdown(wait=False, cancel_futures=cancel_queued)
 
 
 #: checkpoint kind -> the path segment naming it, from the SDK's parser

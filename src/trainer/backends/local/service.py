@@ -209,6 +209,10 @@ class LocalServiceClient:
         """How many batches the sampling scheduler has run (requests batched together count once)."""
         return self._scheduler.batches_run
 
+    def sampler_load(self) -> dict[str, int]:
+        """Requests (and rows) queued on the sampler and decoding now (`SampleScheduler.load`)."""
+        return self._scheduler.load()
+
     def close(self, status: str = "success", detail: str | None = None) -> AwaitableConcurrentFuture:
         self._scheduler.close()
         for tc in list(self._clients):

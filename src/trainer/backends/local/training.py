@@ -27,8 +27,8 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.lib.public_interfaces.custom_loss import LossHandle
 
 from trainer.backends.local import ckpt
-from trainer.backends.local.common import (COMPUTE, Faults, OrderedWorker, SelfFuture, check_id,
-                                           checkpoint_folder, tinker_path)
+from trainer.backends.local.common import (COMPUTE, Faults, OrderedWorker, RequestCancelled, SelfFuture,
+                                           check_id, checkpoint_folder, failed_future, tinker_path)
 from trainer.backends.local.engine import LoraSnapshot, SharedBase
 from trainer.backends.local.training_compute import LoraCompute, LossRun
 
@@ -85,6 +85,8 @@ class LocalTrainingClient(SelfFuture):
         return self._base.tokenizer
 
     def _submit(self, fn: Callable[[], Any], fault_kind: str | None = None) -> AwaitableConcurrentFuture:
+        if self.compute.cancelled.is_set():
+            return failed_future(RequestCancelled("the training client was cancelled (its session ended)"))
         fail = self._faults.draw(fault_kind) if fault_kind else False
 
         def run() -> Any:
@@ -270,6 +272,13 @@ class LocalTrainingClient(SelfFuture):
 
     def close(self) -> None:
         self._worker.shutdown()
+
+    def cancel(self) -> None:
+        """Stop this client's work (a server ended its session): queued requests are cancelled before they
+        start, a running one stops before its next micro-batch (`RequestCancelled`); no request is taken
+        after. The adapter itself is freed with the client."""
+        self.compute.cancelled.set()
+        self._worker.shutdown(cancel_queued=True)
 
 
 def _raise(exc: BaseException) -> Any:

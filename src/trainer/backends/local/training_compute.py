@@ -4,11 +4,13 @@ the AdamW step over one LoRA adapter. `training.LocalTrainingClient` wraps it in
 argument checks, checkpoints); tests and benches call it directly through `client.compute`.
 
 Every method that touches the model expects to run on the engine's compute thread; `logprobs` also
-expects `base.lock` held (the runners take it themselves).
+expects `base.lock` held (the runners take it themselves). A cancelled compute (`cancelled` set: a
+server ended its session) stops its runner before the next micro-batch with `RequestCancelled`.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -17,6 +19,7 @@ from tinker import types
 from tinker.lib.public_interfaces.custom_loss import LossHandle, check_loss_inputs, run_loss_handle
 
 from trainer.backends.local import train_forward
+from trainer.backends.local.common import RequestCancelled
 from trainer.backends.local.engine import SharedBase
 from trainer.backends.local.losses import REQUIRED_INPUTS, datum_loss, resolve_config
 from trainer.backends.local.model import matmul_inputs, unembed_weight
@@ -138,6 +141,13 @@ class LoraCompute:
         # at this count; the same update up to fp32 rounding)
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0,
                                            fused=True)
+        self.cancelled = threading.Event()
+
+    def check_cancelled(self) -> None:
+        """Between micro-batches: a cancelled client's request stops here (its gradients so far stay
+        accumulated, but the client is never used again)."""
+        if self.cancelled.is_set():
+            raise RequestCancelled("the training client was cancelled (its session ended)")
 
     # ------------------------------------------------------------------ data
     def prepare(self, data: Any, loss_keys: tuple[str, ...] = ()) -> list[PreparedDatum]:
@@ -234,6 +244,7 @@ class LoraCompute:
         # a no-grad forward also returns the exact entropy (the logits are at hand; the training passes skip it)
         entropy: list[torch.Tensor] | None = None if backward or any(p.targets.dim() != 1 for p in preps) else []
         for mb in self.micro_batches(preps):
+            self.check_cancelled()
             chunk = [preps[i] for i in mb]
             with self.base.lock, torch.set_grad_enabled(backward):
                 lps = self.logprobs(chunk, entropy=entropy)
@@ -261,6 +272,7 @@ class LoraCompute:
         # pass 1: no-grad logprobs of every datum -> float32 leaves, as the SDK builds them
         leaves: list[torch.Tensor] = []
         for mb in mbs:
+            self.check_cancelled()
             with self.base.lock, torch.no_grad():
                 leaves += [lp.detach().to(torch.float32).clone().requires_grad_(True)
                            for lp in self.logprobs([preps[i] for i in mb])]
@@ -279,6 +291,7 @@ class LoraCompute:
         # pass 2: forward+backward of the linear surrogate sum(logp * dC/dlogp) per micro-batch
         surrogate, lps_all = 0.0, []
         for mb in mbs:
+            self.check_cancelled()
             with self.base.lock:
                 lps = self.logprobs([preps[i] for i in mb])
                 s = sum((lp * grads[i]).sum() for lp, i in zip(lps, mb))
@@ -299,6 +312,7 @@ class LoraCompute:
         mbs = self.micro_batches(preps)
         total, lps_all, sums = 0.0, [], {}
         for mb in mbs:
+            self.check_cancelled()
             chunk_data = [data[i] for i in mb]
             with self.base.lock:
                 # the registered losses weight every token by `mask`: positions before the first
@@ -319,6 +333,7 @@ class LoraCompute:
     def adamw_step(self, params: types.AdamParams) -> float:
         """Clip the accumulated gradients to `grad_clip_norm` (global norm, torch `clip_grad_norm_`
         convention), step AdamW with `params` and clear the gradients; returns the norm before clipping."""
+        self.check_cancelled()
         with self.base.lock:
             grads = [p.grad for p in self.params if p.grad is not None]
             norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
