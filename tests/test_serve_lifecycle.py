@@ -27,9 +27,8 @@ class InProcessServer:
         from aiohttp import web
 
         from trainer.backends.local import LocalServiceClient
-        from trainer.serve.app import JsonErrorRunner, TinkerServer
-
         from trainer.backends.local.engine import shared_base
+        from trainer.serve.app import JsonErrorRunner, TinkerServer
 
         self.engine = LocalServiceClient(state_dir=state_dir, sampler_dtype="float32", train_dtype="float32")
         shared_base(BASE)  # loaded before any session starts its 2 s clock
@@ -44,7 +43,7 @@ class InProcessServer:
             self.loop.run_until_complete(self.runner.setup())
             site = web.TCPSite(self.runner, "127.0.0.1", 0)
             self.loop.run_until_complete(site.start())
-            self.url = "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]
+            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
             ready.set()
             self.loop.run_forever()
 
@@ -144,7 +143,8 @@ def server(tmp_path_factory):
     from test_serve_sessions import MAX_RSS_KB, _peak_rss_kb
     from test_tinker_wire import Server
 
-    s = Server(tmp_path_factory.mktemp("lifecycle_state"), "--num-threads", "1")
+    s = Server(tmp_path_factory.mktemp("lifecycle_state"), "--num-threads", "1", "--max-samplers-per-session",
+               "3", "--max-samplers", "5", "--max-models", "3")
     yield s
     assert _peak_rss_kb(s) < MAX_RSS_KB
     s.stop()
@@ -195,3 +195,84 @@ def test_finishing_a_session_cancels_its_queued_and_running_work(server):
         session_id=again.session, sampling_session_seq_id=0, base_model=BASE))["sampling_session_id"]
     out = again.result(_sample(again, sampler, 0, max_tokens=2)["request_id"])
     assert out.status_code == 200
+    again.ok(f"sessions/{again.session}/finish", {"reason": {"type": "success"}})
+
+
+def _stats(server, key: str) -> dict:
+    return httpx.get(server.url + "/stats", headers={"X-API-Key": key}, timeout=30).json()
+
+
+def _snapshot_sampler(raw: Raw, model: str, seq: int) -> str:
+    reply = raw.ok("save_weights_for_sampler", types.SaveWeightsForSamplerRequest(
+        model_id=model, seq_id=seq, sampling_session_seq_id=seq))
+    out = raw.result(reply["request_id"])
+    assert out.status_code == 200 and "error" not in out.json(), out.text
+    return out.json()["sampling_session_id"]
+
+
+def test_samplers_are_capped_per_session_and_server_wide_and_freed_with_their_session(server):
+    """--max-samplers-per-session 3, --max-samplers 5. A fourth snapshot sampler retires the session's least
+    recently used idle one (whose id then answers 404 naming the flag); with all three busy it is a 413
+    naming the flag. Samplers of one checkpoint share one snapshot; past 5 on the server a new one is a
+    413 naming --max-samplers (and, without --api-key, how to get per-user limits). When the sessions end
+    the server holds no sampler and no snapshot, and its RSS stays bounded."""
+    key = "tml-samplers"
+    a = Raw(server.url, key)
+    model = a.model(0)
+    first, second, third = (_snapshot_sampler(a, model, i) for i in range(3))
+    _sample(a, second, 0)  # used: the first is now the least recently used
+    a.result(_sample(a, third, 0)["request_id"])
+    fourth = _snapshot_sampler(a, model, 3)
+    r = a.post("asample", types.SampleRequest(
+        num_samples=1, prompt=types.ModelInput.from_ints([5, 6]), sampling_session_id=first, seq_id=1,
+        sampling_params=types.SamplingParams(max_tokens=1)))
+    assert r.status_code == 404 and "--max-samplers-per-session" in r.json()["detail"], r.text
+    assert _stats(server, key)["samplers"] == 3
+    for i, sid in enumerate((second, third, fourth)):  # all three busy for minutes
+        _sample(a, sid, 10 + i, max_tokens=500, n=64)
+    r = a.post("save_weights_for_sampler", types.SaveWeightsForSamplerRequest(
+        model_id=model, seq_id=4, sampling_session_seq_id=4))
+    assert r.status_code == 413 and "--max-samplers-per-session" in r.json()["detail"], r.text
+
+    path = a.result(a.ok("save_weights_for_sampler", types.SaveWeightsForSamplerRequest(
+        model_id=model, seq_id=5, path="shared"))["request_id"]).json()["path"]
+    b = Raw(server.url, key)  # the key's second session
+    before = _stats(server, key)["memory"]["snapshots"]
+    for seq in range(2):
+        b.ok("create_sampling_session", types.CreateSamplingSessionRequest(
+            session_id=b.session, sampling_session_seq_id=seq, model_path=path))
+    mem = _stats(server, key)["memory"]
+    assert mem["snapshots"] == before + 1, mem  # one copy of the checkpoint for both
+    r = b.post("create_sampling_session", types.CreateSamplingSessionRequest(
+        session_id=b.session, sampling_session_seq_id=2, base_model=BASE))
+    detail = r.json()["detail"]
+    assert r.status_code == 413 and "--max-samplers" in detail and "--api-key-file" in detail, r.text
+
+    for raw in (a, b):
+        assert raw.ok(f"sessions/{raw.session}/finish", {"reason": {"type": "success"}}) is None
+
+    def released() -> bool:
+        s = _stats(server, key)
+        return (s["samplers"] == 0 and s["memory"]["snapshots"] == 0 and s["memory"]["merged_cached"] == 0
+                and s["key"]["inflight"] == 0)
+
+    _wait_for(f"the ended sessions' samplers are dropped ({_stats(server, key)})", released, 15)
+    mem = _stats(server, key)["memory"]
+    assert 0 < mem["rss_mb"] < 2048, mem
+
+
+def test_invented_keys_share_one_server_wide_budget(server):
+    """Without --api-key (--max-models 3): three keys' models fill the server, and a fourth key, however
+    new, is refused naming --max-models and how to get per-user limits (--api-key-file)."""
+    raws = [Raw(server.url, f"tml-invented-{i}") for i in range(4)]
+    raws[0].model(0)
+    raws[0].model(1)
+    raws[1].model(0)
+    r = raws[2].post("create_model", types.CreateModelRequest(
+        session_id=raws[2].session, model_seq_id=0, base_model=BASE, lora_config=types.LoraConfig(rank=4)))
+    detail = r.json()["detail"]
+    assert r.status_code == 413 and "(--max-models)" in detail and "--api-key-file" in detail, r.text
+    assert raws[0].ok(f"sessions/{raws[0].session}/finish", {"reason": {"type": "success"}}) is None
+    raws[3].model(0)  # the finished session's places are free again
+    for raw in raws:
+        raw.ok(f"sessions/{raw.session}/finish", {"reason": {"type": "success"}})

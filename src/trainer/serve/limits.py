@@ -50,6 +50,14 @@ class Limits:
     models_per_key: int = 8
     sessions_per_key: int = 32  # live sessions; each heartbeats, so a dead client's expire and free theirs
     inflight_per_key: int = 256  # accepted requests of one key whose result is not ready yet (429 beyond)
+    # sampling sessions of one session (its least recently used idle one is retired for a new one) and of
+    # the server (`serve/samplers.py`); a snapshot sampler holds a float32 copy of its adapter
+    samplers_per_session: int = 16
+    samplers: int = 64
+    # server-wide totals over every key: without --api-key, invented keys share these (`serve/samplers.py`)
+    models: int = 32
+    sessions: int = 256
+    inflight: int = 1024
     session_metadata_kb: float = 64.0  # user_metadata of one session or model, as JSON
     loss_cost: int = 2**27  # a custom-loss graph's cost in one forward_backward (`graph_cost.py`)
 

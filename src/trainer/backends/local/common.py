@@ -61,6 +61,33 @@ class SelfFuture:
         return self.result_async().__await__()
 
 
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc `malloc_trim`; a no-op elsewhere): freed
+    tensors otherwise stay in the process's RSS, which a server's memory figure then overstates."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc
+        pass
+
+
+def process_memory_mb() -> dict[str, float]:
+    """This process's resident memory now and at its peak (MiB), from /proc (empty where there is none)."""
+    out: dict[str, float] = {}
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        for field, key in (("VmRSS:", "rss_mb"), ("VmHWM:", "peak_rss_mb")):
+            if line.startswith(field):
+                out[key] = round(int(line.split()[1]) / 1024, 1)
+    return out
+
+
 class RequestCancelled(RuntimeError):
     """The request's client was cancelled (a server's session ended) before its work finished: a queued
     request never starts, a running sampling batch stops at its next decode slice, a running training

@@ -185,38 +185,42 @@ class SampleScheduler:
         return batch
 
     def _run(self) -> None:
-        running = self._running
-        while True:
-            for t in [t for t, run in running.items() if run.drop_cancelled()]:
-                del running[t]  # every request of the batch was cancelled: it decodes no further
+        while self._turn(self._running):
+            pass
 
-            if self._closed:
-                for run in running.values():
-                    self._fail(run.live, RuntimeError("the local service client was closed"))
-                return
-            if len(running) < MAX_ACTIVE:
-                batch = self._take_batch(running)
-                if batch:
-                    self._start(batch, running)
-                    continue  # another tenant may be waiting too
-            if not running:
-                continue
-            tenant = min(running, key=lambda t: self._served.get(t, -1))
-            self._turns += 1
-            self._served[tenant] = self._turns
-            run, shared = running[tenant], len(running) > 1
-            try:
-                outs = COMPUTE.run(lambda run=run, shared=shared: self._advance(run, shared))
-            except BaseException as e:  # noqa: BLE001
-                del running[tenant]
-                self._fail(run.live, e)
-                continue
-            if outs is not None:
-                del running[tenant]
-                self.batches_run += 1
-                for r, o in zip(run.live, outs):
-                    if not r.future.done():  # a request cancelled during its batch's last slice
-                        r.future.set_result(_to_response(o) if r.kind == "sample" else o)
+    def _turn(self, running: dict[str, _Running]) -> bool:
+        """One turn of the worker: start a batch, or advance one by a slice; False once closed. A turn's
+        locals end with it, so a finished batch's requests (and their snapshots) are not held meanwhile."""
+        for t in [t for t, run in running.items() if run.drop_cancelled()]:
+            del running[t]  # every request of the batch was cancelled: it decodes no further
+        if self._closed:
+            for run in running.values():
+                self._fail(run.live, RuntimeError("the local service client was closed"))
+            return False
+        if len(running) < MAX_ACTIVE:
+            batch = self._take_batch(running)
+            if batch:
+                self._start(batch, running)
+                return True  # another tenant may be waiting too
+        if not running:
+            return True
+        tenant = min(running, key=lambda t: self._served.get(t, -1))
+        self._turns += 1
+        self._served[tenant] = self._turns
+        run, shared = running[tenant], len(running) > 1
+        try:
+            outs = COMPUTE.run(lambda: self._advance(run, shared))
+        except BaseException as e:  # noqa: BLE001
+            del running[tenant]
+            self._fail(run.live, e)
+            return True
+        if outs is not None:
+            del running[tenant]
+            self.batches_run += 1
+            for r, o in zip(run.live, outs):
+                if not r.future.done():  # a request cancelled during its batch's last slice
+                    r.future.set_result(_to_response(o) if r.kind == "sample" else o)
+        return True
 
     def _start(self, batch: list[_Request], running: dict[str, _Running]) -> None:
         live = []
