@@ -107,6 +107,30 @@ def test_a_cancelled_training_client_stops_between_micro_batches_and_drops_its_q
         tc.optim_step(types.AdamParams(learning_rate=0.1)).result(timeout=30)
 
 
+def test_sampling_takes_its_turns_between_a_training_requests_micro_batches(engine):
+    """A forward_backward of 24 one-datum micro-batches, then another tenant's 1-token sample: the sample
+    is answered while the training request is still running (it waits for a micro-batch, not for the
+    whole request)."""
+    tc = engine.create_lora_training_client(BASE, rank=4, seed=1).result()
+    sampler = engine.create_sampling_client(base_model=BASE)
+    sampler.tenant = "other"
+    prompt = types.ModelInput.from_ints([5, 6])
+    sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1)).result(timeout=120)  # warm
+    data = [types.Datum(model_input=types.ModelInput.from_ints(list(range(5, 21))),
+                        loss_fn_inputs={"target_tokens": list(range(6, 22))}) for _ in range(24)]
+    tc.forward(data[:1], "cross_entropy").result(timeout=120)  # warm
+    training = tc.forward_backward(data, "cross_entropy")
+    time.sleep(0.2)  # its first micro-batches are on the compute thread
+    t = time.monotonic()
+    out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1)).result(timeout=300)
+    waited = time.monotonic() - t
+    assert len(out.sequences) == 1
+    assert not training.future().done(), "the sample waited for the whole training request"
+    t = time.monotonic()
+    assert training.result(timeout=600).metrics["engine/micro_batches:sum"] == 24
+    print(f"sample {waited:.2f} s; training ran on for {time.monotonic() - t:.2f} s")
+
+
 def _sample(raw: Raw, sampler: str, seq: int, max_tokens: int = 1, n: int = 1) -> dict:
     return raw.ok("asample", types.SampleRequest(
         num_samples=n, prompt=types.ModelInput.from_ints([5, 6]), sampling_session_id=sampler, seq_id=seq,
@@ -175,7 +199,8 @@ def test_finishing_a_session_cancels_its_queued_and_running_work(server):
 
     for seq in range(3):  # queued on the model's ordered worker, behind each other
         body = fwdbwd_body(model, seq, tokens=600)
-        r = raw.http.post("/forward_backward", content=body, headers={"content-type": "application/x-protobuf"})
+        r = raw.http.post("/forward_backward", content=body,
+                          headers={"content-type": "application/x-protobuf"})
         assert r.status_code == 200, r.text
     mine = httpx.get(server.url + "/stats", headers={"X-API-Key": key}, timeout=30).json()
     assert mine["key"]["inflight"] >= 4, mine  # the samples at least; the training may have run

@@ -588,11 +588,12 @@ class TinkerServer:
             for ident in [m for m in self.slots.get(owner, ()) if m.startswith(prefix)]:
                 self._free_slot(owner, ident)
             self.sampler_slots.end_session(sid)
-            closing = []
+            closing, samplers = [], 0
             for table in (self.models, self.samplers, self.losses):
                 for ident in [i for i in table if i.startswith(prefix)]:
                     obj = table.pop(ident)
                     self.owner.pop(ident, None)
+                    samplers += table is self.samplers
                     if table is not self.losses:
                         closing.append(obj)
             for rid in [r for r, p in self.futures.items() if p.session == sid]:
@@ -601,7 +602,8 @@ class TinkerServer:
                 del self.taken[k]
         for obj in closing:
             stop_work(obj)
-        self._release_memory()
+        if samplers:
+            self._release_memory()
         # ended sessions stay listed (REST `sessions`) up to the per-key cap, newest first
         ended = sorted((s.created_at, i) for i, s in self.rest.sessions.items()
                        if s.owner == owner and i not in self.sessions)
@@ -614,14 +616,14 @@ class TinkerServer:
             self._pool.submit(self.engine.release_memory)
 
     def _new_sampler(self, sid: str) -> None:
-        """Reserve a place for sampler `sid` (`SamplerSlots.reserve`); retire the one it replaces."""
+        """Reserve a place for sampler `sid` (`SamplerSlots.reserve`); drop the one it retires (idle, so
+        nothing of it is cancelled: an inflight sampler shares its client with the model's others)."""
         with self._lock:
             retire = self.sampler_slots.reserve(sid)
-            obj = self.samplers.pop(retire, None) if retire is not None else None
             if retire is not None:
+                self.samplers.pop(retire, None)
                 self.owner.pop(retire, None)
-        if obj is not None:
-            stop_work(obj)
+        if retire is not None:
             self._release_memory()
 
     def _sampler(self, sid: str | None, request: web.Request, what: str) -> Any:

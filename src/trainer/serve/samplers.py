@@ -24,7 +24,8 @@ from trainer.serve.limits import LimitExceeded, Limits
 
 # said with every server-wide refusal when the server runs without --api-key
 KEYLESS_NOTE = ("without --api-key every 'tml-' key on this machine draws on this one server-wide budget; "
-                "start the server with --api-key-file (one key per user) to give each user the per-key limits")
+                "start the server with --api-key-file (one key per user) to give each user the per-key "
+                "limits")
 MAX_RETIRED = 4096  # retired ids remembered for their 404's reason (beyond: the plain unknown-id 404)
 
 
@@ -106,8 +107,8 @@ class SamplerSlots:
         if sampler_id not in self.retired:
             return None
         return (f"sampler {sampler_id[:100]} was retired: its session made more than "
-                f"{self.limits.samplers_per_session} samplers ({Limits.flag('samplers_per_session')}), and the "
-                "least recently used idle one gave its place to a new one; create a sampler again")
+                f"{self.limits.samplers_per_session} samplers ({Limits.flag('samplers_per_session')}), "
+                "and the least recently used idle one gave its place to a new one; create a sampler again")
 
     def free(self, sampler_id: str) -> None:
         """Give back one sampler's place."""
