@@ -301,3 +301,33 @@ def test_invented_keys_share_one_server_wide_budget(server):
     raws[3].model(0)  # the finished session's places are free again
     for raw in raws:
         raw.ok(f"sessions/{raw.session}/finish", {"reason": {"type": "success"}})
+
+
+@pytest.mark.parametrize("flag", ["--max-models-per-key", "--max-samplers-per-session", "--max-samplers",
+                                  "--max-models"])
+def test_a_bad_limit_is_refused_naming_its_flag(flag, capsys):
+    from trainer.serve.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args([flag, "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip().endswith(f"error: {flag} must be a positive number, got 0"), err
+
+
+def test_an_expired_session_cancels_its_work(short_sessions):
+    """--session-timeout-s 2: a session that queues a long sampling request and then goes silent expires,
+    and its request stops decoding within seconds (nothing in flight for the key, the sampler idle)."""
+    srv = short_sessions
+    raw = Raw(srv.url, "tml-silent")
+    sampler = raw.ok("create_sampling_session", types.CreateSamplingSessionRequest(
+        session_id=raw.session, sampling_session_seq_id=0, base_model=BASE))["sampling_session_id"]
+    _sample(raw, sampler, 0, max_tokens=500, n=64)
+    _sample(raw, sampler, 1, max_tokens=500, n=64)
+    assert srv.stats("tml-silent")["key"]["inflight"] == 2
+
+    def idle() -> bool:
+        s = srv.stats("tml-silent")
+        return s["key"]["inflight"] == 0 and s["sampler"]["running"] == 0 and s["sampler"]["queued"] == 0
+
+    _wait_for("the expired session's work stops", idle, 8)
+    assert srv.stats("tml-silent")["expired_sessions"] == 1

@@ -65,7 +65,7 @@ class Limits:
         for f in fields(self):
             v = getattr(self, f.name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"limit {f.name} must be a positive number, got {v!r}")
+                raise ValueError(f"{self.flag(f.name)} must be a positive number, got {v!r}")
 
     @staticmethod
     def flag(name: str) -> str:
