@@ -475,3 +475,35 @@ def test_jobs_that_each_fit_the_context_share_a_batch(tc):
     both_long, both_short = asyncio.run(together())
     assert [s.tokens for s in both_long.sequences] == [s.tokens for s in alone_long.sequences]
     assert len(both_short.sequences[0].tokens) == short_params.max_tokens
+
+
+def test_the_scheduler_serves_a_tenant_not_yet_served_before_another_batch_of_a_served_one():
+    """Fair turns (`SampleScheduler._take_batch`): tenant A queued three batches (three snapshots) before
+    B's one request; once A's first batch has run, B's request goes next, ahead of A's other two."""
+    from concurrent.futures import Future
+
+    from trainer.backends.local.common import Faults
+    from trainer.backends.local.engine import LoraSnapshot
+    from trainer.backends.local.generate import SampleJob
+    from trainer.backends.local.sampling import SampleScheduler, _Request
+
+    sched = SampleScheduler(torch.float32, max_batch=8, faults=Faults(None), batch_wait_s=0.0, start=False)
+    base = object()
+
+    def request(tenant: str, snap: str) -> _Request:
+        job = SampleJob(prompt=[1, 2], num_samples=1, max_tokens=1)
+        return _Request(base, LoraSnapshot(snap, {}, 0.0), "sample", job, Future(), tenant=tenant)
+
+    for r in (request("A", "a1"), request("A", "a2"), request("A", "a3"), request("B", "b1")):
+        sched.submit(r)
+    order = []
+    for _ in range(4):
+        batch = sched._take_batch({})
+        assert len(batch) == 1
+        order.append(batch[0].snap.id)
+    assert order == ["a1", "b1", "a2", "a3"]
+    sched.submit(request("A", "a4"))
+    sched.submit(request("B", "b2"))
+    running = {"B": object()}  # a tenant with a batch running gets no second one
+    assert [r.snap.id for r in sched._take_batch(running)] == ["a4"]
+    sched.close()

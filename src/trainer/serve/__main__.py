@@ -8,8 +8,9 @@ loopback clients only, with any key of the form `tml-<name>` (each key sees only
 `--api-key-file FILE` (one key a line), `$PAIREDRL_SERVE_API_KEY` (comma-separated) or `--api-key KEY`
 (repeatable; visible to every local user in `ps`, so prefer the file or the variable) accept exactly
 those keys and are required for a non-loopback `--host`; `--insecure-allow-remote` lifts that with a
-warning. The `--max-*` flags bound what one request, one key or one custom loss may ask for; a session
-ends `--session-timeout-s` after its last heartbeat. SIGINT / SIGTERM stop it cleanly. The engine
+warning. The `--max-*` flags bound what one request, one key, one session, one custom loss or the whole
+server may ask for (without a key, every invented `tml-` key shares the server-wide ones); a session ends
+`--session-timeout-s` after its last heartbeat or request, and its queued and running work is cancelled. SIGINT / SIGTERM stop it cleanly. The engine
 options mirror `backend=local` (`conf/backend/local.yaml`); LoRA alpha is not part of the Tinker protocol,
 so a rehearsal of a model config with another alpha passes `--lora-alpha`.
 """
@@ -72,7 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="read the accepted keys from this file (one a line; blank lines, # comments skipped)")
     p.add_argument("--session-timeout-s", type=float, default=SESSION_TIMEOUT_S,
                    help=f"a session whose heartbeats (the SDK sends one every {SDK_HEARTBEAT_S:g} s) stop "
-                        "ends after this long, releasing its models, samplers and futures (default "
+                        "ends after this long (any request of the session counts as a heartbeat), "
+                        "releasing its models, samplers and futures and cancelling its queued and running "
+                        "work (default "
                         f"{SESSION_TIMEOUT_S:g}, when the SDK warns that the session will be terminated; "
                         f"must be > {SDK_HEARTBEAT_S:g})")
     p.add_argument("--read-timeout-s", type=float, default=30.0,

@@ -76,6 +76,8 @@ from trainer.serve.limits import (
 )
 from trainer.serve.replies import Refused, error_response, json_result
 from trainer.serve.rest import RestSurface, add_rest_routes
+from trainer.serve.samplers import KEYLESS_NOTE, SamplerSlots
+from trainer.serve.sessions import stop_work, work_stats
 from trainer.serve.wire import (
     decode_forward_backward,
     encode_forward_backward_output,
@@ -200,6 +202,7 @@ class TinkerServer:
         # requests per routed endpoint (benchmarks read them from /stats); never keyed by a path's text
         self.counts: dict[str, int] = {}
         self._lock = threading.RLock()  # _once holds it while make() registers the future
+        self.sampler_slots = SamplerSlots(self.limits, self._lock, keyless=not self.api_keys)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="serve-load")
         # runs, checkpoints, sessions, downloads (trainer.serve.rest); told of each session, run and sampler
         self.rest = RestSurface(self, engine.state_dir, sweep_s=ttl_sweep_s)
@@ -314,6 +317,9 @@ class TinkerServer:
             "requests": self.counts, "faults": self.faults.injected, "sessions": len(self.sessions),
             "models": len(self.models), "expired_sessions": self.expired_sessions,
             "connections": self.connections.stats(),
+            **work_stats(self.engine, self.inflight, self._lock),
+            "samplers": self.sampler_slots.total(),
+            "memory": self.engine.memory() if hasattr(self.engine, "memory") else {},
             "key": {"sessions": sum(1 for o in self.sessions.values() if o == me),  # the asking key's own
                     "models": sum(1 for m in self.models if self.owner.get(m) == me),
                     "model_slots": len(self.slots.get(me, ())), "inflight": self.inflight.get(me, 0)}})
@@ -367,6 +373,11 @@ class TinkerServer:
                 if busy >= self.limits.inflight_per_key:
                     raise Refused(429, f"this key has {busy} requests in flight, this server's limit "
                                        f"({Limits.flag('inflight_per_key')}); retry when some have finished")
+                busy = sum(self.inflight.values())
+                if busy >= self.limits.inflight:
+                    raise Refused(429, f"this server has {busy} requests in flight, its limit "
+                                       f"({Limits.flag('inflight')}); retry when some have finished"
+                                       f"{self._keyless_note()}")
                 reply = make()
                 self.taken[key] = (digest, reply)
                 return web.json_response(reply)
@@ -445,7 +456,18 @@ class TinkerServer:
                                     f"({Limits.flag('models_per_key')}); finish a session to free its models "
                                     "(a session whose heartbeats stop ends after "
                                     f"{self.session_timeout_s:g} s)")
+            total = sum(len(v) for v in self.slots.values())
+            if model_id not in mine and total >= self.limits.models:
+                if not mine:
+                    del self.slots[request["owner"]]
+                raise LimitExceeded(f"this server already has {total} live models, its limit "
+                                    f"({Limits.flag('models')}); a session's models are freed when it ends"
+                                    f"{self._keyless_note()}")
             mine.add(model_id)
+
+    def _keyless_note(self) -> str:
+        """Said with a server-wide refusal when any `tml-` key is accepted (`samplers.KEYLESS_NOTE`)."""
+        return "" if self.api_keys else f"; {KEYLESS_NOTE}"
 
     def _free_slot(self, owner: str, model_id: str) -> None:
         with self._lock:
@@ -490,6 +512,10 @@ class TinkerServer:
                                     f"({Limits.flag('sessions_per_key')}); close a ServiceClient, or wait "
                                     f"{self.session_timeout_s:g} s for those whose heartbeats stopped to "
                                     "expire")
+            if len(self.sessions) >= self.limits.sessions:
+                raise LimitExceeded(f"this server already has {len(self.sessions)} live sessions, its limit "
+                                    f"({Limits.flag('sessions')}); a session whose heartbeats stop ends after "
+                                    f"{self.session_timeout_s:g} s{self._keyless_note()}")
             self.sessions[sid] = owner
             self.last_seen[sid] = time.monotonic()
         self.rest.on_session(sid, owner, req.user_metadata)
@@ -517,7 +543,7 @@ class TinkerServer:
 
     def _end_session(self, sid: str) -> None:
         """Release everything of a session: models (and the key's slots), samplers, losses, futures and
-        de-duplication records. Work already on the engine finishes; its result is dropped."""
+        de-duplication records. Its work on the engine is cancelled (`sessions.stop_work`)."""
         with self._lock:
             owner = self.sessions.pop(sid, None)
             self.last_seen.pop(sid, None)
@@ -526,25 +552,56 @@ class TinkerServer:
             prefix = sid + ":"
             for ident in [m for m in self.slots.get(owner, ()) if m.startswith(prefix)]:
                 self._free_slot(owner, ident)
-            closing = []
+            self.sampler_slots.end_session(sid)
+            closing, samplers = [], 0
             for table in (self.models, self.samplers, self.losses):
                 for ident in [i for i in table if i.startswith(prefix)]:
                     obj = table.pop(ident)
                     self.owner.pop(ident, None)
-                    if table is self.models:
+                    samplers += table is self.samplers
+                    if table is not self.losses:
                         closing.append(obj)
             for rid in [r for r, p in self.futures.items() if p.session == sid]:
                 self._forget_future(rid)
             for k in [k for k in self.taken if str(k[2]).startswith(prefix) or k[2] == sid]:
                 del self.taken[k]
         for obj in closing:
-            if hasattr(obj, "close"):
-                obj.close()
+            stop_work(obj)
+        if samplers:
+            self._release_memory()
         # ended sessions stay listed (REST `sessions`) up to the per-key cap, newest first
         ended = sorted((s.created_at, i) for i, s in self.rest.sessions.items()
                        if s.owner == owner and i not in self.sessions)
         for _, i in ended[:max(0, len(ended) - self.limits.sessions_per_key)]:
             del self.rest.sessions[i]
+
+    def _release_memory(self) -> None:
+        """What dropped samplers held goes back to the OS, off the event loop (`release_memory`)."""
+        if hasattr(self.engine, "release_memory"):
+            self._pool.submit(self.engine.release_memory)
+
+    def _new_sampler(self, sid: str) -> None:
+        """Reserve a place for sampler `sid` (`SamplerSlots.reserve`); drop the one it retires (idle, so
+        nothing of it is cancelled: an inflight sampler shares its client with the model's others)."""
+        with self._lock:
+            retire = self.sampler_slots.reserve(sid)
+            if retire is not None:
+                self.samplers.pop(retire, None)
+                self.owner.pop(retire, None)
+        if retire is not None:
+            self._release_memory()
+
+    def _sampler(self, sid: str | None, request: web.Request, what: str) -> Any:
+        """A sampler of this key (404 for another key's, an unknown or a retired one), marked as used."""
+        try:
+            sc = self._owned(self.samplers, sid, request, what)
+        except Refused:
+            retired = self.sampler_slots.was_retired(str(sid))
+            if retired is not None and self.sessions.get(_session_of(str(sid))) == request["owner"]:
+                raise Refused(404, retired) from None
+            raise
+        self.sampler_slots.used(str(sid))
+        return sc
 
     async def _expire_sessions(self) -> None:
         """End each session not heard from (heartbeat or use) for `session_timeout_s`."""
@@ -556,6 +613,8 @@ class TinkerServer:
                 log.info("session %s expired (no heartbeat for %.0f s)", sid, self.session_timeout_s)
                 self.expired_sessions += 1
                 self._end_session(sid)
+            if getattr(self.engine, "memory_to_release", lambda: False)():  # a batch stopped after its end
+                self._release_memory()
 
     async def _start_expiry(self, app: web.Application) -> None:
         self._expiry = asyncio.get_running_loop().create_task(self._expire_sessions())
@@ -742,6 +801,7 @@ class TinkerServer:
         sid = f"{_session_of(model_id)}:sample:{req.sampling_session_seq_id}"
 
         def make() -> dict:
+            self._new_sampler(sid)
             holder: dict[str, Any] = {}
 
             def submit(tc: Any) -> Any:
@@ -768,7 +828,14 @@ class TinkerServer:
                 self.rest.on_sampler(sid, _session_of(model_id))
                 return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sid)
 
-            return self._register(request, then(fut, publish), json_result, model_id=model_id)
+            out = then(fut, publish)
+
+            def unreserve(f: Future) -> None:  # a snapshot that failed holds no place
+                if f.exception() is not None:
+                    self.sampler_slots.free(sid)
+
+            out.add_done_callback(unreserve)
+            return self._register(request, out, json_result, model_id=model_id)
 
         return self._once(request, ("train", model_id, req.seq_id), digest, make)
 
@@ -802,11 +869,16 @@ class TinkerServer:
         if req.model_path is not None:
             self.rest.check_load(req.model_path, request["owner"])
         if sid not in self.samplers:
+            self._new_sampler(sid)
             try:
                 sc = await asyncio.get_running_loop().run_in_executor(self._pool, lambda: self.engine.create_sampling_client(
                     model_path=req.model_path, base_model=req.base_model))
             except (ValueError, KeyError, FileNotFoundError) as e:
+                self.sampler_slots.free(sid)
                 raise Refused(400, str(e)[:300]) from None
+            except BaseException:
+                self.sampler_slots.free(sid)
+                raise
             sc.tenant = request["owner"]  # the engine's sampler takes keys in turn
             with self._lock:
                 self._session(req.session_id, request)  # it may have ended while the sampler was made
@@ -817,13 +889,13 @@ class TinkerServer:
 
     async def get_sampler(self, request: web.Request) -> web.Response:
         sid = request.match_info["sampler_id"]
-        sc = self._owned(self.samplers, sid, request, "sampler")
+        sc = self._sampler(sid, request, "sampler")
         return web.json_response(types.GetSamplerResponse(sampler_id=sid, base_model=sc.get_base_model(),
                                                           model_path=sc.model_path).model_dump(mode="json"))
 
     async def asample(self, request: web.Request) -> web.Response:
         req, digest = await self._body(request, types.SampleRequest)
-        sc = self._owned(self.samplers, req.sampling_session_id, request, "sampling session")
+        sc = self._sampler(req.sampling_session_id, request, "sampling session")
         check_text_only(req.prompt, "prompt")
         check_sample(req, self.limits)
         asked = [f for f, on in (("topk_sample_logprobs", req.topk_sample_logprobs),
@@ -842,6 +914,8 @@ class TinkerServer:
                             prompt_logprobs_last_n=req.prompt_logprobs_last_n).future()
             # one id per sample, fixed at submission (the SDK stamps them onto the sequences)
             ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(req.num_samples)]
+            self.sampler_slots.started(req.sampling_session_id)  # a busy sampler is never retired
+            fut.add_done_callback(lambda _: self.sampler_slots.finished(req.sampling_session_id))
             return self._register(request, fut, _sample, sample_sequence_ids=ids,
                                   session=req.sampling_session_id)
 

@@ -52,6 +52,14 @@ class Limits:
     inflight_per_key: int = 256  # accepted requests of one key whose result is not ready yet (429 beyond)
     connections: int = 512  # open connections (each holds a file descriptor; `connections.py`)
     connections_per_key: int = 320  # requests of one key being handled at once (the SDK polls each in flight)
+    # sampling sessions of one session (its least recently used idle one is retired for a new one) and of
+    # the server (`serve/samplers.py`); a snapshot sampler holds a float32 copy of its adapter
+    samplers_per_session: int = 16
+    samplers: int = 64
+    # server-wide totals over every key: without --api-key, invented keys share these (`serve/samplers.py`)
+    models: int = 32
+    sessions: int = 256
+    inflight: int = 1024
     session_metadata_kb: float = 64.0  # user_metadata of one session or model, as JSON
     # a custom-loss graph's cost in one forward_backward, in element operations (`graph_cost.py`): every
     # project loss fits on 512 datums of 512 tokens (about 2.6e9 with gspo's 190 nodes); at the review's

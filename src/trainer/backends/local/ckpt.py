@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 FORMAT = "pairedrl-local-lora-v1"
+ADAPTER_FILE = "adapter.safetensors"
 
 
 def write(folder: Path, meta: dict[str, Any], tensors: dict[str, tuple[torch.Tensor, torch.Tensor]],
@@ -26,7 +27,7 @@ def write(folder: Path, meta: dict[str, Any], tensors: dict[str, tuple[torch.Ten
         for name, (A, B) in tensors.items():
             flat[f"{name}.lora_A"] = A.detach().contiguous().clone()
             flat[f"{name}.lora_B"] = B.detach().contiguous().clone()
-        save_file(flat, str(tmp / "adapter.safetensors"))
+        save_file(flat, str(tmp / ADAPTER_FILE))
         if optimizer is not None:
             torch.save(optimizer, tmp / "optimizer.pt")
         (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, **meta,
@@ -103,7 +104,7 @@ def read(folder: Path, with_optimizer: bool) -> tuple[dict[str, Any], dict[str, 
                          "the engine loads; load the weights or sampler_weights checkpoint it came from")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{folder}: not a local-engine checkpoint (format {meta.get('format')!r})")
-    flat = load_file(str(folder / "adapter.safetensors"))
+    flat = load_file(str(folder / ADAPTER_FILE))
     tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for key in flat:
         if key.endswith(".lora_A"):

@@ -61,6 +61,39 @@ class SelfFuture:
         return self.result_async().__await__()
 
 
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc `malloc_trim`; a no-op elsewhere): freed
+    tensors otherwise stay in the process's RSS, which a server's memory figure then overstates."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc
+        pass
+
+
+def process_memory_mb() -> dict[str, float]:
+    """This process's resident memory now and at its peak (MiB), from /proc (empty where there is none)."""
+    out: dict[str, float] = {}
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        for field, key in (("VmRSS:", "rss_mb"), ("VmHWM:", "peak_rss_mb")):
+            if line.startswith(field):
+                out[key] = round(int(line.split()[1]) / 1024, 1)
+    return out
+
+
+class RequestCancelled(RuntimeError):
+    """The request's client was cancelled (a server's session ended) before its work finished: a queued
+    request never starts, a running sampling batch stops at its next decode slice, a running training
+    request between two micro-batches."""
+
+
 class ComputeThread:
     """The one thread on which all of the engine's torch work runs (sampling, forward/backward, optim).
 
@@ -101,8 +134,9 @@ class OrderedWorker:
     def submit(self, fn: Callable[[], T]) -> AwaitableConcurrentFuture:
         return AwaitableConcurrentFuture(self._pool.submit(fn))
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=False)
+    def shutdown(self, cancel_queued: bool = False) -> None:
+        """No more requests; those queued still run, or (`cancel_queued`) are cancelled, never started."""
+        self._pool.shutdown(wait=False, cancel_futures=cancel_queued)
 
 
 #: checkpoint kind -> the path segment naming it, from the SDK's parser

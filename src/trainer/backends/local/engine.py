@@ -15,6 +15,7 @@ import math
 import threading
 import uuid
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +78,10 @@ class SharedBase:
         self._to_delete: list[str] = []
         self._sampler_cache: OrderedDict[tuple[str, str], SamplerWeights] = OrderedDict()
         self.sampler_cache_size = 2
+        # snapshots some sampling client still holds (`track`), and the ids of those dropped since the
+        # last flush: their merged sampler weights leave the cache then, not when the LRU gets to them
+        self._live_snapshots: weakref.WeakValueDictionary[str, LoraSnapshot] = weakref.WeakValueDictionary()
+        self._dropped_snapshots: list[str] = []
         self._sampler_base: dict[torch.dtype, SamplerWeights] = {}
         self._compute_weights: dict[torch.dtype, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self._stacked: dict[str, torch.Tensor] | None = None
@@ -261,7 +266,34 @@ class SharedBase:
     def snapshot(self, name: str, scale: float) -> LoraSnapshot:
         with self.lock:
             tensors = {m: (A.detach().clone(), B.detach().clone()) for m, A, B in self.adapter_params(name)}
-        return LoraSnapshot(id=uuid.uuid4().hex, tensors=tensors, scale=scale)
+        return self.track(LoraSnapshot(id=uuid.uuid4().hex, tensors=tensors, scale=scale))
+
+    def track(self, snap: LoraSnapshot) -> LoraSnapshot:
+        """Count `snap` as live until the last sampling client (or queued request) holding it is gone; its
+        merged weights are then dropped at the next flush (`flush_dropped`). A finalizer may run on any
+        thread, so it only appends the id."""
+        self._live_snapshots[snap.id] = snap
+        weakref.finalize(snap, self._dropped_snapshots.append, snap.id)
+        return snap
+
+    def has_dropped(self) -> bool:
+        """Whether snapshots were dropped since the last flush (their cached weights still held)."""
+        return bool(self._dropped_snapshots)
+
+    def flush_dropped(self) -> None:
+        """Drop the cached sampler weights of snapshots no sampling client holds any more."""
+        with self.lock:
+            while self._dropped_snapshots:
+                sid = self._dropped_snapshots.pop()
+                for key in [k for k in self._sampler_cache if k[0] == sid]:
+                    del self._sampler_cache[key]
+
+    def sampler_memory(self) -> dict[str, float]:
+        """Live snapshots, their LoRA tensors' size and the merged sampler weights cached."""
+        snaps = list(self._live_snapshots.values())
+        size = sum(t.numel() * t.element_size() for s in snaps for pair in s.tensors.values() for t in pair)
+        return {"snapshots": len(snaps), "snapshot_mb": round(size / 2**20, 1),
+                "merged_cached": len(self._sampler_cache)}
 
     def sampler_weights(self, snap: LoraSnapshot, dtype: torch.dtype) -> SamplerWeights:
         """Sampler weights of a snapshot: the base, fused and packed once per dtype, plus the snapshot's
@@ -269,6 +301,7 @@ class SharedBase:
         memory per snapshot; unmerged factors otherwise). The LRU cache keeps the last
         `sampler_cache_size` snapshots, so every generate of one snapshot reuses its weights."""
         key = (snap.id, str(dtype))
+        self.flush_dropped()
         with self.lock:
             w = self._sampler_cache.get(key)
             if w is not None:
@@ -289,6 +322,12 @@ class SharedBase:
 
 _bases: dict[tuple[str, str], SharedBase] = {}
 _bases_lock = threading.Lock()
+
+
+def loaded_bases() -> list[SharedBase]:
+    """Every `SharedBase` this process has loaded."""
+    with _bases_lock:
+        return list(_bases.values())
 
 
 def shared_base(base_model: str, cache_dir: str | Path | None = None) -> SharedBase:

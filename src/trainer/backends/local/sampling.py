@@ -13,6 +13,10 @@ seconds of decode steps (`generate.generate_steps`), least recently served tenan
 a tenant with nothing running therefore starts within one burst wait (`max_wait_s`) and one slice,
 and then shares the compute equally with the other running tenants, however many requests (or long
 batches) one tenant queued. A batch's numbers do not depend on the interleaving (`generate`).
+
+Cancellation: `LocalSamplingClient.cancel()` (a server ending the client's session) fails the client's
+queued requests at once with `RequestCancelled`, and its running ones at the running batch's next slice;
+a batch whose every request is cancelled stops decoding there.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
 
-from trainer.backends.local.common import COMPUTE, Faults, SelfFuture, failed_future
+from trainer.backends.local.common import COMPUTE, Faults, RequestCancelled, SelfFuture, failed_future
 from trainer.backends.local.engine import LoraSnapshot, SharedBase
 from trainer.backends.local.generate import SampleJob, SampleResult, generate_steps
 from trainer.backends.local.sampler_forward import score
@@ -47,10 +51,15 @@ class _Request:
     future: Future
     fail: bool = False
     tenant: str = ""
+    cancelled: threading.Event | None = None  # its client's: set when the client is cancelled
 
     @property
     def rows(self) -> int:
         return self.job.num_samples if self.kind == "sample" else 1
+
+    @property
+    def dropped(self) -> bool:
+        return self.cancelled is not None and self.cancelled.is_set()
 
 
 SLICE_S = 0.25  # decode time a running batch gets before another tenant's batch takes a turn
@@ -65,12 +74,19 @@ class _Running:
     live: list[_Request]
     steps: Any
 
+    def drop_cancelled(self) -> bool:
+        """Fail the cancelled requests of the batch; True when none is left (the batch stops)."""
+        for r in self.live:
+            if r.dropped and not r.future.done():
+                r.future.set_exception(RequestCancelled("the sampling client was cancelled (its session ended)"))
+        return all(r.future.done() for r in self.live)
+
 
 class SampleScheduler:
     """Queue + worker that batches requests sharing a snapshot, and interleaves tenants' batches."""
 
     def __init__(self, dtype: torch.dtype, max_batch: int, faults: Faults, batch_wait_s: float = 0.01,
-                 max_wait_s: float = 0.5):
+                 max_wait_s: float = 0.5, start: bool = True):
         self.dtype = dtype
         self.max_batch = max_batch
         self.faults = faults
@@ -80,10 +96,12 @@ class SampleScheduler:
         self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="local-sampler", daemon=True)
-        self._thread.start()
         self.batches_run = 0
         self._turns = 0
         self._served: dict[str, int] = {}  # tenant -> the turn it was last served
+        self._running: dict[str, _Running] = {}  # the worker's batches in progress (read by `load`)
+        if start:  # start=False: no worker, a caller drives `_take_batch` itself (the fairness test)
+            self._thread.start()
 
     def submit(self, req: _Request) -> None:
         with self._cv:
@@ -91,6 +109,27 @@ class SampleScheduler:
                 raise RuntimeError("the local service client was closed")
             self._queue.append(req)
             self._cv.notify()
+
+    def cancel(self, token: threading.Event) -> None:
+        """Drop the queued requests of a cancelled client (`token` already set) and fail their futures; its
+        running ones end at their batch's next slice (`_Running.drop_cancelled`)."""
+        with self._cv:
+            gone = [r for r in self._queue if r.cancelled is token]
+            self._queue = [r for r in self._queue if r.cancelled is not token]
+            self._cv.notify()  # a worker waiting while only cancelled work runs looks again
+        for r in gone:
+            if not r.future.done():
+                r.future.set_exception(RequestCancelled("the sampling client was cancelled (its session "
+                                                        "ended) before this request started"))
+
+    def load(self) -> dict[str, int]:
+        """Work on the sampler now: requests queued and their rows, batches decoding and their rows (a
+        batch counts until it stops decoding, with the rows of requests already cancelled)."""
+        with self._cv:
+            queued = list(self._queue)
+        running = list(self._running.values())  # a batch decodes all its rows until it stops
+        return {"queued": len(queued), "queued_rows": sum(r.rows for r in queued),
+                "running": len(running), "running_rows": sum(r.rows for run in running for r in run.live)}
 
     def close(self) -> None:
         """Stop the worker and wait for it: a daemon thread still dropping its last batch's tensors when
@@ -102,7 +141,7 @@ class SampleScheduler:
         for r in pending:  # not started: failed now rather than run by a worker that is shutting down
             if r.future.set_running_or_notify_cancel():
                 r.future.set_exception(RuntimeError("the local service client was closed"))
-        if threading.current_thread() is not self._thread:
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
             self._thread.join()
 
     def _take_batch(self, running: dict[str, _Running]) -> list[_Request]:
@@ -146,40 +185,50 @@ class SampleScheduler:
         return batch
 
     def _run(self) -> None:
-        running: dict[str, _Running] = {}
-        while True:
-            if self._closed:
-                for run in running.values():
-                    self._fail(run.live, RuntimeError("the local service client was closed"))
-                return
-            if len(running) < MAX_ACTIVE:
-                batch = self._take_batch(running)
-                if batch:
-                    self._start(batch, running)
-                    continue  # another tenant may be waiting too
-            if not running:
-                continue
-            tenant = min(running, key=lambda t: self._served.get(t, -1))
-            self._turns += 1
-            self._served[tenant] = self._turns
-            run, shared = running[tenant], len(running) > 1
-            try:
-                outs = COMPUTE.run(lambda run=run, shared=shared: self._advance(run, shared))
-            except BaseException as e:  # noqa: BLE001
-                del running[tenant]
-                self._fail(run.live, e)
-                continue
-            if outs is not None:
-                del running[tenant]
-                self.batches_run += 1
-                for r, o in zip(run.live, outs):
+        while self._turn(self._running):
+            pass
+
+    def _turn(self, running: dict[str, _Running]) -> bool:
+        """One turn of the worker: start a batch, or advance one by a slice; False once closed. A turn's
+        locals end with it, so a finished batch's requests (and their snapshots) are not held meanwhile."""
+        for t in [t for t, run in running.items() if run.drop_cancelled()]:
+            del running[t]  # every request of the batch was cancelled: it decodes no further
+        if self._closed:
+            for run in running.values():
+                self._fail(run.live, RuntimeError("the local service client was closed"))
+            return False
+        if len(running) < MAX_ACTIVE:
+            batch = self._take_batch(running)
+            if batch:
+                self._start(batch, running)
+                return True  # another tenant may be waiting too
+        if not running:
+            return True
+        tenant = min(running, key=lambda t: self._served.get(t, -1))
+        self._turns += 1
+        self._served[tenant] = self._turns
+        run, shared = running[tenant], len(running) > 1
+        try:
+            outs = COMPUTE.run(lambda: self._advance(run, shared))
+        except BaseException as e:  # noqa: BLE001
+            del running[tenant]
+            self._fail(run.live, e)
+            return True
+        if outs is not None:
+            del running[tenant]
+            self.batches_run += 1
+            for r, o in zip(run.live, outs):
+                if not r.future.done():  # a request cancelled during its batch's last slice
                     r.future.set_result(_to_response(o) if r.kind == "sample" else o)
+        return True
 
     def _start(self, batch: list[_Request], running: dict[str, _Running]) -> None:
         live = []
         self.faults.apply("sample", False)  # the configured latency, once per batch
         for r in batch:
-            if not r.future.set_running_or_notify_cancel():
+            if r.dropped and not r.future.done():  # cancelled after it was taken from the queue
+                r.future.set_exception(RequestCancelled("the sampling client was cancelled (its session ended)"))
+            if r.future.done() or not r.future.set_running_or_notify_cancel():
                 continue
             try:
                 self.faults.apply("sample", r.fail, latency=False)
@@ -210,8 +259,9 @@ class SampleScheduler:
                     return done.value
                 if time.monotonic() < end:
                     continue
-                if shared or COMPUTE.waiting() or self._others_waiting(run.tenant):
-                    return None  # a training request, or another tenant, takes a turn
+                if (shared or COMPUTE.waiting() or self._others_waiting(run.tenant)
+                        or any(r.dropped for r in run.live)):
+                    return None  # a training request, or another tenant, takes a turn; or a cancel is seen
 
     def _steps(self, live: list[_Request]) -> Any:
         """The batch as a generator of steps (prefill, each decode step) returning its results."""
@@ -283,6 +333,13 @@ class LocalSamplingClient(SelfFuture):
         self._faults = faults
         self.model_path = model_path
         self.tenant = ""  # whose requests these are: the scheduler serves tenants in turn
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop this client's work: its queued requests fail now with `RequestCancelled`, its running ones
+        at their batch's next decode slice, and any later request fails at once."""
+        self._cancelled.set()
+        self._scheduler.cancel(self._cancelled)
 
     # SelfFuture: a client from save_weights_and_get_sampling_client is ready once its snapshot is taken
     def _ready(self, timeout: float | None = None) -> None:
@@ -346,8 +403,11 @@ class LocalSamplingClient(SelfFuture):
 
         def enqueue(_: Any = None) -> None:
             try:
+                if self._cancelled.is_set():
+                    raise RequestCancelled("the sampling client was cancelled (its session ended)")
                 snap = self._snap_future.result()
-                self._scheduler.submit(_Request(self._base, snap, kind, job, fut, fail, self.tenant))
+                self._scheduler.submit(_Request(self._base, snap, kind, job, fut, fail, self.tenant,
+                                                self._cancelled))
             except BaseException as e:  # noqa: BLE001
                 if not fut.done():
                     fut.set_exception(e)

@@ -7,7 +7,10 @@ seems to be the tinker default"); pass `lora_alpha` (e.g. the model config's val
 
 from __future__ import annotations
 
+import gc
+import json
 import logging
+import os
 import uuid
 import weakref
 from concurrent.futures import Future
@@ -20,8 +23,21 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.lib.public_interfaces.custom_loss import trace_loss
 
 from trainer.backends.local import ckpt
-from trainer.backends.local.common import Faults, done_future, failed_future, resolve_path
-from trainer.backends.local.engine import BASE_SNAPSHOT, LoraSnapshot, shared_base, target_modules
+from trainer.backends.local.common import (
+    Faults,
+    done_future,
+    failed_future,
+    process_memory_mb,
+    resolve_path,
+    trim_heap,
+)
+from trainer.backends.local.engine import (
+    BASE_SNAPSHOT,
+    LoraSnapshot,
+    loaded_bases,
+    shared_base,
+    target_modules,
+)
 from trainer.backends.local.plan import EnginePlan, check_environment, resolve_dtypes
 from trainer.backends.local.precision import dtype_name
 from trainer.backends.local.sampling import LocalSamplingClient, SampleScheduler
@@ -75,6 +91,10 @@ class LocalServiceClient:
                                           batch_wait_s=float(sample_batch_wait_s))
         self._clients: weakref.WeakSet[LocalTrainingClient] = weakref.WeakSet()
         self._announced: set[str] = set()
+        # checkpoint -> the snapshot its sampling clients share (one copy of its LoRA, one set of merged
+        # weights, one batch), while any of them lives; keyed by the adapter file's mtime too, since a
+        # sampler checkpoint saved again under its name is rewritten
+        self._checkpoint_snaps: weakref.WeakValueDictionary[tuple, LoraSnapshot] = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------ capabilities
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
@@ -177,10 +197,15 @@ class LocalServiceClient:
         if model_path is None:
             return self._sampling_client(shared_base(base_model, self.model_cache_dir), BASE_SNAPSHOT)
         folder = self.resolve(model_path)
-        meta, tensors, _ = ckpt.read(folder, with_optimizer=False)
+        meta = json.loads((folder / "meta.json").read_text())
+        key = (str(folder), os.stat(folder / ckpt.ADAPTER_FILE).st_mtime_ns, meta.get("created_at"))
+        snap = self._checkpoint_snaps.get(key)
         base = shared_base(meta["base_model"], self.model_cache_dir)
-        snap = LoraSnapshot(id=f"ckpt-{uuid.uuid4().hex}", tensors=tensors,
-                            scale=float(meta["alpha"]) / int(meta["rank"]))
+        if snap is None:
+            meta, tensors, _ = ckpt.read(folder, with_optimizer=False)
+            snap = base.track(LoraSnapshot(id=f"ckpt-{uuid.uuid4().hex}", tensors=tensors,
+                                           scale=float(meta["alpha"]) / int(meta["rank"])))
+            self._checkpoint_snaps[key] = snap
         return self._sampling_client(base, snap, model_path)
 
     async def create_sampling_client_async(self, model_path: str | None = None, base_model: str | None = None,
@@ -208,6 +233,31 @@ class LocalServiceClient:
     def sample_batches_run(self) -> int:
         """How many batches the sampling scheduler has run (requests batched together count once)."""
         return self._scheduler.batches_run
+
+    def memory_to_release(self) -> bool:
+        """Whether sampling clients were dropped whose weights `release_memory` would free."""
+        return any(base.has_dropped() for base in loaded_bases())
+
+    def release_memory(self) -> None:
+        """Return what dropped sampling clients held: collect them (a client waiting on its snapshot is in
+        a reference cycle), drop their merged sampler weights, and hand the freed pages to the OS."""
+        gc.collect()
+        for base in loaded_bases():
+            base.flush_dropped()
+        trim_heap()
+
+    def memory(self) -> dict[str, float]:
+        """The process's RSS (now and peak, MiB) and the samplers' share: live snapshots, their LoRA
+        tensors' MiB and the merged sampler weights cached (`SharedBase.sampler_memory`)."""
+        out: dict[str, float] = dict(process_memory_mb())
+        for base in loaded_bases():
+            for k, v in base.sampler_memory().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def sampler_load(self) -> dict[str, int]:
+        """Requests (and rows) queued on the sampler and decoding now (`SampleScheduler.load`)."""
+        return self._scheduler.load()
 
     def close(self, status: str = "success", detail: str | None = None) -> AwaitableConcurrentFuture:
         self._scheduler.close()

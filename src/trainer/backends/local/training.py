@@ -27,8 +27,8 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from tinker.lib.public_interfaces.custom_loss import LossHandle
 
 from trainer.backends.local import ckpt
-from trainer.backends.local.common import (COMPUTE, Faults, OrderedWorker, SelfFuture, check_id,
-                                           checkpoint_folder, tinker_path)
+from trainer.backends.local.common import (COMPUTE, Faults, OrderedWorker, RequestCancelled, SelfFuture,
+                                           check_id, checkpoint_folder, failed_future, tinker_path)
 from trainer.backends.local.engine import LoraSnapshot, SharedBase
 from trainer.backends.local.training_compute import LoraCompute, LossRun
 
@@ -84,13 +84,18 @@ class LocalTrainingClient(SelfFuture):
     def get_tokenizer(self) -> Any:
         return self._base.tokenizer
 
-    def _submit(self, fn: Callable[[], Any], fault_kind: str | None = None) -> AwaitableConcurrentFuture:
+    def _submit(self, fn: Callable[[], Any], fault_kind: str | None = None, chunked: bool = False
+                ) -> AwaitableConcurrentFuture:
+        """`fn` on this client's ordered worker, on the compute thread; `chunked`: `fn` hands its pieces to
+        the compute thread itself (a loss runner, one micro-batch at a time: `training_compute`)."""
+        if self.compute.cancelled.is_set():
+            return failed_future(RequestCancelled("the training client was cancelled (its session ended)"))
         fail = self._faults.draw(fault_kind) if fault_kind else False
 
         def run() -> Any:
             if fault_kind:
                 self._faults.apply(fault_kind, fail)
-            return COMPUTE.run(fn)
+            return fn() if chunked else COMPUTE.run(fn)
 
         return self._worker.submit(run)
 
@@ -104,18 +109,20 @@ class LocalTrainingClient(SelfFuture):
         return types.ForwardBackwardOutput(loss_fn_output_type=OUTPUT_TYPE, loss_fn_outputs=outs, metrics=run.metrics)
 
     def _run_builtin(self, data: Any, loss_fn: str, loss_fn_config: Any, backward: bool) -> types.ForwardBackwardOutput:
-        return self._output(self.compute.run_builtin(data, loss_fn, loss_fn_config, backward))
+        run = self.compute.run_builtin(data, loss_fn, loss_fn_config, backward)
+        return COMPUTE.run(lambda: self._output(run))
 
     def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: Mapping[str, Any] | None = None
                 ) -> AwaitableConcurrentFuture:
         """Loss, target logprobs and (local engine only) the exact per-position entropy, without gradients."""
-        return self._submit(lambda: self._run_builtin(data, loss_fn, loss_fn_config, backward=False))
+        return self._submit(lambda: self._run_builtin(data, loss_fn, loss_fn_config, backward=False),
+                            chunked=True)
 
     def forward_backward(self, data: list[types.Datum], loss_fn: str,
                          loss_fn_config: Mapping[str, Any] | None = None) -> AwaitableConcurrentFuture:
         """Gradients of the summed loss accumulate until the next `optim_step`."""
         return self._submit(lambda: self._run_builtin(data, loss_fn, loss_fn_config, backward=True),
-                            "forward_backward")
+                            "forward_backward", chunked=True)
 
     # ------------------------------------------------------------------ custom losses
     def forward_backward_custom(self, data: list[types.Datum], loss_fn: Any, *, loss_type_input: Any = None
@@ -124,17 +131,19 @@ class LocalTrainingClient(SelfFuture):
             return self._submit(lambda: _raise(
                 ValueError(f"loss_type_input must be 'logprobs' or None, got {loss_type_input!r}")))
         if isinstance(loss_fn, LossHandle):
-            return self._submit(lambda: self._run_handle(data, loss_fn), "forward_backward")
-        return self._submit(lambda: self._run_callable(data, loss_fn), "forward_backward")
+            return self._submit(lambda: self._run_handle(data, loss_fn), "forward_backward", chunked=True)
+        return self._submit(lambda: self._run_callable(data, loss_fn), "forward_backward", chunked=True)
 
     def _run_callable(self, data: Any, loss_fn: Callable) -> types.ForwardBackwardOutput:
-        return self._output(self.compute.run_custom(data, loss_fn))
+        run = self.compute.run_custom(data, loss_fn)
+        return COMPUTE.run(lambda: self._output(run))
 
     def _run_handle(self, data: Any, handle: LossHandle) -> types.ForwardBackwardOutput:
         if handle.session_id != self._service.session_id:
             raise ValueError(f"LossHandle {handle.name!r} was created in session {handle.session_id}; it can only "
                              "be used by clients of that session")
-        return self._output(self.compute.run_handle(data, handle))
+        run = self.compute.run_handle(data, handle)
+        return COMPUTE.run(lambda: self._output(run))
 
     # ------------------------------------------------------------------ optimizer
     def optim_step(self, optim_params: types.AdamParams | None = None, *, adam_params: types.AdamParams | None = None
@@ -270,6 +279,13 @@ class LocalTrainingClient(SelfFuture):
 
     def close(self) -> None:
         self._worker.shutdown()
+
+    def cancel(self) -> None:
+        """Stop this client's work (a server ended its session): queued requests are cancelled before they
+        start, a running one stops before its next micro-batch (`RequestCancelled`); no request is taken
+        after. The adapter itself is freed with the client."""
+        self.compute.cancelled.set()
+        self._worker.shutdown(cancel_queued=True)
 
 
 def _raise(exc: BaseException) -> Any:

@@ -4,11 +4,17 @@ the AdamW step over one LoRA adapter. `training.LocalTrainingClient` wraps it in
 argument checks, checkpoints); tests and benches call it directly through `client.compute`.
 
 Every method that touches the model expects to run on the engine's compute thread; `logprobs` also
-expects `base.lock` held (the runners take it themselves).
+expects `base.lock` held (the runners take it themselves). The loss runners are the exception: they hand
+each piece of torch work (preparing the data, one micro-batch's pass, a custom loss's own call) to the
+compute thread separately (`COMPUTE.run`, inline when called on it), so called from another thread they
+let the sampler take a slice between two micro-batches: a sampling request waits for at most one
+micro-batch of a training request, not for all of it. A cancelled compute (`cancelled` set: a server
+ended its session) stops its runner before the next micro-batch with `RequestCancelled`.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -17,6 +23,7 @@ from tinker import types
 from tinker.lib.public_interfaces.custom_loss import LossHandle, check_loss_inputs, run_loss_handle
 
 from trainer.backends.local import train_forward
+from trainer.backends.local.common import COMPUTE, RequestCancelled
 from trainer.backends.local.engine import SharedBase
 from trainer.backends.local.losses import REQUIRED_INPUTS, datum_loss, resolve_config
 from trainer.backends.local.model import matmul_inputs, unembed_weight
@@ -138,6 +145,13 @@ class LoraCompute:
         # at this count; the same update up to fp32 rounding)
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0,
                                            fused=True)
+        self.cancelled = threading.Event()
+
+    def check_cancelled(self) -> None:
+        """Between micro-batches: a cancelled client's request stops here (its gradients so far stay
+        accumulated, but the client is never used again)."""
+        if self.cancelled.is_set():
+            raise RequestCancelled("the training client was cancelled (its session ended)")
 
     # ------------------------------------------------------------------ data
     def prepare(self, data: Any, loss_keys: tuple[str, ...] = ()) -> list[PreparedDatum]:
@@ -229,19 +243,24 @@ class LoraCompute:
     def run_builtin(self, data: Any, loss_fn: str, loss_fn_config: Any, backward: bool) -> LossRun:
         """One of Tinker's built-in losses (`losses.py`), summed over datums, per micro-batch."""
         fn_config = resolve_config(loss_fn, loss_fn_config)
-        preps = self.prepare(data, REQUIRED_INPUTS[loss_fn])
+        preps = COMPUTE.run(lambda: self.prepare(data, REQUIRED_INPUTS[loss_fn]))
         total, lps_all, passes = 0.0, [], 0
         # a no-grad forward also returns the exact entropy (the logits are at hand; the training passes skip it)
         entropy: list[torch.Tensor] | None = None if backward or any(p.targets.dim() != 1 for p in preps) else []
-        for mb in self.micro_batches(preps):
-            chunk = [preps[i] for i in mb]
+
+        def one(chunk: list[PreparedDatum]) -> tuple[list[torch.Tensor], float]:
             with self.base.lock, torch.set_grad_enabled(backward):
                 lps = self.logprobs(chunk, entropy=entropy)
-                passes += 1
                 loss = sum(datum_loss(loss_fn, lp, p.inputs, fn_config) for lp, p in zip(lps, chunk))
                 if backward:
                     loss.backward()
-            total += float(loss.detach())
+            return lps, float(loss.detach())
+
+        for mb in self.micro_batches(preps):
+            self.check_cancelled()
+            lps, loss_v = COMPUTE.run(lambda mb=mb: one([preps[i] for i in mb]))
+            passes += 1
+            total += loss_v
             lps_all += lps
         metrics = {"loss:sum": total, "engine/forward_passes:sum": float(passes),
                    "engine/micro_batches:sum": float(passes)}
@@ -255,36 +274,52 @@ class LoraCompute:
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be a callable (data, logprobs_list) -> (loss, metrics) or a LossHandle, "
                              f"got {type(loss_fn).__name__}")
-        preps = self.prepare(data)
+        preps = COMPUTE.run(lambda: self.prepare(data))
         mbs = self.micro_batches(preps)
         passes = 0
         # pass 1: no-grad logprobs of every datum -> float32 leaves, as the SDK builds them
         leaves: list[torch.Tensor] = []
-        for mb in mbs:
+
+        def first(mb: range) -> list[torch.Tensor]:
             with self.base.lock, torch.no_grad():
-                leaves += [lp.detach().to(torch.float32).clone().requires_grad_(True)
-                           for lp in self.logprobs([preps[i] for i in mb])]
-            passes += 1
-        loss, metrics = loss_fn(list(data), leaves)
-        if not isinstance(loss, torch.Tensor):
-            raise ValueError(f"custom loss_fn must return (torch.Tensor, dict), got {type(loss).__name__}")
-        loss_sum = float(loss.detach().sum())
-        loss.backward()
-        grads = []
-        for i, leaf in enumerate(leaves):
-            if leaf.grad is None:
-                raise ValueError(f"No gradient computed for logprob tensor of datum[{i}]: the custom loss must "
-                                 "depend on every datum's logprobs")
-            grads.append(leaf.grad)
-        # pass 2: forward+backward of the linear surrogate sum(logp * dC/dlogp) per micro-batch
-        surrogate, lps_all = 0.0, []
+                return [lp.detach().to(torch.float32).clone().requires_grad_(True)
+                        for lp in self.logprobs([preps[i] for i in mb])]
+
         for mb in mbs:
+            self.check_cancelled()
+            leaves += COMPUTE.run(lambda mb=mb: first(mb))
+            passes += 1
+
+        def differentiate() -> tuple[float, Any, list[torch.Tensor]]:
+            loss, metrics = loss_fn(list(data), leaves)
+            if not isinstance(loss, torch.Tensor):
+                raise ValueError(f"custom loss_fn must return (torch.Tensor, dict), got {type(loss).__name__}")
+            loss_sum = float(loss.detach().sum())
+            loss.backward()
+            grads = []
+            for i, leaf in enumerate(leaves):
+                if leaf.grad is None:
+                    raise ValueError(f"No gradient computed for logprob tensor of datum[{i}]: the custom loss "
+                                     "must depend on every datum's logprobs")
+                grads.append(leaf.grad)
+            return loss_sum, metrics, grads
+
+        loss_sum, metrics, grads = COMPUTE.run(differentiate)
+
+        # pass 2: forward+backward of the linear surrogate sum(logp * dC/dlogp) per micro-batch
+        def second(mb: range) -> tuple[list[torch.Tensor], float]:
             with self.base.lock:
                 lps = self.logprobs([preps[i] for i in mb])
                 s = sum((lp * grads[i]).sum() for lp, i in zip(lps, mb))
                 s.backward()
+            return lps, float(s.detach())
+
+        surrogate, lps_all = 0.0, []
+        for mb in mbs:
+            self.check_cancelled()
+            lps, s_v = COMPUTE.run(lambda mb=mb: second(mb))
             passes += 1
-            surrogate += float(s.detach())
+            surrogate += s_v
             lps_all += lps
         out_metrics = {k: float(v) for k, v in dict(metrics or {}).items()}
         out_metrics.update({"loss:sum": loss_sum, "surrogate_loss:sum": surrogate,
@@ -294,19 +329,24 @@ class LoraCompute:
     def run_handle(self, data: Any, handle: LossHandle) -> LossRun:
         """A registered per-datum loss in ONE pass per micro-batch (its per-datum losses summed, as tinker's
         `custom_loss.py::run_loss_handle` does)."""
-        preps = self.prepare(data)
+        preps = COMPUTE.run(lambda: self.prepare(data))
         check_loss_inputs(handle, list(data))
         mbs = self.micro_batches(preps)
         total, lps_all, sums = 0.0, [], {}
-        for mb in mbs:
-            chunk_data = [data[i] for i in mb]
+
+        def one(mb: range) -> tuple[list[torch.Tensor], float, dict[str, float]]:
             with self.base.lock:
                 # the registered losses weight every token by `mask`: positions before the first
                 # masked-in one (the prompt) need no gradient
                 lps = self.logprobs([preps[i] for i in mb], [preps[i].mask_from for i in mb])
-                loss, metrics = run_loss_handle(handle, chunk_data, lps)
+                loss, metrics = run_loss_handle(handle, [data[i] for i in mb], lps)
                 loss.backward()
-            total += float(loss.detach())
+            return lps, float(loss.detach()), metrics
+
+        for mb in mbs:
+            self.check_cancelled()
+            lps, loss_v, metrics = COMPUTE.run(lambda mb=mb: one(mb))
+            total += loss_v
             lps_all += lps
             for k, v in metrics.items():  # means come back per micro-batch: re-weight by its size
                 sums[k] = sums.get(k, 0.0) + (v * len(mb) if k.endswith(":mean") else v)
@@ -319,6 +359,7 @@ class LoraCompute:
     def adamw_step(self, params: types.AdamParams) -> float:
         """Clip the accumulated gradients to `grad_clip_norm` (global norm, torch `clip_grad_norm_`
         convention), step AdamW with `params` and clear the gradients; returns the norm before clipping."""
+        self.check_cancelled()
         with self.base.lock:
             grads = [p.grad for p in self.params if p.grad is not None]
             norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
