@@ -24,6 +24,7 @@ import signal
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from trainer.config.enums import MAX_SAMPLER_LOGIT_NOISE, SAMPLER_QUANTS
 from trainer.serve import is_loopback
@@ -133,19 +134,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def build_engine(args: argparse.Namespace) -> Any:
+    """The engine the server runs: a `LocalServiceClient` with the engine flags (a bad value: ValueError)."""
+    from trainer.backends.local import LocalServiceClient
+
+    return LocalServiceClient(state_dir=Path(args.state_dir), sampler_dtype=args.sampler_dtype,
+                              train_dtype=args.train_dtype, micro_batch_size=args.micro_batch_size,
+                              micro_batch_tokens=args.micro_batch_tokens, max_sample_batch=args.max_sample_batch,
+                              lora_alpha=args.lora_alpha, num_threads=args.num_threads,
+                              sampler_quant=args.sampler_quant, sampler_logit_noise=args.sampler_logit_noise)
+
+
 async def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
-    from trainer.backends.local import LocalServiceClient
     from trainer.serve.app import JsonErrorRunner, TinkerServer
     from trainer.serve.faults import FaultPlan
 
     faults = FaultPlan.parse(args.faults)
-    engine = LocalServiceClient(state_dir=Path(args.state_dir), sampler_dtype=args.sampler_dtype,
-                                train_dtype=args.train_dtype, micro_batch_size=args.micro_batch_size,
-                                micro_batch_tokens=args.micro_batch_tokens, max_sample_batch=args.max_sample_batch,
-                                lora_alpha=args.lora_alpha, num_threads=args.num_threads,
-                                sampler_quant=args.sampler_quant, sampler_logit_noise=args.sampler_logit_noise)
+    engine = build_engine(args)
     server = TinkerServer(engine, faults, poll_s=args.poll_s, server_side_loss=not args.client_side_loss,
                           latency_s=args.latency_s, api_keys=args.api_key, limits=args.limits,
                           allow_remote=args.insecure_allow_remote and not args.api_key,
