@@ -218,14 +218,16 @@ def test_zero_noise_is_the_exact_path_and_noise_is_seeded_and_batch_independent(
     tc, scl = _pair(clients["exact"])
     p = _prompt(tc)
     exact = _sample(scl, p)
-    _, scl0 = _pair(clients["noise0"])
-    assert [(s.tokens, s.logprobs) for s in _sample(scl0, p)] == [(s.tokens, s.logprobs) for s in exact]
+    tc0, scl0 = _pair(clients["noise0"])
+    zero = _sample(scl0, p)
+    assert [(s.tokens, s.logprobs) for s in zero] == [(s.tokens, s.logprobs) for s in exact]
+    assert _mismatch(tc0, p, zero)[1].max() <= 1e-4  # and both are the exact engine's numbers
     _, scln = _pair(clients["noise"])
     alone = _sample(scln, p)
     assert [s.tokens for s in alone] != [s.tokens for s in exact]
 
-    async def batched():  # the same request beside another one of another length
-        other = types.ModelInput.from_ints(p[:5])
+    async def batched():  # the same request beside a longer one (its rows then come first in the batch)
+        other = types.ModelInput.from_ints(p + p[:5])
         params = types.SamplingParams(max_tokens=16, temperature=1.0, seed=3, stop=[])
         return await asyncio.gather(scln.sample(types.ModelInput.from_ints(p), 4, params),
                                     scln.sample(other, 3, params.model_copy(update={"seed": 9})))
