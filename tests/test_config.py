@@ -138,8 +138,9 @@ BAD_OVERRIDES = [
 # the overrides Hydra composes (known key, right type) that the schema's bounds then refuse
 OUT_OF_BOUNDS = {"model.lora_rank=0", "loss.clip_eps=-1", "optimizer.beta2=1.5", "schedule.updates_per_batch=0",
                  "env.max_digits=9", "eval.every=-1", "backend.sampler_dtype=fp8", "logger.mode=sometimes",
-                 "backend.sampler_quant=int3", "backend.sampler_logit_noise=-0.1", "backend.sampler_logit_noise=nan",
-                 "backend.sampler_logit_noise=11", "sampling.coupling=antithetic"}
+                 "backend.sampler_quant=int3", "backend.sampler_logit_noise=-0.1",
+                 "backend.sampler_logit_noise=nan", "backend.sampler_logit_noise=11",
+                 "sampling.coupling=antithetic"}
 
 
 @pytest.mark.parametrize("override,needle", BAD_OVERRIDES)

@@ -52,8 +52,8 @@ def test_fake_quant_float_formats_against_hand_values():
     assert torch.equal(fake_quant(w8, "fp8_e4m3"), torch.tensor([[896.0, 1.0, 26.0, 28.0, 32.0, -576.0],
                                                                  [0.0] * 6], dtype=D))
     # each row's largest entry is reproduced (448 is a code): a scale past E4M3's range would saturate it
-    w = torch.randn(32, 50, generator=torch.Generator().manual_seed(1), dtype=D) * torch.logspace(-3, 2, 32,
-                                                                                                  dtype=D)[:, None]
+    spread = torch.logspace(-3, 2, 32, dtype=D)[:, None]  # rows of very different sizes
+    w = torch.randn(32, 50, generator=torch.Generator().manual_seed(1), dtype=D) * spread
     q = fake_quant(w, "fp8_e4m3")
     i = w.abs().argmax(-1, keepdim=True)
     assert torch.allclose(q.gather(1, i), w.gather(1, i), rtol=1e-14, atol=0)
@@ -102,9 +102,10 @@ def test_quantised_sampler_weights_round_the_merged_weight_and_keep_the_rest_exa
     W = _weights(pack=False)
     lora = _lora(W, torch.Generator().manual_seed(0))
     Q = with_lora(W, lora, 0.5, "int4")
-    assert Q.quant == "int4" and Q.embed is W.embed and Q.lm_head is W.lm_head and Q.final_norm is W.final_norm
+    assert Q.quant == "int4" and Q.embed is W.embed and Q.lm_head is W.lm_head
+    assert Q.final_norm is W.final_norm
     L, QL = W.layers[0], Q.layers[0]
-    (o_name, (A, B)), (gate_name, (Ag, Bg)) = lora.items()
+    (A, B), (Ag, Bg) = lora.values()
     assert torch.equal(QL.o.w, fake_quant(torch.addmm(L.o.w, 0.5 * B, A), "int4"))
     inter = W.intermediate
     gate_up = torch.cat([L.gate_up.w[:inter] + 0.5 * Bg @ Ag, L.gate_up.w[inter:]])
@@ -149,12 +150,12 @@ def test_none_leaves_the_sampler_weights_as_they_were():
     got = base.sampler_weights(BASE_SNAPSHOT, torch.float32)
     assert base.sampler_weights(BASE_SNAPSHOT, torch.float32, "none") is got and got.quant == "none"
     assert torch.equal(got.layers[0].o.w, base.base_state["model.layers.0.self_attn.o_proj.weight"])
-    q = base.sampler_weights(BASE_SNAPSHOT, torch.float32, "int8")  # the engine's own packing (w None where packed)
+    q = base.sampler_weights(BASE_SNAPSHOT, torch.float32, "int8")  # packed as the engine packs (w None)
     x = torch.randn(3, got.layers[0].o.out_features)
     assert q is not got and q.quant == "int8" and not torch.equal(q.layers[0].o(x), got.layers[0].o(x))
 
 
-# ----------------------------------------------------------------------------- the mismatch through the engine
+# ----------------------------------------------------------------------------- the mismatch in the engine
 @pytest.fixture(scope="module")
 def clients(tmp_path_factory):
     """One fp32 service client per setting (all sharing the process's tiny model)."""
@@ -185,12 +186,14 @@ def _sample(scl, p, n=4, seed=3, max_tokens=16, **kw):
 
 
 def _mismatch(tc, p, seqs):
-    """|p_sampler - p_trainer| and |logprob difference| over every sampled token (the trainer's exact forward)."""
+    """|p_sampler - p_trainer| and |logprob difference| over every sampled token (the trainer: exact)."""
     dp, dlp = [], []
     for s in seqs:
         full = p + s.tokens
-        d = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs={"target_tokens": full[1:]})
-        trained = tc.forward([d], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()[len(p) - 1:]
+        d = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                        loss_fn_inputs={"target_tokens": full[1:]})
+        out = tc.forward([d], "cross_entropy").result().loss_fn_outputs[0]
+        trained = out["logprobs"].to_torch()[len(p) - 1:]
         sampled = torch.tensor(s.logprobs)
         dp.append((sampled.exp() - trained.exp()).abs())
         dlp.append((sampled - trained).abs())
@@ -277,7 +280,8 @@ def test_server_flags_are_checked_and_passed_to_its_engine(tmp_path, capsys):
         with pytest.raises(SystemExit) as ei:
             parse_args(argv)
         assert ei.value.code == 2 and needle in capsys.readouterr().err
-    args = parse_args(["--sampler-quant", "int8", "--sampler-logit-noise", "0.3", "--state-dir", str(tmp_path)])
+    args = parse_args(["--sampler-quant", "int8", "--sampler-logit-noise", "0.3",
+                       "--state-dir", str(tmp_path)])
     engine = build_engine(args)
     try:
         assert engine.sampler_knobs == {"sampler_quant": "int8", "sampler_logit_noise": 0.3,
@@ -344,7 +348,8 @@ def test_gumbel_couples_two_nearby_distributions_far_tighter_than_inverse_cdf():
     assert 3.0 < entropy < 4.0, entropy
     n = 20000
     keys = _keys(range(n))
-    gum = float((gumbel_argmax(a.expand(n, -1), keys) != gumbel_argmax(b.expand(n, -1), keys)).double().mean())
+    gum = float((gumbel_argmax(a.expand(n, -1), keys) != gumbel_argmax(b.expand(n, -1), keys))
+                .double().mean())
     u = uniform(keys, 1)[:, 0]
     icdf = float((inverse_cdf(pa.float().expand(n, -1), u) != inverse_cdf(pb.float().expand(n, -1), u))
                  .double().mean())
@@ -365,9 +370,8 @@ def test_gumbel_through_the_engine_is_seeded_respects_temperature_and_truncation
     V = len(tc.get_tokenizer())
     for s in seqs[:2]:
         full = p + s.tokens
-        res = scl.sample(types.ModelInput.from_ints(full), 1, types.SamplingParams(max_tokens=1, temperature=0.0,
-                                                                                   stop=[]),
-                         topk_prompt_logprobs=V).result()
+        greedy1 = types.SamplingParams(max_tokens=1, temperature=0.0, stop=[])
+        res = scl.sample(types.ModelInput.from_ints(full), 1, greedy1, topk_prompt_logprobs=V).result()
         rows = torch.full((len(s.tokens), V), float("nan"), dtype=D)
         for i, row in enumerate(res.topk_prompt_logprobs[len(p):]):
             ids, lps = zip(*row)

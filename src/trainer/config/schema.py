@@ -763,10 +763,10 @@ def composed_dict(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _check_coupling_backend(coupling: str, backend: str) -> None:
-    """Gumbel coupling is the local engine's own draw: the Tinker protocol has no field to ask a service for it."""
+    """Gumbel coupling is the local engine's own draw: the Tinker protocol cannot ask a service for it."""
     if coupling != "inverse_cdf" and backend != "local":
-        raise ConfigError(f"sampling.coupling={coupling} needs backend=local (a service draws tokens its own way "
-                          f"and the Tinker protocol cannot ask for another), got backend={backend}")
+        raise ConfigError(f"sampling.coupling={coupling} needs backend=local (a service draws tokens its own "
+                          f"way and the Tinker protocol cannot ask for another), got backend={backend}")
 
 
 def _check_group_advantage(advantage: str, group_size: int) -> None:

@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-sample-batch", type=int, default=128)
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 32, the engine's)")
     p.add_argument("--sampler-quant", default="none",
-                   help="round the sampler's projection weights to a serving format and back, training keeping "
-                        "the exact ones (a train-inference mismatch, docs/engine.md): "
+                   help="round the sampler's projection weights to a serving format and back, training "
+                        "keeping the exact ones (a train-inference mismatch, docs/engine.md): "
                         "none | fp16 | fp8_e4m3 | int8 | int4")
     p.add_argument("--sampler-logit-noise", type=float, default=0.0,
                    help="sd (nats) of seeded Gaussian noise added to the sampler's logits at every sampled "
@@ -140,7 +140,8 @@ def build_engine(args: argparse.Namespace) -> Any:
 
     return LocalServiceClient(state_dir=Path(args.state_dir), sampler_dtype=args.sampler_dtype,
                               train_dtype=args.train_dtype, micro_batch_size=args.micro_batch_size,
-                              micro_batch_tokens=args.micro_batch_tokens, max_sample_batch=args.max_sample_batch,
+                              micro_batch_tokens=args.micro_batch_tokens,
+                              max_sample_batch=args.max_sample_batch,
                               lora_alpha=args.lora_alpha, num_threads=args.num_threads,
                               sampler_quant=args.sampler_quant, sampler_logit_noise=args.sampler_logit_noise)
 

@@ -269,9 +269,9 @@ class SharedBase:
         memory per snapshot; unmerged factors otherwise). The LRU cache keeps the last
         `sampler_cache_size` weight sets, so every generate of one snapshot reuses its weights.
 
-        `quant` (`backend.sampler_quant`) other than `none`: the layer projections, LoRA merged, fake-quantised
-        once per snapshot (`sampler_weights.with_lora`); the key then names it, since clients of one process
-        may differ in it (`none` keeps the key it always had)."""
+        `quant` (`backend.sampler_quant`) other than `none`: the layer projections, LoRA merged,
+        fake-quantised once per snapshot (`sampler_weights.with_lora`); the key then names it, since clients
+        of one process may differ in it (`none` keeps the key it always had)."""
         key: tuple[str, ...] = (snap.id, str(dtype)) if quant == "none" else (snap.id, str(dtype), quant)
         with self.lock:
             w = self._sampler_cache.get(key)

@@ -136,7 +136,7 @@ class _Batch:
     live: torch.Tensor | None = None  # batch index -> row index (shrinks when finished rows are compacted)
     logit_noise: float = 0.0  # sd of the keyed logit noise (0: none)
     coupling: str = "inverse_cdf"  # inverse_cdf | gumbel
-    seed_B: torch.Tensor | None = None  # per row: its job's seed (int64), set where noise or gumbel keys on it
+    seed_B: torch.Tensor | None = None  # per row: its job's seed (int64), where noise or gumbel key on it
 
 
 def _plan(W: SamplerWeights, jobs: Sequence[SampleJob]) -> _Batch:
@@ -211,11 +211,12 @@ def sample(batch: _Batch, logits: torch.Tensor, step: int = 0) -> tuple[torch.Te
     """A token and its logprob for every live row (`logits`: `[live rows, V]`) at response position `step`;
     each row's token and logprob come from its own logits by the same formulas whatever the other rows do."""
     jobs, live = batch.jobs, batch.live
-    if batch.logit_noise > 0:  # the sampler's numbers perturbed: the draw, the logprob and the argmax read them
+    if batch.logit_noise > 0:  # the sampler's numbers perturbed: the draw, logprob and argmax read them
         keys = keyed.row_keys(keyed.NOISE_SALT, batch.seed_B[live], batch.sample_B[live], step)
         logits = logits + batch.logit_noise * keyed.normal(keys, logits.shape[-1])
     gumbel = batch.coupling == "gumbel"
-    gkeys = keyed.row_keys(keyed.GUMBEL_SALT, batch.seed_B[live], batch.sample_B[live], step) if gumbel else None
+    gkeys = (keyed.row_keys(keyed.GUMBEL_SALT, batch.seed_B[live], batch.sample_B[live], step) if gumbel
+             else None)
     temps = batch.temp_B[live]
     scaled = logits if bool((temps == 1.0).all()) else logits / temps.unsqueeze(1)
     probs = torch.softmax(scaled, -1)  # the tempered distribution over the full vocabulary
@@ -331,8 +332,8 @@ def generate_steps(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any 
     if not jobs:
         return []
     if not (math.isfinite(logit_noise) and logit_noise >= 0) or coupling not in SAMPLING_COUPLINGS:
-        raise ValueError(f"logit_noise must be a finite number >= 0 and coupling one of {list(SAMPLING_COUPLINGS)}, "
-                         f"got {logit_noise!r}, {coupling!r}")
+        raise ValueError(f"logit_noise must be a finite number >= 0 and coupling one of "
+                         f"{list(SAMPLING_COUPLINGS)}, got {logit_noise!r}, {coupling!r}")
     batch = _plan(W, jobs)
     results = [SampleResult() for _ in jobs]
     logits, cache = prefill(W, batch, results)

@@ -38,7 +38,8 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def row_keys(salt: int, seed_N: torch.Tensor, sample_N: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor:
+def row_keys(salt: int, seed_N: torch.Tensor, sample_N: torch.Tensor, pos: int | torch.Tensor
+             ) -> torch.Tensor:
     """One 32-bit key per row from `salt`, the row's request seed (any int64: both halves are mixed in),
     its sample index within the request and its position: int64 `[N]`."""
     seed = seed_N.to(torch.int64)
@@ -51,8 +52,8 @@ def row_keys(salt: int, seed_N: torch.Tensor, sample_N: torch.Tensor, pos: int |
 
 
 def uniform(keys_N: torch.Tensor, vocab: int) -> torch.Tensor:
-    """float64 `[N, vocab]` uniforms in (0, 1) (never 0 or 1: `(bits + 0.5) / 2^32`), entry (n, t) a function of
-    `keys_N[n]` and the token id t alone: two rounds of the hash over the token id xor-ed with the key."""
+    """float64 `[N, vocab]` uniforms in (0, 1) (never 0 or 1: `(bits + 0.5) / 2^32`), entry (n, t) a function
+    of `keys_N[n]` and the token id t alone: two rounds of the hash over the token id xor-ed with the key."""
     tok = torch.arange(vocab, dtype=torch.int64)
     bits = mix32(mix32(tok.unsqueeze(0) ^ keys_N.unsqueeze(1)) ^ mix32(keys_N ^ 0x9E3779B9).unsqueeze(1))
     return (bits.double() + 0.5) * (1.0 / 4294967296.0)

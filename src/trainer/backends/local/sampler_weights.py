@@ -228,8 +228,8 @@ def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
     return Projection(lin.w, None, A.to(dtype).contiguous(), B.to(dtype))
 
 
-def _factors(have: list[tuple[str, int, int]], lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float,
-             rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _factors(have: list[tuple[str, int, int]], lora: dict[str, tuple[torch.Tensor, torch.Tensor]],
+             scale: float, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(B, A)` of `with_factors`: A stacked `[sum r, in]`, B block-diagonal `[rows, sum r]` times `scale`."""
     A = torch.cat([lora[n][0] for n, _, _ in have], 0)
     B = torch.zeros(rows, A.shape[0])
@@ -243,8 +243,8 @@ def _factors(have: list[tuple[str, int, int]], lora: dict[str, tuple[torch.Tenso
 
 def _quantised(lin: Projection, BA: tuple[torch.Tensor, torch.Tensor] | None, quant: str, ops: SamplerOps
                ) -> Projection:
-    """A base projection `lin` (its plain weight kept) plus `B A` where given, fake-quantised to `quant` in fp32,
-    rounded to `lin`'s dtype and packed as `lin` is (AMX tiles, oneDNN, or plain)."""
+    """A base projection `lin` (its plain weight kept) plus `B A` where given, fake-quantised to `quant` in
+    fp32, rounded to `lin`'s dtype and packed as `lin` is (AMX tiles, oneDNN, or plain)."""
     eff = lin.w.float() if BA is None else torch.addmm(lin.w.float(), BA[0], BA[1].float())
     q = fake_quant(eff, quant).to(lin.w.dtype)
     if lin.amx is not None:
@@ -274,9 +274,11 @@ def with_lora(W: SamplerWeights, lora: dict[str, tuple[torch.Tensor, torch.Tenso
             known.update(n.qkv + n.gate_up + (n.o, n.down))
             layers.append(LayerWeights(
                 in_norm=L.in_norm, post_norm=L.post_norm,
-                qkv=with_factors(L.qkv, n.qkv, [nh * hd, nkv * hd, nkv * hd], lora, scale, W.dtype, W.ops, quant),
+                qkv=with_factors(L.qkv, n.qkv, [nh * hd, nkv * hd, nkv * hd], lora, scale, W.dtype, W.ops,
+                                 quant),
                 o=with_factors(L.o, [n.o], [L.o.w.shape[0]], lora, scale, W.dtype, W.ops, quant),
-                gate_up=with_factors(L.gate_up, n.gate_up, [inter, inter], lora, scale, W.dtype, W.ops, quant),
+                gate_up=with_factors(L.gate_up, n.gate_up, [inter, inter], lora, scale, W.dtype, W.ops,
+                                     quant),
                 down=with_factors(L.down, [n.down], [L.down.w.shape[0]], lora, scale, W.dtype, W.ops, quant)))
         head = with_factors(W.lm_head, [UNEMBED], [W.vocab_size], lora, scale, torch.float32, W.ops)
     unknown = sorted(set(lora) - known)

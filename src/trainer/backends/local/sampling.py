@@ -222,8 +222,8 @@ class SampleScheduler:
         base = live[0].base
         W = base.sampler_weights(live[0].snap, self.dtype, self.quant)
         if live[0].kind == "sample":
-            return (yield from generate_steps(W, [r.job for r in live], base.tokenizer, logit_noise=self.logit_noise,
-                                              coupling=self.coupling))
+            return (yield from generate_steps(W, [r.job for r in live], base.tokenizer,
+                                              logit_noise=self.logit_noise, coupling=self.coupling))
         return score(W, [r.job for r in live])
 
 
