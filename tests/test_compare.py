@@ -447,6 +447,14 @@ def test_arms_with_different_engine_plans_are_noted(tmp_path):
                                    train_packing="PAIREDRL_TRAIN_PACKING=0"))
     out = compare([dppo, grpo], make_plots=False, out=tmp_path / "same")
     assert not any("engine plans" in n for n in out["notes"]), out["notes"]
+    # the sampler's mismatch knobs and draw are config values (the config diff names them), not plan choices
+    _set_info(grpo, engine=_engine("float32", sampler_quant="int4", sampler_logit_noise=0.5,
+                                   sampling_coupling="gumbel"))
+    _set_info(dppo, engine=_engine("float32", sampler_quant="none", sampler_logit_noise=0.0,
+                                   sampling_coupling="inverse_cdf"))
+    out = compare([dppo, grpo], make_plots=False, out=tmp_path / "knobs")
+    assert not any("engine plans" in n for n in out["notes"]), out["notes"]
+    _set_info(dppo, engine=_engine("float32"))
     _set_info(grpo, engine=_engine("float32", decode_attention=False, sampler_rows=False,
                                    auto="PAIREDRL_AUTO_PRECISION=float32"))
     out = compare([dppo, grpo], make_plots=False, out=tmp_path / "differ")

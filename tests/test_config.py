@@ -146,6 +146,11 @@ BAD_OVERRIDES = [
     ("eval.evry=1", "evry"), ("eval.every=often", "eval.every"), ("eval.every=-1", "eval.every"),
     ("backend.micro_batch=4", "micro_batch"), ("backend.micro_batch_size=big", "backend.micro_batch_size"),
     ("backend.sampler_dtype=fp8", "backend.sampler_dtype"),
+    ("backend.sampler_quant=int3", "backend.sampler_quant"), ("backend.sampler_logit_noise=-0.1",
+                                                              "backend.sampler_logit_noise"),
+    ("backend.sampler_logit_noise=nan", "backend.sampler_logit_noise"),
+    ("backend.sampler_logit_noise=11", "backend.sampler_logit_noise"),
+    ("sampling.coupling=antithetic", "sampling.coupling"),
     ("logger.projcet=x", "projcet"), ("logger.rollouts_per_step=many", "logger.rollouts_per_step"),
     ("logger.mode=sometimes", "logger.mode"),
 ]
@@ -153,7 +158,10 @@ BAD_OVERRIDES = [
 
 # the overrides Hydra composes (known key, right type) that the schema's bounds then refuse
 OUT_OF_BOUNDS = {"model.lora_rank=0", "loss.clip_eps=-1", "optimizer.beta2=1.5", "schedule.updates_per_batch=0",
-                 "env.max_digits=9", "eval.every=-1", "backend.sampler_dtype=fp8", "logger.mode=sometimes"}
+                 "env.max_digits=9", "eval.every=-1", "backend.sampler_dtype=fp8", "logger.mode=sometimes",
+                 "backend.sampler_quant=int3", "backend.sampler_logit_noise=-0.1",
+                 "backend.sampler_logit_noise=nan", "backend.sampler_logit_noise=11",
+                 "sampling.coupling=antithetic"}
 
 
 @pytest.mark.parametrize("override,needle", BAD_OVERRIDES)
@@ -164,6 +172,13 @@ def test_bad_override_names_the_key(override, needle):
     with pytest.raises(expected) as ei:
         validate(compose_config([override]))
     assert type(ei.value) is expected and needle in str(ei.value)
+
+
+def test_gumbel_coupling_needs_the_local_engine():
+    """A service draws tokens its own way; the Tinker protocol has no field to ask it for Gumbel-max."""
+    validate(compose_config(["sampling.coupling=gumbel"]))
+    with pytest.raises(ConfigError, match="sampling.coupling=gumbel needs backend=local"):
+        validate(compose_config(["backend=tinker", "sampling.coupling=gumbel"]))
 
 
 def test_the_default_advantage_is_the_cookbooks_group_mean():

@@ -404,8 +404,10 @@ def _run_notes(runs: list[Run]) -> list[str]:
 
 
 # the fields of run_info.json's `engine` that are no implementation choice: the resolved dtypes (the
-# precision, refused or noted on its own) and the reasons given for `auto` and the training packing
-_ENGINE_NOT_CHOICES = frozenset({"sampler_dtype", "train_dtype", "auto", "train_packing"})
+# precision, refused or noted on its own), the reasons given for `auto` and the training packing, and the
+# sampler's mismatch knobs and draw (config values: the config diff names them)
+_ENGINE_NOT_CHOICES = frozenset({"sampler_dtype", "train_dtype", "auto", "train_packing", "sampler_quant",
+                                 "sampler_logit_noise", "sampling_coupling"})
 
 
 def _engine_notes(runs: list[Run]) -> list[str]:

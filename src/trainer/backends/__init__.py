@@ -78,7 +78,8 @@ class LocalBackend(Backend):
                 sampler_dtype=b.sampler_dtype, train_dtype=b.train_dtype, micro_batch_size=b.micro_batch_size,
                 micro_batch_tokens=b.micro_batch_tokens,
                 max_sample_batch=b.max_sample_batch, lora_alpha=cfg.model.lora_alpha, num_threads=b.num_threads,
-                sample_batch_wait_s=b.sample_batch_wait_s, faults=faults)
+                sample_batch_wait_s=b.sample_batch_wait_s, faults=faults, sampler_quant=b.sampler_quant,
+                sampler_logit_noise=b.sampler_logit_noise, sampling_coupling=cfg.sampling.coupling)
         except ValueError as e:  # a bad setting or environment variable, before any model is loaded
             raise BackendConfigError(f"backend=local: {e}") from None
 

@@ -35,6 +35,9 @@ DPPO_DEFAULT_DELTA: dict[str, float] = {"binary_tv": 0.15, "binary_kl": 0.05}
 LR_SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 #: how a group's samples are requested (trainer/loop.py)
 SAMPLING_REQUESTS: tuple[str, ...] = ("auto", "per_group", "per_sample")
+#: how the local sampler turns a distribution into a token (backends/local/generate.py): inverse_cdf (one
+#: uniform per row and step from the request's generator) | gumbel (Gumbel-max, noise keyed per token id)
+SAMPLING_COUPLINGS: tuple[str, ...] = ("inverse_cdf", "gumbel")
 #: advantage estimators (trainer/advantages.py)
 ADVANTAGES: tuple[str, ...] = ("group_mean", "group_zscore", "none")
 
@@ -47,6 +50,10 @@ CONVO_PREFIXES: tuple[str, ...] = ("standard", "none")
 LOSS_PATHS: tuple[str, ...] = ("auto", "one_pass", "two_pass")
 #: local-engine precisions (`auto` picks bf16 where the CPU has native bf16 arithmetic)
 ENGINE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float32")
+#: what the local sampler's projection weights are rounded to (backends/local/quant.py; none = exact)
+SAMPLER_QUANTS: tuple[str, ...] = ("none", "fp16", "fp8_e4m3", "int8", "int4")
+#: the largest `backend.sampler_logit_noise` sigma (nats): far past any serving stack's mismatch already
+MAX_SAMPLER_LOGIT_NOISE = 10.0
 
 # ----------------------------------------------------------------------------- logger
 #: logger kinds

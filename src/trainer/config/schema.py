@@ -19,6 +19,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from trainer.config.checks import ConfigError
 from trainer.config.checks import in_set as _in_set
 from trainer.config.checks import nonneg_int as _nonneg_int
+from trainer.config.checks import number as _number
 from trainer.config.checks import positive_int as _positive_int
 from trainer.config.checks import require as _require
 from trainer.config.enums import (
@@ -31,6 +32,9 @@ from trainer.config.enums import (
     LOGGERS,
     LOSS_PATHS,
     LR_SCHEDULES,
+    MAX_SAMPLER_LOGIT_NOISE,
+    SAMPLER_QUANTS,
+    SAMPLING_COUPLINGS,
     SAMPLING_REQUESTS,
     TOKENIZER_KINDS,
     WANDB_MODES,
@@ -354,6 +358,12 @@ class LocalBackendConfig(BackendCommonConfig):
     # seconds of quiet the sampler waits for more requests before decoding a batch (0 = decode at once;
     # speed only: results do not depend on how requests are batched)
     sample_batch_wait_s: float = 0.01
+    # the sampler's projection weights rounded to a serving format and back, training keeping the exact
+    # ones (a train-inference mismatch, docs/engine.md): none | fp16 | fp8_e4m3 | int8 | int4
+    sampler_quant: str = "none"
+    # sd (nats) of seeded Gaussian noise added to the sampler's logits at every sampled token, in [0, 10]
+    # (0 = none)
+    sampler_logit_noise: float = 0.0
     # torch CPU threads (null = torch default)
     num_threads: Optional[int] = None
     # injected faults (testing the trainer's retry and resume paths)
@@ -367,6 +377,10 @@ class LocalBackendConfig(BackendCommonConfig):
         _positive_int("micro_batch_tokens", self.micro_batch_tokens)
         _positive_int("max_sample_batch", self.max_sample_batch)
         _require(self.sample_batch_wait_s >= 0, "sample_batch_wait_s", "must be >= 0", self.sample_batch_wait_s)
+        _in_set("sampler_quant", self.sampler_quant, SAMPLER_QUANTS)
+        _number("sampler_logit_noise", self.sampler_logit_noise)
+        _require(0 <= self.sampler_logit_noise <= MAX_SAMPLER_LOGIT_NOISE, "sampler_logit_noise",
+                 f"must be in [0, {MAX_SAMPLER_LOGIT_NOISE:g}] (nats)", self.sampler_logit_noise)
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
 
@@ -432,9 +446,14 @@ class SamplingConfig:
     # request with num_samples > 1 may return identical samples; per_group on the local engine, whose
     # seeded request draws each sample independently)
     requests: str = "auto"
+    # how the local engine draws a token: inverse_cdf (one uniform per row and step) | gumbel (Gumbel-max over
+    # the tempered vocabulary with noise keyed by seed, sample, position and token id, so two arms at one
+    # seed draw the same token wherever their distributions allow; backend=local only)
+    coupling: str = "inverse_cdf"
 
     def __post_init__(self) -> None:
         _in_set("requests", self.requests, SAMPLING_REQUESTS)
+        _in_set("coupling", self.coupling, SAMPLING_COUPLINGS)
         _require(self.temperature > 0, "temperature", "must be > 0 for RL rollouts", self.temperature)
         _positive_int("max_tokens", self.max_tokens)
         _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
@@ -688,6 +707,7 @@ def validate(cfg: DictConfig) -> Config:
             raise ConfigError(f"{key}.{e}") from None
     _check_top_level(cfg.advantage, cfg.seed)
     _check_group_advantage(cfg.advantage, objects["schedule"].group_size)
+    _check_coupling_backend(objects["sampling"].coupling, objects["backend"].name)
     names = [f.name for f in dataclasses.fields(Config)]
     for key in names + [k for k in cfg if k not in names and k != "hydra"]:
         if key not in objects:
@@ -740,6 +760,13 @@ def composed_dict(cfg: DictConfig) -> dict[str, Any]:
         d = OmegaConf.to_container(cfg, resolve=False)
     d.pop("hydra", None)  # type: ignore[union-attr]
     return d  # type: ignore[return-value]
+
+
+def _check_coupling_backend(coupling: str, backend: str) -> None:
+    """Gumbel coupling is the local engine's own draw: the Tinker protocol cannot ask a service for it."""
+    if coupling != "inverse_cdf" and backend != "local":
+        raise ConfigError(f"sampling.coupling={coupling} needs backend=local (a service draws tokens its own "
+                          f"way and the Tinker protocol cannot ask for another), got backend={backend}")
 
 
 def _check_group_advantage(advantage: str, group_size: int) -> None:

@@ -25,7 +25,9 @@ import signal
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
+from trainer.config.enums import MAX_SAMPLER_LOGIT_NOISE, SAMPLER_QUANTS
 from trainer.serve import is_loopback
 from trainer.serve.limits import SDK_HEARTBEAT_S, SESSION_TIMEOUT_S, Limits
 
@@ -63,6 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-tokens", type=int, default=2048)
     p.add_argument("--max-sample-batch", type=int, default=128)
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 32, the engine's)")
+    p.add_argument("--sampler-quant", default="none",
+                   help="round the sampler's projection weights to a serving format and back, training "
+                        "keeping the exact ones (a train-inference mismatch, docs/engine.md): "
+                        "none | fp16 | fp8_e4m3 | int8 | int4")
+    p.add_argument("--sampler-logit-noise", type=float, default=0.0,
+                   help="sd (nats) of seeded Gaussian noise added to the sampler's logits at every sampled "
+                        "token, in [0, 10] (default 0 = none)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--api-key", action="append", default=[],
@@ -121,6 +130,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--ttl-sweep-s must be > 0")
     if not 0 < args.poll_s < 45:
         p.error("--poll-s must be in (0, 45): the SDK reads retrieve_future with a 45 s timeout")
+    if args.sampler_quant not in SAMPLER_QUANTS:
+        p.error(f"--sampler-quant must be one of {list(SAMPLER_QUANTS)}, got {args.sampler_quant!r}")
+    if not 0 <= args.sampler_logit_noise <= MAX_SAMPLER_LOGIT_NOISE:  # NaN fails too
+        p.error(f"--sampler-logit-noise must be in [0, {MAX_SAMPLER_LOGIT_NOISE:g}] (nats), "
+                f"got {args.sampler_logit_noise!r}")
     return args
 
 
@@ -142,19 +156,27 @@ def _descriptors_for(connections: int, p: _Parser) -> None:
                     f"{new} (ulimit -n / -Hn); lower --max-connections")
 
 
+def build_engine(args: argparse.Namespace) -> Any:
+    """The engine the server runs: a `LocalServiceClient` with the engine flags (a bad value: ValueError)."""
+    from trainer.backends.local import LocalServiceClient
+
+    return LocalServiceClient(state_dir=Path(args.state_dir), sampler_dtype=args.sampler_dtype,
+                              train_dtype=args.train_dtype, micro_batch_size=args.micro_batch_size,
+                              micro_batch_tokens=args.micro_batch_tokens,
+                              max_sample_batch=args.max_sample_batch,
+                              lora_alpha=args.lora_alpha, num_threads=args.num_threads,
+                              sampler_quant=args.sampler_quant, sampler_logit_noise=args.sampler_logit_noise)
+
+
 async def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
-    from trainer.backends.local import LocalServiceClient
     from trainer.serve.app import TinkerServer
     from trainer.serve.connections import JsonErrorRunner, flush_logs_forever, install_log_limit
     from trainer.serve.faults import FaultPlan
 
     faults = FaultPlan.parse(args.faults)
-    engine = LocalServiceClient(state_dir=Path(args.state_dir), sampler_dtype=args.sampler_dtype,
-                                train_dtype=args.train_dtype, micro_batch_size=args.micro_batch_size,
-                                micro_batch_tokens=args.micro_batch_tokens, max_sample_batch=args.max_sample_batch,
-                                lora_alpha=args.lora_alpha, num_threads=args.num_threads)
+    engine = build_engine(args)
     server = TinkerServer(engine, faults, poll_s=args.poll_s, server_side_loss=not args.client_side_loss,
                           latency_s=args.latency_s, api_keys=args.api_key, limits=args.limits,
                           allow_remote=args.insecure_allow_remote and not args.api_key,

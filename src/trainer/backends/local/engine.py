@@ -76,7 +76,7 @@ class SharedBase:
         self.peft: Any = None
         self.lock = threading.RLock()
         self._to_delete: list[str] = []
-        self._sampler_cache: OrderedDict[tuple[str, str], SamplerWeights] = OrderedDict()
+        self._sampler_cache: OrderedDict[tuple[str, ...], SamplerWeights] = OrderedDict()
         self.sampler_cache_size = 2
         # snapshots some sampling client still holds (`track`), and the ids of those dropped since the
         # last flush: their merged sampler weights leave the cache then, not when the LRU gets to them
@@ -295,12 +295,16 @@ class SharedBase:
         return {"snapshots": len(snaps), "snapshot_mb": round(size / 2**20, 1),
                 "merged_cached": len(self._sampler_cache)}
 
-    def sampler_weights(self, snap: LoraSnapshot, dtype: torch.dtype) -> SamplerWeights:
+    def sampler_weights(self, snap: LoraSnapshot, dtype: torch.dtype, quant: str = "none") -> SamplerWeights:
         """Sampler weights of a snapshot: the base, fused and packed once per dtype, plus the snapshot's
         LoRA (merged into re-packed copies of the projections where oneDNN packs, one model's worth of
         memory per snapshot; unmerged factors otherwise). The LRU cache keeps the last
-        `sampler_cache_size` snapshots, so every generate of one snapshot reuses its weights."""
-        key = (snap.id, str(dtype))
+        `sampler_cache_size` weight sets, so every generate of one snapshot reuses its weights.
+
+        `quant` (`backend.sampler_quant`) other than `none`: the layer projections, LoRA merged,
+        fake-quantised once per snapshot (`sampler_weights.with_lora`); the key then names it, since clients
+        of one process may differ in it (`none` keeps the key it always had)."""
+        key: tuple[str, ...] = (snap.id, str(dtype)) if quant == "none" else (snap.id, str(dtype), quant)
         self.flush_dropped()
         with self.lock:
             w = self._sampler_cache.get(key)
@@ -313,7 +317,7 @@ class SharedBase:
                     self.config, self.base_state, self.cos, self.sin, dtype,
                     stacked=self.stacked_weights() if dtype == torch.float32 else None,
                     head_tiles=self._blocked_head_for(dtype), ops=self.sampler_ops(dtype))
-            w = with_lora(base, snap.tensors, snap.scale)
+            w = with_lora(base, snap.tensors, snap.scale, quant)
             self._sampler_cache[key] = w
             while len(self._sampler_cache) > self.sampler_cache_size:
                 self._sampler_cache.popitem(last=False)

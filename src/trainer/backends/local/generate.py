@@ -18,10 +18,19 @@ Sampling conventions (Tinker leaves them undocumented):
   decoding completes the string (that token included); stop_reason "stop", else "length".
 - seeded requests draw from their own `torch.Generator` (one uniform per row per step, inverse-CDF),
   so the draws do not depend on which other requests share the batch.
+- `coupling="gumbel"` (`sampling.coupling`) draws instead by Gumbel-max over the tempered (and top-k / top-p
+  truncated) vocabulary with noise keyed by (request seed, sample index, response position, token id)
+  (`keyed.gumbel_argmax`): two batches at one seed whose distributions differ slightly draw the same token
+  far more often than inverse-CDF's shared uniform allows, and no row's noise depends on another's.
+- `logit_noise` sigma > 0 (`backend.sampler_logit_noise`) adds sigma times a standard normal keyed by (request
+  seed, sample index, response position, token id) (`keyed.normal`) to every sampled row's logits before
+  anything reads them: the token, its logprob (of the noisy distribution) and a greedy row's argmax. Prompt
+  logprobs and `compute_logprobs` stay noise-free.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -29,9 +38,10 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from trainer.backends.local import sampler_forward
+from trainer.backends.local import keyed, sampler_forward
 from trainer.backends.local.sampler_forward import KVCache, new_cache, prompt_logprobs, prompt_topk
 from trainer.backends.local.sampler_weights import SamplerWeights
+from trainer.config.enums import SAMPLING_COUPLINGS
 
 
 @dataclass
@@ -120,9 +130,13 @@ class _Batch:
     cache_len: int  # the largest prompt + max_tokens of one job
     temp_B: torch.Tensor  # per row: its job's temperature (1 for greedy jobs)
     plen_B: torch.Tensor  # per row: its prompt length
+    sample_B: torch.Tensor  # per row: its sample index within its job
     gens: dict[int, torch.Generator] = field(default_factory=dict)  # per sampling (non-greedy) job
     job_done: list[bool] = field(default_factory=list)
     live: torch.Tensor | None = None  # batch index -> row index (shrinks when finished rows are compacted)
+    logit_noise: float = 0.0  # sd of the keyed logit noise (0: none)
+    coupling: str = "inverse_cdf"  # inverse_cdf | gumbel
+    seed_B: torch.Tensor | None = None  # per row: its job's seed (int64), where noise or gumbel key on it
 
 
 def _plan(W: SamplerWeights, jobs: Sequence[SampleJob]) -> _Batch:
@@ -145,6 +159,7 @@ def _plan(W: SamplerWeights, jobs: Sequence[SampleJob]) -> _Batch:
         jobs=jobs, order=order, rows=rows, job_rows=job_rows, cache_len=L,
         temp_B=torch.tensor([1.0 if jobs[r.job].greedy else float(jobs[r.job].temperature) for r in rows]),
         plen_B=torch.tensor([len(jobs[r.job].prompt) for r in rows], dtype=torch.long),
+        sample_B=torch.tensor([k for ji in order for k in range(jobs[ji].num_samples)], dtype=torch.long),
         job_done=[False] * len(jobs), live=torch.arange(len(rows)))
 
 
@@ -167,21 +182,41 @@ def prefill(W: SamplerWeights, batch: _Batch, results: list[SampleResult]) -> tu
     return logits, [(kc.index_select(0, src_B), vc.index_select(0, src_B)) for kc, vc in cache_R]
 
 
-def _generators(jobs: Sequence[SampleJob]) -> dict[int, torch.Generator]:
-    """One generator per sampling job: seeded jobs from their seed, unseeded ones from a seed drawn
-    from the global generator. Greedy jobs draw nothing (not even from the global generator)."""
-    gens: dict[int, torch.Generator] = {}
+def _seeds(jobs: Sequence[SampleJob], greedy_too: bool = False) -> dict[int, int]:
+    """The seed of every sampling job (and with `greedy_too` of every greedy one): its own, else one drawn
+    from the global generator, sampling jobs first in job order. Greedy jobs draw nothing unless
+    `greedy_too` (the logit noise keys on a seed; nothing else of a greedy job does)."""
+    seeds: dict[int, int] = {}
     for ji, j in enumerate(jobs):
         if not j.greedy:
-            seed = int(j.seed) if j.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-            gens[ji] = torch.Generator().manual_seed(seed)
-    return gens
+            seeds[ji] = int(j.seed) if j.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+    for ji, j in enumerate(jobs):
+        if greedy_too and j.greedy:
+            seeds[ji] = int(j.seed) if j.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+    return seeds
 
 
-def sample(batch: _Batch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A token and its logprob for every live row (`logits`: `[live rows, V]`); each row's token and
-    logprob come from its own logits by the same formulas whatever the other rows do."""
+def _generators(jobs: Sequence[SampleJob], seeds: dict[int, int]) -> dict[int, torch.Generator]:
+    """One generator per sampling job, from its seed (`_seeds`)."""
+    return {ji: torch.Generator().manual_seed(seeds[ji]) for ji, j in enumerate(jobs) if not j.greedy}
+
+
+def _int64(seed: int) -> int:
+    """`seed` modulo 2^64 as a signed int64 (its 64 bits are what the keys mix in)."""
+    u = seed % 2**64
+    return u - 2**64 if u >= 2**63 else u
+
+
+def sample(batch: _Batch, logits: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token and its logprob for every live row (`logits`: `[live rows, V]`) at response position `step`;
+    each row's token and logprob come from its own logits by the same formulas whatever the other rows do."""
     jobs, live = batch.jobs, batch.live
+    if batch.logit_noise > 0:  # the sampler's numbers perturbed: the draw, logprob and argmax read them
+        keys = keyed.row_keys(keyed.NOISE_SALT, batch.seed_B[live], batch.sample_B[live], step)
+        logits = logits + batch.logit_noise * keyed.normal(keys, logits.shape[-1])
+    gumbel = batch.coupling == "gumbel"
+    gkeys = (keyed.row_keys(keyed.GUMBEL_SALT, batch.seed_B[live], batch.sample_B[live], step) if gumbel
+             else None)
     temps = batch.temp_B[live]
     scaled = logits if bool((temps == 1.0).all()) else logits / temps.unsqueeze(1)
     probs = torch.softmax(scaled, -1)  # the tempered distribution over the full vocabulary
@@ -196,6 +231,13 @@ def sample(batch: _Batch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         if batch.job_done[ji] or j.greedy:
             continue
         idx = [pos_of[b] for b in batch.job_rows[ji]]
+        if gumbel:  # keyed noise, nothing drawn from the generator
+            if j.top_k > 0 or j.top_p < 1.0:
+                ii = torch.tensor(idx)
+                tok[ii] = keyed.gumbel_argmax(_filter_top(scaled[ii], j.top_k, j.top_p), gkeys[ii])
+            else:
+                idx_l += idx
+            continue
         # inverse-CDF draws: one uniform per row per step from the request's own generator (cheaper
         # than torch.multinomial, and independent of the other requests in the batch)
         u = torch.rand(len(idx), generator=batch.gens[ji], dtype=torch.float64)
@@ -205,7 +247,13 @@ def sample(batch: _Batch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         else:
             idx_l += idx
             u_l.append(u)
-    if idx_l:  # one call for all of them (a row's draw depends on its own row only)
+    if idx_l and gumbel:
+        if idx_l == list(range(len(live))):
+            tok = keyed.gumbel_argmax(scaled, gkeys)
+        else:
+            ii = torch.tensor(idx_l)
+            tok[ii] = keyed.gumbel_argmax(scaled[ii], gkeys[ii])
+    elif idx_l:  # one call for all of them (a row's draw depends on its own row only)
         if idx_l == list(range(len(live))):
             tok = inverse_cdf(probs, torch.cat(u_l))
         else:
@@ -258,13 +306,15 @@ def decode_one_token(W: SamplerWeights, batch: _Batch, tok: torch.Tensor, step: 
     return sampler_forward.decode_step(W, tok, pos, _spans(pos.tolist()), cache)
 
 
-def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None) -> list[SampleResult]:
+def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None, *, logit_noise: float = 0.0,
+             coupling: str = "inverse_cdf") -> list[SampleResult]:
     """Sample all `jobs` together: the prompts prefilled in one pass, then one decode loop over all rows.
 
     Every row's numbers are independent of the other jobs in the batch (see `sampler_forward`), and its
-    draws come from its job's generator, so a seeded job returns the same tokens and bit-identical
-    logprobs alone or in any batch (same machine and thread count)."""
-    steps = generate_steps(W, jobs, tokenizer)
+    draws come from its job's generator (or its keys), so a seeded job returns the same tokens and
+    bit-identical logprobs alone or in any batch (same machine and thread count). `logit_noise`, `coupling`:
+    see the module docstring."""
+    steps = generate_steps(W, jobs, tokenizer, logit_noise=logit_noise, coupling=coupling)
     while True:
         try:
             next(steps)
@@ -273,21 +323,29 @@ def generate(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None
 
 
 @torch.no_grad()
-def generate_steps(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None
+def generate_steps(W: SamplerWeights, jobs: Sequence[SampleJob], tokenizer: Any = None, *,
+                   logit_noise: float = 0.0, coupling: str = "inverse_cdf"
                    ) -> Generator[None, None, list[SampleResult]]:
     """`generate` one step at a time: yields after the prefill and after each decode step, returns the
     results. The scheduler interleaves batches of different clients this way; a batch's numbers do not
     depend on what runs between its steps (its state is its own: cache, rows, generators)."""
     if not jobs:
         return []
+    if not (math.isfinite(logit_noise) and logit_noise >= 0) or coupling not in SAMPLING_COUPLINGS:
+        raise ValueError(f"logit_noise must be a finite number >= 0 and coupling one of "
+                         f"{list(SAMPLING_COUPLINGS)}, got {logit_noise!r}, {coupling!r}")
     batch = _plan(W, jobs)
     results = [SampleResult() for _ in jobs]
     logits, cache = prefill(W, batch, results)
-    batch.gens = _generators(jobs)
+    seeds = _seeds(jobs, greedy_too=logit_noise > 0)
+    batch.gens = _generators(jobs, seeds)
+    if logit_noise > 0 or coupling != "inverse_cdf":  # the keyed draws' seed per row
+        batch.logit_noise, batch.coupling = float(logit_noise), coupling
+        batch.seed_B = torch.tensor([_int64(seeds.get(r.job, 0)) for r in batch.rows], dtype=torch.long)
     max_steps = max(j.max_tokens for j in jobs)
     for step in range(max_steps):
         yield
-        tok, lp = sample(batch, logits)
+        tok, lp = sample(batch, logits, step)
         record(batch, tok, lp, tokenizer)
         if all(batch.job_done) or step == max_steps - 1:
             break

@@ -21,6 +21,7 @@ from trainer.backends.local.model import (EMBED, FINAL_NORM, UNEMBED, Layer, che
                                           fuse_base, layer_names, matmul_inputs, onednn_linear, onednn_pack,
                                           unembed_weight, weight)
 from trainer.backends.local.ops import SamplerOps
+from trainer.backends.local.quant import fake_quant
 
 # decode batches up to this many rows use the packed oneDNN weights; above it sgemm is as fast
 PACKED_MAX_ROWS = 256
@@ -146,6 +147,8 @@ class SamplerWeights:
     # same logits as `lm_head` under `matmul_inputs`, reading half the bytes); None elsewhere or with a
     # LoRA on it
     head_blocked: Any = None
+    # what the layer projections were fake-quantised to (`with_lora`'s `quant`; none = the exact weights)
+    quant: str = "none"
 
     @property
     def vocab_size(self) -> int:
@@ -205,19 +208,17 @@ def build_weights(config: Any, base: dict[str, torch.Tensor], cos: torch.Tensor,
 
 def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
                  lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float, dtype: torch.dtype,
-                 ops: SamplerOps) -> Projection:
+                 ops: SamplerOps, quant: str = "none") -> Projection:
     """`lin` (rows = the modules `names`, `outs` rows each, concatenated) with their LoRA factors:
-    A stacked `[sum r, in]`, B block-diagonal `[sum out, sum r]` times `scale`."""
+    A stacked `[sum r, in]`, B block-diagonal `[sum out, sum r]` times `scale`. `quant` other than `none`:
+    the merged weight (merged whatever the packing: the rounding applies to the weight the sampler
+    computes with, `W + s B A`) fake-quantised (`quant.fake_quant`) and packed as `lin` was."""
     have = [(n, o, sum(outs[:k])) for k, (n, o) in enumerate(zip(names, outs)) if n in lora]
+    if quant != "none":
+        return _quantised(lin, _factors(have, lora, scale, sum(outs)) if have else None, quant, ops)
     if not have:
         return lin
-    A = torch.cat([lora[n][0] for n, _, _ in have], 0)
-    B = torch.zeros(sum(outs), A.shape[0])
-    r0 = 0
-    for n, o, row in have:
-        r = lora[n][0].shape[0]
-        B[row: row + o, r0: r0 + r] = scale * lora[n][1]
-        r0 += r
+    B, A = _factors(have, lora, scale, sum(outs))
     if lin.packed is not None or lin.amx is not None:  # merge into the base and re-pack (see `Projection`)
         # summed in fp32, rounded once (a bf16 addmm would round the product and the sum separately)
         merged = torch.addmm(lin.w.float(), B, A.float()).to(lin.w.dtype)
@@ -227,10 +228,42 @@ def with_factors(lin: Projection, names: Sequence[str], outs: Sequence[int],
     return Projection(lin.w, None, A.to(dtype).contiguous(), B.to(dtype))
 
 
-def with_lora(W: SamplerWeights, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float
-              ) -> SamplerWeights:
-    """`W` (shared, not copied) plus one adapter: `HF module name -> (A [r, in], B [out, r])`, `scale`."""
-    if not lora:
+def _factors(have: list[tuple[str, int, int]], lora: dict[str, tuple[torch.Tensor, torch.Tensor]],
+             scale: float, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(B, A)` of `with_factors`: A stacked `[sum r, in]`, B block-diagonal `[rows, sum r]` times `scale`."""
+    A = torch.cat([lora[n][0] for n, _, _ in have], 0)
+    B = torch.zeros(rows, A.shape[0])
+    r0 = 0
+    for n, o, row in have:
+        r = lora[n][0].shape[0]
+        B[row: row + o, r0: r0 + r] = scale * lora[n][1]
+        r0 += r
+    return B, A
+
+
+def _quantised(lin: Projection, BA: tuple[torch.Tensor, torch.Tensor] | None, quant: str, ops: SamplerOps
+               ) -> Projection:
+    """A base projection `lin` (its plain weight kept) plus `B A` where given, fake-quantised to `quant` in
+    fp32, rounded to `lin`'s dtype and packed as `lin` is (AMX tiles, oneDNN, or plain)."""
+    eff = lin.w.float() if BA is None else torch.addmm(lin.w.float(), BA[0], BA[1].float())
+    q = fake_quant(eff, quant).to(lin.w.dtype)
+    if lin.amx is not None:
+        return Projection(None, amx=ops.tiles(q))
+    if lin.packed is not None:
+        return Projection(None, onednn_pack(q, _PACK_ROWS))
+    return Projection(q)
+
+
+def with_lora(W: SamplerWeights, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float,
+              quant: str = "none") -> SamplerWeights:
+    """`W` (shared, not copied) plus one adapter: `HF module name -> (A [r, in], B [out, r])`, `scale`.
+
+    `quant` (`backend.sampler_quant`) other than `none`: every layer projection (q|k|v, o, gate|up, down),
+    with its LoRA merged where it has one, is fake-quantised once here, once per weight set: the
+    decode steps then cost what they cost unquantised. The embedding, the norms and the fp32 unembedding
+    stay exact, as quantised serving checkpoints keep them (vLLM's FP8, AWQ and GPTQ leave lm_head unquantised
+    by default). `W` must be a base weight set (`build_weights`: its projections keep their plain weight)."""
+    if not lora and quant == "none":
         return W
     nh, nkv, hd, inter = W.n_heads, W.n_kv, W.head_dim, W.intermediate
     known = {UNEMBED}
@@ -241,12 +274,15 @@ def with_lora(W: SamplerWeights, lora: dict[str, tuple[torch.Tensor, torch.Tenso
             known.update(n.qkv + n.gate_up + (n.o, n.down))
             layers.append(LayerWeights(
                 in_norm=L.in_norm, post_norm=L.post_norm,
-                qkv=with_factors(L.qkv, n.qkv, [nh * hd, nkv * hd, nkv * hd], lora, scale, W.dtype, W.ops),
-                o=with_factors(L.o, [n.o], [L.o.w.shape[0]], lora, scale, W.dtype, W.ops),
-                gate_up=with_factors(L.gate_up, n.gate_up, [inter, inter], lora, scale, W.dtype, W.ops),
-                down=with_factors(L.down, [n.down], [L.down.w.shape[0]], lora, scale, W.dtype, W.ops)))
+                qkv=with_factors(L.qkv, n.qkv, [nh * hd, nkv * hd, nkv * hd], lora, scale, W.dtype, W.ops,
+                                 quant),
+                o=with_factors(L.o, [n.o], [L.o.w.shape[0]], lora, scale, W.dtype, W.ops, quant),
+                gate_up=with_factors(L.gate_up, n.gate_up, [inter, inter], lora, scale, W.dtype, W.ops,
+                                     quant),
+                down=with_factors(L.down, [n.down], [L.down.w.shape[0]], lora, scale, W.dtype, W.ops, quant)))
         head = with_factors(W.lm_head, [UNEMBED], [W.vocab_size], lora, scale, torch.float32, W.ops)
     unknown = sorted(set(lora) - known)
     if unknown:
         raise ValueError(f"local sampler: LoRA on unsupported modules {unknown[:3]}")
-    return replace(W, layers=layers, lm_head=head, head_blocked=W.head_blocked if head is W.lm_head else None)
+    return replace(W, layers=layers, lm_head=head, head_blocked=W.head_blocked if head is W.lm_head else None,
+                   quant=quant)

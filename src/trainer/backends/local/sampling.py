@@ -86,8 +86,12 @@ class SampleScheduler:
     """Queue + worker that batches requests sharing a snapshot, and interleaves tenants' batches."""
 
     def __init__(self, dtype: torch.dtype, max_batch: int, faults: Faults, batch_wait_s: float = 0.01,
-                 max_wait_s: float = 0.5, start: bool = True):
+                 max_wait_s: float = 0.5, start: bool = True, *, quant: str = "none",
+                 logit_noise: float = 0.0, coupling: str = "inverse_cdf"):
         self.dtype = dtype
+        # the sampler's mismatch knobs and its draw (`backend.sampler_quant`, `backend.sampler_logit_noise`,
+        # `sampling.coupling`; checked by the service client)
+        self.quant, self.logit_noise, self.coupling = quant, logit_noise, coupling
         self.max_batch = max_batch
         self.faults = faults
         self.batch_wait_s = batch_wait_s
@@ -266,9 +270,10 @@ class SampleScheduler:
     def _steps(self, live: list[_Request]) -> Any:
         """The batch as a generator of steps (prefill, each decode step) returning its results."""
         base = live[0].base
-        W = base.sampler_weights(live[0].snap, self.dtype)
+        W = base.sampler_weights(live[0].snap, self.dtype, self.quant)
         if live[0].kind == "sample":
-            return (yield from generate_steps(W, [r.job for r in live], base.tokenizer))
+            return (yield from generate_steps(W, [r.job for r in live], base.tokenizer,
+                                              logit_noise=self.logit_noise, coupling=self.coupling))
         return score(W, [r.job for r in live])
 
 

@@ -42,7 +42,8 @@ from trainer.backends.local.plan import EnginePlan, check_environment, resolve_d
 from trainer.backends.local.precision import dtype_name
 from trainer.backends.local.sampling import LocalSamplingClient, SampleScheduler
 from trainer.backends.local.training import LocalTrainingClient
-from trainer.config.schema import LocalBackendConfig
+from trainer.config.enums import MAX_SAMPLER_LOGIT_NOISE, SAMPLER_QUANTS, SAMPLING_COUPLINGS
+from trainer.config.schema import LocalBackendConfig, SamplingConfig
 from trainer.model_registry import SUPPORTED_MODELS
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,21 @@ DEFAULT_LORA_ALPHA = 32.0
 # the engine's defaults are `backend=local`'s, read from its schema: a client built in code (bench/, a
 # notebook) runs as a run with the default config does, not with a second set of defaults
 _CONFIG = LocalBackendConfig()
+_SAMPLING = SamplingConfig()
+
+
+def sampler_knobs(quant: Any, logit_noise: Any, coupling: Any) -> dict[str, Any]:
+    """The sampler's mismatch knobs and its draw, checked (ValueError naming the option), as run_info.json's
+    `engine` record states them: `sampler_quant`, `sampler_logit_noise`, `sampling_coupling`."""
+    if quant not in SAMPLER_QUANTS:
+        raise ValueError(f"sampler_quant must be one of {list(SAMPLER_QUANTS)}, got {quant!r}")
+    if (isinstance(logit_noise, bool) or not isinstance(logit_noise, (int, float))
+            or not 0 <= logit_noise <= MAX_SAMPLER_LOGIT_NOISE):  # NaN fails the comparison
+        raise ValueError(f"sampler_logit_noise must be a number in [0, {MAX_SAMPLER_LOGIT_NOISE:g}] (nats), "
+                         f"got {logit_noise!r}")
+    if coupling not in SAMPLING_COUPLINGS:
+        raise ValueError(f"sampling_coupling must be one of {list(SAMPLING_COUPLINGS)}, got {coupling!r}")
+    return {"sampler_quant": quant, "sampler_logit_noise": float(logit_noise), "sampling_coupling": coupling}
 
 
 class LocalServiceClient:
@@ -60,7 +76,9 @@ class LocalServiceClient:
                  max_sample_batch: int = _CONFIG.max_sample_batch,
                  sample_batch_wait_s: float = _CONFIG.sample_batch_wait_s, lora_alpha: float | None = None,
                  num_threads: int | None = None, model_cache_dir: str | Path | None = None,
-                 faults: dict[str, Any] | None = None, **_tinker_kwargs: Any):
+                 faults: dict[str, Any] | None = None, sampler_quant: str = _CONFIG.sampler_quant,
+                 sampler_logit_noise: float = _CONFIG.sampler_logit_noise,
+                 sampling_coupling: str = _SAMPLING.coupling, **_tinker_kwargs: Any):
         self.state_dir = Path(state_dir).expanduser().resolve()
         # `auto` decided by the engine plan's rule (`plan.resolve_dtypes`); a bad PAIREDRL_* variable fails
         # here, before any model is loaded
@@ -87,8 +105,10 @@ class LocalServiceClient:
         self.session_id = f"local-{uuid.uuid4().hex[:12]}"
         if not sample_batch_wait_s >= 0:
             raise ValueError(f"sample_batch_wait_s must be >= 0, got {sample_batch_wait_s!r}")
+        self.sampler_knobs = sampler_knobs(sampler_quant, sampler_logit_noise, sampling_coupling)
         self._scheduler = SampleScheduler(self.sampler_dtype, max_sample_batch, self._faults,
-                                          batch_wait_s=float(sample_batch_wait_s))
+                                          batch_wait_s=float(sample_batch_wait_s), quant=sampler_quant,
+                                          logit_noise=float(sampler_logit_noise), coupling=sampling_coupling)
         self._clients: weakref.WeakSet[LocalTrainingClient] = weakref.WeakSet()
         self._announced: set[str] = set()
         # checkpoint -> the snapshot its sampling clients share (one copy of its LoRA, one set of merged
@@ -117,8 +137,9 @@ class LocalServiceClient:
 
     def engine_record(self, base_model: str) -> dict[str, Any]:
         """run_info.json's `engine`: the resolved dtypes, how `auto` was decided and every implementation
-        choice this client's engine runs `base_model` with (`EnginePlan.record`)."""
-        return self.plan(base_model).record()
+        choice this client's engine runs `base_model` with (`EnginePlan.record`), then the sampler's mismatch
+        knobs and its draw (`sampler_knobs`)."""
+        return {**self.plan(base_model).record(), **self.sampler_knobs}
 
     # ------------------------------------------------------------------ training clients
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
