@@ -28,7 +28,8 @@ class InProcessServer:
 
         from trainer.backends.local import LocalServiceClient
         from trainer.backends.local.engine import shared_base
-        from trainer.serve.app import JsonErrorRunner, TinkerServer
+        from trainer.serve.app import TinkerServer
+        from trainer.serve.connections import JsonErrorRunner
 
         self.engine = LocalServiceClient(state_dir=state_dir, sampler_dtype="float32", train_dtype="float32")
         shared_base(BASE)  # loaded before any session starts its 2 s clock
