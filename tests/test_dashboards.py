@@ -102,10 +102,12 @@ def test_progress_line_adds_an_arm_s_own_rule_under_its_name():
     of those two print only them."""
     from trainer.loop import ProgressLines
 
-    rows = [{"env/reward_mean": 0.5, "time/step": 2.0, "loss/dppo_masked_frac": 0.001, "loss/grpo_clip_frac": 0.02,
-             "loss/cppo_masked_frac": c, "loss/cppo_token_masked_frac": 0.007} for c in (0.01, 0.014)]
+    rows = [{"env/reward_mean": 0.5, "time/step": 2.0, "loss/dppo_masked_frac": 0.001,
+             "loss/grpo_clip_frac": 0.02, "loss/cppo_masked_frac": c, "loss/cppo_token_masked_frac": 0.007}
+            for c in (0.01, 0.014)]
     line = ProgressLines(4, 0, "cppo").step_done(1, rows)
-    assert line.startswith("step 1/4 | reward 0.500 | masked 0.001 | clip 0.020 | cppo_masked 0.012 | 2.0 s/step")
+    assert line.startswith("step 1/4 | reward 0.500 | masked 0.001 | clip 0.020 | cppo_masked 0.012 | "
+                           "2.0 s/step")
     for loss in ("grpo", "dppo", None):
         assert " | clip 0.020 | 2.0 s/step | ETA " in ProgressLines(4, 0, loss).step_done(1, rows), loss
 

@@ -296,7 +296,8 @@ def _three_arm_pilots(tmp_path, cfg) -> dict:
     pilots = {}
     for arm, own, other in (("dppo", 0.02, "cppo"), ("cppo", 0.04, "dppo")):
         rows = [{"step": s, "update": u, f"loss/{arm}_masked_frac": own if u else 0.0,
-                 f"loss/{other}_masked_frac": 0.0, "loss/grpo_clip_frac": 0.01, "drift/abs_p_q90": 0.02 if u else 1e-6,
+                 f"loss/{other}_masked_frac": 0.0, "loss/grpo_clip_frac": 0.01,
+                 "drift/abs_p_q90": 0.02 if u else 1e-6,
                  "tokens/sampled": 100, "tokens/trained": 100, "time/sample": 2.0, "time/train": 3.0,
                  "time/step": 6.0} for s in range(3) for u in range(2)]
         pilots[arm] = (_pilot_rows(tmp_path, arm, rows),
@@ -320,11 +321,13 @@ def test_a_three_arm_plan_gets_activation_and_feasibility_for_each_treatment(tmp
     last = "masked-token fraction at a batch's last update (mean over steps)"
     assert checks[f"dppo: {last}"].value == pytest.approx(0.02)
     assert checks[f"cppo: {last}"].value == pytest.approx(0.04)
-    assert checks["cppo: counterfactual GRPO clip fraction at a batch's last update"].value == pytest.approx(0.01)
+    cf = checks["cppo: counterfactual GRPO clip fraction at a batch's last update"]
+    assert cf.value == pytest.approx(0.01)
     assert len(rep.checks) == 14 and last not in checks
     assert {t: m["rule"] for t, m in rep.meta["treatments"].items()} == {
         "dppo": "loss/dppo_masked_frac", "cppo": "loss/cppo_masked_frac"}
-    assert set(rep.meta["losses"]) == {"grpo", "dppo", "cppo"} and rep.meta["losses"]["cppo"]["name"] == "cppo"
+    assert set(rep.meta["losses"]) == {"grpo", "dppo", "cppo"}
+    assert rep.meta["losses"]["cppo"]["name"] == "cppo"
     # one treatment's mask silent: that arm's check fails, the other's still passes
     silent = dict(pilots, cppo=(_pilot_rows(tmp_path, "cppo_silent", [
         {**r, "loss/cppo_masked_frac": 0.0} for r in json_rows(pilots["cppo"][0])]), pilots["cppo"][1]))

@@ -79,8 +79,9 @@ def plan_arms(cfg: Config, overrides: list[str] | None = None) -> Arms:
 def require_treatments(arms: Arms) -> tuple[str, ...]:
     """The plan's treatments; PlanError when it has none (a gate that compares arms cannot run)."""
     if not arms.treatments:
-        raise PlanError(f"the plan has no treatment arm beside the baseline {arms.baseline}: give the sweep's "
-                        f"losses (loss={arms.baseline},<treatment>) or an experiment with a loss axis")
+        raise PlanError(f"the plan has no treatment arm beside the baseline {arms.baseline}: give the "
+                        f"sweep's losses (loss={arms.baseline},<treatment>) or an experiment with a loss "
+                        "axis")
     return arms.treatments
 
 
@@ -152,7 +153,8 @@ def _logprobs(tc: Any, data: list[tinker.Datum]) -> np.ndarray:
                            for o in out.loss_fn_outputs])
 
 
-def arm_config_diff(overrides: list[str], conf_dir: Path | None = None, arms: Arms | None = None) -> list[str]:
+def arm_config_diff(overrides: list[str], conf_dir: Path | None = None,
+                    arms: Arms | None = None) -> list[str]:
     """Top-level config keys in which a treatment differs from the baseline when each arm is composed on
     its own from the preflight's overrides (loss-group overrides left out) plus `loss=<arm>`: `["loss"]`
     unless a loss option leaks into another group. `arms`: the plan's (default: read from `overrides`)."""
@@ -184,7 +186,8 @@ def restoration(cfg: Config, out_dir: Path, overrides: list[str] | None = None,
     for t in treatments:
         name = arms.label(t, "arm configs differ only in loss")
         if overrides is None:
-            report.checks.append(Check(name, None, ["loss"], "unverified", "the preflight's overrides were not given"))
+            report.checks.append(Check(name, None, ["loss"], "unverified",
+                                       "the preflight's overrides were not given"))
         else:
             diff_keys = arm_config_diff(overrides, arms=Arms(base, (t,)))
             report.checks.append(Check(name, diff_keys, ["loss"], _status(diff_keys == ["loss"]),
@@ -197,7 +200,8 @@ def restoration(cfg: Config, out_dir: Path, overrides: list[str] | None = None,
     for t in treatments:
         d0 = float(np.max(np.abs(lp[base] - lp[t])))
         report.checks.append(Check(arms.label(t, "fresh-client logprobs max |diff|"), d0, f"<= {tol:g}",
-                                   _status(d0 <= tol), f"{lp[base].size} tokens of {len(data)} GSM8K-style sequences"))
+                                   _status(d0 <= tol),
+                                   f"{lp[base].size} tokens of {len(data)} GSM8K-style sequences"))
     # one identical SFT step on every arm: exposes different LoRA initialisations (B=0 hides them at step 0)
     o = cfg.optimizer
     adam = adam_params(o, o.lr)
@@ -209,7 +213,8 @@ def restoration(cfg: Config, out_dir: Path, overrides: list[str] | None = None,
     for t in treatments:
         d1 = float(np.max(np.abs(lp1[base] - lp1[t])))
         report.checks.append(Check(arms.label(t, "logprobs after one identical step max |diff|"), d1,
-                                   f"<= {tol:g}", _status(d1 <= tol), f"the step moved logprobs by up to {moved:.2e}"))
+                                   f"<= {tol:g}", _status(d1 <= tol),
+                                   f"the step moved logprobs by up to {moved:.2e}"))
     # save -> restore with optimizer -> identical logprobs
     path = clients[base].save_state("preflight_restoration").result().path
     restored = sc.create_training_client_from_state_with_optimizer(path).result()
@@ -289,8 +294,8 @@ def pilot_failed(gate: str, cfg: Config, err: Exception, arms: Arms | None = Non
     arms = arms or plan_arms(cfg)
     report = GateReport(gate)
     name = "pilot run (the treatment arm's first steps)"
-    report.checks.append(Check(arms.label(treatment, name) if treatment else name, "failed", "completes", "fail",
-                               " ".join(str(err).split())))
+    report.checks.append(Check(arms.label(treatment, name) if treatment else name, "failed", "completes",
+                               "fail", " ".join(str(err).split())))
     report.meta = _meta(cfg, arms)
     return report
 
@@ -299,8 +304,10 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def _pilots(cfg: Config, out_dir: Path, arms: Arms, pilot: Pilot | dict[str, Pilot] | None) -> dict[str, Pilot]:
-    """Each treatment's pilot: the given ones (a bare (folder, result) is the only treatment's), the rest run."""
+def _pilots(cfg: Config, out_dir: Path, arms: Arms,
+            pilot: Pilot | dict[str, Pilot] | None) -> dict[str, Pilot]:
+    """Each treatment's pilot: the given ones (a bare (folder, result) is the only treatment's), the rest
+    run."""
     treatments = require_treatments(arms)
     if pilot is not None and not isinstance(pilot, dict):
         if len(treatments) != 1:
@@ -376,8 +383,8 @@ def _activation_checks(cfg: Config, arms: Arms, treatment: str, run_dir: Path, r
     counterfactual = f"counterfactual {rule_label(base_rule)}" if base_rule else f"counterfactual {B} rule"
     name = functools.partial(arms.label, treatment)
     report.checks += [
-        Check(name("masked-token fraction at a batch's last update (mean over steps)"), masked, "[0.001, 0.3]",
-              _status(masked is not None and 0.001 <= masked <= 0.3), masked_detail),
+        Check(name("masked-token fraction at a batch's last update (mean over steps)"), masked,
+              "[0.001, 0.3]", _status(masked is not None and 0.001 <= masked <= 0.3), masked_detail),
         Check(name("masked-token fraction at update 1 (noise floor)"), masked_noise, "last update >= 2x this",
               _status(masked is not None and masked_noise is not None and masked >= 2 * masked_noise),
               f"on-policy: masking by numeric noise alone; {ran}"),
@@ -420,7 +427,8 @@ def feasibility(cfg: Config, out_dir: Path, pilot: Pilot | dict[str, Pilot] | No
         t_sample = sum(r["time/sample"] for r in st)
         t_train = sum(r["time/train"] for r in st)
         # the rest of a step (the sampler weight save, datum building, logging), per step
-        t_other = sum(max(0.0, r["time/step"] - r["time/sample"] - r["time/train"]) for r in st) / max(1, len(st))
+        t_other = (sum(max(0.0, r["time/step"] - r["time/sample"] - r["time/train"]) for r in st)
+                   / max(1, len(st)))
         rollouts_pilot = max(1, len(st) * rollouts_full)  # the pilot keeps the plan's batch shape
         per_rollout_sampled = sampled / rollouts_pilot
         per_rollout_trained = trained / rollouts_pilot
@@ -435,13 +443,16 @@ def feasibility(cfg: Config, out_dir: Path, pilot: Pilot | dict[str, Pilot] | No
         name = functools.partial(arms.label, t)
         report.checks += [
             Check(name("setup time (s)"), round(result["time/setup"], 2), "measured", "pass"),
-            Check(name("sampling time per sampled token (ms)"), round(1e3 * sample_s_per_tok, 4), "measured", "pass"),
-            Check(name("training time per trained token (ms)"), round(1e3 * train_s_per_tok, 4), "measured", "pass"),
+            Check(name("sampling time per sampled token (ms)"), round(1e3 * sample_s_per_tok, 4), "measured",
+                  "pass"),
+            Check(name("training time per trained token (ms)"), round(1e3 * train_s_per_tok, 4), "measured",
+                  "pass"),
             Check(name("eval time per item (s)"), round(result.get("time/eval_per_item", 0.0), 3), "measured",
                   "pass"),
             Check(name("other time per step (s)"), round(t_other, 3), "measured", "pass"),
         ]
-        per[t] = {"pilot_dir": str(run_dir), "pilot_steps": len(st), "mean_completion_tokens": per_rollout_sampled}
+        per[t] = {"pilot_dir": str(run_dir), "pilot_steps": len(st),
+                  "mean_completion_tokens": per_rollout_sampled}
     costliest = max(runs_of.values(), key=lambda r: r["s"])
     arm_runs = [*runs_of.values(), costliest]  # one per arm: the treatments', then the baseline's
     n_eval = eval_items(cfg)
@@ -454,10 +465,10 @@ def feasibility(cfg: Config, out_dir: Path, pilot: Pilot | dict[str, Pilot] | No
     budget = float(cfg.preflight.budget_minutes)
     plan = f"{len(arm_runs)} arms x {n_seeds} seed(s)"
     report.checks += [
-        Check(f"projected sampled tokens ({plan})", int(n_seeds * sum(r["sampled"] for r in arm_runs)), "info",
-              "pass"),
-        Check(f"projected trained tokens ({plan})", int(n_seeds * sum(r["trained"] for r in arm_runs)), "info",
-              "pass"),
+        Check(f"projected sampled tokens ({plan})", int(n_seeds * sum(r["sampled"] for r in arm_runs)),
+              "info", "pass"),
+        Check(f"projected trained tokens ({plan})", int(n_seeds * sum(r["trained"] for r in arm_runs)),
+              "info", "pass"),
         Check(f"projected wall time, {runs} runs serial + evals (min)", round(total_min, 1), f"<= {budget}",
               _status(total_min <= budget), "preflight.budget_minutes; joblib's parallel workers finish sooner "
               "(bench/README.md, \"Sweeps\")"),
@@ -467,7 +478,8 @@ def feasibility(cfg: Config, out_dir: Path, pilot: Pilot | dict[str, Pilot] | No
 
 
 # ----------------------------------------------------------------------------- design
-def design(cfg: Config, out_dir: Path, n_seeds: int = 1, n_sims: int = 400, arms: Arms | None = None) -> GateReport:
+def design(cfg: Config, out_dir: Path, n_seeds: int = 1, n_sims: int = 400,
+           arms: Arms | None = None) -> GateReport:
     """What the plan can detect (eval.design with the config's decision group and design assumptions).
     It reports every method's minimum detectable effect; it fails when decision.target_effect is set and the
     plan's own decision method cannot detect it at decision.power, and on eval.design's problems of the rule
@@ -543,7 +555,8 @@ def require_passed(cfg: Config) -> None:
                             f" != {h}); rerun it")
         elif gate != "correctness" and cfg.loss.name not in (rep["meta"].get("losses") or {}):
             ran = ", ".join(rep["meta"].get("losses") or {}) or "(not recorded)"
-            problems.append(f"{gate}: ran the arms {ran}, not {cfg.loss.name}; rerun it with the sweep's losses")
+            problems.append(f"{gate}: ran the arms {ran}, not {cfg.loss.name}; rerun it with the sweep's "
+                            "losses")
         elif gate != "correctness" and (rep["meta"].get("losses") or {}).get(cfg.loss.name) != loss:
             ran = (rep["meta"].get("losses") or {}).get(cfg.loss.name) or {}
             keys = sorted(k for k in set(ran) | set(loss) if ran.get(k) != loss.get(k)) or ["(not recorded)"]
