@@ -97,6 +97,21 @@ def test_progress_lines_without_a_terminal(wandb_run):
     assert "grpo_seed0:" not in p.stderr  # no tqdm bar of the loop (its description is the arm)
 
 
+def test_progress_line_adds_an_arm_s_own_rule_under_its_name():
+    """A CPPO arm's line keeps DPPO's mask and GRPO's clip and adds its own rule; the arms whose rule is one
+    of those two print only them."""
+    from trainer.loop import ProgressLines
+
+    rows = [{"env/reward_mean": 0.5, "time/step": 2.0, "loss/dppo_masked_frac": 0.001,
+             "loss/grpo_clip_frac": 0.02, "loss/cppo_masked_frac": c, "loss/cppo_token_masked_frac": 0.007}
+            for c in (0.01, 0.014)]
+    line = ProgressLines(4, 0, "cppo").step_done(1, rows)
+    assert line.startswith("step 1/4 | reward 0.500 | masked 0.001 | clip 0.020 | cppo_masked 0.012 | "
+                           "2.0 s/step")
+    for loss in ("grpo", "dppo", None):
+        assert " | clip 0.020 | 2.0 s/step | ETA " in ProgressLines(4, 0, loss).step_done(1, rows), loss
+
+
 def test_report_written_at_the_end_with_its_plots(wandb_run):
     run, p = wandb_run
     md = (run / "report.md").read_text()

@@ -269,3 +269,117 @@ def test_feasibility_projects_every_run_of_the_plan(tmp_path):
         wall = {c.name: c.value for c in rep.checks}[f"projected wall time, {runs} runs serial + evals (min)"]
         assert wall == pytest.approx(round((runs * per_run + 0.5 * 10 * (runs + 1)) / 60, 1))
         assert rep.meta["seeds_per_arm"] == n_seeds
+
+
+THREE = [*LOCAL, "loss=grpo,dppo,cppo"]  # the mismatch ladder's arms on the command line
+
+
+def test_plan_arms_are_the_baseline_and_the_sweep_s_other_losses():
+    from trainer.config.compose import run_config
+    from trainer.preflight.gates import Arms, PlanError, plan_arms
+
+    cfg = run_config(LOCAL)
+    assert plan_arms(cfg, LOCAL) == plan_arms(cfg) == Arms("grpo", ("dppo",))  # the experiment's axis
+    assert plan_arms(cfg, THREE) == Arms("grpo", ("dppo", "cppo"))
+    assert plan_arms(run_config([*LOCAL, "decision.baseline=dppo"]), THREE) == Arms("dppo", ("grpo", "cppo"))
+    with pytest.raises(PlanError, match="decision.baseline=grpo is not one of the sweep's losses"):
+        plan_arms(cfg, [*LOCAL, "loss=dppo,cppo"])
+    assert plan_arms(run_config([]), []) == Arms("grpo", ())  # no axis: the design gate alone can run
+
+
+def _three_arm_pilots(tmp_path, cfg) -> dict:
+    """Pilot folders of the dppo and cppo arms whose own rules fire at the last update and the other's
+    (counterfactual) never does: a gate that reads one arm's rule in the other's run fails."""
+    from trainer.losses.diagnostics import DIAGNOSTIC_KEYS
+
+    assert {"loss/cppo_masked_frac", "loss/dppo_masked_frac", "loss/grpo_clip_frac"} <= set(DIAGNOSTIC_KEYS)
+    pilots = {}
+    for arm, own, other in (("dppo", 0.02, "cppo"), ("cppo", 0.04, "dppo")):
+        rows = [{"step": s, "update": u, f"loss/{arm}_masked_frac": own if u else 0.0,
+                 f"loss/{other}_masked_frac": 0.0, "loss/grpo_clip_frac": 0.01,
+                 "drift/abs_p_q90": 0.02 if u else 1e-6,
+                 "tokens/sampled": 100, "tokens/trained": 100, "time/sample": 2.0, "time/train": 3.0,
+                 "time/step": 6.0} for s in range(3) for u in range(2)]
+        pilots[arm] = (_pilot_rows(tmp_path, arm, rows),
+                       {"served_model": cfg.model.base_model, "time/setup": 4.0, "time/eval_per_item": 0.5})
+    return pilots
+
+
+def test_a_three_arm_plan_gets_activation_and_feasibility_for_each_treatment(tmp_path):
+    """grpo, dppo, cppo: each treatment's pilot is read for its own rule (cppo's from loss/cppo_masked_frac),
+    the checks are named by arm, the plan's every arm is projected and recorded."""
+    from trainer.config.compose import run_config
+    from trainer.config.schema import eval_items
+    from trainer.preflight.gates import activation, feasibility, plan_arms
+
+    cfg = run_config([*LOCAL, f"preflight.dir={tmp_path}", "schedule.num_steps=5"])
+    arms = plan_arms(cfg, THREE)
+    pilots = _three_arm_pilots(tmp_path, cfg)
+    rep = activation(cfg, tmp_path, pilots, arms)
+    checks = {c.name: c for c in rep.checks}
+    assert all(c.status == "pass" for c in rep.checks), {n: (c.status, c.value) for n, c in checks.items()}
+    last = "masked-token fraction at a batch's last update (mean over steps)"
+    assert checks[f"dppo: {last}"].value == pytest.approx(0.02)
+    assert checks[f"cppo: {last}"].value == pytest.approx(0.04)
+    cf = checks["cppo: counterfactual GRPO clip fraction at a batch's last update"]
+    assert cf.value == pytest.approx(0.01)
+    assert len(rep.checks) == 14 and last not in checks
+    assert {t: m["rule"] for t, m in rep.meta["treatments"].items()} == {
+        "dppo": "loss/dppo_masked_frac", "cppo": "loss/cppo_masked_frac"}
+    assert set(rep.meta["losses"]) == {"grpo", "dppo", "cppo"}
+    assert rep.meta["losses"]["cppo"]["name"] == "cppo"
+    # one treatment's mask silent: that arm's check fails, the other's still passes
+    silent = dict(pilots, cppo=(_pilot_rows(tmp_path, "cppo_silent", [
+        {**r, "loss/cppo_masked_frac": 0.0} for r in json_rows(pilots["cppo"][0])]), pilots["cppo"][1]))
+    failed = {c.name: c for c in activation(cfg, tmp_path, silent, arms).checks if c.status == "fail"}
+    assert set(failed) == {f"cppo: {last}"}
+    assert "so CPPO and GRPO would train alike" in failed[f"cppo: {last}"].detail
+    rep = feasibility(cfg, tmp_path, pilots, n_seeds=2, arms=arms)
+    values = {c.name: c.value for c in rep.checks}
+    per_run = 4.0 + 5 * (2.0 + 3.0 + 1.0)
+    assert values["projected wall time, 6 runs serial + evals (min)"] == pytest.approx(
+        round((6 * per_run + 0.5 * eval_items(cfg) * (6 + bool(cfg.eval.at_start))) / 60, 1))
+    assert values["projected sampled tokens (3 arms x 2 seed(s))"] == 6 * 5 * 16 * 100 // 16
+    assert "cppo: setup time (s)" in values and "dppo: setup time (s)" in values
+    assert rep.meta["treatments"]["cppo"]["pilot_steps"] == 3
+
+
+def json_rows(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_three_arm_plan_restores_every_treatment_against_the_baseline(tmp_path):
+    """The restoration gate compares each treatment's fresh and stepped client with the baseline's, and
+    composes each treatment on its own against the baseline."""
+    from trainer.config.compose import run_config
+    from trainer.preflight.gates import plan_arms, restoration
+
+    cfg = run_config([*LOCAL, f"preflight.dir={tmp_path}"])
+    rep = restoration(cfg, tmp_path, LOCAL, plan_arms(cfg, THREE))
+    checks = {c.name: c for c in rep.checks}
+    for t in ("dppo", "cppo"):
+        assert checks[f"{t}: arm configs differ only in loss"].value == ["loss"]
+        assert checks[f"{t}: fresh-client logprobs max |diff|"].value <= 1e-6
+        assert checks[f"{t}: logprobs after one identical step max |diff|"].status == "pass"
+    assert {n.split(":")[0] for n in checks if n.endswith(": served model")} == {"grpo", "dppo", "cppo"}
+    assert rep.passed and set(rep.meta["losses"]) == {"grpo", "dppo", "cppo"}
+
+
+def test_require_passed_refuses_an_arm_the_gates_did_not_run(tmp_path):
+    from trainer.config.compose import run_config
+    from trainer.preflight.gates import GATES, _meta, plan_arms, require_passed
+    from trainer.run_info import git_revision
+
+    def cfg_of(*extra):
+        return run_config([*LOCAL, f"preflight.dir={tmp_path}", *extra])
+
+    (tmp_path / "preflight").mkdir()
+    for arms in (None, plan_arms(cfg_of(), THREE)):
+        for gate in GATES:
+            meta = _meta(cfg_of(), arms) if gate != "correctness" else {"git": git_revision()}
+            (tmp_path / "preflight" / f"{gate}.json").write_text(json.dumps({"passed": True, "meta": meta}))
+        if arms is None:  # the two-arm record does not serve the cppo arm of a three-arm sweep
+            with pytest.raises(RuntimeError, match="design: ran the arms grpo, dppo, not cppo"):
+                require_passed(cfg_of("loss=cppo"))
+        else:
+            require_passed(cfg_of("loss=cppo"))

@@ -459,24 +459,38 @@ def plot_power(result: dict[str, Any], path: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------- the plan's numbers
-def plan_seeds(overrides: list[str]) -> tuple[list[str], int]:
-    """(overrides of the first job, seeds per arm) from the command line and the experiment's sweeper
-    params (`seed=0,1,2` on either)."""
+def plan_jobs(overrides: list[str]) -> tuple[list[str], list[list[str]]]:
+    """(overrides of the first job, every job's overrides) from the command line and the experiment's
+    sweeper params (`seed=0,1,2` or `loss=grpo,dppo,cppo` on either), in Hydra's order."""
     from trainer.config.compose import compose_config, sweep_jobs
 
     try:
         first = sweep_jobs(overrides)[0] if overrides else []
         params = compose_config(first, return_hydra_config=True).hydra.sweeper.get("params") or {}
+        given = {a.split("=", 1)[0].lstrip("+~") for a in overrides if "=" in a}
+        full = list(overrides) + [f"{k}={v}" for k, v in params.items() if k not in given]
+        return first, sweep_jobs(full)
     except Exception as e:  # noqa: BLE001 - Hydra's parse/compose errors name the override
         raise DesignError(f"config: {e}") from None
-    given = {a.split("=", 1)[0].lstrip("+~") for a in overrides if "=" in a}
-    full = list(overrides) + [f"{k}={v}" for k, v in params.items() if k not in given]
-    jobs = sweep_jobs(full)
-    seeds = set()
+
+
+def job_values(jobs: list[list[str]], key: str) -> list[str | None]:
+    """The value each job gives `key` (its last override of it; None where it gives none), first-seen order,
+    each once."""
+    values: list[str | None] = []
     for job in jobs:
-        seed = [a.split("=", 1)[1] for a in job if a.lstrip("+~").split("=", 1)[0] == "seed"]
-        seeds.add(seed[-1] if seed else None)
-    return first, max(1, len(seeds))
+        given = [a.split("=", 1)[1] for a in job if "=" in a and a.lstrip("+~").split("=", 1)[0] == key]
+        value = given[-1] if given else None
+        if value not in values:
+            values.append(value)
+    return values
+
+
+def plan_seeds(overrides: list[str]) -> tuple[list[str], int]:
+    """(overrides of the first job, seeds per arm) from the command line and the experiment's sweeper
+    params (`seed=0,1,2` on either)."""
+    first, jobs = plan_jobs(overrides)
+    return first, max(1, len(job_values(jobs, "seed")))
 
 
 def pilot_estimates(path: str | Path) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from trainer.checkpoint import (
     save_checkpoint,
     truncate_log,
 )
+from trainer.config.losses import own_rule
 from trainer.config.schema import Config, arm_name
 from trainer.datums import Rollout, rollout_to_datum, split_minibatches
 from trainer.losses.paths import CustomLossCall, InputClients, LossPath
@@ -60,18 +61,28 @@ log = logging.getLogger(__name__)
 class ProgressLines:
     """Progress without a terminal (nohup, SLURM, CI): one INFO line per rollout step, which Hydra's
     logging sends to stdout and the run folder's train.log. The ETA uses the mean wall time of the
-    steps done by this process, including checkpoints and periodic evals."""
+    steps done by this process, including checkpoints and periodic evals.
 
-    def __init__(self, total: int, start_step: int) -> None:
+    Every line shows DPPO's mask as `masked` and GRPO's clip as `clip` (the rules every arm logs, own or
+    counterfactual); an arm whose own rule (RULE_TABLE: the first its loss owns) is neither adds it under
+    its rule name (`cppo_masked 0.012`)."""
+
+    # the rules every line shows, under their short labels
+    SHOWN = (("masked", "dppo_masked"), ("clip", "grpo_clip"))
+
+    def __init__(self, total: int, start_step: int, loss: str | None = None) -> None:
         self.total = total
         self.start_step = start_step
         self.t0 = time.time()
+        own = own_rule(loss) if loss else None
+        self.rules = self.SHOWN + (((own, own),) if own and own not in dict(self.SHOWN).values() else ())
 
     def step_done(self, step: int, rows: list[dict[str, Any]]) -> str:
         per_step = (time.time() - self.t0) / max(1, step - self.start_step)
         first = rows[0] if rows else {}
         parts = [f"step {step}/{self.total}", f"reward {_fmt(first.get('env/reward_mean'))}"]
-        for label, key in (("masked", "loss/dppo_masked_frac"), ("clip", "loss/grpo_clip_frac")):
+        for label, rule in self.rules:
+            key = f"loss/{rule}_frac"
             vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
             if vals:
                 parts.append(f"{label} {_fmt(float(np.mean(vals)))}")
@@ -247,7 +258,8 @@ class RLLoop:
                            resume=state.step > 0, wandb_run=self.wandb_run,
                            updates_per_batch=s.updates_per_batch)
         bar = None
-        lines = ProgressLines(s.num_steps, state.step) if self.progress == "lines" else None
+        lines = (ProgressLines(s.num_steps, state.step, self.cfg.loss.name) if self.progress == "lines"
+                 else None)
         if self.progress == "bar":
             from tqdm import tqdm
 

@@ -47,12 +47,12 @@ RESUME_IGNORED_KEYS: tuple[str, ...] = ("resume", "checkpoint", "logger", "prefl
                                         "backend.call_deadline_s", "eval.every", "decision", "report")
 
 #: What does not change what the preflight gates measured (trainer.preflight.gates.plan_hash; Hydra's
-#: own section is dropped as well). The loss is the swept switch: each gate records both arms' loss
-#: configs instead (`arm_losses`), which a sweep job's own loss must equal. A replicate seed changes
-#: only the LoRA init and the sampling draws, so one preflight serves a seed sweep. preflight.skip/dir
-#: only say whether and where to look. Unlike a resume, the plan keeps eval.every, decision,
-#: backend.faults and the other preflight settings: the feasibility gate times the evals and the
-#: pilot, and the design gate reads the decision rule.
+#: own section is dropped as well). The loss is the swept switch: each gate records every arm's loss
+#: config instead (`arm_losses`: the baseline and each treatment), which a sweep job's own loss must
+#: equal. A replicate seed changes only the LoRA init and the sampling draws, so one preflight serves a
+#: seed sweep. preflight.skip/dir only say whether and where to look. Unlike a resume, the plan keeps
+#: eval.every, decision, backend.faults and the other preflight settings: the feasibility gate times the
+#: evals and the pilot, and the design gate reads the decision rule.
 PLAN_IGNORED_KEYS: tuple[str, ...] = ("loss", "seed", "logger", "retry", "backend.call_deadline_s", "resume",
                                       "checkpoint", "run_name", "preflight.skip", "preflight.dir")
 

@@ -267,6 +267,19 @@ def rules_owned_by(losses: Any) -> tuple[str, ...]:
     return tuple(r.name for r in RULE_TABLE if r.owner in set(losses))
 
 
+def own_rule(loss: str) -> str | None:
+    """The rule that says whether the loss `loss` acts at all: the first it owns in RULE_TABLE's order
+    (CPPO's whole mask, before the two causes that partition it); None for a loss without a token rule."""
+    owned = rules_owned_by([loss])
+    return owned[0] if owned else None
+
+
+def rule_label(rule: str) -> str:
+    """A rule's name for people: `grpo_clip` -> "GRPO clip", `cppo_masked` -> "CPPO masked"."""
+    owner = next(r.owner for r in RULE_TABLE if r.name == rule)
+    return f"{owner.upper()} {rule.removeprefix(owner + '_').replace('_', ' ')}"
+
+
 #: Hydra's schema name of each loss option (conf/loss/<name>.yaml names `<name>_schema` in its defaults)
 LOSS_SCHEMAS: dict[str, type[LossCommonConfig]] = {
     "grpo_schema": GRPOLossConfig,

@@ -20,11 +20,14 @@ def main(argv: list[str]) -> int:
     from trainer.preflight import correctness
     from trainer.preflight.gates import (
         GATES,
+        PlanError,
         activation,
         design,
         feasibility,
         pilot_failed,
+        plan_arms,
         preflight_dir,
+        require_treatments,
         restoration,
         run_pilot,
     )
@@ -38,9 +41,14 @@ def main(argv: list[str]) -> int:
         # `seed=0,1,2` (the sweep's seeds) tells the design gate how many seeds per arm the plan runs
         from eval.design import DesignError, plan_seeds
 
+        sweep = overrides
         overrides, n_seeds = plan_seeds(overrides)
         cfg = validate(compose_config(overrides))
-    except (ConfigError, DesignError) as e:
+        # the arms: decision.baseline and the other losses of the sweep (`loss=grpo,dppo,cppo`)
+        arms = plan_arms(cfg, sweep)
+        if gate not in ("correctness", "design"):
+            require_treatments(arms)
+    except (ConfigError, DesignError, PlanError) as e:
         print(f"error: config: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - Hydra composition errors name the key
@@ -49,24 +57,27 @@ def main(argv: list[str]) -> int:
     out = preflight_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     todo = list(GATES) if gate == "all" else [gate]
-    pilot = None
+    pilots: dict | None = None
     for g in todo:
         if g == "correctness":
             report = correctness.run(None)
         elif g == "restoration":
-            report = restoration(cfg, out, overrides)
+            report = restoration(cfg, out, overrides, arms)
         elif g == "design":
-            report = design(cfg, out, n_seeds)
+            report = design(cfg, out, n_seeds, arms=arms)
         else:
-            if pilot is None:
-                try:
-                    pilot = run_pilot(cfg, out)
-                except ValueError as e:  # a request the plan makes cannot run (a prompt over the context, ...)
-                    report = pilot_failed(g, cfg, e)
-                    pilot = None
-            if pilot is not None:
-                report = (activation(cfg, out, pilot) if g == "activation" else
-                          feasibility(cfg, out, pilot, n_seeds))
+            if pilots is None:  # one pilot per treatment, shared by activation and feasibility
+                pilots = {}
+                for t in arms.treatments:
+                    try:
+                        pilots[t] = run_pilot(cfg, out, t)
+                    except ValueError as e:  # a request the plan makes cannot run (a prompt over the context)
+                        report = pilot_failed(g, cfg, e, arms, t)
+                        pilots = None
+                        break
+            if pilots is not None:
+                report = (activation(cfg, out, pilots, arms) if g == "activation" else
+                          feasibility(cfg, out, pilots, n_seeds, arms))
         report.write(out)
         report.print_table()
         print(f"-> {Path(out) / 'preflight' / (g + '.json')}: {'PASSED' if report.passed else 'FAILED'}")
