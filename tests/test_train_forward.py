@@ -294,11 +294,14 @@ def test_one_plan_per_side_and_dtype_is_what_a_client_logs_records_and_runs(tmp_
     assert sorted((side, str(dt)) for side, dt in base._plans) == [("sampler", "torch.float32"),
                                                                   ("train", "torch.bfloat16")]
     rec = c.engine_record(TINY)
-    assert rec == plan.record()
+    # the plan's record, then the sampler's mismatch knobs and draw (here their defaults)
+    assert rec == {**plan.record(), "sampler_quant": "none", "sampler_logit_noise": 0.0,
+                   "sampling_coupling": "inverse_cdf"}
     assert {k: rec[k] for k in ("sampler_dtype", "train_dtype", "auto")} == \
         {"sampler_dtype": "float32", "train_dtype": "bfloat16", "auto": None}
     fields = {f.name for cls in (SamplerPlan, TrainPlan) for f in dataclasses.fields(cls)}
-    assert set(rec) == fields | {"auto"} and rec["train_packed_weights"] == plan.train.train_packed_weights
+    assert set(rec) == fields | {"auto", "sampler_quant", "sampler_logit_noise", "sampling_coupling"}
+    assert rec["train_packed_weights"] == plan.train.train_packed_weights
     assert rec["train_head_inputs"] == str(plan.train.train_head_inputs).removeprefix("torch.")
     c.close()
     c2.close()
