@@ -1,6 +1,6 @@
-"""`python -m eval.calibrate {coverage,equivalence,looks,sign_flip,variance_split,verdicts} [--sweeps N]
-[--seed K] [--markdown]`: the calibration record of docs/calibration.md, from seeded simulations of whole
-sweeps (JSON rows; `--markdown` prints the table exactly as docs/calibration.md holds it beside the
+"""`python -m eval.calibrate {coverage,equivalence,looks,seed_noise,sign_flip,variance_split,verdicts}
+[--sweeps N] [--seed K] [--markdown]`: the calibration record of docs/calibration.md, from seeded simulations
+of whole sweeps (JSON rows; `--markdown` prints the table exactly as docs/calibration.md holds it beside the
 command).
 
 The sweep model is eval.design's (its module docstring): the arms of seed s differ on the item population by
@@ -265,8 +265,47 @@ def variance_split_bias(n_sweeps: int, seed: int, seeds: tuple[int, ...] = (3, 8
     return rows
 
 
+def checkpoint_sweeps(n_sweeps: int, S: int, n: int = 200, seed: int = 0):
+    """Sweeps of (treatment, baseline) per-item correctness [S, n] with no effect of the loss and real
+    training noise: 200 items of logit difficulty theta_i ~ N(0.2, 2.5) shared by every checkpoint; each
+    checkpoint (arm, seed) has its own skill u ~ N(0, 0.74), the same law in both arms, and answers item i
+    right with probability sigmoid(theta_i + u), drawn once (greedy decoding of a fixed checkpoint).
+    Accuracy about 0.53, a between-seed sd of about 10 pts and a discordance of about 0.28 between two
+    checkpoints."""
+    rng = np.random.default_rng(seed)
+    theta = rng.normal(0.2, 2.5, n)
+    for _ in range(n_sweeps):
+        u = rng.normal(0.0, 0.74, (2, S, 1))
+        p = 1.0 / (1.0 + np.exp(-(theta[None, None, :] + u)))
+        yield rng.random((S, n)) < p[0], rng.random((S, n)) < p[1]
+
+
+def seed_noise(n_sweeps: int, seed: int, seeds: tuple[int, ...] = (1, 3, 5), alpha: float = 0.05,
+               n_bootstrap: int = 200) -> list[dict[str, Any]]:
+    """Each decision method's `validated` share of null sweeps with real training noise (checkpoint_sweeps),
+    through eval.methods.method_table, the functions compare decides with (sweep i's bootstraps seeded i);
+    the two-level bootstrap's lower bound above 0 beside them (descriptive). From 5 seeds per arm on, half
+    the sweeps (their bootstraps cost most)."""
+    from eval.methods import method_table
+
+    rows = []
+    for S in seeds:
+        N = n_sweeps if S < 5 else n_sweeps // 2
+        hits: dict[str, int] = {}
+        two_level = 0
+        for i, (t, b) in enumerate(checkpoint_sweeps(N, S, seed=seed)):
+            _, m, _ = method_table(t, b, alpha, 0.0, n_bootstrap, i)
+            for k, v in m.items():
+                if v["verdict"] is not None:
+                    hits[k] = hits.get(k, 0) + (v["verdict"] == "validated")
+            two_level += "two_level_bootstrap" in m and m["two_level_bootstrap"]["ci_low"] > 0
+        rows.append({"seeds_per_arm": S, "sweeps": N, **{k: v / N for k, v in hits.items()},
+                     "two_level_bootstrap_low_above_0": two_level / N if S > 1 else None})
+    return rows
+
+
 TABLES = {"coverage": coverage, "equivalence": equivalence, "looks": looks, "sign_flip": sign_flip,
-          "variance_split": variance_split_bias, "verdicts": verdicts}
+          "seed_noise": seed_noise, "variance_split": variance_split_bias, "verdicts": verdicts}
 
 
 def pct(x: float) -> str:
@@ -299,6 +338,15 @@ def markdown(table: str, rows: list[dict[str, Any]]) -> str:
                "|---:|---|---:|---:|---:|"]
         out += [f"| {r['seeds_per_arm']} | {r['noise']} | {pct(r['seed_t'])} | {pct(r['sign_flip'])} | "
                 f"{pct(r['two_level_bootstrap'])} |" for r in rows]
+    elif table == "seed_noise":
+        out = [("| seeds per arm (sweeps) | paired Hoeffding | exact McNemar | paired bootstrap | seed t (`auto` at "
+                ">= 2 seeds) | two-level bootstrap lower bound > 0 (descriptive) |"), "|---|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            one = r["seeds_per_arm"] == 1
+            out.append(f"| {r['seeds_per_arm']} ({r['sweeps']}) | {pct(r['paired_hoeffding'])} | "
+                       f"{pct(r['mcnemar_exact'])}{' (`auto` at 1 seed, binary scores)' if one else ''} | "
+                       f"{pct(r['paired_bootstrap'])} | {'-' if one else '**' + pct(r['seed_t']) + '**'} | "
+                       f"{'-' if one else pct(r['two_level_bootstrap_low_above_0'])} |")
     elif table == "variance_split":
         out = [("| seeds per arm | true training variance | item part | training, unbiased (mean) | "
                 "training, floored at 0 (mean; compare's `training_var`) | floor fires |"),
