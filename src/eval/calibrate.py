@@ -217,11 +217,11 @@ def sign_flip_two_sided(D: np.ndarray) -> np.ndarray:
 def coverage(n_sweeps: int, seed: int, alpha: float = 0.05, seeds: tuple[int, ...] = (3, 6, 10),
              effect: float = 0.05, n_bootstrap: int = 200) -> list[dict[str, Any]]:
     """How often each paired interval compare reports over seeds holds the true gap (`effect`; the clip at
-    +-P is 5 sd away, so the seeds' expected gap is `effect`), under normal and t3 training noise: seed t's
-    1 - alpha interval; the sign-flip test's confidence set (the gaps g whose two-sided exact p of D - g
-    is >= alpha: it holds the truth exactly when the test at the truth does not reject); the two-level
-    bootstrap's percentile interval (`n_bootstrap` resamples; descriptive in compare, known to be too narrow
-    with few seeds). Nominal: 1 - alpha."""
+    +-P is over 4 training sd away, so the seeds' expected gap is `effect` up to a negligible tail), under
+    normal and t3 training noise: seed t's 1 - alpha interval; the sign-flip test's confidence set (the gaps
+    g whose two-sided exact p of D - g is >= alpha: it holds the truth exactly when the test at the truth
+    does not reject); the two-level bootstrap's percentile interval (`n_bootstrap` resamples; descriptive in
+    compare, known to be too narrow with few seeds). Nominal: 1 - alpha."""
     rng = np.random.default_rng(seed)
     tau = math.sqrt(2 * 0.05**2 - 0.3 / 200)
     rows = []
