@@ -87,7 +87,7 @@ def test_experiment_arms_differ_only_in_loss_group():
 
 
 def test_the_local_testbed_composes_its_recorded_regime():
-    """The regime the first answer was measured in (docs/verdict.md), composed as `+experiment=local_testbed`
+    """The regime the first answer was measured in (docs/lab-notes.md), composed as `+experiment=local_testbed`
     gives it: every testbed run is `slow`, so without this the quick suite never reads the experiment's
     schedule, and an edit to it (constant groups trained, one update per batch) would change the regime
     under the recorded answer unseen. The lr falls linearly from 1e-3 to 1e-4 over all 96 updates."""

@@ -10,16 +10,19 @@ import json
 import math
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 from test_verdict import _rewrite_metrics, _sweep, _trained_under, _with_gap
 
+from eval.calibrate import TABLES as CALIBRATE_TABLES
 from eval.compare import CompareError, compare, main
 from eval.stats import sign_flip_p
 
 N_ITEMS = 200
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gap_sweep(root, gaps_items: list[int], overrides=(), name="sweep", base_k=80, loss="dppo", seed0=0):
@@ -739,8 +742,105 @@ def test_effect_sizes_in_compare_json_and_md(tmp_path):
     assert es["item_sampling_var"] == pytest.approx(var_S.mean() / N_ITEMS, rel=1e-12)
     assert es["training_var"] == pytest.approx(max(0.0, D.var(ddof=1) - var_S.mean() / N_ITEMS), rel=1e-12)
     assert res["scope_settings"]["optimizer.lr"] is not None and "schedule.num_steps" in res["scope_settings"]
+    # every baseline seed scored 80 of 200, so the unpaired P(X > Y) over the 4 x 4 run pairs equals the
+    # paired share here; the training part is reported unfloored beside the floored one
+    assert es["prob_improvement_unpaired"] == 0.625
+    assert es["training_var_unbiased"] == pytest.approx(D.var(ddof=1) - var_S.mean() / N_ITEMS, rel=1e-12)
     md = (sweep / "compare.md").read_text()
-    assert "Probability of improvement" in md and "optimizer.lr" in md
+    assert "Paired probability of improvement (paired_prob_improvement" in md and "optimizer.lr" in md
+    assert "unpaired, rliable's P(X > Y) over all seed x seed pairs: 0.62" in md
+    assert "the unbiased (unfloored) training variance is" in md
+
+
+def test_paired_and_unpaired_probability_of_improvement_by_hand():
+    """Two seed pairs of two items. Treatment runs score 0.5 and 1.0, baseline runs 0.0 and 1.0 (seed 1 tied).
+    Paired: seed 0 wins, seed 1 ties: (1 + 0.5) / 2 = 0.75. Unpaired (rliable's P(X > Y) over all 2 x 2 run
+    pairs): 0.5 > 0.0, 0.5 < 1.0, 1.0 > 0.0, 1.0 = 1.0 (half): 2.5 / 4 = 0.625."""
+    from eval.comparison import effect_sizes, prob_improvement_unpaired
+
+    t_SN = np.array([[1, 0], [1, 1]])
+    b_SN = np.array([[0, 0], [1, 1]])
+    es = effect_sizes(t_SN, b_SN, 0.05)
+    assert es["prob_improvement"] == 0.75 and es["prob_improvement_unpaired"] == 0.625
+    # the baseline's seeds swapped change the pairs, not the runs: the 0.5 run now meets 1.0 (a loss) and the
+    # 1.0 run meets 0.0 (a win), paired 0.5; the unpaired share stays 0.625
+    es2 = effect_sizes(t_SN, b_SN[::-1], 0.05)
+    assert es2["prob_improvement"] == 0.5 and es2["prob_improvement_unpaired"] == 0.625
+    # unequal run counts (N = 3, M = 2): 6 pairs, 0.2 beats none, 0.5 beats 0.4, 0.9 beats both: 3 / 6
+    assert prob_improvement_unpaired(np.array([0.2, 0.5, 0.9]), np.array([0.4, 0.6])) == 0.5
+
+
+def test_variance_split_unbiased_and_floored_bias():
+    """At a true training variance of 4 pts^2 (sd 2 pts) against ~15 pts^2 of item sampling, 3 seeds per arm:
+    the unbiased training part's mean over 2,000 sweeps is the truth within 4 Monte Carlo se, while the
+    reported `training_var` (floored at 0) is biased up by far more than that (docs/calibration.md)."""
+    from eval.calibrate import item_gaps
+    from eval.comparison import variance_split
+
+    rng = np.random.default_rng(5)
+    tau, n_sweeps = 0.02, 2000
+    d = item_gaps(0.0, tau, rng.standard_normal((n_sweeps, 3)), rng).astype(np.float64)
+    unbiased = np.array([variance_split(d[i])[2] for i in range(n_sweeps)])
+    se = unbiased.std(ddof=1) / math.sqrt(n_sweeps)
+    assert abs(unbiased.mean() - tau**2) < 4 * se
+    floored = np.maximum(unbiased, 0.0)
+    assert floored.mean() - tau**2 > 8 * se and np.mean(unbiased < 0) > 0.3
+
+
+def test_seed_level_intervals_cover_at_their_level():
+    """300 seeded sweeps per row at a true gap of +5 pts (eval.calibrate coverage): seed t's 95% interval
+    and the sign-flip set cover within 3 Monte Carlo se of 95% or above; the sign-flip set is the whole line
+    at 3 seeds (covers always); the two-level bootstrap is too narrow at 3 seeds, about right by 10."""
+    from eval.calibrate import coverage
+
+    n = 300
+    tol = 3 * math.sqrt(0.05 * 0.95 / n)
+    rows = {(r["seeds_per_arm"], r["noise"]): r for r in coverage(n, 0, seeds=(3, 10), n_bootstrap=100)}
+    for (S, _), r in rows.items():
+        assert abs(r["seed_t"] - 0.95) < tol, r
+        assert r["sign_flip"] > 0.95 - tol, r
+        assert S != 3 or r["sign_flip"] == 1.0
+    assert rows[10, "normal"]["two_level_bootstrap"] > 0.95 - tol
+
+
+def _calibration_tables() -> list[tuple[str, int, int, str]]:
+    """(table, sweeps, seed, the doc's table) for each `python -m eval.calibrate ... --markdown` command in
+    docs/calibration.md, the table being the lines starting with | right after the command's blank line."""
+    import re
+
+    lines = (ROOT / "docs" / "calibration.md").read_text().split("\n")
+    found = []
+    for i, line in enumerate(lines):
+        m = re.fullmatch(r"`python -m eval\.calibrate (\w+) --sweeps (\d+) --seed (\d+) --markdown`:", line)
+        if m:
+            j = i + 2
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            found.append((m.group(1), int(m.group(2)), int(m.group(3)), "\n".join(lines[i + 2:j])))
+    return found
+
+
+def test_every_calibrate_table_is_in_the_calibration_record():
+    from eval.calibrate import TABLES
+
+    found = _calibration_tables()
+    assert sorted(t for t, *_ in found) == sorted(TABLES)
+    assert all(doc.startswith("| ") for *_, doc in found)
+
+
+#: the tables that take more than about a second to regenerate (seed_noise: about 13 s idle)
+SLOW_TABLES = {"coverage", "seed_noise", "sign_flip", "variance_split"}
+
+
+@pytest.mark.parametrize("table", [pytest.param(t, marks=pytest.mark.slow) if t in SLOW_TABLES else t
+                                   for t in sorted(CALIBRATE_TABLES)])
+def test_calibration_record_tables_are_current(table):
+    """docs/calibration.md's table is what its command prints today: rerun `python -m eval.calibrate <table>
+    --sweeps N --seed K --markdown` and paste its output when a rule changes."""
+    from eval.calibrate import TABLES, markdown
+
+    (name, sweeps, seed, doc), = [x for x in _calibration_tables() if x[0] == table]
+    assert markdown(name, TABLES[name](sweeps, seed)) == doc
 
 
 def test_the_registry_is_what_the_config_may_name():

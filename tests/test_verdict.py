@@ -716,25 +716,12 @@ def test_a_planned_look_below_the_design_s_seeds_is_a_stop_not_a_cut(tmp_path):
 
 
 # ----------------------------------------------------------------------------- calibration under seed noise
-def _null_sweeps(n_sweeps: int, S: int, n: int = 200, seed: int = 0):
-    """Sweeps with no effect of the loss and real training noise: 200 items of logit difficulty
-    theta_i ~ N(0.2, 2.5) shared by every checkpoint; each checkpoint (arm, seed) has its own skill
-    u ~ N(0, 0.74), the same law in both arms, and answers item i right with probability
-    sigmoid(theta_i + u), drawn once (greedy decoding of a fixed checkpoint). Accuracy about 0.53, a
-    between-seed sd of about 10 pts and a discordance of about 0.28 between two checkpoints."""
-    rng = np.random.default_rng(seed)
-    theta = rng.normal(0.2, 2.5, n)
-    for _ in range(n_sweeps):
-        u = rng.normal(0.0, 0.74, (2, S, 1))
-        p = 1.0 / (1.0 + np.exp(-(theta[None, None, :] + u)))
-        yield rng.random((S, n)) < p[0], rng.random((S, n)) < p[1]
-
-
 def test_false_positive_rates_under_seed_noise_and_the_default_rule_holds_alpha():
     """A validated verdict with no effect is a false positive; a calibrated rule gives alpha / 2 = 2.5%
     (one side of a two-sided alpha = 0.05). With 3 seeds per arm the default rule (auto -> seed_t) must
     stay at that rate (within 3 Monte Carlo se), while the item-level methods, which hold the checkpoints
     fixed, validate seed noise far more often than alpha."""
+    from eval.calibrate import checkpoint_sweeps
     from eval.compare import method_table
     from eval.stats import resolve_method
 
@@ -742,7 +729,7 @@ def test_false_positive_rates_under_seed_noise_and_the_default_rule_holds_alpha(
     default, _ = resolve_method("auto", S)
     hits = {k: 0 for k in ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap", "seed_t")}
     excl_two_level = 0
-    for i, (t, b) in enumerate(_null_sweeps(n_sweeps, S)):
+    for i, (t, b) in enumerate(checkpoint_sweeps(n_sweeps, S)):
         _, methods, _ = method_table(t, b, alpha, 0.0, 200, i)
         for k in hits:
             hits[k] += methods[k]["verdict"] == "validated"

@@ -529,16 +529,44 @@ def earlier_looks(result: dict[str, Any], path: Path | None, plannable: bool = T
     return [(x, w) for x, w in others if x["n_seeds"] == result["n_seeds"]]
 
 
+def prob_improvement_unpaired(x_N: np.ndarray, y_M: np.ndarray) -> float:
+    """rliable's P(X > Y) (google-research/rliable @ 72fc16c3, rliable/metrics.py,
+    `probability_of_improvement`, one task): scipy's Mann-Whitney U of X over Y (alternative 'greater')
+    divided by N x M, i.e. the share of all N x M run pairs with x > y, a tie counting one half."""
+    x = np.asarray(x_N, dtype=np.float64)[:, None]
+    y = np.asarray(y_M, dtype=np.float64)[None, :]
+    return float(np.mean((x > y) + 0.5 * (x == y)))
+
+
+def variance_split(d_SN: np.ndarray) -> tuple[float, float, float]:
+    """(var_S(D_s), item part, unbiased training part) of the per-seed mean gaps D_s = mean_i d_si. Given
+    seed s's checkpoints, D_s varies with the item sample by var_i(d_si) / n (the ddof-1 sample variance is
+    unbiased for it), so E[var_S(D_s)] = training variance + E[item part], and var_S(D_s) - item part is
+    unbiased for the training variance; it is below 0 in many sweeps when training noise is small."""
+    n = d_SN.shape[1]
+    var_gap = float(np.var(d_SN.mean(axis=1), ddof=1))
+    item_var = float(np.mean(d_SN.var(axis=1, ddof=1))) / n if n > 1 else 0.0
+    return var_gap, item_var, var_gap - item_var
+
+
 def effect_sizes(t_SN: np.ndarray, b_SN: np.ndarray, alpha: float) -> dict[str, Any]:
     """Effects people read beside the verdict (descriptive; none of them decides):
-    - the probability of improvement over seed pairs: the share of seed pairs whose treatment run scored
-      higher (ties count one half; rliable's P(X > Y), Agarwal et al. 2021, read over the paired seeds),
-      with a Wilson interval over the S pairs;
+    - the paired probability of improvement (`prob_improvement`, the report's "paired probability of
+      improvement"): the share of seed pairs whose treatment run scored higher than its own baseline run
+      (ties count one half), with a Wilson interval over the S pairs;
+    - beside it the unpaired one (`prob_improvement_unpaired`), rliable's P(X > Y) (Agarwal et al. 2021;
+      google-research/rliable @ 72fc16c3, rliable/metrics.py, `probability_of_improvement`: the Mann-Whitney U
+      over all N x M run pairs, every treatment seed against every baseline seed, ties one half), which
+      ignores the pairing; on the first answer's gaps the two read 0.375 and 0.281;
     - the gap in between-seed sd units: the mean gap over the sd of one arm's accuracy across seeds (both
       arms' per-seed accuracies pooled), the standardised effect of Bouthillier et al. 2021;
     - the variance of a seed pair's gap split into item sampling (mean over seeds of var_i(d_si) / n, what a
-      new item sample would move) and training (the rest of the gaps' variance across seeds, floored at 0)."""
-    S, n = t_SN.shape
+      new item sample would move; unbiased for the item part) and training, the rest of the gaps' variance
+      across seeds. `training_var_unbiased` = var_S(D_s) - item part is unbiased (it can be negative);
+      `training_var` floors it at 0 and, with the share, is biased up when training noise is small
+      (true 4 pts^2: mean 8.5 pts^2 at 3 seeds, 6.1 at 8: docs/calibration.md, `python -m eval.calibrate
+      variance_split`)."""
+    S = t_SN.shape[0]
     D_S = (t_SN.astype(np.float64) - b_SN.astype(np.float64)).mean(axis=1)
     out: dict[str, Any] = {"n_seed_pairs": S}
     if S < 2:
@@ -548,14 +576,14 @@ def effect_sizes(t_SN: np.ndarray, b_SN: np.ndarray, alpha: float) -> dict[str, 
     lo, hi = wilson_interval(math.floor(wins), S, alpha)[0], wilson_interval(math.ceil(wins), S, alpha)[1]
     acc_T, acc_B = t_SN.mean(axis=1), b_SN.mean(axis=1)
     pooled = math.sqrt((float(np.var(acc_T, ddof=1)) + float(np.var(acc_B, ddof=1))) / 2)
-    var_gap = float(np.var(D_S, ddof=1))
-    d_SN = t_SN.astype(np.float64) - b_SN.astype(np.float64)
-    item_var = float(np.mean(d_SN.var(axis=1, ddof=1))) / n if n > 1 else 0.0
-    train_var = max(0.0, var_gap - item_var)
+    var_gap, item_var, train_unbiased = variance_split(t_SN.astype(np.float64) - b_SN.astype(np.float64))
+    train_var = max(0.0, train_unbiased)
     total = item_var + train_var
     out.update(prob_improvement=wins / S, prob_improvement_low=lo, prob_improvement_high=hi,
+               prob_improvement_unpaired=prob_improvement_unpaired(acc_T, acc_B),
                between_seed_sd=pooled, gap_in_seed_sd=float(D_S.mean()) / pooled if pooled > 0 else None,
                gap_sd=math.sqrt(var_gap), item_sampling_var=item_var, training_var=train_var,
+               training_var_unbiased=train_unbiased,
                item_sampling_share=item_var / total if total > 0 else None)
     return out
 

@@ -249,14 +249,23 @@ def _effects_section(r: dict[str, Any]) -> list[str]:
     z = es["gap_in_seed_sd"]
     share = es["item_sampling_share"]
     return [f"### Effect sizes ({r['treatment']} - {r['baseline']}; descriptive, none decides)", "",
-            (f"Probability of improvement over the {es['n_seed_pairs']} seed pairs (treatment run above its "
-             f"baseline run; ties count half): {es['prob_improvement']:.2f} [{es['prob_improvement_low']:.2f}, "
-             f"{es['prob_improvement_high']:.2f}] (Wilson). Gap in between-seed sd units: "
+            (f"Paired probability of improvement (paired_prob_improvement; compare.json `prob_improvement`) "
+             f"over the {es['n_seed_pairs']} seed pairs (treatment run above its own baseline run; ties count "
+             f"half): {es['prob_improvement']:.2f} [{es['prob_improvement_low']:.2f}, "
+             f"{es['prob_improvement_high']:.2f}] (Wilson)"
+             + ("" if es.get("prob_improvement_unpaired") is None else
+                f"; unpaired, rliable's P(X > Y) over all seed x seed pairs: "
+                f"{es['prob_improvement_unpaired']:.2f}")
+             + ". Gap in between-seed sd units: "
              f"{'-' if z is None else f'{z:+.2f}'} (between-seed sd of one arm {_size(es['between_seed_sd'])})."),
             (f"Variance of a seed pair's gap (sd {_size(es['gap_sd'])}): item sampling "
              f"{'-' if share is None else f'{100 * share:.0f}%'}, training (seed) noise "
              f"{'-' if share is None else f'{100 * (1 - share):.0f}%'}: more items narrow only the first part, "
-             "more seeds both."), ""]
+             "more seeds both. The training part is floored at 0, so the split overstates it when training "
+             "noise is small"
+             + ("" if es.get("training_var_unbiased") is None else
+                f"; the unbiased (unfloored) training variance is {_var(es['training_var_unbiased'])}")
+             + "."), ""]
 
 
 def _seeds_section(r: dict[str, Any], result: dict[str, Any]) -> list[str]:
@@ -435,6 +444,12 @@ def _ci(iv: list[float] | None) -> str:
 def _size(x: float | None) -> str:
     """An unsigned size (sd, se, gap magnitude) in percentage points."""
     return "-" if x is None else f"{100.0 * x:.2f} pts"
+
+
+def _var(x: float) -> str:
+    """A variance of accuracy differences in squared percentage points (signed: an unbiased estimate can be
+    below 0)."""
+    return f"{1e4 * x:+.2f} pts^2"
 
 
 def _pts(x: float | None) -> str:
