@@ -79,12 +79,30 @@ def one_run(name: str, tree: Path, out: Path, args: argparse.Namespace) -> dict:
     return row
 
 
-def fingerprint(out: Path) -> tuple:
-    """What must agree bit for bit between the two sides: metrics outside time/, and the eval answers."""
+def fingerprint(out: Path) -> tuple[list[dict], list[tuple[str, str]]]:
+    """What must agree bit for bit between the two sides: metrics outside time/ and engine/, and the eval
+    answers."""
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [{k: v for k, v in r.items() if not k.startswith(("time/", "engine/"))} for r in rows]
     evals = sorted((p.name, p.read_text()) for p in (out / "eval").glob("*.jsonl"))
-    return json.dumps(rows, sort_keys=True), evals
+    return rows, evals
+
+
+def agreement(base: tuple, head: tuple) -> str:
+    """Whether the two sides computed the same: every metric both sides log equal in every row, and the
+    eval answers identical; metrics only one side logs (a new diagnostic) are named, not counted as a
+    difference."""
+    (rows_b, evals_b), (rows_h, evals_h) = base, head
+    keys_b = set().union(*rows_b) if rows_b else set()
+    keys_h = set().union(*rows_h) if rows_h else set()
+    common = keys_b & keys_h
+    same_rows = len(rows_b) == len(rows_h) and all(
+        {k: v for k, v in a.items() if k in common} == {k: v for k, v in b.items() if k in common}
+        for a, b in zip(rows_b, rows_h))
+    said = "identical" if same_rows and evals_b == evals_h else "DIFFER"
+    extra = [f"only in head: {sorted(keys_h - keys_b)}"] if keys_h - keys_b else []
+    extra += [f"only in base: {sorted(keys_b - keys_h)}"] if keys_b - keys_h else []
+    return said + (f" ({'; '.join(extra)})" if extra else "")
 
 
 def main() -> None:
@@ -118,7 +136,7 @@ def main() -> None:
             print(f"runs kept in {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    same = prints["base"] == prints["head"]
+    same = agreement(prints["base"], prints["head"])
     print("\n| side | run CPU (s) | wall (s) | setup | start eval | train | final eval | cores busy "
           "elsewhere |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -129,7 +147,7 @@ def main() -> None:
     mid = {s: v[len(v) // 2] for s, v in med.items()}
     print(f"\nmedian run CPU: base {mid['base']} s, head {mid['head']} s, "
           f"head/base {mid['head'] / mid['base']:.3f}; metrics and eval answers "
-          f"{'identical' if same else 'DIFFER'} between the two sides")
+          f"{same} between the two sides")
 
 
 if __name__ == "__main__":
