@@ -81,6 +81,7 @@ def cases() -> list[tuple[str, torch.fx.GraphModule, list[str], int, int]]:
              _call("loss", "torch.sum", {"ref": "m"})]
     per = (graph_cost.MAX_GRAPH_REFS - 2) // 4
     cats = [_call(f"c{i}", "torch.cat", [{"ref": "logprobs"}] * per) for i in range(4)]
+    few = [_call(f"f{i}", "torch.cat", [{"ref": "logprobs"}] * 64) for i in range(16)]
     out = [(f"project {name}", gm, names, 512, 32) for name, gm, names in project_losses()]
     out += [(f"neg chain {n} x 3 tokens", _graph(_chain("torch.neg", n)), [], 3, 128)
             for n in (2, 11, 31, 64)]
@@ -89,7 +90,9 @@ def cases() -> list[tuple[str, torch.fx.GraphModule, list[str], int, int]]:
             ("o @ o, 256 tokens", _graph(outer), [], 256, 4),
             ("o @ o, 512 tokens", _graph(outer), [], 512, 1),
             (f"4 cat x {per} refs, 8 tokens", _graph([*cats, _call("loss", "torch.sum", {"ref": "c3"})]), [],
-             8, 64)]
+             8, 64),
+            ("16 cat x 64 refs, 8 tokens", _graph([*few, _call("loss", "torch.sum", {"ref": "f15"})]), [], 8,
+             64)]
     return out
 
 
@@ -118,20 +121,43 @@ def run_once(gm: torch.fx.GraphModule, names: list[str], tokens: int, datums: in
     return time.perf_counter() - t
 
 
-def meter(gm: torch.fx.GraphModule, names: list[str], tokens: int) -> tuple[int, int, float]:
-    """(node runs per datum, element work per datum without the node overhead, seconds to meter)."""
+def meter(gm: torch.fx.GraphModule, names: list[str], tokens: int) -> tuple[int, int, int, int, float]:
+    """Per datum: (node runs, references between nodes, elements read and written, multiply-adds of
+    contractions), and the seconds one meter run takes with the module's constants."""
     shapes = [(tokens,)] * (1 + len(names))
     dtypes = [torch.float32] * len(shapes)
     t = time.perf_counter()
     graph_cost.datum_cost(gm, shapes, dtypes, float("inf"))
     took = time.perf_counter() - t
-    saved, graph_cost.NODE_COST = graph_cost.NODE_COST, 0
+    saved = graph_cost.NODE_COST, graph_cost.REF_COST, graph_cost.FLOP_COST
     try:
+        graph_cost.NODE_COST, graph_cost.REF_COST, graph_cost.FLOP_COST = 0, 0, 0.0
         elements = graph_cost.datum_cost(gm, shapes, dtypes, float("inf"))
+        graph_cost.FLOP_COST = 1.0
+        flops = graph_cost.datum_cost(gm, shapes, dtypes, float("inf")) - elements
     finally:
-        graph_cost.NODE_COST = saved
-    nodes = sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
-    return nodes, elements, took
+        graph_cost.NODE_COST, graph_cost.REF_COST, graph_cost.FLOP_COST = saved
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    refs: list[torch.fx.Node] = []
+    for n in calls:
+        torch.fx.node.map_arg((n.args, n.kwargs), refs.append)
+    return len(calls), len(refs), elements, flops, took
+
+
+def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: the best of the unconstrained fits over each subset of the
+    columns whose coefficients all come out non-negative (4 columns: 15 subsets)."""
+    best, best_res = np.zeros(A.shape[1]), float(b @ b)
+    for mask in range(1, 1 << A.shape[1]):
+        cols = [j for j in range(A.shape[1]) if mask >> j & 1]
+        sol, *_ = np.linalg.lstsq(A[:, cols], b, rcond=None)
+        if (sol < 0).any():
+            continue
+        res = float(np.sum((A[:, cols] @ sol - b) ** 2))
+        if res < best_res:
+            best, best_res = np.zeros(A.shape[1]), res
+            best[cols] = sol
+    return best
 
 
 def main() -> None:
@@ -144,30 +170,37 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()}")
     graph_cost.check_at_upload(_graph(_chain("torch.neg", 2)), [1], Limits())  # imports warm
-    rows = []
+    names_, counts, secs, meter_s = [], [], [], []
     for name, gm, names, tokens, datums in cases():
-        nodes, elements, meter_s = meter(gm, names, tokens)
+        nodes, refs, elements, flops, took = meter(gm, names, tokens)
         run_once(gm, names, tokens, 1)  # warm
-        secs = min(run_once(gm, names, tokens, datums) for _ in range(args.reps))
-        rows.append((name, datums, nodes * datums, elements * datums, secs, meter_s))
-    X = np.array([[r[2], r[3]] for r in rows], dtype=float)
-    y = np.array([r[4] for r in rows])
+        secs.append(min(run_once(gm, names, tokens, datums) for _ in range(args.reps)))
+        names_.append((name, datums))
+        counts.append([nodes * datums, refs * datums, elements * datums, flops * datums])
+        meter_s.append(took)
+    X, y = np.array(counts, dtype=float), np.array(secs)
     w = 1 / y  # relative error: short and long rows weigh alike
-    (alpha, b), *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
-    fitted = alpha / b if b > 0 else float("nan")
-    print(f"fit: {alpha * 1e6:.2f} us per node run, {b * 1e9:.3f} ns per element operation -> "
-          f"NODE_COST = {fitted:,.0f} (module: {graph_cost.NODE_COST:,})")
+    coef = nnls(X * w[:, None], y * w)  # seconds per node run, reference, element, multiply-add
+    node_s, ref_s, elem_s, flop_s = coef
+    print(f"fit: {node_s * 1e6:.3f} us per node run, {ref_s * 1e6:.3f} us per reference, "
+          f"{elem_s * 1e9:.3f} ns per element read or written, {flop_s * 1e9:.4f} ns per multiply-add")
+    if elem_s > 0:
+        print(f"  -> NODE_COST = {node_s / elem_s:,.0f}, REF_COST = {ref_s / elem_s:,.0f}, "
+              f"FLOP_COST = {flop_s / elem_s:.3g}")
+    module = np.array([graph_cost.NODE_COST, graph_cost.REF_COST, 1.0, graph_cost.FLOP_COST])
+    print(f"  module: NODE_COST = {graph_cost.NODE_COST:,}, REF_COST = {graph_cost.REF_COST:,}, "
+          f"FLOP_COST = {graph_cost.FLOP_COST:.3g}")
     limits = Limits()
-    print(f"at the default --max-loss-cost {limits.loss_cost:.3g}: about "
-          f"{limits.loss_cost * b:.1f} s of loss work per request (fitted per-element time)")
-    head = (f"{'graph':<34} {'datums':>6} {'node runs':>9} {'elements':>11} {'measured s':>10} "
-            f"{'pred/meas (module)':>18} {'pred/meas (fit)':>15} {'meter s':>8}")
+    print(f"at the default --max-loss-cost {limits.loss_cost:.3g}: about {limits.loss_cost * elem_s:.2f} s "
+          "of loss work per request (the fitted time of one element operation)")
+    head = (f"{'graph':<34} {'datums':>6} {'node runs':>9} {'refs':>8} {'elements':>9} {'mult-adds':>9} "
+            f"{'measured s':>10} {'pred/meas (module)':>18} {'pred/meas (fit)':>15} {'meter s':>8}")
     print(head)
-    for name, datums, runs, elements, secs, meter_s in rows:
-        module = b * (graph_cost.NODE_COST * runs + elements) / secs
-        fit = (alpha * runs + b * elements) / secs
-        print(f"{name:<34} {datums:>6} {runs:>9} {elements:>11.3g} {secs:>10.3f} {module:>18.2f} "
-              f"{fit:>15.2f} {meter_s:>8.3f}")
+    for (name, datums), row, s, m in zip(names_, X, y, meter_s, strict=True):
+        by_module = elem_s * float(row @ module) / s
+        by_fit = float(row @ coef) / s
+        print(f"{name:<34} {datums:>6} {row[0]:>9.0f} {row[1]:>8.0f} {row[2]:>9.3g} {row[3]:>9.3g} "
+              f"{s:>10.3f} {by_module:>18.2f} {by_fit:>15.2f} {m:>8.3f}")
     print(f"load {os.getloadavg()}")
 
 

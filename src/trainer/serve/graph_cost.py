@@ -8,9 +8,10 @@ datum allocates gigabytes, and hundreds of cheap nodes run once per datum add up
 
 The cost model: the engine runs the graph once per datum (tinker 0.38
 `lib/public_interfaces/custom_loss.py::run_loss_handle`), forward and backward, so one run of one node
-costs a fixed overhead (`NODE_COST`, in element operations: Python, fx, dispatch and autograd for one
-call, whatever the tensor sizes) plus its element work: the elements it reads and writes (a reduction
-reads far more than it returns) and, for contractions, its multiply-adds (`torch.utils.flop_counter`).
+costs a fixed overhead (in element operations: Python, fx, dispatch and autograd for one
+call, whatever the tensor sizes, `NODE_COST`), a fixed overhead per reference it makes to another node's
+output (`REF_COST`), plus its element work: the elements it reads and writes (a reduction reads far more
+than it returns) and, for contractions, its multiply-adds (`torch.utils.flop_counter`) at `FLOP_COST` each.
 A request costs its datums times the cost of its largest datum (each input's axis at its maximum over
 the datums); above `Limits.loss_cost` (`--max-loss-cost`) it is refused (400) before anything is queued.
 Besides the total, the elements one datum's nodes return (what autograd keeps for backward) are bounded
@@ -51,11 +52,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from trainer.serve.limits import LimitExceeded, Limits
 
-# One node run's fixed cost (forward and backward, per datum) in element operations. From the engine as
-# measured in the real-client review (round 5, C6 and C5, same machine and load): one extra node call cost
-# about 7.3 ms, one element operation about 0.28 us, a ratio of about 26,000. `bench/graph_cost.py` fits
-# it from timed runs of the built-in losses and adversarial graphs; refit there when the engine changes.
-NODE_COST = 26_000
+# The cost model's constants, in element operations (one element read or written by a node on one datum),
+# fitted by `bench/graph_cost.py` on this engine (forward and backward, per datum, as a registered loss
+# runs): one node run's fixed overhead (Python, fx, dispatch and autograd for one call, whatever the
+# sizes), the overhead of each reference a node makes to another node's output (`cat` over 511 references
+# costs far more than its elements: every argument is unpacked, checked and kept for backward), and the
+# weight of one multiply-add of a contraction (vectorised, far cheaper than an element-wise read/write).
+# Refit there when the engine changes; `--max-loss-cost`'s default is sized in these units.
+NODE_COST = 16_000
+REF_COST = 1_800
+FLOP_COST = 0.17
 # what autograd may keep for one datum: the elements its nodes return (2**24 float32 = 64 MiB; the engine
 # holds a micro-batch of up to 16 datums at once)
 MAX_KEPT_ELEMENTS = 2**24
@@ -248,8 +254,8 @@ class _Meter(torch.fx.Interpreter):
                     f"custom loss keeps {self.kept} elements per datum for its backward pass by node "
                     f"{n.name!r}, past this server's fixed bound of {MAX_KEPT_ELEMENTS} (memory)"
                 )
-            self.cost += NODE_COST + read + written
-            if self.cost + self.flops.get_total_flops() > self.budget:
+            self.cost += NODE_COST + REF_COST * len(refs) + read + written
+            if self.cost + FLOP_COST * self.flops.get_total_flops() > self.budget:
                 raise _OverBudget("over budget")
         return out
 
@@ -265,7 +271,7 @@ def datum_cost(
         with FlopCounterMode(display=False) as flops:
             meter = _Meter(gm, budget, flops)
             meter.run(*inputs)
-        return meter.cost + flops.get_total_flops()
+        return math.ceil(meter.cost + FLOP_COST * flops.get_total_flops())
 
 
 class _Table:
