@@ -302,6 +302,25 @@ def test_a_later_look_reads_its_new_sweep_beside_the_first(tmp_path, capsys):
     assert rc == 2 and "given twice" in err
 
 
+
+def test_another_setting_of_one_experiment_is_another_comparison_not_a_look(tmp_path):
+    """The mismatch ladder decides one experiment's arms at several levels of a knob, each at its own look
+    1: a level is another question, so its look 1 on other seeds is neither refused nor counted as a
+    re-run of the other level's. Editing the rule (decision.*) keeps the comparison, so the re-roll is still
+    refused."""
+    looks = "decision.looks=[3,6]"
+    low = _gap_sweep(tmp_path, [8, 12, 16], overrides=(looks, "backend.sampler_logit_noise=0.1"), name="low")
+    assert compare([low], n_bootstrap=0, make_plots=False)["looks"] == []
+    high = _gap_sweep(tmp_path, [9, 11, 13], overrides=(looks, "backend.sampler_logit_noise=0.5"), name="high",
+                      seed0=3)
+    res = compare([high], n_bootstrap=0, make_plots=False)
+    assert res["looks"] == [] and res["look"]["index"] == 1
+    assert len(list((tmp_path / ".pairedrl" / "looks").iterdir())) == 2
+    edited = _gap_sweep(tmp_path, [9, 11, 13], overrides=(looks, "backend.sampler_logit_noise=0.1",
+                                                          "decision.alpha=0.1"), name="edited", seed0=6)
+    with pytest.raises(CompareError, match="already decided on seeds"):
+        compare([edited], n_bootstrap=0, make_plots=False)
+
 def test_unplanned_looks_are_counted_across_sweep_and_output_folders(tmp_path):
     two = _gap_sweep(tmp_path, [8, 12], name="two")
     first = compare([two], n_bootstrap=0, make_plots=False, out=tmp_path / "a")

@@ -62,6 +62,7 @@ from eval.sequential import (
     LEDGER_DIR,
     RUN_RECORD,
     ledger_key,
+    setting_sha256,
     ledger_root,
     look_levels,
     read_ledger,
@@ -443,9 +444,12 @@ def _ledger(runs: list[Run], result: dict[str, Any], rule: Rule,
     already decided on another seed set is refused (recorded as an override with --override-decision).
     Returns what _write records: (ledger path, this decision, the key's fields, the run folders)."""
     folders = [r.path for r in runs if r.path.is_dir()]
+    base_run = next((r for r in runs if r.key == result["baseline"]), runs[0])
+    switch = result.get("switch") or "loss"
     key_fields = {"experiment": runs[0].config.get("experiment"), "baseline": result["baseline"],
                   "treatments": sorted(result["treatments"]), "item_set_sha256": result["item_set_sha256"],
-                  "endpoint": result["decision"]["endpoint"]}
+                  "endpoint": result["decision"]["endpoint"],
+                  "setting_sha256": setting_sha256(flatten(base_run.config), (*IGNORED_CONFIG_KEYS, switch))}
     key = ledger_key(*key_fields.values())
     if not folders:  # runs built in memory (no run folder): no record beside them
         earlier_looks(result, None)

@@ -16,7 +16,7 @@ joint law (Jennison & Turnbull 2000, ch. 7) would need the statistics' correlati
 noise, which is exactly what a few seeds cannot pin down.
 
 The record. A decision is known by its comparison (the experiment, the arms, the item set's hash, the
-endpoint: `ledger_key`) and its exact seed set; re-running compare on the same seeds is the same decision
+endpoint and the setting the arms share: `ledger_key`) and its exact seed set; re-running compare on the same seeds is the same decision
 re-read, any other seed set is another decision. Each decision is written twice:
 - into every run folder that took part, `looks.json` (RUN_RECORD), so the record travels with the data:
   moving, renaming or copying the training tree, or deleting the ledger, keeps the count;
@@ -75,10 +75,31 @@ def ledger_root(run_dirs: list[Path]) -> Path:
 
 
 def ledger_key(
-    experiment: Any, baseline: str, treatments: list[str], item_set_sha256: str, endpoint: str
+    experiment: Any, baseline: str, treatments: list[str], item_set_sha256: str, endpoint: str,
+    setting_sha256: str | None = None,
 ) -> str:
-    blob = json.dumps([experiment, baseline, sorted(treatments), item_set_sha256, endpoint])
+    """The comparison a decision belongs to. `setting_sha256` (`setting_sha256`) tells apart comparisons of
+    one experiment at different settings (the mismatch ladder's levels: the same arms, items and endpoint
+    under another `backend.sampler_logit_noise`), which are different questions, not looks at one."""
+    fields = [experiment, baseline, sorted(treatments), item_set_sha256, endpoint]
+    blob = json.dumps(fields if setting_sha256 is None else [*fields, setting_sha256])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+#: Keys that may change between two decisions of one comparison without making it another comparison:
+#: besides those compare ignores between arms (the switch, seed, paths, logger), the rule itself (editing
+#: `decision` must not reset the count of looks), whether and how the runs were gated, intermediate evals,
+#: retries and injected faults (recovered from checkpoints).
+SETTING_IGNORED_KEYS: tuple[str, ...] = ("decision", "preflight", "eval.every", "retry", "backend.faults",
+                                         "backend.call_deadline_s")
+
+
+def setting_sha256(flat_config: dict[str, Any], ignore: tuple[str, ...]) -> str:
+    """A hash of the baseline arm's resolved config (dotted keys) without `ignore` and SETTING_IGNORED_KEYS:
+    what the compared arms share and their comparison is about."""
+    drop = (*ignore, *SETTING_IGNORED_KEYS)
+    kept = {k: v for k, v in flat_config.items() if not any(k == p or k.startswith(p + ".") for p in drop)}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
 #: the decisions a run folder took part in (eval.compare writes it; it moves with the run)
