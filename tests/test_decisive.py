@@ -981,3 +981,30 @@ def test_compare_runs_decides_on_runs_held_in_memory(tmp_path):
     res = compare_runs(runs, out, n_bootstrap=0, make_plots=False)
     assert res["verdict"] == on_disk["verdict"] and res["estimate"] == pytest.approx(on_disk["estimate"])
     assert (out / "compare.json").is_file() and res["looks"] == [] and not (tmp_path / "nowhere").exists()
+
+
+def test_decisions_recorded_at_once_are_all_kept(tmp_path):
+    """Compares deciding at once (a script's parallel jobs, the ladder's levels) each add their decision to
+    the same run folder's looks.json and the same ledger: none may overwrite another's."""
+    import threading
+
+    from eval.sequential import RUN_RECORD, read_ledger, record_in_run, record_look
+
+    run, ledger = tmp_path / "run", tmp_path / ".pairedrl" / "looks" / "k.json"
+    run.mkdir()
+    entries = [{"key": f"k{i % 3}", "n_seeds": 3, "seeds": [i, i + 100, i + 200]} for i in range(24)]
+    start = threading.Barrier(len(entries))
+
+    def decide(e):
+        start.wait()
+        record_in_run(run, e)
+        record_look(ledger, {**e, "key": "k"}, {"experiment": "x"})
+
+    threads = [threading.Thread(target=decide, args=(e,)) for e in entries]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    kept = json.loads((run / RUN_RECORD).read_text())["decisions"]
+    assert sorted(x["seeds"][0] for x in kept) == list(range(24))
+    assert sorted(x["seeds"][0] for x in read_ledger(ledger)) == list(range(24))

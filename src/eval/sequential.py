@@ -16,8 +16,9 @@ joint law (Jennison & Turnbull 2000, ch. 7) would need the statistics' correlati
 noise, which is exactly what a few seeds cannot pin down.
 
 The record. A decision is known by its comparison (the experiment, the arms, the item set's hash, the
-endpoint and the setting the arms share: `ledger_key`) and its exact seed set; re-running compare on the same seeds is the same decision
-re-read, any other seed set is another decision. Each decision is written twice:
+endpoint and the setting the arms share: `ledger_key`) and its exact seed set; re-running compare on the
+same seeds is the same decision re-read, any other seed set is another decision. Each decision is written
+twice:
 - into every run folder that took part, `looks.json` (RUN_RECORD), so the record travels with the data:
   moving, renaming or copying the training tree, or deleting the ledger, keeps the count;
 - into a ledger in the folder above the runs' sweep folders (the folder that holds `multirun/` or
@@ -31,10 +32,14 @@ decision on another seed set is counted and its cost said (family_wise_alpha).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import itertools
 import json
 import math
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
@@ -158,20 +163,35 @@ def _add(entries: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str,
     return sorted([*entries, entry], key=lambda x: (x["n_seeds"], seed_set(x) or ()))
 
 
+@contextlib.contextmanager
+def _folder_locked(folder: Path) -> Iterator[None]:
+    """An exclusive lock on `folder` (flock on the directory itself, so nothing is added to it) around a
+    read-modify-write of a record in it: two compares deciding at once (levels of one sweep, a script's
+    parallel jobs) would otherwise each write the record they read, and the first decision would be lost."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def record_look(path: Path, entry: dict[str, Any], key_fields: dict[str, Any]) -> None:
     """Add `entry` (key, n_seeds, seeds, verdicts, ...) to the ledger unless the same decision (seed set) is
     there already."""
-    looks = _add(read_ledger(path), entry)
-    if looks is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, {**key_fields, "looks": looks})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _folder_locked(path.parent):
+        looks = _add(read_ledger(path), entry)
+        if looks is not None:
+            atomic_write_json(path, {**key_fields, "looks": looks})
 
 
 def record_in_run(run_dir: Path, entry: dict[str, Any]) -> None:
     """Add `entry` to the run folder's RUN_RECORD unless the same decision of the same comparison is there."""
     path = run_dir / RUN_RECORD
-    found = _run_decisions(path)
-    mine = [x for x in found if x.get("key") == entry["key"]]
-    if _add(mine, entry) is None:
-        return
-    atomic_write_json(path, {"decisions": [*found, entry]})
+    with _folder_locked(run_dir):
+        found = _run_decisions(path)
+        mine = [x for x in found if x.get("key") == entry["key"]]
+        if _add(mine, entry) is None:
+            return
+        atomic_write_json(path, {"decisions": [*found, entry]})
