@@ -6,11 +6,11 @@ Starts `python -m trainer.serve` on 127.0.0.1 with its default flags (a fresh st
 under a key and session of its own: creates a training client of SmolLM2-135M-Instruct (the model
 `trainer.model_registry` builds into ~/.cache/pairedrl/models), and makes snapshot samplers one at a time
 (`save_weights_for_sampler` without a path: what `save_weights_and_get_sampling_client` sends, once per RL
-step), each answering one 1-sample, 4-token request as an RL loop's sampler would. At each count in
-`--counts` it prints the server's RSS (its `/proc/<pid>/status` VmRSS) and what `/stats` `memory` reports
-(its peak RSS, live snapshots, their adapter MiB, merged sampler weight sets cached). After the last count the session is
-finished and the RSS read again: what its end gave back. `--counts` must stay within
-`--max-samplers-per-session` (16 by default) so that no sampler is retired.
+step), each answering one 1-sample, 4-token request as an RL loop's sampler would. With the training
+client alone and at each count in `--counts` it prints the server's RSS (its `/proc/<pid>/status` VmRSS)
+and what `/stats` `memory` reports (peak RSS, live snapshots, their adapter MiB, merged sampler weight sets
+cached). After the last count the session is finished and the RSS read again: what its end gave back.
+`--counts` must stay within `--max-samplers-per-session` (16 by default) so that no sampler is retired.
 
 RSS is a size, not a time: the figures do not depend on the machine's load.
 """
@@ -86,13 +86,15 @@ def run_rank(url: str, pid: int, base_model: str, rank: int, counts: list[int]) 
     c.result(reply["request_id"])
     model_id = reply["model_id"]
     rows = [{"rank": rank, "samplers": 0, "rss": rss_mib(pid), **memory(url, key)}]
+    print(_line(rows[-1]), flush=True)
     for n in range(1, max(counts) + 1):
         snap = c.ok("save_weights_for_sampler", types.SaveWeightsForSamplerRequest(
             model_id=model_id, seq_id=n, sampling_session_seq_id=n))
         c.result(snap["request_id"])
         sampler = f"{c.session}:sample:{n}"
         sample = c.ok("asample", types.SampleRequest(
-            sampling_session_id=sampler, seq_id=0, num_samples=1, prompt=types.ModelInput.from_ints([1, 2, 3]),
+            sampling_session_id=sampler, seq_id=0, num_samples=1,
+            prompt=types.ModelInput.from_ints([1, 2, 3]),
             sampling_params=types.SamplingParams(max_tokens=4, seed=n)))
         c.result(sample["request_id"])
         if n in counts:
@@ -107,7 +109,8 @@ def run_rank(url: str, pid: int, base_model: str, rank: int, counts: list[int]) 
 
 def _line(r: dict) -> str:
     return (f"| {r['rank']} | {r['samplers']} | {r['rss']:.0f} | {r.get('peak_rss_mb', 0):.0f} | "
-            f"{r.get('snapshots', 0):.0f} | {r.get('snapshot_mb', 0):.0f} | {r.get('merged_cached', 0):.0f} |")
+            f"{r.get('snapshots', 0):.0f} | {r.get('snapshot_mb', 0):.0f} | "
+            f"{r.get('merged_cached', 0):.0f} |")
 
 
 def main() -> None:

@@ -31,7 +31,8 @@ def server(tmp_path_factory):
 
 def _model(c: Raw, seq: int, seed: int = 3) -> str:
     reply = c.ok("create_model", types.CreateModelRequest(
-        session_id=c.session, model_seq_id=seq, base_model=BASE, lora_config=types.LoraConfig(rank=4, seed=seed)))
+        session_id=c.session, model_seq_id=seq, base_model=BASE,
+        lora_config=types.LoraConfig(rank=4, seed=seed)))
     assert c.result(reply["request_id"]).status_code == 200
     return reply["model_id"]
 
@@ -44,7 +45,8 @@ def _post_fb(c: Raw, model_id: str, seq: int, forward_only: bool = False) -> str
 
 
 def _post_step(c: Raw, model_id: str, seq: int) -> str:
-    return c.ok("optim_step", types.OptimStepRequest(model_id=model_id, seq_id=seq, adam_params=LR))["request_id"]
+    reply = c.ok("optim_step", types.OptimStepRequest(model_id=model_id, seq_id=seq, adam_params=LR))
+    return reply["request_id"]
 
 
 def _logprobs(c: Raw, request_id: str) -> list[float]:
@@ -81,7 +83,7 @@ def test_a_models_commands_apply_in_the_order_taken_even_when_sent_without_waiti
     ids = [_post_fb(c, piped, 0), _post_step(c, piped, 1), _post_fb(c, piped, 2, forward_only=True)]
     before = _forward(c, waited, 0)
     after = _forward(c, waited, _train(c, waited, 1))
-    assert not _close(before, after), "one step at lr 0.5 must move the logprobs for this test to mean anything"
+    assert not _close(before, after), "one step at lr 0.5 must move the logprobs, or this test means nothing"
     _done(c, ids[0])
     _done(c, ids[1])
     assert _close(_logprobs(c, ids[2]), after), (_logprobs(c, ids[2]), after, before)
