@@ -84,8 +84,9 @@ class TinkerServer:
     # ------------------------------------------------------------------ app
     def app(self) -> web.Application:
         # aiohttp's own cap is the largest per-endpoint limit; `Bodies.read` applies the endpoint's own
-        app = web.Application(middlewares=[self._middleware, self.connections.middleware], client_max_size=max(
-            self.limits.body_limit(e)[0] for e in ("forward_backward", "create_session")))
+        app = web.Application(
+            middlewares=[self._middleware, self.connections.middleware],
+            client_max_size=max(self.limits.body_limit(e)[0] for e in ("forward_backward", "create_session")))
         app[GUARD] = self.connections
         r = app.router
         m, t, s = self.models, self.training, self.sampling
@@ -122,8 +123,8 @@ class TinkerServer:
         if not (self.allow_remote or is_loopback(request.remote)):
             raise Refused(403, "this server was started without --api-key and answers loopback clients only")
         if not key.startswith("tml-") or len(key) < 5:
-            raise Refused(401, "invalid API key: a key of the form 'tml-<name>' is needed (without --api-key the "
-                               "key only separates clients on this machine)")
+            raise Refused(401, "invalid API key: a key of the form 'tml-<name>' is needed (without --api-key "
+                               "the key only separates clients on this machine)")
         return digest(key)
 
     @web.middleware
@@ -134,8 +135,8 @@ class TinkerServer:
                 request["owner"] = self._authorize(request)
             limit, flag = self.limits.body_limit(endpoint)
             if request.content_length is not None and request.content_length > limit:
-                raise Refused(413, f"request body of {request.content_length} bytes exceeds this server's limit of "
-                                   f"{limit} bytes for {endpoint} ({flag})")
+                raise Refused(413, f"request body of {request.content_length} bytes exceeds this server's "
+                                   f"limit of {limit} bytes for {endpoint} ({flag})")
             resource = request.match_info.route.resource
             name = resource.canonical.removeprefix("/api/v1/") if resource is not None else "(no route)"
             self.counts[name] = self.counts.get(name, 0) + 1

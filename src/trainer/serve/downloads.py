@@ -76,7 +76,8 @@ class Downloads:
                 or not hmac.compare_digest(sig, self._sign(run_id, name, file, exp))):
             raise Refused(403, "download URL is not signed by this server or has expired")
         try:
-            folder = resolve_path(f"tinker://{run_id}/external_weights/{name}", self.store.root, ("external",))
+            folder = resolve_path(f"tinker://{run_id}/external_weights/{name}", self.store.root,
+                                  ("external",))
         except CheckpointPathError:
             raise Refused(404, "checkpoint not found") from None
         return web.FileResponse(folder / file)

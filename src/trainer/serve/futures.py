@@ -82,7 +82,7 @@ class FutureTable:
         with self.lock:  # released by the done callback, from whichever thread finishes the future
             self.inflight[owner] = self.inflight.get(owner, 0) + 1
         future.add_done_callback(lambda _: self._release_inflight(owner))
-        if len(self.futures) > MAX_FUTURES:  # the oldest finished results expire, as promises do on the service
+        if len(self.futures) > MAX_FUTURES:  # the oldest finished results expire, as promises do there
             for old in [k for k, p in itertools.islice(self.futures.items(), len(self.futures) // 4)
                         if p.future.done()]:
                 self.forget(old)
@@ -140,8 +140,8 @@ class FutureTable:
                 self.taken[key] = (digest, reply)
                 return web.json_response(reply)
         if seen[0] != digest:
-            raise Refused(409, f"{key[1]} request {key[2:]} was already taken with a different body; a resend must "
-                               "be identical, and a new request needs a new seq_id")
+            raise Refused(409, f"{key[1]} request {key[2:]} was already taken with a different body; a "
+                               "resend must be identical, and a new request needs a new seq_id")
         return web.json_response(seen[1])
 
     def pending(self, rid: str, owner: str) -> Pending:
@@ -175,5 +175,6 @@ class FutureTable:
             body, ctype = pending.encode(pending.future.result())
         except Exception as e:
             log.exception("encoding the result of %s failed", rid)
-            return web.json_response({"error": f"server could not encode the result: {e}", "category": "server"})
+            return web.json_response({"error": f"server could not encode the result: {e}",
+                                      "category": "server"})
         return web.Response(body=body, content_type=ctype.split(";")[0])

@@ -111,8 +111,8 @@ class Registry:
                                     "expire")
             if len(self.sessions) >= self.limits.sessions:
                 raise LimitExceeded(f"this server already has {len(self.sessions)} live sessions, its limit "
-                                    f"({Limits.flag('sessions')}); a session whose heartbeats stop ends after "
-                                    f"{self.session_timeout_s:g} s{self.keyless_note()}")
+                                    f"({Limits.flag('sessions')}); a session whose heartbeats stop ends "
+                                    f"after {self.session_timeout_s:g} s{self.keyless_note()}")
             self.sessions[sid] = owner
             self.last_seen[sid] = time.monotonic()
         return sid

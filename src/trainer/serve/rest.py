@@ -72,8 +72,8 @@ class RestSurface:
         self.check_load = self.store.check_load
 
     def on_session(self, session_id: str, owner: str, user_metadata: dict[str, Any] | None = None) -> None:
-        self.sessions[session_id] = _Session(owner, now(),
-                                             {str(k): str(v) for k, v in (user_metadata or {}).items()} or None)
+        meta = {str(k): str(v) for k, v in (user_metadata or {}).items()} or None
+        self.sessions[session_id] = _Session(owner, now(), meta)
 
     def on_sampler(self, sampler_id: str, session_id: str) -> None:
         s = self.sessions.get(session_id)
@@ -93,7 +93,8 @@ class RestSurface:
                 for kind in ("training", "sampler")}
         latest = max([rec["created_at"]] + [c.time.timestamp() for c in cks])
         return types.TrainingRun(
-            training_run_id=rec["training_run_id"], base_model=rec["base_model"], model_owner=rec["owner"][:16],
+            training_run_id=rec["training_run_id"], base_model=rec["base_model"],
+            model_owner=rec["owner"][:16],
             is_lora=True, lora_rank=rec["lora_rank"], last_request_time=as_datetime(latest),
             last_checkpoint=last["training"], last_sampler_checkpoint=last["sampler"],
             user_metadata=rec.get("user_metadata"))
@@ -143,7 +144,8 @@ class RestSurface:
         targets = set(meta["targets"])
         return web.json_response(text=types.WeightsInfoResponse(
             base_model=meta["base_model"], is_lora=True, lora_rank=int(meta["rank"]),
-            train_unembed="lm_head" in targets, train_mlp=bool(targets & {"gate_proj", "up_proj", "down_proj"}),
+            train_unembed="lm_head" in targets,
+            train_mlp=bool(targets & {"gate_proj", "up_proj", "down_proj"}),
             train_attn=bool(targets & {"q_proj", "k_proj", "v_proj", "o_proj"})).model_dump_json())
 
     async def delete_checkpoint(self, request: web.Request) -> web.Response:
@@ -158,7 +160,8 @@ class RestSurface:
             ttl = json.loads(await self.server.bodies.read(request))["ttl_seconds"]
         except (ValueError, KeyError, TypeError):
             raise Refused(400, 'set_checkpoint_ttl needs a JSON body {"ttl_seconds": int | null}') from None
-        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or not 1 <= ttl <= MAX_TTL_S):
+        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)
+                                or not 1 <= ttl <= MAX_TTL_S):
             raise Refused(400, f"ttl_seconds must be null or an integer in [1, {MAX_TTL_S}], got {ttl!r}")
         self.store.update_checkpoint(rec, cid, expires_at=None if ttl is None else now() + ttl)
         return web.Response(status=204)
@@ -181,7 +184,8 @@ class RestSurface:
         offset = _int_param(request, "offset", 0, 0, 2**31)
         _scope(request)
         me = request["owner"]
-        mine = sorted(((s.created_at, sid) for sid, s in self.sessions.items() if s.owner == me), reverse=True)
+        mine = sorted(((s.created_at, sid) for sid, s in self.sessions.items() if s.owner == me),
+                      reverse=True)
         return web.json_response(text=types.ListSessionsResponse(
             sessions=[sid for _, sid in mine[offset:offset + limit]]).model_dump_json())
 
@@ -205,10 +209,12 @@ class RestSurface:
 
 #: SDK 0.38 calls this server refuses (400) and why (each also a row of docs/tinker.md's table)
 REFUSED = {
-    ("POST", "/api/v1/sessions/search"): "session search is a hosted-service feature (no search index offline)",
+    ("POST", "/api/v1/sessions/search"):
+        "session search is a hosted-service feature (no search index offline)",
     ("GET", "/api/v1/sessions/{session_id}/trace_export"): "session traces are not recorded offline",
     ("PUT", "/api/v1/sessions/{session_id}/project"): "projects are a hosted-service feature",
-    ("POST", "/api/v1/copy_weights"): "projects are a hosted-service feature (copy_weights copies between them)",
+    ("POST", "/api/v1/copy_weights"):
+        "projects are a hosted-service feature (copy_weights copies between them)",
     ("GET", "/api/v1/audit"): "no audit log is kept offline",
     ("GET", "/api/v1/billing/usage/events"): "billing is a hosted-service feature",
     ("GET", "/api/v1/billing/usage/checkpoints/current"): "billing is a hosted-service feature",
