@@ -7,11 +7,11 @@ server test uses); everything is driven over loopback, every loop is bounded in 
 whole test stops within `BUDGET_S`.
 
 The graph: four `torch.cat` nodes over as many references to the datum's logprobs as the graph cap allows,
-on as many datums and tokens as one request may carry. The cost model's fit prices `cat` over many
-references lowest against its measured time of every graph family (bench/README.md, "Custom-loss cost
-model": predicted / measured 0.02 with the module's constant, against 0.12 for chains of cheap nodes), and
-this graph fills the request limits while staying under `--max-loss-cost`, so it is the costliest request
-the cost check admits.
+on as many 64-token datums as the request limits and `--max-loss-cost` admit (all 4096 the limits allow, at
+this commit's constants). The cost model's first fit priced `cat` over many references lowest against its
+measured time of every graph family (bench/README.md, "Custom-loss cost model": predicted / measured 0.02
+with the module's constant, against 0.12 for chains of cheap nodes), so it is the costliest request the
+cost check admits.
 """
 
 from __future__ import annotations
@@ -48,13 +48,17 @@ def _cat_graph() -> types.CustomLossGraph:
 
 
 def _most_datums(graph: types.CustomLossGraph) -> int:
-    """The most datums of `TOKENS` tokens one request may carry, checked to pass the server's default cost
-    bound (its own check, on the shapes the server reads from the request)."""
+    """The most datums of `TOKENS` tokens the request limits and the server's default cost bound admit (its
+    own check, on the shapes the server reads from the request; a request costs its datums times one's)."""
     gm, limits = wire.rebuild_graph(graph), Limits()
     graph_cost.check_at_upload(gm, [1], limits)
-    n = limits.batch_datums
-    assert n * TOKENS <= limits.batch_tokens
-    assert graph_cost.check_request(gm, [[((TOKENS,), torch.float32)]] * n, limits) <= limits.loss_cost
+    datum = [((TOKENS,), torch.float32)]
+    n = min(limits.batch_datums, limits.loss_cost // graph_cost.check_request(gm, [datum], limits))
+    assert n >= 1 and n * TOKENS <= limits.batch_tokens
+    assert graph_cost.check_request(gm, [datum] * n, limits) <= limits.loss_cost
+    if n < limits.batch_datums:  # the cost bound, not the request limits, stopped it: one more is refused
+        with pytest.raises(graph_cost.CostExceeded):
+            graph_cost.check_request(gm, [datum] * (n + 1), limits)
     return n
 
 
