@@ -187,7 +187,7 @@ async def serve(args: argparse.Namespace) -> None:
               "that can reach it; custom losses and checkpoints run and load on this machine", file=sys.stderr,
               flush=True)
     # keepalive_timeout also bounds a connection that never completes its headers (aiohttp arms it when
-    # the connection opens); `TinkerServer._read` bounds the body, and after a reply to a request whose body
+    # the connection opens); `bodies.Bodies.read` bounds the body, and after a reply to a request whose body
     # was not read aiohttp drains it for at most lingering_time (default 10 s) before closing
     runner = JsonErrorRunner(server.app(), access_log=None, handle_signals=False,
                              keepalive_timeout=args.read_timeout_s,

@@ -1,4 +1,5 @@
-"""Replies shared by the protocol handlers (`app.py`) and the management surface (`rest.py`).
+"""Replies shared by the protocol handlers (`models.py`, `training.py`, `sampling.py`, `app.py`) and the
+management surface (`rest.py`, `downloads.py`, `checkpoints.py`).
 
 An error is raised as `Refused` anywhere below a handler and answered by the server's middleware in the
 SDK's error shape, so every 4xx of the server, whichever module refused the request, looks the same.

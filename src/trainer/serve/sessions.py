@@ -27,7 +27,7 @@ def stop_work(obj: Any) -> None:
 def work_stats(engine: Any, inflight: dict[str, int], lock: threading.RLock) -> dict[str, Any]:
     """/stats' server-wide view of work in flight: accepted requests not done (all keys together; each key
     sees its own under `key.inflight`), and what the engine's sampler is queuing and decoding now."""
-    with lock:  # the counts change on engine threads (`TinkerServer._release_inflight`)
+    with lock:  # the counts change on engine threads (`futures.FutureTable`)
         total = sum(inflight.values())
     load = engine.sampler_load() if hasattr(engine, "sampler_load") else {}
     return {"inflight": total, "sampler": load}
