@@ -2,8 +2,9 @@
 tests/golden/: a seed-level rule, an item-level rule the bootstrap decides, a planned look, an A/B sweep
 calibrated by an A/A sweep (`--aa`), lm-eval per-item files (`--items`) and three arms under Holm. The
 sweeps are built by the fixtures of tests/test_compare.py / tests/test_verdict.py, so their numbers are
-fixed; only the folders they live in vary, and those are replaced by `<TMP>` / `<CWD>` / `<ROOT>` before
-comparing. A refactor of eval.compare must leave these files as they are; a change in what compare writes
+fixed; what varies is where they live (replaced by `<TMP>` / `<CWD>` / `<ROOT>` before comparing) and the
+checkout's git state each run records (pinned to one clean revision here, so an uncommitted edit does not
+add a note). A refactor of eval.compare must leave these files as they are; a change in what compare writes
 regenerates them (`PAIREDRL_REGEN_GOLDEN=1 python -m pytest tests/test_compare_golden.py`) in a commit that
 says why."""
 
@@ -108,7 +109,10 @@ def _normalized(text: str, tmp: Path) -> str:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_compare_writes_the_golden_report(tmp_path, case):
+def test_compare_writes_the_golden_report(tmp_path, monkeypatch, case):
+    import trainer.run_info
+
+    monkeypatch.setattr(trainer.run_info, "git_revision", lambda repo=None: {"rev": "0" * 40, "dirty": False})
     tmp = tmp_path.resolve()
     folders = CASES[case](tmp)
     regen = os.environ.get("PAIREDRL_REGEN_GOLDEN") == "1"
