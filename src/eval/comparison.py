@@ -35,6 +35,7 @@ from eval.methods import (
     equivalent,
     method_table,
     min_sign_flip_p,
+    resolve_method,
     rules_out_target,
     seed_t_power,
 )
@@ -83,7 +84,7 @@ from eval.sequential import (
     same_decision,
     seed_set,
 )
-from eval.stats import holm_adjust, paired_compare, resolve_method, seed_t_interval, t_quantile
+from eval.stats import holm_adjust, paired_compare, seed_t_interval, t_quantile
 from trainer.config.digest import decision_hash
 from trainer.config.ignored_keys import IGNORED_CONFIG_KEYS
 from trainer.utils.io import atomic_write_json, atomic_write_text

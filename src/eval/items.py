@@ -370,7 +370,7 @@ def item_arms(specs: list[str], req: CompareRequest) -> tuple[list[Arm], Arms, R
     seeds = pair_seeds(arms)
     match_notes: list[str] = []
     order, cats = match_items(arms, match_notes)
-    # one run per arm on right / wrong scores: `auto` is the exact McNemar test (eval.stats.resolve_method)
+    # one run per arm on right / wrong scores: `auto` is the exact McNemar test (eval.methods.resolve_method)
     binary = all(np.isin(f.scores_in(order), (0.0, 1.0)).all() for a in arms for f in a.files)
     rule = resolve_items_rule(req.plan, req.rule_options(*ITEMS_RULE_KEYS), req.override_decision, arms[0].name,
                               len(seeds), binary)
@@ -421,9 +421,9 @@ def compare_item_files(specs: list[str], request: CompareRequest | None = None) 
     notes = arms.notes
     seeds, order = arms.seeds, arms.item_order
     arm_rows = [_arm_row(a, f, s, rule.alpha, order, role="") for a in file_arms for f, s in zip(a.files, seeds)]
-    common = dict(source="items", rule=rule, arms=arms, arm_rows=arm_rows, notes=notes,
-                  inputs=[str(f.path) for f in files], output_dir=out_dir, eval_name=first.eval_name,
-                  fmt=first.format, metric=first.metric)
+    common: dict[str, Any] = {"source": "items", "rule": rule, "arms": arms, "arm_rows": arm_rows, "notes": notes,
+                              "inputs": [str(f.path) for f in files], "output_dir": out_dir,
+                              "eval_name": first.eval_name, "fmt": first.format, "metric": first.metric}
     if len(file_arms) == 1:
         if len(seeds) < 2:
             raise ItemsError(f"one arm ({file_arms[0].name}) with one file: nothing to compare (two arms, or one "
