@@ -125,3 +125,30 @@ def test_compare_writes_the_golden_report(tmp_path, monkeypatch, case):
                 golden.write_text(got)
             assert golden.is_file(), f"{golden} missing: PAIREDRL_REGEN_GOLDEN=1 writes it"
             assert got == golden.read_text(), f"{case}: {folder.name}/{name} differs from {golden}"
+
+
+def test_descriptive_bootstraps_run_only_where_they_decide_or_are_asked_for(tmp_path):
+    """Issue #51: 98% of a 10-arm `--items` comparison's CPU went to bootstraps whose result decides nothing.
+    Under seed t the item and two-level bootstraps are skipped by default (and compare.md says so); asked
+    for (--bootstrap N) they run at N resamples; as the rule the item bootstrap runs at its pre-registered
+    resamples whatever the default."""
+    from eval.compare import CompareRequest, compare_paths
+
+    sweep = _gap_sweep(tmp_path, [10, 14, 6, 12])
+    c = compare_paths([sweep], CompareRequest(make_plots=False))
+    (row,) = c.rows
+    assert row.bootstrap_skipped == ["paired_bootstrap", "two_level_bootstrap"]
+    assert "paired_bootstrap" not in row.methods and "two_level_bootstrap" not in row.methods
+    assert all(s.get("bootstrap_low") is None for s in row.per_seed)
+    md = (sweep / "compare.md").read_text()
+    assert "Bootstrap: skipped (paired bootstrap (items), two-level bootstrap (seeds, then items))" in md
+    asked = compare_paths([sweep], CompareRequest(make_plots=False, n_bootstrap=200, out=tmp_path / "asked"))
+    (row,) = asked.rows
+    assert row.bootstrap_skipped == [] and row.methods["two_level_bootstrap"]["ci_low"] is not None
+    assert row.methods["paired_bootstrap"]["ci_low"] is not None and row.bootstrap_resamples == 200
+    assert all(s["bootstrap_low"] is not None for s in row.per_seed)
+    assert "Bootstrap: 200 percentile resamples" in (tmp_path / "asked" / "compare.md").read_text()
+    rule = _gap_sweep(tmp_path, [16], overrides=("decision.method=paired_bootstrap",), name="rule")
+    (row,) = compare_paths([rule], CompareRequest(make_plots=False)).rows
+    assert row.bootstrap_skipped == [] and row.decision.method == "paired_bootstrap"
+    assert row.methods["paired_bootstrap"]["p_resolution"] == 1 / 10000 and row.decision.rule_ci is not None

@@ -131,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="accuracy of the steps-to-threshold endpoint (reported only: no override needed)")
     rule.add_argument("--override-decision", action="store_true",
                       help="decide with the rule given here instead of the pre-registered one (the report says so)")
-    p.add_argument("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP,
-                   help="bootstrap resamples (0 = off; another value is an override when the bootstrap decides)")
+    p.add_argument("--bootstrap", type=int, default=None,
+                   help=f"bootstrap resamples (default: {DEFAULT_BOOTSTRAP} where the bootstrap decides, and the "
+                        "descriptive bootstraps skipped; a number runs every bootstrap at it; 0 = off; another "
+                        "value is an override when the bootstrap decides)")
     p.add_argument("--seed", type=int, default=DEFAULT_BOOTSTRAP_SEED,
                    help="bootstrap RNG seed (another value is an override when the bootstrap decides)")
     p.add_argument("--out", default=None,

@@ -31,6 +31,7 @@ from eval.methods import (
     PairedBootstrap,
     SeedT,
     SignFlip,
+    descriptive_bootstraps,
     distribution_free_seeds,
     equivalent,
     method_table,
@@ -195,21 +196,25 @@ def decide(arms: Arms, rule: Rule, request: CompareRequest,
     look_of's dict, None for one look). Training runs (compare_runs) and per-item files (eval.items) both
     come here, so both give one verdict on the same scores."""
     b_SN = arms.scores_SN[arms.baseline]
-    n_bootstrap, seed = request.n_bootstrap, request.seed
+    n_bootstrap, seed = request.resamples, request.seed
+    # a bootstrap that decides nothing runs only when asked for (request.n_bootstrap given)
+    skip = descriptive_bootstraps(rule.method) if request.n_bootstrap is None and n_bootstrap else frozenset()
     out = []
     for loss in arms.treatments:
         t_SN = arms.scores_SN[loss]
-        item, methods, sample = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
+        item, methods, sample = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed, skip)
         per_seed = []
         for i, s in enumerate(arms.seeds):
-            r = per_seed_row(t_SN[i], b_SN[i], rule, n_bootstrap, seed)
+            r = per_seed_row(t_SN[i], b_SN[i], rule, n_bootstrap, seed, skip)
             r.update(seed=s, treatment_arm=arms.labels[loss][i], baseline_arm=arms.labels[arms.baseline][i])
             per_seed.append(r)
         out.append(TreatmentResult(treatment=loss, baseline=arms.baseline, item=item_level(item),
                                    per_seed=per_seed, methods=methods,
                                    effect_sizes=effect_sizes(t_SN, b_SN, rule.alpha),
                                    decision=None,  # type: ignore[arg-type] - decided below, over all of them
-                                   bootstrap_resamples=int(n_bootstrap), bootstrap_seed=int(seed), sample=sample))
+                                   bootstrap_resamples=int(n_bootstrap), bootstrap_seed=int(seed), sample=sample,
+                                   bootstrap_skipped=[k for k in METHODS if k in skip
+                                                      and t_SN.shape[0] >= METHODS[k].min_seeds]))
     decisions = decide_all([r.methods for r in out], [r.sample for r in out],
                            [(r.treatment, r.baseline) for r in out], rule,
                            level=look["level"] if look else None, final_look=look is None or look["final"])
@@ -240,11 +245,13 @@ def item_level(pc: dict[str, Any]) -> dict[str, Any]:
     return {_ITEM_RENAMES.get(k, k): v for k, v in pc.items() if k != "method"}
 
 
-def per_seed_row(t_N: np.ndarray, b_N: np.ndarray, rule: Rule, n_bootstrap: int, seed: int) -> dict[str, Any]:
+def per_seed_row(t_N: np.ndarray, b_N: np.ndarray, rule: Rule, n_bootstrap: int, seed: int,
+                 skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     """One seed pair's item-level numbers and, when the rule is item-level, the rule's own interval, p and
     verdict on that pair (about these two checkpoints). A seed-level rule has no verdict on one seed pair:
     `method` and `verdict` are None there."""
-    item, methods, _ = method_table(t_N[None, :], b_N[None, :], rule.alpha, rule.margin, n_bootstrap, seed)
+    item, methods, _ = method_table(t_N[None, :], b_N[None, :], rule.alpha, rule.margin, n_bootstrap, seed,
+                                    skip)
     row = item_level(item)
     row.pop("seed_level", None)
     m = methods.get(rule.method) if METHOD_SCOPE[rule.method] == "fixed_checkpoints" else None
@@ -785,11 +792,11 @@ def check_decider(rule: Rule, n_seeds: int, n_bootstrap: int, too_few: str,
         raise error(f"the decision rule is {rule.method}, but --bootstrap 0 turns the bootstrap off")
 
 
-def check_options(alpha: float | None, n_bootstrap: int, error: type[ValueError] = CompareError) -> None:
+def check_options(alpha: float | None, n_bootstrap: int | None, error: type[ValueError] = CompareError) -> None:
     """The command line's numbers every comparison takes, checked before any input is read."""
     if alpha is not None and not 0 < alpha < 1:
         raise error(f"--alpha must be in (0, 1), got {alpha}")
-    if n_bootstrap < 0:
+    if n_bootstrap is not None and n_bootstrap < 0:
         raise error(f"--bootstrap must be >= 0, got {n_bootstrap}")
 
 
@@ -805,6 +812,7 @@ def compare_runs(runs: list[Run], out_dir: str | Path, request: CompareRequest |
     what changed)."""
     req = request or CompareRequest()
     check_options(req.alpha, req.n_bootstrap)
+    n_boot = req.resamples
     if not runs:
         raise CompareError("no runs to compare")
     treatments_given = req.treatments()
@@ -876,10 +884,10 @@ def compare_runs(runs: list[Run], out_dir: str | Path, request: CompareRequest |
     curves, steps, scores, curve_notes = _curves_and_scores(ordered, rule, order)
     notes += curve_notes
     seeds = list(pairs)
-    check_decider(rule, len(seeds), req.n_bootstrap,
+    check_decider(rule, len(seeds), n_boot,
                   f"this comparison has {len(seeds)} seed per arm ({seeds}); run >= 2 seeds (seed=0,1,2) or "
                   "decide with an item-level method (--method paired_hoeffding --override-decision)")
-    quiet, quiet_notes = quiet_paths(runs_all, ordered, paths, losses, base, treatments, rule, req.n_bootstrap,
+    quiet, quiet_notes = quiet_paths(runs_all, ordered, paths, losses, base, treatments, rule, n_boot,
                                      req.seed, len(seeds))
     notes += quiet_notes
     if quiet and not req.override_decision:

@@ -49,7 +49,7 @@ from eval.comparison import (
     write_comparison,
 )
 from eval.item_formats import FORMATS, ItemFile, ItemsError, read_items
-from eval.methods import METHODS, PairedBootstrap, PairedHoeffding, method_table
+from eval.methods import METHODS, PairedBootstrap, PairedHoeffding, descriptive_bootstraps, method_table
 from eval.result import (
     DEFAULT_BOOTSTRAP,
     DEFAULT_BOOTSTRAP_SEED,
@@ -356,8 +356,7 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
     req = CompareRequest(fmt=fmt, metric=metric, plan=plan, baseline=baseline, method=method, alpha=alpha,
                          margin=margin, equivalence_margin=equivalence_margin, override_decision=override_decision,
                          out=out, make_plots=False)
-    if n_bootstrap is not None:
-        req.n_bootstrap = n_bootstrap
+    req.n_bootstrap = n_bootstrap
     if seed is not None:
         req.seed = seed
     return compare_item_files(specs, req).to_json()
@@ -399,7 +398,7 @@ def compare_item_files(specs: list[str], request: CompareRequest | None = None) 
     req = request or CompareRequest(make_plots=False)
     check_options(req.alpha, req.n_bootstrap, ItemsError)
     file_arms, arms, rule = item_arms(specs, req)
-    n_bootstrap, seed = req.n_bootstrap, req.seed
+    n_bootstrap, seed = req.resamples, req.seed
     moved = (n_bootstrap, seed) != (DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED)
     if moved and rule.method == PairedBootstrap.name:
         if not req.override_decision:
@@ -440,7 +439,9 @@ def compare_item_files(specs: list[str], request: CompareRequest | None = None) 
     base, treatments = arms.baseline, arms.treatments
     try:
         rows = decide(arms, rule, req)
-        categories = (category_rows(arms.scores_SN, task_cats, base, treatments, rule, n_bootstrap, seed)
+        # the secondary rows decide nothing: a bootstrap runs there only as the rule, or when asked for
+        skip = descriptive_bootstraps(rule.method) if req.n_bootstrap is None else frozenset()
+        categories = (category_rows(arms.scores_SN, task_cats, base, treatments, rule, n_bootstrap, seed, skip)
                       if task_cats is not None else None)
     except ValueError as e:  # CompareError included
         raise ItemsError(str(e)) from None
@@ -514,7 +515,8 @@ def _arm_row(arm: Arm, f: ItemFile, seed: int, alpha: float, order: list[str], r
 
 
 def category_rows(arms_SN: dict[str, np.ndarray], cats: list[str], base: str,
-                  treatments: list[str], rule: Rule, n_bootstrap: int, seed: int) -> dict[str, Any]:
+                  treatments: list[str], rule: Rule, n_bootstrap: int, seed: int,
+                  skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Secondary results: the rule on each category's items, one row per (treatment, category), decided by
     Holm's step-down over all of those rows together (decide_all on the whole family), so that reading the
     best category out of many does not inflate the error rate. They decide nothing: the verdict is the one
@@ -526,7 +528,7 @@ def category_rows(arms_SN: dict[str, np.ndarray], cats: list[str], base: str,
         for c in names:
             cols = np.flatnonzero(cats_N == c)
             t_SN, b_SN = arms_SN[t][:, cols], arms_SN[base][:, cols]
-            item, methods, sample = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
+            item, methods, sample = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed, skip)
             rows.append({"treatment": f"{t} [{c}]", "baseline": base, "arm": t, "category": c,
                          "n_items": int(cols.size), "diff": item["diff"]})
             methods_K.append(methods)

@@ -53,9 +53,11 @@ class Sample:
     the item bootstrap's resampled means (on first use)."""
 
     def __init__(
-        self, t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float, n_bootstrap: int, seed: int
+        self, t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float, n_bootstrap: int, seed: int,
+        skip: frozenset[str] = frozenset(),
     ) -> None:
         self.alpha, self.margin, self.n_bootstrap, self.seed = alpha, margin, n_bootstrap, seed
+        self.skip = skip  # methods left out of the table (bootstraps that decide nothing, unless asked for)
         self.item = paired_compare(t_SN, b_SN, alpha=alpha, n_bootstrap=0, seed=seed)
         self.d_SN = t_SN.astype(np.float64) - b_SN.astype(np.float64)
         self.d_N = self.d_SN.mean(axis=0)
@@ -88,7 +90,8 @@ class Method:
         return bool(self.rule_text)
 
     def applies(self, s: Sample) -> bool:
-        return s.S >= self.min_seeds and (s.n_bootstrap > 0 or not self.needs_bootstrap)
+        return (s.S >= self.min_seeds and (s.n_bootstrap > 0 or not self.needs_bootstrap)
+                and self.name not in s.skip)
 
     def row(self, s: Sample) -> dict[str, Any]:
         raise NotImplementedError
@@ -390,12 +393,19 @@ def resolve_method(method: str, n_seeds: int, binary: bool = False, margin: floa
                                   f"{why})")
 
 
+def descriptive_bootstraps(rule_method: str) -> frozenset[str]:
+    """The resampling methods that decide nothing under the rule `rule_method` (every one but the rule's
+    own): compare leaves them out unless the bootstrap was asked for (--bootstrap N)."""
+    return frozenset(k for k, m in METHODS.items() if m.needs_bootstrap and k != rule_method)
+
+
 def method_table(
-    t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float, n_bootstrap: int, seed: int
+    t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float, n_bootstrap: int, seed: int,
+    skip: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]], Sample]:
     """(item-level paired_compare, {method: estimate/interval/p/verdict/estimand}, the Sample the rule's
-    interval is recomputed on at Holm's and the looks' levels)."""
-    s = Sample(t_SN, b_SN, alpha, margin, n_bootstrap, seed)
+    interval is recomputed on at Holm's and the looks' levels); the methods in `skip` are left out."""
+    s = Sample(t_SN, b_SN, alpha, margin, n_bootstrap, seed, skip)
     item = s.item
     methods: dict[str, dict[str, Any]] = {}
     for name, m in METHODS.items():

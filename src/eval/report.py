@@ -232,8 +232,8 @@ def _methods_section(r: TreatmentResult, rule: Rule, several: bool) -> list[str]
     lines += ["", (f"Per seed pair, the rule's verdict is {_name(item_rule)}'s on that pair alone (these "
                    "two checkpoints)." if item_rule else
                    "The rule is seed-level: one seed pair has no verdict of its own.")]
-    lines += ["", ("b = items the treatment got right and the baseline wrong; c = the reverse. Bootstrap: "
-                   f"{r.bootstrap_resamples} percentile resamples of items (seed {r.bootstrap_seed}).")]
+    lines += ["", ("b = items the treatment got right and the baseline wrong; c = the reverse. "
+                   + _bootstrap_sentence(r))]
     if r.item["n_seeds"] > 1:
         lines += ["", ("The combined row averages each item over its seeds, because one item's results across "
                        "seeds are correlated: n counts (seed, item) results, while the Hoeffding CI uses the "
@@ -241,6 +241,19 @@ def _methods_section(r: TreatmentResult, rule: Rule, several: bool) -> list[str]
                        "difference is positive / negative, and the bootstrap resamples whole items. Discordant "
                        f"(seed, item) pairs: {r.item['b']} / {r.item['c']}.")]
     return lines + [""]
+
+
+def _bootstrap_sentence(r: TreatmentResult) -> str:
+    """How many resamples the bootstrap drew, and which descriptive bootstraps were skipped (they run only
+    where they decide, or when --bootstrap asks for them)."""
+    if not r.bootstrap_skipped:
+        return f"Bootstrap: {r.bootstrap_resamples} percentile resamples of items (seed {r.bootstrap_seed})."
+    skipped = ", ".join(_name(k) for k in r.bootstrap_skipped)
+    if any(METHODS[k].needs_bootstrap for k in r.methods):
+        return (f"Bootstrap: {r.bootstrap_resamples} percentile resamples of items (seed {r.bootstrap_seed}), "
+                f"for the rule; skipped where it decides nothing ({skipped}): `--bootstrap N` runs those too.")
+    return (f"Bootstrap: skipped ({skipped}): under this rule it decides nothing; `--bootstrap N` runs it "
+            "(N resamples).")
 
 
 def _effects_section(r: TreatmentResult) -> list[str]:

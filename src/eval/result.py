@@ -39,7 +39,10 @@ class CompareRequest:
     step: int | None = None  # eval step of endpoint `step` (runs only)
     threshold: float | None = None  # the steps-to-threshold accuracy, reported only (runs only)
     override_decision: bool = False
-    n_bootstrap: int = DEFAULT_BOOTSTRAP  # >= 0; 0 = off
+    # >= 0; 0 = off; None: the bootstrap runs only where it is the rule (at DEFAULT_BOOTSTRAP resamples), the
+    # descriptive ones are skipped (issue #51: 98% of a 10-arm --items comparison went to bootstraps that
+    # decide nothing); a number runs every bootstrap at that many resamples
+    n_bootstrap: int | None = None
     seed: int = DEFAULT_BOOTSTRAP_SEED  # the bootstrap's RNG seed
     aa: str | Path | None = None  # an A/A sweep calibrating the A/B gap (runs only)
     eval_name: str | None = None  # eval/<NAME>.jsonl (runs only; default: the runs' eval.name)
@@ -50,6 +53,11 @@ class CompareRequest:
     fmt: str | None = None  # per-item files' format (default: detected; items only)
     metric: str | None = None  # per-item metric (default: the format's primary one; items only)
     plan: str | None = None  # a YAML of the decision block's keys (items only)
+
+    @property
+    def resamples(self) -> int:
+        """The bootstrap's resamples wherever it runs."""
+        return DEFAULT_BOOTSTRAP if self.n_bootstrap is None else self.n_bootstrap
 
     def treatments(self) -> list[str]:
         t = self.treatment
@@ -224,6 +232,7 @@ class TreatmentResult:
     decision: Decision
     bootstrap_resamples: int = DEFAULT_BOOTSTRAP
     bootstrap_seed: int = DEFAULT_BOOTSTRAP_SEED
+    bootstrap_skipped: list[str] = field(default_factory=list)  # descriptive bootstraps not run
     activity: dict[str, Any] | None = None
     aa_calibration: dict[str, Any] | None = None
     sample: Any = field(default=None, repr=False, compare=False)  # eval.methods.Sample the rule read
@@ -251,6 +260,8 @@ class TreatmentResult:
                "methods": self.methods, "bootstrap_resamples": int(self.bootstrap_resamples),
                "bootstrap_seed": int(self.bootstrap_seed), "effect_sizes": self.effect_sizes,
                **self.decision.to_json()}
+        if self.bootstrap_skipped:
+            out["bootstrap_skipped"] = self.bootstrap_skipped
         if self.aa_calibration is not None:
             out["aa_calibration"] = self.aa_calibration
         if self.activity is not None:
