@@ -24,7 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from eval.methods import SeedT, SignFlip, TwoLevelBootstrap, sign_patterns
+from eval.methods import (
+    McNemarExact,
+    PairedBootstrap,
+    PairedHoeffding,
+    SeedT,
+    SignFlip,
+    TwoLevelBootstrap,
+    sign_patterns,
+)
 from eval.sequential import look_levels
 from eval.stats import t_quantile, two_level_bootstrap_ci
 
@@ -336,16 +344,16 @@ def markdown(table: str, rows: list[dict[str, Any]]) -> str:
     if table == "coverage":
         out = ["| seeds per arm | training noise | seed t | sign-flip | two-level bootstrap |",
                "|---:|---|---:|---:|---:|"]
-        out += [f"| {r['seeds_per_arm']} | {r['noise']} | {pct(r['seed_t'])} | {pct(r['sign_flip'])} | "
-                f"{pct(r['two_level_bootstrap'])} |" for r in rows]
+        out += [f"| {r['seeds_per_arm']} | {r['noise']} | {pct(r[SeedT.name])} | {pct(r[SignFlip.name])} | "
+                f"{pct(r[TwoLevelBootstrap.name])} |" for r in rows]
     elif table == "seed_noise":
         out = [("| seeds per arm (sweeps) | paired Hoeffding | exact McNemar | paired bootstrap | seed t (`auto` at "
                 ">= 2 seeds) | two-level bootstrap lower bound > 0 (descriptive) |"), "|---|---:|---:|---:|---:|---:|"]
         for r in rows:
             one = r["seeds_per_arm"] == 1
-            out.append(f"| {r['seeds_per_arm']} ({r['sweeps']}) | {pct(r['paired_hoeffding'])} | "
-                       f"{pct(r['mcnemar_exact'])}{' (`auto` at 1 seed, binary scores)' if one else ''} | "
-                       f"{pct(r['paired_bootstrap'])} | {'-' if one else '**' + pct(r['seed_t']) + '**'} | "
+            out.append(f"| {r['seeds_per_arm']} ({r['sweeps']}) | {pct(r[PairedHoeffding.name])} | "
+                       f"{pct(r[McNemarExact.name])}{' (`auto` at 1 seed, binary scores)' if one else ''} | "
+                       f"{pct(r[PairedBootstrap.name])} | {'-' if one else '**' + pct(r[SeedT.name]) + '**'} | "
                        f"{'-' if one else pct(r['two_level_bootstrap_low_above_0'])} |")
     elif table == "variance_split":
         out = [("| seeds per arm | true training variance | item part | training, unbiased (mean) | "
