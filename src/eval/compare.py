@@ -74,6 +74,9 @@ def compare_paths(paths: list[str | Path], request: CompareRequest | None = None
     The decision rule comes from the runs' `decision` config; the request's method/alpha/margin/endpoint/
     step/threshold/baseline/equivalence_margin must equal it unless override_decision (then the report says
     what changed)."""
+    if request is not None and not isinstance(request, CompareRequest):
+        raise TypeError(f"compare: request must be a CompareRequest, got {type(request).__name__} (pass the "
+                        "options by keyword: compare(paths, treatment=..., n_bootstrap=...))")
     try:
         req = replace(request or CompareRequest(), **options)
     except TypeError as e:
