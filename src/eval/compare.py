@@ -13,7 +13,7 @@ A sweep of one loss at several seeds (A/A) gets the between-seed spread instead 
 as `--aa` beside an A/B sweep it says whether the A/B gap exceeds that spread.
 Every check runs before anything is written, so a refused comparison leaves an existing
 compare.json untouched. `--items NAME=FILE[,FILE...] ...` compares per-item files written by other frameworks
-instead (eval/items.py, eval/item_formats.py) with the same rule and statistics (eval.comparison.score_rows).
+instead (eval/items.py, eval/item_formats.py) with the same rule and statistics (eval.comparison.decide; the typed pipeline: eval/result.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
 """The comparison itself: the decision rule (the runs' pre-registered `decision` block, with any override),
 the methods table of each treatment, Holm's step-down and the sequential looks, equivalence, the departures
 from the pre-registered comparison that are refused (quiet paths), the A/A noise floor, the eval curve, and
-writing compare.json / compare.md / the plots. `compare_runs` runs all of it on runs already loaded
-(eval.runs.Run objects, their records read or not); `eval.compare.compare` finds and loads them first."""
+writing compare.json / compare.md / the plots. Two layers: `decide(arms, rule, request)` turns any source's
+Arms into one TreatmentResult per treatment (every method, Holm, the looks' level; eval.items' per-item files
+come here too), and the training-runs source, `compare_runs(runs, out_dir, request)`, checks the runs (the
+configs, the switch's activity, the looks ledger), builds their Arms, decides, and writes the Comparison
+(eval/result.py) on runs already loaded (eval.runs.Run objects, their records read or not);
+`eval.compare.compare_paths` finds and loads them first."""
 
 from __future__ import annotations
 

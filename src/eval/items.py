@@ -10,7 +10,7 @@ file must hold the same item set, and an id seen twice in a file, an item missin
 missing from one arm is named as such), a metric missing from a line or an empty file is refused with a
 count, never dropped. The one exception is the frameworks' own: an item whose every sample errored has no
 score (prime-rl leaves errored rollouts out of its accuracy) and is left out of every arm, with a note. The
-scores then go through the same decision as a sweep (eval.comparison.score_rows, the
+scores then go through the same decision as a sweep (eval.comparison.decide, the
 methods of eval.methods, sign_flip and equivalence included): one file per arm gives a verdict about these
 checkpoints, several seeds per arm the seed-level rule (decision.method = auto), Holm over several
 treatments. Planned sequential looks (decision.looks) are refused: their ledger lives beside the training
