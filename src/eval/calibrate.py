@@ -353,7 +353,8 @@ def markdown(table: str, rows: list[dict[str, Any]]) -> str:
             one = r["seeds_per_arm"] == 1
             out.append(f"| {r['seeds_per_arm']} ({r['sweeps']}) | {pct(r[PairedHoeffding.name])} | "
                        f"{pct(r[McNemarExact.name])}{' (`auto` at 1 seed, binary scores)' if one else ''} | "
-                       f"{pct(r[PairedBootstrap.name])} | {'-' if one else '**' + pct(r[SeedT.name]) + '**'} | "
+                       f"{pct(r[PairedBootstrap.name])} | "
+                       f"{'-' if one else '**' + pct(r[SeedT.name]) + '**'} | "
                        f"{'-' if one else pct(r['two_level_bootstrap_low_above_0'])} |")
     elif table == "variance_split":
         out = [("| seeds per arm | true training variance | item part | training, unbiased (mean) | "

@@ -13,7 +13,8 @@ A sweep of one loss at several seeds (A/A) gets the between-seed spread instead 
 as `--aa` beside an A/B sweep it says whether the A/B gap exceeds that spread.
 Every check runs before anything is written, so a refused comparison leaves an existing
 compare.json untouched. `--items NAME=FILE[,FILE...] ...` compares per-item files written by other frameworks
-instead (eval/items.py, eval/item_formats.py) with the same rule and statistics (eval.comparison.decide; the typed pipeline: eval/result.py).
+instead (eval/items.py, eval/item_formats.py) with the same rule and statistics (eval.comparison.decide;
+the typed pipeline: eval/result.py).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def compare(paths: list[str | Path], request: CompareRequest | None = None, **op
     return compare_paths(paths, request, **options).to_json()
 
 
-def compare_paths(paths: list[str | Path], request: CompareRequest | None = None, **options: Any) -> Comparison:
+def compare_paths(paths: list[str | Path], request: CompareRequest | None = None,
+                  **options: Any) -> Comparison:
     """Find and load the runs of `paths` (a sweep folder, or two run folders), then compare_runs: every
     check, the statistics, and compare.json / compare.md / plots written (into request.out, default the
     sweep or the runs' common parent).
@@ -83,7 +85,8 @@ def compare_paths(paths: list[str | Path], request: CompareRequest | None = None
         raise CompareError(f"compare: {e}") from None
     check_options(req.alpha, req.n_bootstrap)
     given = req.treatments()
-    if req.baseline is not None and req.baseline in given:  # before reading any run: the options alone are wrong
+    # before reading any run: the options alone are wrong
+    if req.baseline is not None and req.baseline in given:
         raise CompareError(f"--treatment and --baseline are both '{req.baseline}'")
     resolved = [Path(p).resolve() for p in paths]
     runs, out_dir = load_inputs(resolved, req.eval_name, req.out)
@@ -94,7 +97,8 @@ def request_from_args(args: argparse.Namespace) -> CompareRequest:
     """The command line's options as a CompareRequest."""
     return CompareRequest(
         treatment=args.treatment, baseline=args.baseline, method=args.method, alpha=args.alpha,
-        margin=args.margin, equivalence_margin=args.equivalence_margin, endpoint=args.endpoint, step=args.step,
+        margin=args.margin, equivalence_margin=args.equivalence_margin, endpoint=args.endpoint,
+        step=args.step,
         threshold=args.threshold, override_decision=args.override_decision, n_bootstrap=args.bootstrap,
         seed=args.seed, aa=args.aa, eval_name=args.eval_name, allow_config_diff=args.allow_config_diff,
         allow_mixed_loss_paths=args.allow_mixed_loss_paths, make_plots=not args.no_plots, out=args.out,
@@ -135,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     rule.add_argument("--override-decision", action="store_true",
                       help="decide with the rule given here instead of the pre-registered one (the report says so)")
     p.add_argument("--bootstrap", type=int, default=None,
-                   help=f"bootstrap resamples (default: {DEFAULT_BOOTSTRAP} where the bootstrap decides, and the "
-                        "descriptive bootstraps skipped; a number runs every bootstrap at it; 0 = off; another "
-                        "value is an override when the bootstrap decides)")
+                   help=f"bootstrap resamples (default: {DEFAULT_BOOTSTRAP} where the bootstrap decides, "
+                        "and the descriptive bootstraps skipped; a number runs every bootstrap at it; 0 = "
+                        "off; another value is an override when the bootstrap decides)")
     p.add_argument("--seed", type=int, default=DEFAULT_BOOTSTRAP_SEED,
                    help="bootstrap RNG seed (another value is an override when the bootstrap decides)")
     p.add_argument("--out", default=None,

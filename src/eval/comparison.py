@@ -186,7 +186,8 @@ def decide_all(methods_K: list[dict[str, dict[str, Any]]], samples: list[Any], n
         d = Decision(method=rule.method, estimate=m["estimate"], p_rule=m["p"], p_holm=adj[i], holm_level=lev,
                      rule_ci=list(iv) if iv else None, p_adjusted="holm" if K > 1 else None)
         set_verdict(d, verdict, rule.scope, *names[i], reason, margin=rule.margin)
-        if rule.requested == "auto" and rule.method == McNemarExact.name:  # not what `auto` means at >= 2 seeds
+        # not what `auto` means at >= 2 seeds: said in the headline
+        if rule.requested == "auto" and rule.method == McNemarExact.name:
             d.headline += (" (decision.method auto, one run per arm on right / wrong scores: exact "
                            "McNemar)")
         out[i] = d
@@ -216,7 +217,8 @@ def decide(arms: Arms, rule: Rule, request: CompareRequest,
                                    per_seed=per_seed, methods=methods,
                                    effect_sizes=effect_sizes(t_SN, b_SN, rule.alpha),
                                    decision=None,  # type: ignore[arg-type] - decided below, over all of them
-                                   bootstrap_resamples=int(n_bootstrap), bootstrap_seed=int(seed), sample=sample,
+                                   bootstrap_resamples=int(n_bootstrap), bootstrap_seed=int(seed),
+                                   sample=sample,
                                    bootstrap_skipped=[k for k in METHODS if k in skip
                                                       and t_SN.shape[0] >= METHODS[k].min_seeds]))
     decisions = decide_all([r.methods for r in out], [r.sample for r in out],
@@ -316,7 +318,8 @@ def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses:
         found.append(f"treatments: the runs hold {all_treatments}, --treatment keeps {treatments} (Holm's family "
                      f"shrinks from {len(all_treatments)} to {len(treatments)})")
     found += sweep_subsets(runs_all, paths)
-    if rule.method == PairedBootstrap.name and (n_bootstrap, seed) != (DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED):
+    moved = (n_bootstrap, seed) != (DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED)
+    if rule.method == PairedBootstrap.name and moved:
         found.append(f"bootstrap: {DEFAULT_BOOTSTRAP} resamples, seed {DEFAULT_BOOTSTRAP_SEED} -> {n_bootstrap} "
                      f"resamples, seed {seed} (the bootstrap decides)")
     decisions = {json.dumps(r.config.get("decision"), sort_keys=True, default=str): r for r in used}
@@ -796,7 +799,8 @@ def check_decider(rule: Rule, n_seeds: int, n_bootstrap: int, too_few: str,
         raise error(f"the decision rule is {rule.method}, but --bootstrap 0 turns the bootstrap off")
 
 
-def check_options(alpha: float | None, n_bootstrap: int | None, error: type[ValueError] = CompareError) -> None:
+def check_options(alpha: float | None, n_bootstrap: int | None,
+                  error: type[ValueError] = CompareError) -> None:
     """The command line's numbers every comparison takes, checked before any input is read."""
     if alpha is not None and not 0 < alpha < 1:
         raise error(f"--alpha must be in (0, 1), got {alpha}")
@@ -907,21 +911,23 @@ def compare_runs(runs: list[Run], out_dir: str | Path, request: CompareRequest |
 
     look = look_of(rule, len(seeds))
     arms = Arms(baseline=base, treatments=treatments,
-                scores_SN={loss: _stack(scores, [pairs[s][loss] for s in seeds]) for loss in [base] + treatments},
+                scores_SN={loss: _stack(scores, [pairs[s][loss] for s in seeds])
+                           for loss in [base] + treatments},
                 labels={loss: [pairs[s][loss].arm for s in seeds] for loss in [base] + treatments},
                 seeds=seeds, item_order=[str(i) for i in order], item_sha256=item_sha, notes=notes)
     rows = decide(arms, rule, req, look)
     if aa_spread_ is not None:
         for row in rows:
             D_S = row.sample.D_S
-            row.aa_calibration = aa_calibration(aa_spread_, list(D_S) if D_S is not None else [row.item["diff"]],
-                                                rule.alpha)
+            gaps = list(D_S) if D_S is not None else [row.item["diff"]]
+            row.aa_calibration = aa_calibration(aa_spread_, gaps, rule.alpha)
     for row, loss in zip(rows, treatments):
         row.activity, act_notes = switch_activity({s: (pairs[s][loss], pairs[s][base]) for s in seeds},
                                                   loss_switch=switch == "loss")
         notes += act_notes
         if row.inert:
-            set_verdict(row.decision, "inert", rule.scope, row.treatment, row.baseline, reason=inert_reason(row))
+            set_verdict(row.decision, "inert", rule.scope, row.treatment, row.baseline,
+                        reason=inert_reason(row))
     notes += rule_notes(rows, rule, len(seeds), look)
     for row in rows:  # a verdict the A/A noise floor contradicts is said next to it, not pages below
         cal = row.aa_calibration
@@ -935,7 +941,8 @@ def compare_runs(runs: list[Run], out_dir: str | Path, request: CompareRequest |
     notes += run_notes(ordered)
     c = Comparison(mode="ab", source="runs", rule=rule, arms=arms, rows=rows, arm_rows=arm_rows, notes=notes,
                    inputs=[str(p) for p in paths], output_dir=out_dir, eval_name=eval_name, switch=switch,
-                   look=look, scope_settings=scope_settings(ordered[0]) if rule.scope == "across_seeds" else None,
+                   look=look,
+                   scope_settings=scope_settings(ordered[0]) if rule.scope == "across_seeds" else None,
                    curve=curve, aa=aa_spread_, config_diff=config_diff,
                    ignored_config_keys=list(IGNORED_CONFIG_KEYS))
     ledger = _ledger(ordered, c, req.override_decision)
@@ -946,7 +953,8 @@ def compare_runs(runs: list[Run], out_dir: str | Path, request: CompareRequest |
 def _run_row(r: Run, role: str, scores: dict[str, np.ndarray], alpha: float) -> dict[str, Any]:
     """compare.json's entry of one run: where it is, its accuracy and Wilson interval, its endpoint mean."""
     return {"arm": r.arm, "role": role, "loss": r.loss, "value": r.key, "seed": r.seed, "run": str(r.path),
-            "job": r.job, "run_name": r.info.get("arm", r.config.get("run_name")), "eval_file": str(r.eval_file),
+            "job": r.job, "run_name": r.info.get("arm", r.config.get("run_name")),
+            "eval_file": str(r.eval_file),
             "endpoint_mean": float(np.mean(scores[r.arm])), **summarize(r.records, alpha=alpha)}
 
 
@@ -992,7 +1000,8 @@ def _compare_aa(runs: list[Run], rule: Rule, eval_name: str, paths: list[Path], 
 
 def write_comparison(c: Comparison, runs: list[Run], roles: dict[str, str], make_plots: bool,
                      title_suffix: str,
-                     ledger: tuple[Path, dict[str, Any], dict[str, Any], list[Path]] | None = None) -> Comparison:
+                     ledger: tuple[Path, dict[str, Any], dict[str, Any], list[Path]] | None = None,
+                     ) -> Comparison:
     """Everything is checked: from here on we write (the looks ledger, plots, compare.md, then compare.json
     last)."""
     out_dir = Path(c.output_dir)

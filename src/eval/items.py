@@ -63,7 +63,8 @@ from eval.result import (
 from eval.runs import CompareError, Run
 from eval.stats import wilson_interval
 
-__all__ = ["Arm", "ItemsError", "compare_item_files", "compare_items", "item_arms", "load_arms", "load_plan", "match_items", "parse_arm"]
+__all__ = ["Arm", "ItemsError", "compare_item_files", "compare_items", "item_arms", "load_arms", "load_plan",
+           "match_items", "parse_arm"]
 
 _ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+:-]{0,63}$")
 MAX_ARMS, MAX_FILES_PER_ARM = 64, 1000
@@ -354,8 +355,8 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
                   out: str | Path | None = None) -> dict[str, Any]:
     """compare.json's dict of compare_item_files (the python API, keyword for keyword the command line's)."""
     req = CompareRequest(fmt=fmt, metric=metric, plan=plan, baseline=baseline, method=method, alpha=alpha,
-                         margin=margin, equivalence_margin=equivalence_margin, override_decision=override_decision,
-                         out=out, make_plots=False)
+                         margin=margin, equivalence_margin=equivalence_margin,
+                         override_decision=override_decision, out=out, make_plots=False)
     req.n_bootstrap = n_bootstrap
     if seed is not None:
         req.seed = seed
@@ -371,8 +372,8 @@ def item_arms(specs: list[str], req: CompareRequest) -> tuple[list[Arm], Arms, R
     order, cats = match_items(arms, match_notes)
     # one run per arm on right / wrong scores: `auto` is the exact McNemar test (eval.methods.resolve_method)
     binary = all(np.isin(f.scores_in(order), (0.0, 1.0)).all() for a in arms for f in a.files)
-    rule = resolve_items_rule(req.plan, req.rule_options(*ITEMS_RULE_KEYS), req.override_decision, arms[0].name,
-                              len(seeds), binary)
+    rule = resolve_items_rule(req.plan, req.rule_options(*ITEMS_RULE_KEYS), req.override_decision,
+                              arms[0].name, len(seeds), binary)
     files = [f for a in arms for f in a.files]
     notes = list(dict.fromkeys([n for f in files for n in f.notes] + match_notes))  # one note per message
     notes.append("per-item files carry no training metrics: whether the arms' switch acted (`inert`) is not "
@@ -419,14 +420,15 @@ def compare_item_files(specs: list[str], request: CompareRequest | None = None) 
         _refuse_another_comparison(out_dir, arms.item_sha256, [a.name for a in file_arms], first)
     notes = arms.notes
     seeds, order = arms.seeds, arms.item_order
-    arm_rows = [_arm_row(a, f, s, rule.alpha, order, role="") for a in file_arms for f, s in zip(a.files, seeds)]
-    common: dict[str, Any] = {"source": "items", "rule": rule, "arms": arms, "arm_rows": arm_rows, "notes": notes,
-                              "inputs": [str(f.path) for f in files], "output_dir": out_dir,
+    arm_rows = [_arm_row(a, f, s, rule.alpha, order, role="")
+                for a in file_arms for f, s in zip(a.files, seeds)]
+    common: dict[str, Any] = {"source": "items", "rule": rule, "arms": arms, "arm_rows": arm_rows,
+                              "notes": notes, "inputs": [str(f.path) for f in files], "output_dir": out_dir,
                               "eval_name": first.eval_name, "fmt": first.format, "metric": first.metric}
     if len(file_arms) == 1:
         if len(seeds) < 2:
-            raise ItemsError(f"one arm ({file_arms[0].name}) with one file: nothing to compare (two arms, or one "
-                             "arm at >= 2 seeds for the between-seed spread)")
+            raise ItemsError(f"one arm ({file_arms[0].name}) with one file: nothing to compare (two arms, or "
+                             "one arm at >= 2 seeds for the between-seed spread)")
         spread = aa_spread({s: arms.scores_SN[arms.baseline][i] for i, s in enumerate(seeds)}, rule.alpha)
         spread.update(sweep=None, loss=arms.baseline)
         for r in arm_rows:
@@ -441,8 +443,8 @@ def compare_item_files(specs: list[str], request: CompareRequest | None = None) 
         rows = decide(arms, rule, req)
         # the secondary rows decide nothing: a bootstrap runs there only as the rule, or when asked for
         skip = descriptive_bootstraps(rule.method) if req.n_bootstrap is None else frozenset()
-        categories = (category_rows(arms.scores_SN, task_cats, base, treatments, rule, n_bootstrap, seed, skip)
-                      if task_cats is not None else None)
+        categories = (category_rows(arms.scores_SN, task_cats, base, treatments, rule, n_bootstrap, seed,
+                                    skip) if task_cats is not None else None)
     except ValueError as e:  # CompareError included
         raise ItemsError(str(e)) from None
     if categories is not None:

@@ -389,8 +389,8 @@ def resolve_method(method: str, n_seeds: int, binary: bool = False, margin: floa
         return McNemarExact.name, (f"decision.method = auto -> {McNemarExact.name} ({n_seeds} run per arm, "
                                    "binary scores: the exact paired test over items)")
     why = "fractional scores" if not binary else "a margin, which the exact test cannot shift"
-    return PairedHoeffding.name, (f"decision.method = auto -> {PairedHoeffding.name} ({n_seeds} seed per arm, "
-                                  f"{why})")
+    return PairedHoeffding.name, (f"decision.method = auto -> {PairedHoeffding.name} ({n_seeds} seed per "
+                                  f"arm, {why})")
 
 
 def descriptive_bootstraps(rule_method: str) -> frozenset[str]:

@@ -128,8 +128,8 @@ def _ab_report(c: Comparison) -> list[str]:
                    f"{rule.resolution}."), ""]
     if rule.method == PairedHoeffding.name and rule.endpoint != "auc":
         hw = first.item["hoeffding_half_width"]
-        lines += [(f"At n = {first.item['n_items']} items and alpha = {rule.alpha:g} the Hoeffding half-width is "
-                   f"{hw:.4f}, so `validated` needs a gap above {_pts(hw + rule.margin)}."), ""]
+        lines += [(f"At n = {first.item['n_items']} items and alpha = {rule.alpha:g} the Hoeffding "
+                   f"half-width is {hw:.4f}, so `validated` needs a gap above {_pts(hw + rule.margin)}."), ""]
     for r in rows:
         if r.inert:
             lines += _inert_section(r)
@@ -237,8 +237,8 @@ def _methods_section(r: TreatmentResult, rule: Rule, several: bool) -> list[str]
     if r.item["n_seeds"] > 1:
         lines += ["", ("The combined row averages each item over its seeds, because one item's results across "
                        "seeds are correlated: n counts (seed, item) results, while the Hoeffding CI uses the "
-                       f"{r.item['n_items']} items as the independent unit, b / c count items whose seed-mean "
-                       "difference is positive / negative, and the bootstrap resamples whole items. Discordant "
+                       f"{r.item['n_items']} items as the independent unit, b / c count items whose "
+                       "seed-mean difference is positive / negative, and the bootstrap resamples whole items. Discordant "
                        f"(seed, item) pairs: {r.item['b']} / {r.item['c']}.")]
     return lines + [""]
 
@@ -250,8 +250,9 @@ def _bootstrap_sentence(r: TreatmentResult) -> str:
         return f"Bootstrap: {r.bootstrap_resamples} percentile resamples of items (seed {r.bootstrap_seed})."
     skipped = ", ".join(_name(k) for k in r.bootstrap_skipped)
     if any(METHODS[k].needs_bootstrap for k in r.methods):
-        return (f"Bootstrap: {r.bootstrap_resamples} percentile resamples of items (seed {r.bootstrap_seed}), "
-                f"for the rule; skipped where it decides nothing ({skipped}): `--bootstrap N` runs those too.")
+        return (f"Bootstrap: {r.bootstrap_resamples} percentile resamples of items (seed "
+                f"{r.bootstrap_seed}), for the rule; skipped where it decides nothing ({skipped}): "
+                "`--bootstrap N` runs those too.")
     return (f"Bootstrap: skipped ({skipped}): under this rule it decides nothing; `--bootstrap N` runs it "
             "(N resamples).")
 

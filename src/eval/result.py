@@ -68,7 +68,8 @@ class CompareRequest:
         return {k: getattr(self, k) for k in keys}
 
 
-RUN_RULE_KEYS = ("method", "alpha", "margin", "endpoint", "step", "threshold", "baseline", "equivalence_margin")
+RUN_RULE_KEYS = ("method", "alpha", "margin", "endpoint", "step", "threshold", "baseline",
+                 "equivalence_margin")
 ITEMS_RULE_KEYS = ("method", "alpha", "margin", "baseline", "equivalence_margin")
 
 
@@ -111,7 +112,8 @@ class Rule:
     def to_json(self) -> dict[str, Any]:
         return {"method": self.method, "requested": self.requested, "resolution": self.resolution,
                 "alpha": self.alpha, "margin": self.margin, "endpoint": self.endpoint,
-                "step": self.step, "threshold": self.threshold, "baseline": self.baseline, "source": self.source,
+                "step": self.step, "threshold": self.threshold, "baseline": self.baseline,
+                "source": self.source,
                 "overridden": self.overridden, "text": self.text(), "estimand": ESTIMANDS[self.method],
                 "scope": self.scope, "equivalence_margin": self.equivalence_margin, "looks": self.looks,
                 "bootstrap_resamples": DEFAULT_BOOTSTRAP, "bootstrap_seed": DEFAULT_BOOTSTRAP_SEED}
@@ -154,7 +156,8 @@ def clip_to_score_range(obj: Any) -> bool:
         for k, v in obj.items():
             if k in BOUND_KEYS and isinstance(v, float) and abs(v) > 1.0:
                 obj[k], moved = max(-1.0, min(1.0, v)), True
-            elif k == "rule_ci" and isinstance(v, list) and any(isinstance(x, float) and abs(x) > 1 for x in v):
+            elif (k == "rule_ci" and isinstance(v, list)
+                  and any(isinstance(x, float) and abs(x) > 1 for x in v)):
                 obj[k], moved = [max(-1.0, min(1.0, x)) for x in v], True
             else:
                 moved |= clip_to_score_range(v)
@@ -338,7 +341,8 @@ class Comparison:
             "eval_name": self.eval_name, "verdict_scope": self.verdict_scope, "n_seeds": self.n_seeds,
             "seeds": list(self.seeds), "decision": rule.to_json(), "aa": self.aa, "arms": self.arm_rows,
             "config_diff": self.config_diff, "ignored_config_keys": list(self.ignored_config_keys),
-            "item_set_sha256": self.arms.item_sha256, "inputs": self.inputs, "output_dir": str(self.output_dir),
+            "item_set_sha256": self.arms.item_sha256, "inputs": self.inputs,
+            "output_dir": str(self.output_dir),
             "plots": self.plots, "notes": self.notes, "alpha": rule.alpha, "method": rule.method,
             "decision_rule": rule.text()}
         if self.source == "items":
@@ -358,7 +362,8 @@ class Comparison:
             out.update(looks=self.looks, decisions=self.decisions)
         if self.looks_ledger is not None:
             out["looks_ledger"] = self.looks_ledger
-        if len(self.rows) == 1:  # one treatment: its numbers (the rule's estimate, interval, p, verdict) on top
+        # one treatment: its numbers (the rule's estimate, interval, p, verdict) at the top level
+        if len(self.rows) == 1:
             row = self.rows[0].to_json()
             out.update({k: v for k, v in row.items() if k not in out or k in ("verdict", "method")},
                        treatment=self.treatments[0])
