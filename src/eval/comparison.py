@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from eval.methods import (
     METHODS,
     McNemarExact,
     PairedBootstrap,
+    PairedHoeffding,
     SeedT,
     SignFlip,
     descriptive_bootstraps,
@@ -808,45 +810,35 @@ def check_options(alpha: float | None, n_bootstrap: int | None,
         raise error(f"--bootstrap must be >= 0, got {n_bootstrap}")
 
 
-def compare_runs(runs: list[Run], out_dir: str | Path, request: CompareRequest | None = None,
-                 paths: list[Path] | None = None) -> Comparison:
-    """The comparison of runs already loaded (eval.runs.load_run, or Run objects built in memory with their
-    `records` set: load_records keeps records it finds): every check, the statistics, and compare.json /
-    compare.md / plots written into out_dir. `paths` are the folders the runs were given as (they enter the
-    report and the check for a sweep's subset); the run folders by default.
+@dataclass
+class RunSource:
+    """The training runs of an A/B comparison as runs_source leaves them: paired by seed
+    (`pairs[seed][arm]`), checked, read into Arms (whose notes collect what the checks found), with what only runs have: each
+    run's eval curve, the configs' allowed differences, the A/A sweep's spread (--aa)."""
 
-    The decision rule comes from the runs' `decision` config; the request's method/alpha/margin/endpoint/
-    step/threshold/baseline/equivalence_margin must equal it unless override_decision (then the report says
-    what changed)."""
-    req = request or CompareRequest()
-    check_options(req.alpha, req.n_bootstrap)
-    n_boot = req.resamples
-    if not runs:
-        raise CompareError("no runs to compare")
-    treatments_given = req.treatments()
-    if req.baseline is not None and req.baseline in treatments_given:
-        raise CompareError(f"--treatment and --baseline are both '{req.baseline}'")
-    out_dir = Path(out_dir)
-    paths = list(paths) if paths is not None else [r.path for r in runs]
+    arms: Arms
+    switch: str
+    pairs: dict[int, dict[str, Run]]
+    ordered: list[Run]  # per seed, the baseline's run first: the reference of every check
+    roles: dict[str, str]
+    config_diff: list[str]
+    curves: dict[str, Any]
+    steps: list[int]
+    scores: dict[str, np.ndarray]  # each run's endpoint scores over the item order, by run label
+    aa: dict[str, Any] | None
+
+
+def runs_source(runs: list[Run], rule: Rule, switch: str, req: CompareRequest,
+                paths: list[Path]) -> RunSource:
+    """The training-runs source: the baseline and treatments named, the runs paired by seed, their configs,
+    precision and loss paths checked, their eval files read (one item set), the quiet departures from the
+    pre-registered comparison refused unless overridden (then added to rule.overridden), and the --aa
+    sweep read; raises CompareError on anything that does not make one paired experiment."""
     eval_name = runs[0].eval_name
-    if any(r.eval_name != eval_name for r in runs):
-        raise CompareError("runs have different eval names: "
-                           + ", ".join(f"{r.path.name}={r.eval_name}" for r in runs) + " (pass --eval-name)")
-    rule = resolve_rule(runs, req.rule_options(*RUN_RULE_KEYS), req.override_decision,
-                        n_seeds=len({r.seed for r in runs}))
-    switch = find_switch(runs)
     losses = sorted({r.key for r in runs})
+    treatments_given = req.treatments()
+    n_boot = req.resamples
     notes: list[str] = []
-    if switch is None:
-        if treatments_given:
-            raise CompareError(f"A/A sweep passed as A/B: every run has loss '{losses[0]}' (seeds "
-                               f"{sorted(r.seed for r in runs)}), so there is no treatment arm to compare; "
-                               "drop --treatment for the A/A report (between-seed spread), or pass this folder "
-                               "as --aa to the comparison of an A/B sweep")
-        if req.aa is not None:
-            raise CompareError("--aa calibrates an A/B comparison, but the runs given are themselves an A/A "
-                               f"sweep (loss '{losses[0]}' only)")
-        return _compare_aa(runs, rule, eval_name, paths, out_dir, req)
     base = arm_named(rule.baseline, switch, losses)
     if base is None:
         how = ("" if switch == "loss" else f"; the arms differ in {switch}, so name the baseline as "
@@ -894,7 +886,7 @@ def compare_runs(runs: list[Run], out_dir: str | Path, request: CompareRequest |
     seeds = list(pairs)
     check_decider(rule, len(seeds), n_boot,
                   f"this comparison has {len(seeds)} seed per arm ({seeds}); run >= 2 seeds (seed=0,1,2) or "
-                  "decide with an item-level method (--method paired_hoeffding --override-decision)")
+                  f"decide with an item-level method (--method {PairedHoeffding.name} --override-decision)")
     quiet, quiet_notes = quiet_paths(runs_all, ordered, paths, losses, base, treatments, rule, n_boot,
                                      req.seed, len(seeds))
     notes += quiet_notes
@@ -909,21 +901,65 @@ def compare_runs(runs: list[Run], out_dir: str | Path, request: CompareRequest |
                                         req.allow_config_diff, switch, tuple([base] + treatments))
         notes += aa_notes
 
-    look = look_of(rule, len(seeds))
     arms = Arms(baseline=base, treatments=treatments,
                 scores_SN={loss: _stack(scores, [pairs[s][loss] for s in seeds])
                            for loss in [base] + treatments},
                 labels={loss: [pairs[s][loss].arm for s in seeds] for loss in [base] + treatments},
                 seeds=seeds, item_order=[str(i) for i in order], item_sha256=item_sha, notes=notes)
+    return RunSource(arms=arms, switch=switch, pairs=pairs, ordered=ordered, roles=roles,
+                     config_diff=config_diff, curves=curves, steps=steps, scores=scores, aa=aa_spread_)
+
+
+def compare_runs(runs: list[Run], out_dir: str | Path, request: CompareRequest | None = None,
+                 paths: list[Path] | None = None) -> Comparison:
+    """The comparison of runs already loaded (eval.runs.load_run, or Run objects built in memory with their
+    `records` set: load_records keeps records it finds): every check, the statistics, and compare.json /
+    compare.md / plots written into out_dir. `paths` are the folders the runs were given as (they enter the
+    report and the check for a sweep's subset); the run folders by default.
+
+    The decision rule comes from the runs' `decision` config; the request's method/alpha/margin/endpoint/
+    step/threshold/baseline/equivalence_margin must equal it unless override_decision (then the report says
+    what changed)."""
+    req = request or CompareRequest()
+    check_options(req.alpha, req.n_bootstrap)
+    if not runs:
+        raise CompareError("no runs to compare")
+    treatments_given = req.treatments()
+    if req.baseline is not None and req.baseline in treatments_given:
+        raise CompareError(f"--treatment and --baseline are both '{req.baseline}'")
+    out_dir = Path(out_dir)
+    paths = list(paths) if paths is not None else [r.path for r in runs]
+    eval_name = runs[0].eval_name
+    if any(r.eval_name != eval_name for r in runs):
+        raise CompareError("runs have different eval names: "
+                           + ", ".join(f"{r.path.name}={r.eval_name}" for r in runs) + " (pass --eval-name)")
+    rule = resolve_rule(runs, req.rule_options(*RUN_RULE_KEYS), req.override_decision,
+                        n_seeds=len({r.seed for r in runs}))
+    switch = find_switch(runs)
+    losses = sorted({r.key for r in runs})
+    if switch is None:
+        if treatments_given:
+            raise CompareError(f"A/A sweep passed as A/B: every run has loss '{losses[0]}' (seeds "
+                               f"{sorted(r.seed for r in runs)}), so there is no treatment arm to compare; "
+                               "drop --treatment for the A/A report (between-seed spread), or pass this folder "
+                               "as --aa to the comparison of an A/B sweep")
+        if req.aa is not None:
+            raise CompareError("--aa calibrates an A/B comparison, but the runs given are themselves an A/A "
+                               f"sweep (loss '{losses[0]}' only)")
+        return _compare_aa(runs, rule, eval_name, paths, out_dir, req)
+    src = runs_source(runs, rule, switch, req, paths)
+    arms, pairs, ordered, notes = src.arms, src.pairs, src.ordered, src.arms.notes
+    base, treatments, seeds = arms.baseline, arms.treatments, arms.seeds
+    look = look_of(rule, len(seeds))
     rows = decide(arms, rule, req, look)
-    if aa_spread_ is not None:
+    if src.aa is not None:
         for row in rows:
             D_S = row.sample.D_S
             gaps = list(D_S) if D_S is not None else [row.item["diff"]]
-            row.aa_calibration = aa_calibration(aa_spread_, gaps, rule.alpha)
+            row.aa_calibration = aa_calibration(src.aa, gaps, rule.alpha)
     for row, loss in zip(rows, treatments):
         row.activity, act_notes = switch_activity({s: (pairs[s][loss], pairs[s][base]) for s in seeds},
-                                                  loss_switch=switch == "loss")
+                                                  loss_switch=src.switch == "loss")
         notes += act_notes
         if row.inert:
             set_verdict(row.decision, "inert", rule.scope, row.treatment, row.baseline,
@@ -936,17 +972,17 @@ def compare_runs(runs: list[Run], out_dir: str | Path, request: CompareRequest |
                          f"{100 * cal['observed_gap']:+.2f} pts does NOT exceed the A/A noise floor (interval "
                          f"[{100 * cal['low']:+.2f}, {100 * cal['high']:+.2f}] pts): two seeds of one arm differ "
                          "by as much")
-    curve = _curve_table(curves, steps, pairs, base, treatments, rule.alpha, rule.threshold)
-    arm_rows = [_run_row(r, roles[r.key], scores, rule.alpha) for r in ordered]
+    curve = _curve_table(src.curves, src.steps, pairs, base, treatments, rule.alpha, rule.threshold)
+    arm_rows = [_run_row(r, src.roles[r.key], src.scores, rule.alpha) for r in ordered]
     notes += run_notes(ordered)
     c = Comparison(mode="ab", source="runs", rule=rule, arms=arms, rows=rows, arm_rows=arm_rows, notes=notes,
-                   inputs=[str(p) for p in paths], output_dir=out_dir, eval_name=eval_name, switch=switch,
+                   inputs=[str(p) for p in paths], output_dir=out_dir, eval_name=eval_name, switch=src.switch,
                    look=look,
                    scope_settings=scope_settings(ordered[0]) if rule.scope == "across_seeds" else None,
-                   curve=curve, aa=aa_spread_, config_diff=config_diff,
+                   curve=curve, aa=src.aa, config_diff=src.config_diff,
                    ignored_config_keys=list(IGNORED_CONFIG_KEYS))
     ledger = _ledger(ordered, c, req.override_decision)
-    return write_comparison(c, ordered, roles, req.make_plots, f" ({', '.join(treatments)} vs {base})",
+    return write_comparison(c, ordered, src.roles, req.make_plots, f" ({', '.join(treatments)} vs {base})",
                             ledger=ledger)
 
 
