@@ -334,6 +334,7 @@ def test_runtime_enumerations_are_the_config_ones():
     import envs.tokenizers
     import eval.compare
     import eval.design
+    import eval.methods
     import eval.stats
     import trainer.losses.trust_region
     import trainer.preflight.correctness
@@ -346,7 +347,7 @@ def test_runtime_enumerations_are_the_config_ones():
     assert trainer.losses.trust_region.DPPO_MODES is enums.DPPO_MODES
     assert envs.tokenizers.TOKENIZER_KINDS is enums.TOKENIZER_KINDS
     assert envs.gsm8k.CONVO_PREFIXES is enums.CONVO_PREFIXES is envs.arithmetic.CONVO_PREFIXES
-    assert eval.stats.RULE_METHODS is enums.DECISION_METHODS is eval.design.METHODS
+    assert eval.design.METHODS is eval.methods.DECIDING and eval.methods.DECIDING == enums.DECISION_METHODS
     assert schema.DECISION_METHODS is enums.DECISION_METHODS and schema.LOSS_PATHS is enums.LOSS_PATHS
     assert eval.compare.ENDPOINTS is enums.ENDPOINTS
     # and the schema's messages list the same options the runtime accepts

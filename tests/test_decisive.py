@@ -967,7 +967,7 @@ def test_compare_runs_decides_on_runs_held_in_memory(tmp_path):
     """eval.comparison.compare_runs on Run objects with their records set and no run folders behind them
     (per-item files of another harness, read elsewhere): the same verdict as the folders give."""
 
-    from eval.compare import Run, compare_runs
+    from eval.compare import CompareRequest, Run, compare_runs
 
     sweep = _gap_sweep(tmp_path, [8, 12, 16])
     on_disk = compare([sweep], n_bootstrap=0, make_plots=False)
@@ -978,7 +978,7 @@ def test_compare_runs_decides_on_runs_held_in_memory(tmp_path):
         runs.append(Run(path=tmp_path / "nowhere" / p.name, config=cfg, info={}, loss=cfg["loss"]["name"],
                         seed=cfg["seed"], eval_name="arithmetic", records=recs))
     out = tmp_path / "out"
-    res = compare_runs(runs, out, n_bootstrap=0, make_plots=False)
+    res = compare_runs(runs, out, CompareRequest(n_bootstrap=0, make_plots=False)).to_json()
     assert res["verdict"] == on_disk["verdict"] and res["estimate"] == pytest.approx(on_disk["estimate"])
     assert (out / "compare.json").is_file() and res["looks"] == [] and not (tmp_path / "nowhere").exists()
 

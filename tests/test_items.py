@@ -751,7 +751,7 @@ def test_a_verl_folder_gives_its_latest_dump_and_a_shared_prompt_is_named(tmp_pa
 # ----------------------------------------------------------------------------- the report's words
 def _bounds(obj, key=""):
     """Every interval bound of a difference in compare.json (the keys clip_to_score_range cuts)."""
-    from eval.items import _BOUND_KEYS
+    from eval.result import BOUND_KEYS as _BOUND_KEYS
 
     if isinstance(obj, dict):
         for k, v in obj.items():
@@ -795,10 +795,12 @@ def test_the_report_says_pre_registered_only_for_a_plan_and_advises_only_what_it
     assert "## Decision rule (pre-registered)" in md and f"Rule source: pre-registered in {plan}" in md
     assert "resolved from the files" in md
     # a sweep whose runs predate the decision config: its rule is the defaults, not pre-registered either
+    from eval.compare import CompareRequest
+    from eval.items import compare_item_files
     from eval.report import render_markdown
 
-    res = json.loads((tmp_path / "plan" / "compare.json").read_text())
-    res["decision"]["source"] = "default (the runs' config has no `decision` group: made before it existed)"
+    res = compare_item_files(specs, CompareRequest(plan=str(plan), n_bootstrap=50, out=tmp_path / "plan2"))
+    res.rule.source = "default (the runs' config has no `decision` group: made before it existed)"
     assert ("## Decision rule (not pre-registered: default (the runs' config has no `decision` group"
             in render_markdown(res, tmp_path))
     # one arm at two seeds: the A/A spread, with no --aa advice

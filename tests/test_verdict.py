@@ -723,7 +723,7 @@ def test_false_positive_rates_under_seed_noise_and_the_default_rule_holds_alpha(
     fixed, validate seed noise far more often than alpha."""
     from eval.calibrate import checkpoint_sweeps
     from eval.compare import method_table
-    from eval.stats import resolve_method
+    from eval.methods import resolve_method
 
     n_sweeps, S, alpha = 1500, 3, 0.05
     default, _ = resolve_method("auto", S)

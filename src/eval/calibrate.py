@@ -24,7 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from eval.methods import _sign_patterns
+from eval.methods import (
+    McNemarExact,
+    PairedBootstrap,
+    PairedHoeffding,
+    SeedT,
+    SignFlip,
+    TwoLevelBootstrap,
+    sign_patterns,
+)
 from eval.sequential import look_levels
 from eval.stats import t_quantile, two_level_bootstrap_ci
 
@@ -73,7 +81,7 @@ def sign_flip_ps(D: np.ndarray) -> np.ndarray:
     """The exact two-sided sign-flip p per sweep (1 where the mean is not above 0), as
     eval.stats.sign_flip_p."""
     S = D.shape[1]
-    signs = _sign_patterns(S)
+    signs = sign_patterns(S)
     obs = D.mean(axis=1)
     p = (np.abs(D @ signs.T / S) >= np.abs(obs)[:, None] - 1e-12).mean(axis=1)
     return np.where(obs > 0, p, 1.0)
@@ -209,7 +217,7 @@ def verdicts(n_sweeps: int, seed: int, alpha: float = 0.05, seeds: tuple[int, ..
 def sign_flip_two_sided(D: np.ndarray) -> np.ndarray:
     """The exact two-sided sign-flip p of "the mean gap is 0" per sweep (no one-sided cut)."""
     S = D.shape[1]
-    signs = _sign_patterns(S)
+    signs = sign_patterns(S)
     obs = np.abs(D.mean(axis=1))
     return (np.abs(D @ signs.T / S) >= obs[:, None] - 1e-12).mean(axis=1)
 
@@ -237,9 +245,9 @@ def coverage(n_sweeps: int, seed: int, alpha: float = 0.05, seeds: tuple[int, ..
                 b_lo, b_hi, _ = two_level_bootstrap_ci(d[i], alpha, n_bootstrap, seed=i)
                 boot[i] = b_lo <= effect <= b_hi
             rows.append({"seeds_per_arm": S, "noise": noise, "effect": effect, "nominal": 1 - alpha,
-                         "seed_t": float(np.mean((lo <= effect) & (effect <= hi))),
-                         "sign_flip": float(np.mean(sign_flip_two_sided(D - effect) >= alpha)),
-                         "two_level_bootstrap": float(boot.mean())})
+                         SeedT.name: float(np.mean((lo <= effect) & (effect <= hi))),
+                         SignFlip.name: float(np.mean(sign_flip_two_sided(D - effect) >= alpha)),
+                         TwoLevelBootstrap.name: float(boot.mean())})
     return rows
 
 
@@ -298,7 +306,7 @@ def seed_noise(n_sweeps: int, seed: int, seeds: tuple[int, ...] = (1, 3, 5), alp
             for k, v in m.items():
                 if v["verdict"] is not None:
                     hits[k] = hits.get(k, 0) + (v["verdict"] == "validated")
-            two_level += "two_level_bootstrap" in m and m["two_level_bootstrap"]["ci_low"] > 0
+            two_level += TwoLevelBootstrap.name in m and m[TwoLevelBootstrap.name]["ci_low"] > 0
         rows.append({"seeds_per_arm": S, "sweeps": N, **{k: v / N for k, v in hits.items()},
                      "two_level_bootstrap_low_above_0": two_level / N if S > 1 else None})
     return rows
@@ -336,16 +344,17 @@ def markdown(table: str, rows: list[dict[str, Any]]) -> str:
     if table == "coverage":
         out = ["| seeds per arm | training noise | seed t | sign-flip | two-level bootstrap |",
                "|---:|---|---:|---:|---:|"]
-        out += [f"| {r['seeds_per_arm']} | {r['noise']} | {pct(r['seed_t'])} | {pct(r['sign_flip'])} | "
-                f"{pct(r['two_level_bootstrap'])} |" for r in rows]
+        out += [f"| {r['seeds_per_arm']} | {r['noise']} | {pct(r[SeedT.name])} | {pct(r[SignFlip.name])} | "
+                f"{pct(r[TwoLevelBootstrap.name])} |" for r in rows]
     elif table == "seed_noise":
         out = [("| seeds per arm (sweeps) | paired Hoeffding | exact McNemar | paired bootstrap | seed t (`auto` at "
                 ">= 2 seeds) | two-level bootstrap lower bound > 0 (descriptive) |"), "|---|---:|---:|---:|---:|---:|"]
         for r in rows:
             one = r["seeds_per_arm"] == 1
-            out.append(f"| {r['seeds_per_arm']} ({r['sweeps']}) | {pct(r['paired_hoeffding'])} | "
-                       f"{pct(r['mcnemar_exact'])}{' (`auto` at 1 seed, binary scores)' if one else ''} | "
-                       f"{pct(r['paired_bootstrap'])} | {'-' if one else '**' + pct(r['seed_t']) + '**'} | "
+            out.append(f"| {r['seeds_per_arm']} ({r['sweeps']}) | {pct(r[PairedHoeffding.name])} | "
+                       f"{pct(r[McNemarExact.name])}{' (`auto` at 1 seed, binary scores)' if one else ''} | "
+                       f"{pct(r[PairedBootstrap.name])} | "
+                       f"{'-' if one else '**' + pct(r[SeedT.name]) + '**'} | "
                        f"{'-' if one else pct(r['two_level_bootstrap_low_above_0'])} |")
     elif table == "variance_split":
         out = [("| seeds per arm | true training variance | item part | training, unbiased (mean) | "

@@ -13,7 +13,8 @@ A sweep of one loss at several seeds (A/A) gets the between-seed spread instead 
 as `--aa` beside an A/B sweep it says whether the A/B gap exceeds that spread.
 Every check runs before anything is written, so a refused comparison leaves an existing
 compare.json untouched. `--items NAME=FILE[,FILE...] ...` compares per-item files written by other frameworks
-instead (eval/items.py, eval/item_formats.py) with the same rule and statistics (eval.comparison.score_rows).
+instead (eval/items.py, eval/item_formats.py) with the same rule and statistics (eval.comparison.decide;
+the typed pipeline: eval/result.py).
 """
 
 from __future__ import annotations
@@ -21,30 +22,37 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from eval.activity import switch_activity  # noqa: F401 - re-exported
 from eval.comparison import (  # noqa: F401 - re-exported: callers and tests import them from eval.compare
-    DEFAULT_BOOTSTRAP,
-    DEFAULT_BOOTSTRAP_SEED,
     PLOTS_DIR,
-    Rule,
     check_options,
     compare_runs,
+    decide,
     resolve_rule,
 )
-from eval.items import ItemsError, compare_items, items_summary
+from eval.items import ItemsError, compare_item_files, compare_items, items_summary  # noqa: F401 - re-exported
 from eval.methods import DECIDING, method_table  # noqa: F401 - method_table re-exported
+from eval.result import (  # noqa: F401 - re-exported
+    DEFAULT_BOOTSTRAP,
+    DEFAULT_BOOTSTRAP_SEED,
+    Arms,
+    CompareRequest,
+    Comparison,
+    Rule,
+)
 from eval.runs import (  # noqa: F401 - re-exported: the runs' API, as eval.compare always offered it
     CompareError,
     Run,
-    _load_inputs,
     check_item_sets,
     config_differences,
     discover_runs,
     find_switch,
     flatten,
+    load_inputs,
     load_records,
     load_run,
     pair_by_seed,
@@ -53,32 +61,48 @@ from trainer.config.enums import ENDPOINTS
 from trainer.config.ignored_keys import IGNORED_CONFIG_KEYS  # which keys may differ between arms, and why
 
 
-def compare(paths: list[str | Path], treatment: str | list[str] | None = None, baseline: str | None = None,
-            alpha: float | None = None, eval_name: str | None = None, allow_config_diff: bool = False,
-            n_bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = DEFAULT_BOOTSTRAP_SEED, out: str | Path | None = None,
-            make_plots: bool = True,
-            method: str | None = None, margin: float | None = None, endpoint: str | None = None,
-            step: int | None = None, threshold: float | None = None, override_decision: bool = False,
-            aa: str | Path | None = None, allow_mixed_loss_paths: bool = False,
-            equivalence_margin: float | None = None) -> dict[str, Any]:
-    """Find and load the runs of `paths` (a sweep folder, or two run folders), then compare_runs: every
-    check, the statistics, and compare.json / compare.md / plots written (into `out`, default the sweep or
-    the runs' common parent).
+def compare(paths: list[str | Path], request: CompareRequest | None = None, **options: Any) -> dict[str, Any]:
+    """compare.json's dict of `compare_paths` (the python API: `options` are CompareRequest's fields, e.g.
+    `compare([sweep], n_bootstrap=0, make_plots=False)`)."""
+    return compare_paths(paths, request, **options).to_json()
 
-    The decision rule comes from the runs' `decision` config; method/alpha/margin/endpoint/step/threshold/
-    baseline/equivalence_margin given here must equal it unless override_decision (then the report says
+
+def compare_paths(paths: list[str | Path], request: CompareRequest | None = None,
+                  **options: Any) -> Comparison:
+    """Find and load the runs of `paths` (a sweep folder, or two run folders), then compare_runs: every
+    check, the statistics, and compare.json / compare.md / plots written (into request.out, default the
+    sweep or the runs' common parent).
+
+    The decision rule comes from the runs' `decision` config; the request's method/alpha/margin/endpoint/
+    step/threshold/baseline/equivalence_margin must equal it unless override_decision (then the report says
     what changed)."""
-    check_options(alpha, n_bootstrap)
-    given = [t for t in treatment.split(",") if t] if isinstance(treatment, str) else list(treatment or [])
-    if baseline is not None and baseline in given:  # before reading any run: the options alone are wrong
-        raise CompareError(f"--treatment and --baseline are both '{baseline}'")
+    if request is not None and not isinstance(request, CompareRequest):
+        raise TypeError(f"compare: request must be a CompareRequest, got {type(request).__name__} (pass the "
+                        "options by keyword: compare(paths, treatment=..., n_bootstrap=...))")
+    try:
+        req = replace(request or CompareRequest(), **options)
+    except TypeError as e:
+        raise CompareError(f"compare: {e}") from None
+    check_options(req.alpha, req.n_bootstrap)
+    given = req.treatments()
+    # before reading any run: the options alone are wrong
+    if req.baseline is not None and req.baseline in given:
+        raise CompareError(f"--treatment and --baseline are both '{req.baseline}'")
     resolved = [Path(p).resolve() for p in paths]
-    runs, out_dir = _load_inputs(resolved, eval_name, out)
-    return compare_runs(runs, out_dir, paths=resolved, treatment=treatment, baseline=baseline, alpha=alpha,
-                        allow_config_diff=allow_config_diff, n_bootstrap=n_bootstrap, seed=seed,
-                        make_plots=make_plots, method=method, margin=margin, endpoint=endpoint, step=step,
-                        threshold=threshold, override_decision=override_decision, aa=aa,
-                        allow_mixed_loss_paths=allow_mixed_loss_paths, equivalence_margin=equivalence_margin)
+    runs, out_dir = load_inputs(resolved, req.eval_name, req.out)
+    return compare_runs(runs, out_dir, req, paths=resolved)
+
+
+def request_from_args(args: argparse.Namespace) -> CompareRequest:
+    """The command line's options as a CompareRequest."""
+    return CompareRequest(
+        treatment=args.treatment, baseline=args.baseline, method=args.method, alpha=args.alpha,
+        margin=args.margin, equivalence_margin=args.equivalence_margin, endpoint=args.endpoint,
+        step=args.step,
+        threshold=args.threshold, override_decision=args.override_decision, n_bootstrap=args.bootstrap,
+        seed=args.seed, aa=args.aa, eval_name=args.eval_name, allow_config_diff=args.allow_config_diff,
+        allow_mixed_loss_paths=args.allow_mixed_loss_paths, make_plots=not args.no_plots, out=args.out,
+        fmt=args.format, metric=args.metric, plan=args.decision)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="accuracy of the steps-to-threshold endpoint (reported only: no override needed)")
     rule.add_argument("--override-decision", action="store_true",
                       help="decide with the rule given here instead of the pre-registered one (the report says so)")
-    p.add_argument("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP,
-                   help="bootstrap resamples (0 = off; another value is an override when the bootstrap decides)")
+    p.add_argument("--bootstrap", type=int, default=None,
+                   help=f"bootstrap resamples (default: {DEFAULT_BOOTSTRAP} where the bootstrap decides, "
+                        "and the descriptive bootstraps skipped; a number runs every bootstrap at it; 0 = "
+                        "off; another value is an override when the bootstrap decides)")
     p.add_argument("--seed", type=int, default=DEFAULT_BOOTSTRAP_SEED,
                    help="bootstrap RNG seed (another value is an override when the bootstrap decides)")
     p.add_argument("--out", default=None,
@@ -147,14 +173,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        result = compare(args.paths, treatment=args.treatment, baseline=args.baseline, alpha=args.alpha,
-                         eval_name=args.eval_name, allow_config_diff=args.allow_config_diff,
-                         n_bootstrap=args.bootstrap, seed=args.seed, out=args.out,
-                         make_plots=not args.no_plots, method=args.method, margin=args.margin,
-                         endpoint=args.endpoint, step=args.step, threshold=args.threshold,
-                         override_decision=args.override_decision, aa=args.aa,
-                         allow_mixed_loss_paths=args.allow_mixed_loss_paths,
-                         equivalence_margin=args.equivalence_margin)
+        c = compare_paths(args.paths, request_from_args(args))
+        result = c.to_json()
     except (CompareError, ValueError, FileNotFoundError) as e:
         print(f"eval.compare: error: {e}", file=sys.stderr)
         return 2
@@ -166,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - compare.json/compare.md are written; say what failed
             print(f"eval.compare: the comparison was not logged to wandb: {type(e).__name__}: {e}",
                   file=sys.stderr)
-    print(json.dumps(result, indent=2, sort_keys=True) if args.json else summary(result))
+    print(json.dumps(result, indent=2, sort_keys=True) if args.json else summary(c))
     return 0
 
 
@@ -180,43 +200,37 @@ def _main_items(args: argparse.Namespace) -> int:
     try:
         if given:
             raise ItemsError(f"{', '.join(given)}: for sweep folders only, not for --items")
-        result = compare_items(args.items, fmt=args.format, metric=args.metric, plan=args.decision,
-                               baseline=args.baseline, method=args.method, alpha=args.alpha,
-                               margin=args.margin, equivalence_margin=args.equivalence_margin,
-                               override_decision=args.override_decision, n_bootstrap=args.bootstrap,
-                               seed=args.seed, out=args.out)
+        c = compare_item_files(args.items, request_from_args(args))
     except (CompareError, ValueError) as e:
         print(f"eval.compare: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2, sort_keys=True) if args.json else items_summary(result, summary))
+    print(json.dumps(c.to_json(), indent=2, sort_keys=True) if args.json else items_summary(c, summary))
     return 0
 
 
-def summary(result: dict[str, Any]) -> str:
+def summary(c: Comparison) -> str:
     """What a person reads first: each verdict with its scope, the rule's estimate and interval, the rule and
     any override, the notes, and where the report, the JSON and the plots are."""
     from eval.report import verdict_line
 
-    out_dir = Path(result["output_dir"])
-    rule = result["decision"]
-    if result["mode"] == "aa":
-        aa = result["aa"]
+    out_dir = Path(c.output_dir)
+    rule = c.rule
+    if c.mode == "aa":
+        aa = c.aa
         sd = aa["between_seed_sd"]
         lines = [(f"A/A: {aa['loss']} at seeds {aa['seeds']}: between-seed sd of the endpoint "
                   f"{100 * sd:.2f} pts, largest seed-pair gap {100 * aa['max_abs_pair_diff']:.2f} pts "
                   f"({aa['pairs_item_level_significant']} of {len(aa['pairs'])} seed pairs item-level 'significant')")]
     else:
-        lines = [verdict_line(r, rule) for r in result["comparisons"]]
-        lines.append(f"rule: {rule['text']}"
-                     + (f" ({rule['resolution']})" if rule.get("requested") == "auto" else ""))
-    if rule["overridden"]:
-        lines.append("OVERRIDDEN (not the pre-registered comparison): " + "; ".join(rule["overridden"]))
-    lines += [f"note: {n}" for n in result["notes"]]
+        lines = [verdict_line(r, rule) for r in c.rows]
+        lines.append(f"rule: {rule.text()}" + (f" ({rule.resolution})" if rule.requested == "auto" else ""))
+    if rule.overridden:
+        lines.append("OVERRIDDEN (not the pre-registered comparison): " + "; ".join(rule.overridden))
+    lines += [f"note: {n}" for n in c.notes]
     lines += [f"compare.md: {out_dir / 'compare.md'}", f"compare.json: {out_dir / 'compare.json'}"]
-    if result.get("plots"):
-        lines.append(f"plots: {out_dir / PLOTS_DIR} ({', '.join(sorted(result['plots']))})")
+    if c.plots:
+        lines.append(f"plots: {out_dir / PLOTS_DIR} ({', '.join(sorted(c.plots))})")
     return "\n".join(lines)
-
 
 
 if __name__ == "__main__":

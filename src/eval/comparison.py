@@ -1,15 +1,19 @@
 """The comparison itself: the decision rule (the runs' pre-registered `decision` block, with any override),
 the methods table of each treatment, Holm's step-down and the sequential looks, equivalence, the departures
 from the pre-registered comparison that are refused (quiet paths), the A/A noise floor, the eval curve, and
-writing compare.json / compare.md / the plots. `compare_runs` runs all of it on runs already loaded
-(eval.runs.Run objects, their records read or not); `eval.compare.compare` finds and loads them first."""
+writing compare.json / compare.md / the plots. Two layers: `decide(arms, rule, request)` turns any source's
+Arms into one TreatmentResult per treatment (every method, Holm, the looks' level; eval.items' per-item files
+come here too), and the training-runs source, `compare_runs(runs, out_dir, request)`, checks the runs (the
+configs, the switch's activity, the looks ledger), builds their Arms, decides, and writes the Comparison
+(eval/result.py) on runs already loaded (eval.runs.Run objects, their records read or not);
+`eval.compare.compare_paths` finds and loads them first."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,43 +30,58 @@ from eval.endpoints import (
     steps_to_threshold,
 )
 from eval.methods import (
-    ESTIMANDS,
     METHOD_SCOPE,
     METHODS,
-    RULE_TEXT,
+    McNemarExact,
+    PairedBootstrap,
+    PairedHoeffding,
+    SeedT,
+    SignFlip,
+    descriptive_bootstraps,
     distribution_free_seeds,
     equivalent,
     method_table,
     min_sign_flip_p,
+    resolve_method,
     rules_out_target,
     seed_t_power,
 )
 from eval.records import summarize, wilson_interval
+from eval.result import (
+    DEFAULT_BOOTSTRAP,
+    DEFAULT_BOOTSTRAP_SEED,
+    RUN_RULE_KEYS,
+    Arms,
+    CompareRequest,
+    Comparison,
+    Decision,
+    Rule,
+    TreatmentResult,
+)
 from eval.runs import (
     CompareError,
     Run,
-    _arm_named,
-    _final_step,
-    _mixed_loss_paths,
-    _run_notes,
-    _value_text,
+    arm_named,
     check_configs,
     check_item_sets,
     check_precision,
     config_differences,
     discover_runs,
+    final_step,
     find_switch,
     flatten,
     load_records,
     load_run,
+    mixed_loss_paths,
     pair_by_seed,
+    run_notes,
     sweep_subsets,
+    value_text,
 )
 from eval.sequential import (
     LEDGER_DIR,
     RUN_RECORD,
     ledger_key,
-    setting_sha256,
     ledger_root,
     look_levels,
     read_ledger,
@@ -71,46 +90,14 @@ from eval.sequential import (
     record_look,
     same_decision,
     seed_set,
+    setting_sha256,
 )
-from eval.stats import SCOPE_TEXT, holm_adjust, paired_compare, resolve_method, seed_t_interval, t_quantile
+from eval.stats import holm_adjust, paired_compare, seed_t_interval, t_quantile
 from trainer.config.digest import decision_hash
 from trainer.config.ignored_keys import IGNORED_CONFIG_KEYS
 from trainer.utils.io import atomic_write_json, atomic_write_text
 
 PLOTS_DIR = "compare_plots"
-
-
-@dataclass
-class Rule:
-    """The decision rule compare applies: the runs' `decision` config, with any --override-decision change."""
-
-    method: str
-    alpha: float
-    margin: float
-    endpoint: str
-    step: int | None
-    threshold: float | None
-    baseline: str
-    source: str  # "config" | "default (runs predate decision config)"
-    overridden: list[str] = field(default_factory=list)  # "key: config value -> used value"
-    requested: str = ""  # decision.method as written (`auto` resolves by the seeds per arm)
-    resolution: str = ""  # how `method` was chosen
-    equivalence_margin: float | None = None  # `equivalent` when the rule's interval lies inside +-this
-    looks: list[int] | None = None  # seeds per arm at which compare may decide (eval.sequential)
-    target_effect: float | None = None  # the gain the plan means to detect (the power note's effect)
-
-    @property
-    def scope(self) -> str:
-        return METHOD_SCOPE[self.method]
-
-    def text(self) -> str:
-        where = {"final": "final accuracy", "step": f"accuracy at step {self.step}",
-                 "auc": "area under the eval curve (per item)"}[self.endpoint]
-        return (RULE_TEXT[self.method].format(conf=100 * (1 - self.alpha), alpha=self.alpha)
-                + f", endpoint {where}, margin {self.margin:g}"
-                + (f", equivalence margin {self.equivalence_margin:g}" if self.equivalence_margin else "")
-                + (f", looks at {self.looks} seeds per arm (O'Brien-Fleming-like alpha spending)"
-                   if self.looks else ""))
 
 
 def resolve_rule(runs: list[Run], cli: dict[str, Any], override: bool, n_seeds: int = 1,
@@ -164,23 +151,26 @@ def binary_scores(config: dict[str, Any], endpoint: str) -> bool:
     return k == 1 and endpoint != "auc"
 
 
-def decide_all(rows: list[dict[str, Any]], samples: list[Any], rule: Rule, level: float | None = None,
-               final_look: bool = True) -> None:
-    """Holm's step-down over the treatments: the j-th smallest rule p is decided at level L / (K - j), with
-    the rule's own interval at that level (at K = 1 this is the plain rule); the first failure stops. L is
-    alpha, or this look's share of it under decision.looks (eval.sequential). Where the rule neither
-    validates nor finds the treatment worse, its interval inside +-decision.equivalence_margin reads
-    `equivalent` (TOST at the same level), and its upper bound below decision.target_effect `not_supported`;
-    at a look before the last, anything else reads `inconclusive` (the next look decides)."""
+def decide_all(methods_K: list[dict[str, dict[str, Any]]], samples: list[Any], names: list[tuple[str, str]],
+               rule: Rule, level: float | None = None, final_look: bool = True) -> list[Decision]:
+    """Holm's step-down over the treatments (`methods_K[k]`: treatment k's methods table, `samples[k]` the
+    Sample it was computed on, `names[k]` its (treatment, baseline)): the j-th smallest rule p is decided at
+    level L / (K - j), with the rule's own interval at that level (at K = 1 this is the plain rule); the
+    first failure stops. L is alpha, or this look's share of it under decision.looks (eval.sequential).
+    Where the rule neither validates nor finds the treatment worse, its interval inside
+    +-decision.equivalence_margin reads `equivalent` (TOST at the same level), and its upper bound below
+    decision.target_effect `not_supported`; at a look before the last, anything else reads `inconclusive`
+    (the next look decides). Returns one Decision per treatment, in the order given."""
     method = METHODS[rule.method]
     L = rule.alpha if level is None else level
-    K = len(rows)
-    ps = [r["methods"][rule.method]["p"] for r in rows]
+    K = len(methods_K)
+    ps = [m[rule.method]["p"] for m in methods_K]
     adj = holm_adjust(ps)
     still = True
+    out: list[Decision | None] = [None] * K
     for j, i in enumerate(sorted(range(K), key=lambda i: ps[i])):
-        row, lev = rows[i], L / (K - j)
-        m = row["methods"][rule.method]
+        lev = L / (K - j)
+        m = methods_K[i][rule.method]
         iv = method.interval(samples[i], lev)
         verdict = method.verdict_at(samples[i], m, lev)
         if verdict == "validated" and not still:
@@ -196,52 +186,61 @@ def decide_all(rows: list[dict[str, Any]], samples: list[Any], rule: Rule, level
             verdict, reason = "inconclusive", "a look before the plan's last; the next look decides"
         # the top-level numbers of a comparison are the rule's: its estimate, its interval at this
         # treatment's Holm level (None for the exact tests) and its Holm-adjusted p (the rule's p when K = 1)
-        row.update(p_rule=m["p"], p_holm=adj[i], holm_level=lev, rule_ci=list(iv) if iv else None,
-                   method=rule.method, estimate=m["estimate"], ci_low=iv[0] if iv else None,
-                   ci_high=iv[1] if iv else None, p=adj[i], p_adjusted="holm" if K > 1 else None)
-        set_verdict(row, verdict, rule.scope, reason, margin=rule.margin)
-        if rule.requested == "auto" and rule.method == "mcnemar_exact":  # not what `auto` means at >= 2 seeds
-            row["headline"] += (" (decision.method auto, one run per arm on right / wrong scores: exact "
-                                "McNemar)")
+        d = Decision(method=rule.method, estimate=m["estimate"], p_rule=m["p"], p_holm=adj[i], holm_level=lev,
+                     rule_ci=list(iv) if iv else None, p_adjusted="holm" if K > 1 else None)
+        set_verdict(d, verdict, rule.scope, *names[i], reason, margin=rule.margin)
+        # not what `auto` means at >= 2 seeds: said in the headline
+        if rule.requested == "auto" and rule.method == McNemarExact.name:
+            d.headline += (" (decision.method auto, one run per arm on right / wrong scores: exact "
+                           "McNemar)")
+        out[i] = d
+    return [d for d in out if d is not None]
 
 
-def score_rows(arms_SN: dict[str, np.ndarray], labels: dict[str, list[str]], base: str, treatments: list[str],
-               seeds: list[int], rule: Rule, n_bootstrap: int, seed: int,
-               look: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
-    """(one comparison row per treatment, the methods' samples decide_all read) from scores already read and
-    paired: `arms_SN[arm]` holds one row per seed (in `seeds` order) over one shared item order, `labels[arm]`
-    each row's run label. Every method, each seed pair's row, the effect sizes and the Holm step-down over
-    the treatments at this look's level (`look`: _look's dict, None for one look): what compare_runs does
-    once a sweep's runs are read, and what eval.items does with per-item files written elsewhere, so both
-    give one verdict on the same scores."""
-    b_SN = arms_SN[base]
-    rows, samples = [], []
-    for loss in treatments:
-        t_SN = arms_SN[loss]
-        item, methods, sample = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
+def decide(arms: Arms, rule: Rule, request: CompareRequest,
+           look: dict[str, Any] | None = None) -> list[TreatmentResult]:
+    """One TreatmentResult per treatment of `arms` (paired by seed and item): every method, each seed
+    pair's row, the effect sizes and the Holm step-down over the treatments at this look's level (`look`:
+    look_of's dict, None for one look). Training runs (compare_runs) and per-item files (eval.items) both
+    come here, so both give one verdict on the same scores."""
+    b_SN = arms.scores_SN[arms.baseline]
+    n_bootstrap, seed = request.resamples, request.seed
+    # a bootstrap that decides nothing runs only when asked for (request.n_bootstrap given)
+    skip = descriptive_bootstraps(rule.method) if request.n_bootstrap is None and n_bootstrap else frozenset()
+    out = []
+    for loss in arms.treatments:
+        t_SN = arms.scores_SN[loss]
+        item, methods, sample = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed, skip)
         per_seed = []
-        for i, s in enumerate(seeds):
-            r = per_seed_row(t_SN[i], b_SN[i], rule, n_bootstrap, seed)
-            r.update(seed=s, treatment_arm=labels[loss][i], baseline_arm=labels[base][i])
+        for i, s in enumerate(arms.seeds):
+            r = per_seed_row(t_SN[i], b_SN[i], rule, n_bootstrap, seed, skip)
+            r.update(seed=s, treatment_arm=arms.labels[loss][i], baseline_arm=arms.labels[arms.baseline][i])
             per_seed.append(r)
-        rows.append({"treatment": loss, "baseline": base, **item_level(item), "per_seed": per_seed,
-                     "methods": methods, "bootstrap_resamples": int(n_bootstrap), "bootstrap_seed": int(seed),
-                     "effect_sizes": effect_sizes(t_SN, b_SN, rule.alpha)})
-        samples.append(sample)
-    decide_all(rows, samples, rule, level=look["level"] if look else None,
-               final_look=look is None or look["final"])
-    return rows, samples
+        out.append(TreatmentResult(treatment=loss, baseline=arms.baseline, item=item_level(item),
+                                   per_seed=per_seed, methods=methods,
+                                   effect_sizes=effect_sizes(t_SN, b_SN, rule.alpha),
+                                   decision=None,  # type: ignore[arg-type] - decided below, over all of them
+                                   bootstrap_resamples=int(n_bootstrap), bootstrap_seed=int(seed),
+                                   sample=sample,
+                                   bootstrap_skipped=[k for k in METHODS if k in skip
+                                                      and t_SN.shape[0] >= METHODS[k].min_seeds]))
+    decisions = decide_all([r.methods for r in out], [r.sample for r in out],
+                           [(r.treatment, r.baseline) for r in out], rule,
+                           level=look["level"] if look else None, final_look=look is None or look["final"])
+    for r, d in zip(out, decisions):
+        r.decision = d
+    return out
 
 
-def set_verdict(row: dict[str, Any], verdict: str, scope: str, reason: str | None = None,
-                margin: float = 0.0) -> None:
-    """The verdict with its scope, in every form compare shows it (the token, the scope key, the scope in
-    words and the headline sentence, which says so when the rule's interval shows a gain below the margin)."""
+def set_verdict(d: Decision, verdict: str, scope: str, treatment: str, baseline: str,
+                reason: str | None = None, margin: float = 0.0) -> None:
+    """The verdict with its scope, in every form compare shows it (the token, the scope and the headline
+    sentence, which says so when the rule's interval shows a gain below the margin)."""
     from eval.report import headline
 
-    row.update(verdict=verdict, verdict_scope=scope, verdict_about=SCOPE_TEXT[scope],
-               headline=headline(verdict, scope, row["treatment"], row["baseline"], method=row.get("method"),
-                                 reason=reason, interval=row.get("rule_ci"), margin=margin))
+    d.verdict, d.verdict_scope = verdict, scope
+    d.headline = headline(verdict, scope, treatment, baseline, method=d.method, reason=reason,
+                          interval=d.rule_ci, margin=margin)
 
 
 # the item-level Hoeffding numbers every comparison carries, under names that say so: the top-level
@@ -255,11 +254,13 @@ def item_level(pc: dict[str, Any]) -> dict[str, Any]:
     return {_ITEM_RENAMES.get(k, k): v for k, v in pc.items() if k != "method"}
 
 
-def per_seed_row(t_N: np.ndarray, b_N: np.ndarray, rule: Rule, n_bootstrap: int, seed: int) -> dict[str, Any]:
+def per_seed_row(t_N: np.ndarray, b_N: np.ndarray, rule: Rule, n_bootstrap: int, seed: int,
+                 skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     """One seed pair's item-level numbers and, when the rule is item-level, the rule's own interval, p and
     verdict on that pair (about these two checkpoints). A seed-level rule has no verdict on one seed pair:
     `method` and `verdict` are None there."""
-    item, methods, _ = method_table(t_N[None, :], b_N[None, :], rule.alpha, rule.margin, n_bootstrap, seed)
+    item, methods, _ = method_table(t_N[None, :], b_N[None, :], rule.alpha, rule.margin, n_bootstrap, seed,
+                                    skip)
     row = item_level(item)
     row.pop("seed_level", None)
     m = methods.get(rule.method) if METHOD_SCOPE[rule.method] == "fixed_checkpoints" else None
@@ -305,11 +306,6 @@ def aa_calibration(aa: dict[str, Any], gap_S: list[float], alpha: float) -> dict
             "exceeds_every_aa_pair": bool(abs(gap) > (aa["max_abs_pair_diff"] or 0.0))}
 
 
-#: the bootstrap's resamples and RNG seed are part of the rule when the bootstrap decides (its verdict on a
-#: borderline sweep depends on them): other values are an override
-DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED = 10000, 0
-
-
 def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses: list[str], base: str,
                 treatments: list[str], rule: Rule, n_bootstrap: int, seed: int,
                 n_seeds: int) -> tuple[list[str], list[str]]:
@@ -325,7 +321,8 @@ def quiet_paths(runs_all: list[Run], used: list[Run], paths: list[Path], losses:
         found.append(f"treatments: the runs hold {all_treatments}, --treatment keeps {treatments} (Holm's family "
                      f"shrinks from {len(all_treatments)} to {len(treatments)})")
     found += sweep_subsets(runs_all, paths)
-    if rule.method == "paired_bootstrap" and (n_bootstrap, seed) != (DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED):
+    moved = (n_bootstrap, seed) != (DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED)
+    if rule.method == PairedBootstrap.name and moved:
         found.append(f"bootstrap: {DEFAULT_BOOTSTRAP} resamples, seed {DEFAULT_BOOTSTRAP_SEED} -> {n_bootstrap} "
                      f"resamples, seed {seed} (the bootstrap decides)")
     decisions = {json.dumps(r.config.get("decision"), sort_keys=True, default=str): r for r in used}
@@ -415,7 +412,7 @@ def preflight_record(run: Run) -> tuple[dict[str, Any] | None, str | None]:
     return None, (str(cands[0] / "preflight" / "design.json") if pre.get("skip") is False else None)
 
 
-def _look(rule: Rule, n_seeds: int) -> dict[str, Any] | None:
+def look_of(rule: Rule, n_seeds: int) -> dict[str, Any] | None:
     """This comparison's place among decision.looks: its index, the level it decides at (its share of
     alpha, eval.sequential), whether it is the last, and the next look's seeds per arm; None without looks
     (or at a seed count no look plans, which quiet_paths refuses unless overridden)."""
@@ -437,22 +434,23 @@ def _home(run: Run) -> Path:
     return run.path.resolve()
 
 
-def _ledger(runs: list[Run], result: dict[str, Any], rule: Rule,
+def _ledger(runs: list[Run], c: Comparison,
             override: bool) -> tuple[Path, dict[str, Any], dict[str, Any], list[Path]] | None:
     """The earlier decisions of this comparison (eval.sequential: the ledger beside the runs, each run's own
-    record, an earlier compare.json in the output folder), into result["looks"] with a note; a planned look
-    already decided on another seed set is refused (recorded as an override with --override-decision).
-    Returns what _write records: (ledger path, this decision, the key's fields, the run folders)."""
+    record, an earlier compare.json in the output folder), into c.looks with a note; a planned look already
+    decided on another seed set is refused (recorded as an override with --override-decision). Returns
+    what write_comparison records: (ledger path, this decision, the key's fields, the run folders)."""
+    rule = c.rule
     folders = [r.path for r in runs if r.path.is_dir()]
-    base_run = next((r for r in runs if r.key == result["baseline"]), runs[0])
-    switch = result.get("switch") or "loss"
-    key_fields = {"experiment": runs[0].config.get("experiment"), "baseline": result["baseline"],
-                  "treatments": sorted(result["treatments"]), "item_set_sha256": result["item_set_sha256"],
-                  "endpoint": result["decision"]["endpoint"],
-                  "setting_sha256": setting_sha256(flatten(base_run.config), (*IGNORED_CONFIG_KEYS, switch))}
+    base_run = next((r for r in runs if r.key == c.baseline), runs[0])
+    key_fields = {"experiment": runs[0].config.get("experiment"), "baseline": c.baseline,
+                  "treatments": sorted(c.treatments), "item_set_sha256": c.arms.item_sha256,
+                  "endpoint": rule.endpoint,
+                  "setting_sha256": setting_sha256(flatten(base_run.config),
+                                                   (*IGNORED_CONFIG_KEYS, c.switch or "loss"))}
     key = ledger_key(*key_fields.values())
     if not folders:  # runs built in memory (no run folder): no record beside them
-        earlier_looks(result, None)
+        earlier_looks(c, None)
         return None
     path = ledger_root([_home(r) for r in runs if r.path.is_dir()]) / LEDGER_DIR / f"{key}.json"
     records = []
@@ -461,49 +459,49 @@ def _ledger(runs: list[Run], result: dict[str, Any], rule: Rule,
             records += [(x, f"{f / RUN_RECORD}") for x in read_run_records(f, key)]
         except ValueError as e:
             raise CompareError(str(e)) from None
-    clash = earlier_looks(result, path, records=records)
+    clash = earlier_looks(c, path, records=records)
     if clash and rule.looks:
         x, where = clash[0]
         said = x.get("verdicts") or {}
-        text = (f"decision.looks: the look at {result['n_seeds']} seeds per arm was already decided on seeds "
+        text = (f"decision.looks: the look at {c.n_seeds} seeds per arm was already decided on seeds "
                 f"{x.get('seeds')} ({', '.join(f'{k}: {v}' for k, v in said.items()) or 'verdicts unknown'}; "
-                f"recorded in {where}), this comparison has seeds {result['seeds']}: a look is decided once "
+                f"recorded in {where}), this comparison has seeds {c.seeds}: a look is decided once "
                 "(deciding it again on other seeds re-rolls it and spends alpha the plan does not have)")
         if not override:
             raise CompareError(text + "; continue to the next look with these seeds added, or pass "
                                "--override-decision to decide anyway (the report then says so)")
         rule.overridden.append(text)
-    entry = {"key": key, **key_fields, "n_seeds": result["n_seeds"], "seeds": sorted(result["seeds"]),
-             "verdicts": {v["treatment"]: v["verdict"] for v in result["verdicts"]},
-             "level": (result.get("look") or {}).get("level", result["alpha"]), "planned_looks": rule.looks,
-             "overridden": bool(rule.overridden), "output_dir": result["output_dir"]}
+    entry = {"key": key, **key_fields, "n_seeds": c.n_seeds, "seeds": sorted(c.seeds),
+             "verdicts": {r.treatment: r.verdict for r in c.rows},
+             "level": (c.look or {}).get("level", rule.alpha), "planned_looks": rule.looks,
+             "overridden": bool(rule.overridden), "output_dir": str(c.output_dir)}
     return path, entry, key_fields, folders
 
 
-def earlier_looks(result: dict[str, Any], path: Path | None, plannable: bool = True,
+def earlier_looks(c: Comparison, path: Path | None, plannable: bool = True,
                   records: list[tuple[dict[str, Any], str]] = ()) -> list[tuple[dict[str, Any], str]]:
     """The earlier decisions of this comparison on other seed sets, from the ledger at `path` (None: no
     ledger), the runs' own `records` ((decision, where) pairs) and an earlier compare.json of the same
-    comparison in the output folder, into result["looks"] and result["decisions"] (how many decisions this
-    one makes and the family-wise alpha they reach), with a note when decision.looks did not plan them
-    (`plannable`: whether it could have). Returns the earlier decisions at this comparison's seed count."""
+    comparison in the output folder, into c.looks and c.decisions (how many decisions this one makes and
+    the family-wise alpha they reach), with a note when decision.looks did not plan them (`plannable`:
+    whether it could have). Returns the earlier decisions at this comparison's seed count."""
     found: list[tuple[dict[str, Any], str]] = [(x, str(path)) for x in read_ledger(path)] if path else []
     found += list(records)
-    prev_file = Path(result["output_dir"]) / "compare.json"
+    prev_file = Path(c.output_dir) / "compare.json"
     if prev_file.is_file():  # a report written before the ledger existed still counts as a decision
         try:
             prev = json.loads(prev_file.read_text())
         except (OSError, ValueError):
             prev = {}
-        same = (prev.get("mode") == "ab" and prev.get("item_set_sha256") == result["item_set_sha256"]
-                and prev.get("baseline") == result["baseline"] and prev.get("treatments") == result["treatments"]
-                and (prev.get("decision") or {}).get("endpoint") == result["decision"]["endpoint"])
+        same = (prev.get("mode") == "ab" and prev.get("item_set_sha256") == c.arms.item_sha256
+                and prev.get("baseline") == c.baseline and prev.get("treatments") == c.treatments
+                and (prev.get("decision") or {}).get("endpoint") == c.rule.endpoint)
         if same:
             for x in (prev.get("looks") or []) + [prev]:
                 if isinstance(x, dict) and isinstance(x.get("n_seeds"), int):
                     found.append(({"n_seeds": x["n_seeds"], "seeds": x.get("seeds"),
                                    "verdicts": x.get("verdicts")}, str(prev_file)))
-    this = {"n_seeds": result["n_seeds"], "seeds": result["seeds"]}
+    this = {"n_seeds": c.n_seeds, "seeds": c.seeds}
     others: list[tuple[dict[str, Any], str]] = []
     for x, where in found:
         if not same_decision(x, this) and not any(same_decision(x, y) for y, _ in others):
@@ -513,24 +511,23 @@ def earlier_looks(result: dict[str, Any], path: Path | None, plannable: bool = T
             others.append(({"n_seeds": x["n_seeds"], "seeds": x.get("seeds"), "verdicts": verdicts}, where))
     others.sort(key=lambda e: (e[0]["n_seeds"], seed_set(e[0]) or ()))
     looks = [x for x, _ in others]
-    result["looks"] = looks
-    rule = result["decision"]
-    k, a = len(looks) + 1, result["alpha"]
-    result["decisions"] = {"count": k, "alpha": a, "family_wise_alpha": 1 - (1 - a) ** k,
-                           "planned_looks": rule.get("looks")}
+    c.looks = looks
+    k, a = len(looks) + 1, c.rule.alpha
+    c.decisions = {"count": k, "alpha": a, "family_wise_alpha": 1 - (1 - a) ** k,
+                   "planned_looks": c.rule.looks}
     wheres = sorted({w for _, w in others})
-    if looks and not rule.get("looks"):
-        result["notes"].append(
+    if looks and not c.rule.looks:
+        c.notes.append(
             f"decision {k} of this comparison: earlier decisions on other seeds at "
             + ", ".join(f"{x['n_seeds']} seed(s) {x['seeds']} ({x['verdicts']})" for x in looks)
             + f" (recorded in {', '.join(wheres)}); each decided at alpha = {a:g}, so the chance of a false "
             f"`validated` among these {k} decisions is up to 1 - (1 - {a:g})^{k} = {1 - (1 - a) ** k:.3g}, "
             f"not {a:g}" + (" (plan the looks: decision.looks)" if plannable else ""))
     elif looks:
-        result["notes"].append(f"earlier looks at this comparison: {[x['n_seeds'] for x in looks]} seeds per "
-                               f"arm (recorded in {', '.join(wheres)}); decision.looks = {rule['looks']} spends "
-                               "alpha over them")
-    return [(x, w) for x, w in others if x["n_seeds"] == result["n_seeds"]]
+        c.notes.append(f"earlier looks at this comparison: {[x['n_seeds'] for x in looks]} seeds per "
+                       f"arm (recorded in {', '.join(wheres)}); decision.looks = {c.rule.looks} spends "
+                       "alpha over them")
+    return [(x, w) for x, w in others if x["n_seeds"] == c.n_seeds]
 
 
 def prob_improvement_unpaired(x_N: np.ndarray, y_M: np.ndarray) -> float:
@@ -602,15 +599,15 @@ def scope_settings(run: Run) -> dict[str, Any]:
     return {k: flat[k] for k in SCOPE_SETTINGS if k in flat}
 
 
-def inert_reason(row: dict[str, Any]) -> str:
+def inert_reason(row: TreatmentResult) -> str:
     """Which condition made the comparison inert, and what the rule's interval says beside it."""
-    per = row["activity"]["per_seed"]
+    per = row.activity["per_seed"]
     ident = sum(bool(x["identical_training_rows"]) for x in per)
     why = (f"identical training rows at every seed pair ({ident} of {len(per)})" if ident == len(per) else
            f"no rule of either loss fired at any update ({len(per) - ident} of {len(per)} seed pairs"
            + (f"; {ident} with identical training rows" if ident else "")
            + "), and these two losses compute the same unclipped gradient")
-    iv = row.get("rule_ci")
+    iv = row.decision.rule_ci
     if iv and (iv[0] > 0 or iv[1] < 0):
         why += (f"; yet the rule's interval [{100 * iv[0]:+.2f}, {100 * iv[1]:+.2f}] pts excludes 0: the "
                 "arms' scores differ although the switch never acted (look at what else differs between the "
@@ -618,22 +615,22 @@ def inert_reason(row: dict[str, Any]) -> str:
     return why
 
 
-def _rule_notes(rows: list[dict[str, Any]], rule: Rule, n_seeds: int,
+def rule_notes(rows: list[TreatmentResult], rule: Rule, n_seeds: int,
                 look: dict[str, Any] | None) -> list[str]:
     """What the verdict line alone would leave unsaid: a seed-t interval of width 0, a verdict only seed t's
     normal model makes significant, too few seeds to ever decide, the next look."""
     notes = []
     for r in rows:
-        m = r["methods"].get(rule.method) or {}
-        who = f"{r['treatment']} vs {r['baseline']}"
-        sf = r["methods"].get("sign_flip")
-        if rule.method == "seed_t" and r["verdict"] == "validated" and sf and sf["p"] >= r["holm_level"]:
+        m = r.methods.get(rule.method) or {}
+        who = f"{r.treatment} vs {r.baseline}"
+        sf = r.methods.get(SignFlip.name)
+        if rule.method == SeedT.name and r.verdict == "validated" and sf and sf["p"] >= r.decision.holm_level:
             notes.append(f"{who}: only seed t's normal model makes this significant: the exact sign-flip "
                          f"test over the {n_seeds} seed pairs gives p = {sf['p']:.4g} (its smallest possible p "
                          f"is {sf['p_min']:.4g}; a distribution-free claim at alpha = {rule.alpha:g} needs "
                          f"{distribution_free_seeds(rule.alpha)} seeds per arm)")
-        sl = r.get("seed_level") or {}
-        if rule.method == "seed_t" and sl.get("sd") and r["verdict"] == "inconclusive":
+        sl = r.seed_level or {}
+        if rule.method == SeedT.name and sl.get("sd") and r.verdict == "inconclusive":
             # the design's target when the plan states one, else a gap as large as the observed one
             shift = rule.target_effect or (abs(sl["mean"]) if sl["mean"] else sl["sd"])
             what = "decision.target_effect" if rule.target_effect else "a gap as large as this one"
@@ -645,31 +642,31 @@ def _rule_notes(rows: list[dict[str, Any]], rule: Rule, n_seeds: int,
                              f"gap sd {100 * sl['sd']:.2f} pts) with power {pw:.2f} only: below 0.5, so "
                              "`inconclusive` says little; plan the seeds with python -m eval.design --from "
                              "<this sweep>")
-        if m.get("note") and r["verdict"] != "inert":
+        if m.get("note") and r.verdict != "inert":
             notes.append(f"{who}: {m['note']}")
-        if look and not look["final"] and r["verdict"] == "inconclusive":
+        if look and not look["final"] and r.verdict == "inconclusive":
             notes.append(f"{who}: look {look['index']} of {look['of']} ({n_seeds} seeds per arm, decided at "
                          f"alpha {look['level']:.3g}): no decision yet: continue to {look['next_seeds']} "
                          "seeds per arm")
-    if rule.method == "sign_flip" and n_seeds < distribution_free_seeds(rule.alpha):
-        notes.append(f"sign_flip cannot reach p < {rule.alpha:g} with {n_seeds} seeds per arm (its "
+    if rule.method == SignFlip.name and n_seeds < distribution_free_seeds(rule.alpha):
+        notes.append(f"{SignFlip.name} cannot reach p < {rule.alpha:g} with {n_seeds} seeds per arm (its "
                      f"smallest p is {min_sign_flip_p(n_seeds):.4g}): it needs {distribution_free_seeds(rule.alpha)}")
     return notes
 
 def _curves_and_scores(runs: list[Run], rule: Rule, order: list[int]) -> tuple[dict, list[int], dict, list[str]]:
     """Each run's eval curve, the steps all runs share, each run's endpoint scores, notes."""
-    finals = {_final_step(r) for r in runs}
+    finals = {final_step(r) for r in runs}
     if len(finals) != 1:
         raise CompareError(f"the runs have different schedule.num_steps: {sorted(finals)}")
-    final_step = finals.pop()
+    last = finals.pop()
     try:
-        curves = {r.arm: load_curve(f"{r.arm} ({r.path})", r.path / "eval", r.eval_name, final_step, r.records)
+        curves = {r.arm: load_curve(f"{r.arm} ({r.path})", r.path / "eval", r.eval_name, last, r.records)
                   for r in runs}
         steps, notes = common_steps(curves)
         if rule.endpoint != "final" and notes:
             raise CompareError("endpoint=" + rule.endpoint + " needs the same eval steps in every run: "
                                + "; ".join(notes))
-        scores = {r.arm: endpoint_scores(curves[r.arm], rule.endpoint, rule.step, steps, order, final_step,
+        scores = {r.arm: endpoint_scores(curves[r.arm], rule.endpoint, rule.step, steps, order, last,
                                          f"{r.arm} ({r.path})") for r in runs}
     except EndpointError as e:
         raise CompareError(str(e)) from None
@@ -750,20 +747,6 @@ PER_STEP_NOTE = ("unadjusted, exploratory: one interval and one p per eval step 
                  "decision rule's on its pre-registered endpoint)")
 
 
-#: one entry of compare.json's `verdicts`: what the verdict is about, and the rule's numbers behind it
-_VERDICT_KEYS = ("treatment", "baseline", "verdict", "verdict_scope", "verdict_about", "headline", "method",
-                 "estimate", "ci_low", "ci_high", "p", "holm_level")
-
-
-def _rule_dict(rule: Rule) -> dict[str, Any]:
-    return {"method": rule.method, "requested": rule.requested, "resolution": rule.resolution,
-            "alpha": rule.alpha, "margin": rule.margin, "endpoint": rule.endpoint,
-            "step": rule.step, "threshold": rule.threshold, "baseline": rule.baseline, "source": rule.source,
-            "overridden": rule.overridden, "text": rule.text(), "estimand": ESTIMANDS[rule.method],
-            "scope": rule.scope, "equivalence_margin": rule.equivalence_margin, "looks": rule.looks,
-            "bootstrap_resamples": DEFAULT_BOOTSTRAP, "bootstrap_seed": DEFAULT_BOOTSTRAP_SEED}
-
-
 def _load_aa(aa: str | Path, eval_name: str, item_sha: str, ref: Run, rule: Rule, order: list[int],
              allow_config_diff: bool, switch: str = "loss", arms: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[str]]:
     """The A/A sweep's between-seed spread on the same endpoint and items; refuses a sweep that is not an
@@ -778,8 +761,8 @@ def _load_aa(aa: str | Path, eval_name: str, item_sha: str, ref: Run, rule: Rule
     if len(losses) != 1 or aa_switch is not None:
         raise CompareError(f"--aa {path}: not an A/A sweep: its runs differ in {aa_switch} (an A/A sweep runs one "
                            "arm at several seeds: python train.py --multirun loss=grpo seed=0,1,2)")
-    value = losses[0] if switch == "loss" else f"{switch}={_value_text(flatten(runs[0].config).get(switch))}"
-    if arms and _arm_named(value, switch, list(arms)) is None:
+    value = losses[0] if switch == "loss" else f"{switch}={value_text(flatten(runs[0].config).get(switch))}"
+    if arms and arm_named(value, switch, list(arms)) is None:
         raise CompareError(f"--aa {path}: its runs ({', '.join(r.path.name for r in runs)}) are the arm "
                            f"'{value}', none of this comparison's arms {list(arms)}")
     seeds = sorted(r.seed for r in runs)
@@ -822,61 +805,45 @@ def check_decider(rule: Rule, n_seeds: int, n_bootstrap: int, too_few: str,
         raise error(f"the decision rule is {rule.method}, but --bootstrap 0 turns the bootstrap off")
 
 
-def check_options(alpha: float | None, n_bootstrap: int, error: type[ValueError] = CompareError) -> None:
+def check_options(alpha: float | None, n_bootstrap: int | None,
+                  error: type[ValueError] = CompareError) -> None:
     """The command line's numbers every comparison takes, checked before any input is read."""
     if alpha is not None and not 0 < alpha < 1:
         raise error(f"--alpha must be in (0, 1), got {alpha}")
-    if n_bootstrap < 0:
+    if n_bootstrap is not None and n_bootstrap < 0:
         raise error(f"--bootstrap must be >= 0, got {n_bootstrap}")
 
 
-def compare_runs(runs: list[Run], out_dir: str | Path, paths: list[Path] | None = None,
-                 treatment: str | list[str] | None = None, baseline: str | None = None,
-                 alpha: float | None = None, allow_config_diff: bool = False,
-                 n_bootstrap: int = DEFAULT_BOOTSTRAP, seed: int = DEFAULT_BOOTSTRAP_SEED, make_plots: bool = True,
-                 method: str | None = None, margin: float | None = None, endpoint: str | None = None,
-                 step: int | None = None, threshold: float | None = None, override_decision: bool = False,
-                 aa: str | Path | None = None, allow_mixed_loss_paths: bool = False,
-                 equivalence_margin: float | None = None) -> dict[str, Any]:
-    """The comparison of runs already loaded (eval.runs.load_run, or Run objects built in memory with their
-    `records` set: load_records keeps records it finds): every check, the statistics, and compare.json /
-    compare.md / plots written into out_dir. `paths` are the folders the runs were given as (they enter the
-    report and the check for a sweep's subset); the run folders by default.
+@dataclass
+class RunSource:
+    """The training runs of an A/B comparison as runs_source leaves them: paired by seed
+    (`pairs[seed][arm]`), checked, read into Arms (whose notes collect what the checks found), with what only runs have: each
+    run's eval curve, the configs' allowed differences, the A/A sweep's spread (--aa)."""
 
-    The decision rule comes from the runs' `decision` config; method/alpha/margin/endpoint/step/threshold/
-    baseline/equivalence_margin given here must equal it unless override_decision (then the report says
-    what changed)."""
-    check_options(alpha, n_bootstrap)
-    if not runs:
-        raise CompareError("no runs to compare")
-    treatments_given = ([t for t in treatment.split(",") if t] if isinstance(treatment, str)
-                        else list(treatment) if treatment else [])
-    if baseline is not None and baseline in treatments_given:
-        raise CompareError(f"--treatment and --baseline are both '{baseline}'")
-    out_dir = Path(out_dir)
-    paths = list(paths) if paths is not None else [r.path for r in runs]
-    names = [runs[0].eval_name]
-    if any(r.eval_name != names[0] for r in runs):
-        raise CompareError("runs have different eval names: "
-                           + ", ".join(f"{r.path.name}={r.eval_name}" for r in runs) + " (pass --eval-name)")
-    rule = resolve_rule(runs, {"method": method, "alpha": alpha, "margin": margin, "endpoint": endpoint,
-                               "step": step, "threshold": threshold, "baseline": baseline,
-                               "equivalence_margin": equivalence_margin}, override_decision,
-                        n_seeds=len({r.seed for r in runs}))
-    switch = find_switch(runs)
+    arms: Arms
+    switch: str
+    pairs: dict[int, dict[str, Run]]
+    ordered: list[Run]  # per seed, the baseline's run first: the reference of every check
+    roles: dict[str, str]
+    config_diff: list[str]
+    curves: dict[str, Any]
+    steps: list[int]
+    scores: dict[str, np.ndarray]  # each run's endpoint scores over the item order, by run label
+    aa: dict[str, Any] | None
+
+
+def runs_source(runs: list[Run], rule: Rule, switch: str, req: CompareRequest,
+                paths: list[Path]) -> RunSource:
+    """The training-runs source: the baseline and treatments named, the runs paired by seed, their configs,
+    precision and loss paths checked, their eval files read (one item set), the quiet departures from the
+    pre-registered comparison refused unless overridden (then added to rule.overridden), and the --aa
+    sweep read; raises CompareError on anything that does not make one paired experiment."""
+    eval_name = runs[0].eval_name
     losses = sorted({r.key for r in runs})
+    treatments_given = req.treatments()
+    n_boot = req.resamples
     notes: list[str] = []
-    if switch is None:
-        if treatments_given:
-            raise CompareError(f"A/A sweep passed as A/B: every run has loss '{losses[0]}' (seeds "
-                               f"{sorted(r.seed for r in runs)}), so there is no treatment arm to compare; "
-                               "drop --treatment for the A/A report (between-seed spread), or pass this folder "
-                               "as --aa to the comparison of an A/B sweep")
-        if aa is not None:
-            raise CompareError("--aa calibrates an A/B comparison, but the runs given are themselves an A/A "
-                               f"sweep (loss '{losses[0]}' only)")
-        return _compare_aa(runs, rule, names[0], paths, out_dir, allow_config_diff, make_plots)
-    base = _arm_named(rule.baseline, switch, losses)
+    base = arm_named(rule.baseline, switch, losses)
     if base is None:
         how = ("" if switch == "loss" else f"; the arms differ in {switch}, so name the baseline as "
                f"decision.baseline='{switch}=<value>' (or --baseline {losses[0]} --override-decision)")
@@ -885,15 +852,14 @@ def compare_runs(runs: list[Run], out_dir: str | Path, paths: list[Path] | None 
                            f"{', ...' if len(runs) > 4 else ''}){how}")
     named = []
     for t in treatments_given:
-        arm = _arm_named(t, switch, losses)
+        arm = arm_named(t, switch, losses)
         if arm is None:
             raise CompareError(f"no run has the treatment arm '{t}': the runs' arms are {losses} (set "
                                "--treatment/--baseline)")
         if arm == base:
             raise CompareError(f"--treatment and --baseline are both '{t}'")
         named.append(arm)
-    treatments_given = named
-    treatments = treatments_given or [x for x in losses if x != base]
+    treatments = named or [x for x in losses if x != base]
     runs_all = list(runs)
     left_out = [r for r in runs if r.key not in treatments and r.key != base]
     if left_out:
@@ -903,15 +869,15 @@ def compare_runs(runs: list[Run], out_dir: str | Path, paths: list[Path] | None 
     roles = {base: "baseline", **{t: "treatment" for t in treatments}}
     ordered = [pairs[s][loss] for s in pairs for loss in [base] + treatments]  # baseline first: the reference
     config_diff = check_configs(ordered, roles, switch)
-    if config_diff and not allow_config_diff:
+    if config_diff and not req.allow_config_diff:
         # one line, naming each key with both values and runs: a second switch beside the arms' own is refused
         shown = "; ".join(config_diff[:20]) + ("; ..." if len(config_diff) > 20 else "")
         where = "the `loss` group" if switch == "loss" else f"the arms' switch `{switch}`"
         raise CompareError(f"configs differ outside {where} (a second switch, or a different experiment?); "
                            f"pass --allow-config-diff to compare anyway: {shown}")
-    check_precision(ordered, allow_config_diff)
-    mixed = _mixed_loss_paths(ordered)
-    if mixed and not (allow_mixed_loss_paths or allow_config_diff):
+    check_precision(ordered, req.allow_config_diff)
+    mixed = mixed_loss_paths(ordered)
+    if mixed and not (req.allow_mixed_loss_paths or req.allow_config_diff):
         raise CompareError(f"the runs computed their loss on different paths {mixed} (backend.loss_path=auto fell "
                            "back in some of them): rerun with a pinned backend.loss_path, or pass "
                            "--allow-mixed-loss-paths (same gradients; diagnostics are rounded differently)")
@@ -922,79 +888,118 @@ def compare_runs(runs: list[Run], out_dir: str | Path, paths: list[Path] | None 
     curves, steps, scores, curve_notes = _curves_and_scores(ordered, rule, order)
     notes += curve_notes
     seeds = list(pairs)
-    check_decider(rule, len(seeds), n_bootstrap,
+    check_decider(rule, len(seeds), n_boot,
                   f"this comparison has {len(seeds)} seed per arm ({seeds}); run >= 2 seeds (seed=0,1,2) or "
-                  "decide with an item-level method (--method paired_hoeffding --override-decision)")
-    quiet, quiet_notes = quiet_paths(runs_all, ordered, paths, losses, base, treatments, rule, n_bootstrap, seed,
-                                     len(seeds))
+                  f"decide with an item-level method (--method {PairedHoeffding.name} --override-decision)")
+    quiet, quiet_notes = quiet_paths(runs_all, ordered, paths, losses, base, treatments, rule, n_boot,
+                                     req.seed, len(seeds))
     notes += quiet_notes
-    if quiet and not override_decision:
+    if quiet and not req.override_decision:
         raise CompareError("this comparison departs from the pre-registered one (" + "; ".join(quiet) + "); pass "
                            "--override-decision to decide anyway (the report then says so), or compare the whole "
                            "sweep under its own rule")
     rule.overridden += quiet
-    aa_spread_, aa_notes = (None, [])
-    if aa is not None:
-        aa_spread_, aa_notes = _load_aa(aa, names[0], item_sha, ordered[0], rule, order, allow_config_diff,
-                                        switch, tuple([base] + treatments))
+    aa_spread_ = None
+    if req.aa is not None:
+        aa_spread_, aa_notes = _load_aa(req.aa, eval_name, item_sha, ordered[0], rule, order,
+                                        req.allow_config_diff, switch, tuple([base] + treatments))
         notes += aa_notes
 
-    look = _look(rule, len(seeds))
-    arms_SN = {loss: _stack(scores, [pairs[s][loss] for s in seeds]) for loss in [base] + treatments}
-    labels = {loss: [pairs[s][loss].arm for s in seeds] for loss in [base] + treatments}
-    rows, samples = score_rows(arms_SN, labels, base, treatments, seeds, rule, n_bootstrap, seed, look)
-    if aa_spread_ is not None:
-        for row, sample in zip(rows, samples):
-            gaps = list(sample.D_S) if sample.D_S is not None else [row["diff"]]
-            row["aa_calibration"] = aa_calibration(aa_spread_, gaps, rule.alpha)
+    arms = Arms(baseline=base, treatments=treatments,
+                scores_SN={loss: _stack(scores, [pairs[s][loss] for s in seeds])
+                           for loss in [base] + treatments},
+                labels={loss: [pairs[s][loss].arm for s in seeds] for loss in [base] + treatments},
+                seeds=seeds, item_order=[str(i) for i in order], item_sha256=item_sha, notes=notes)
+    return RunSource(arms=arms, switch=switch, pairs=pairs, ordered=ordered, roles=roles,
+                     config_diff=config_diff, curves=curves, steps=steps, scores=scores, aa=aa_spread_)
+
+
+def compare_runs(runs: list[Run], out_dir: str | Path, request: CompareRequest | None = None,
+                 paths: list[Path] | None = None) -> Comparison:
+    """The comparison of runs already loaded (eval.runs.load_run, or Run objects built in memory with their
+    `records` set: load_records keeps records it finds): every check, the statistics, and compare.json /
+    compare.md / plots written into out_dir. `paths` are the folders the runs were given as (they enter the
+    report and the check for a sweep's subset); the run folders by default.
+
+    The decision rule comes from the runs' `decision` config; the request's method/alpha/margin/endpoint/
+    step/threshold/baseline/equivalence_margin must equal it unless override_decision (then the report says
+    what changed)."""
+    req = request or CompareRequest()
+    check_options(req.alpha, req.n_bootstrap)
+    if not runs:
+        raise CompareError("no runs to compare")
+    treatments_given = req.treatments()
+    if req.baseline is not None and req.baseline in treatments_given:
+        raise CompareError(f"--treatment and --baseline are both '{req.baseline}'")
+    out_dir = Path(out_dir)
+    paths = list(paths) if paths is not None else [r.path for r in runs]
+    eval_name = runs[0].eval_name
+    if any(r.eval_name != eval_name for r in runs):
+        raise CompareError("runs have different eval names: "
+                           + ", ".join(f"{r.path.name}={r.eval_name}" for r in runs) + " (pass --eval-name)")
+    rule = resolve_rule(runs, req.rule_options(*RUN_RULE_KEYS), req.override_decision,
+                        n_seeds=len({r.seed for r in runs}))
+    switch = find_switch(runs)
+    losses = sorted({r.key for r in runs})
+    if switch is None:
+        if treatments_given:
+            raise CompareError(f"A/A sweep passed as A/B: every run has loss '{losses[0]}' (seeds "
+                               f"{sorted(r.seed for r in runs)}), so there is no treatment arm to compare; "
+                               "drop --treatment for the A/A report (between-seed spread), or pass this folder "
+                               "as --aa to the comparison of an A/B sweep")
+        if req.aa is not None:
+            raise CompareError("--aa calibrates an A/B comparison, but the runs given are themselves an A/A "
+                               f"sweep (loss '{losses[0]}' only)")
+        return _compare_aa(runs, rule, eval_name, paths, out_dir, req)
+    src = runs_source(runs, rule, switch, req, paths)
+    arms, pairs, ordered, notes = src.arms, src.pairs, src.ordered, src.arms.notes
+    base, treatments, seeds = arms.baseline, arms.treatments, arms.seeds
+    look = look_of(rule, len(seeds))
+    rows = decide(arms, rule, req, look)
+    if src.aa is not None:
+        for row in rows:
+            D_S = row.sample.D_S
+            gaps = list(D_S) if D_S is not None else [row.item["diff"]]
+            row.aa_calibration = aa_calibration(src.aa, gaps, rule.alpha)
     for row, loss in zip(rows, treatments):
-        row["activity"], act_notes = switch_activity({s: (pairs[s][loss], pairs[s][base]) for s in seeds},
-                                                     loss_switch=switch == "loss")
+        row.activity, act_notes = switch_activity({s: (pairs[s][loss], pairs[s][base]) for s in seeds},
+                                                  loss_switch=src.switch == "loss")
         notes += act_notes
-        if row["activity"]["inert"]:
-            set_verdict(row, "inert", rule.scope, reason=inert_reason(row))
-    notes += _rule_notes(rows, rule, len(seeds), look)
+        if row.inert:
+            set_verdict(row.decision, "inert", rule.scope, row.treatment, row.baseline,
+                        reason=inert_reason(row))
+    notes += rule_notes(rows, rule, len(seeds), look)
     for row in rows:  # a verdict the A/A noise floor contradicts is said next to it, not pages below
-        cal = row.get("aa_calibration")
-        if cal and row["verdict"] == "validated" and not cal["exceeds_aa_noise"]:
-            notes.append(f"{row['treatment']} vs {base}: validated ({row['verdict_about']}), but the gap "
+        cal = row.aa_calibration
+        if cal and row.verdict == "validated" and not cal["exceeds_aa_noise"]:
+            notes.append(f"{row.treatment} vs {base}: validated ({row.decision.verdict_about}), but the gap "
                          f"{100 * cal['observed_gap']:+.2f} pts does NOT exceed the A/A noise floor (interval "
                          f"[{100 * cal['low']:+.2f}, {100 * cal['high']:+.2f}] pts): two seeds of one arm differ "
                          "by as much")
-    curve = _curve_table(curves, steps, pairs, base, treatments, rule.alpha, rule.threshold)
-
-    arms = []
-    for r in ordered:
-        summ = summarize(r.records, alpha=rule.alpha)
-        arms.append({"arm": r.arm, "role": roles[r.key], "loss": r.loss, "value": r.key, "seed": r.seed,
-                     "run": str(r.path),
-                     "job": r.job, "run_name": r.info.get("arm", r.config.get("run_name")),
-                     "eval_file": str(r.eval_file), "endpoint_mean": float(np.mean(scores[r.arm])), **summ})
-    notes += _run_notes(ordered)
-    result: dict[str, Any] = {
-        "mode": "ab", "switch": switch, "treatments": treatments, "baseline": base, "eval_name": names[0],
-        "verdict_scope": rule.scope, "verdict_about": SCOPE_TEXT[rule.scope],
-        "n_seeds": len(seeds), "seeds": seeds, "decision": _rule_dict(rule), "comparisons": rows,
-        "look": look, "scope_settings": scope_settings(ordered[0]) if rule.scope == "across_seeds" else None,
-        "verdicts": [{k: r[k] for k in _VERDICT_KEYS} for r in rows], "curve": curve, "aa": aa_spread_,
-        "arms": arms, "config_diff": config_diff, "ignored_config_keys": list(IGNORED_CONFIG_KEYS),
-        "item_set_sha256": item_sha, "inputs": [str(p) for p in paths], "output_dir": str(out_dir), "plots": {},
-        "notes": notes,
-        # kept from the one-treatment report: the alpha, method and decision-rule text at the top level
-        "alpha": rule.alpha, "method": rule.method, "decision_rule": rule.text(),
-    }
-    ledger = _ledger(ordered, result, rule, override_decision)
-    if len(rows) == 1:  # one treatment: its numbers (the rule's estimate, interval, p, verdict) at the top level
-        result.update({k: v for k, v in rows[0].items() if k not in result or k in ("verdict", "method")},
-                      treatment=treatments[0])
-    return _write(result, ordered, roles, out_dir, make_plots, f" ({', '.join(treatments)} vs {base})",
-                  ledger=ledger)
+    curve = _curve_table(src.curves, src.steps, pairs, base, treatments, rule.alpha, rule.threshold)
+    arm_rows = [_run_row(r, src.roles[r.key], src.scores, rule.alpha) for r in ordered]
+    notes += run_notes(ordered)
+    c = Comparison(mode="ab", source="runs", rule=rule, arms=arms, rows=rows, arm_rows=arm_rows, notes=notes,
+                   inputs=[str(p) for p in paths], output_dir=out_dir, eval_name=eval_name, switch=src.switch,
+                   look=look,
+                   scope_settings=scope_settings(ordered[0]) if rule.scope == "across_seeds" else None,
+                   curve=curve, aa=src.aa, config_diff=src.config_diff,
+                   ignored_config_keys=list(IGNORED_CONFIG_KEYS))
+    ledger = _ledger(ordered, c, req.override_decision)
+    return write_comparison(c, ordered, src.roles, req.make_plots, f" ({', '.join(treatments)} vs {base})",
+                            ledger=ledger)
 
 
+def _run_row(r: Run, role: str, scores: dict[str, np.ndarray], alpha: float) -> dict[str, Any]:
+    """compare.json's entry of one run: where it is, its accuracy and Wilson interval, its endpoint mean."""
+    return {"arm": r.arm, "role": role, "loss": r.loss, "value": r.key, "seed": r.seed, "run": str(r.path),
+            "job": r.job, "run_name": r.info.get("arm", r.config.get("run_name")),
+            "eval_file": str(r.eval_file),
+            "endpoint_mean": float(np.mean(scores[r.arm])), **summarize(r.records, alpha=alpha)}
 
 
 def _compare_aa(runs: list[Run], rule: Rule, eval_name: str, paths: list[Path], out_dir: Path,
-                allow_config_diff: bool, make_plots: bool) -> dict[str, Any]:
+                req: CompareRequest) -> Comparison:
     """One loss at several seeds: the between-seed spread (the noise floor of an A/B gap)."""
     seeds = sorted(r.seed for r in runs)
     if len(set(seeds)) != len(seeds):
@@ -1005,10 +1010,10 @@ def _compare_aa(runs: list[Run], rule: Rule, eval_name: str, paths: list[Path], 
     runs = sorted(runs, key=lambda r: r.seed)
     roles = {runs[0].loss: "baseline"}
     config_diff = check_configs(runs, {runs[0].loss: "A/A"})
-    if config_diff and not allow_config_diff:
+    if config_diff and not req.allow_config_diff:
         raise CompareError("configs differ outside the `loss` group; pass --allow-config-diff to compare anyway: "
                            + "; ".join(config_diff[:20]))
-    check_precision(runs, allow_config_diff)
+    check_precision(runs, req.allow_config_diff)
     for r in runs:
         load_records(r)
     item_sha = check_item_sets(runs)
@@ -1016,33 +1021,37 @@ def _compare_aa(runs: list[Run], rule: Rule, eval_name: str, paths: list[Path], 
     _, _, scores, notes = _curves_and_scores(runs, rule, order)
     spread = aa_spread({r.seed: scores[r.arm] for r in runs}, rule.alpha)
     spread.update(sweep=str(paths[0]), loss=runs[0].loss)
-    arms = [{"arm": r.arm, "role": "A/A", "loss": r.loss, "seed": r.seed, "run": str(r.path), "job": r.job,
-             "run_name": r.info.get("arm"), "eval_file": str(r.eval_file),
-             "endpoint_mean": float(np.mean(scores[r.arm])), **summarize(r.records, alpha=rule.alpha)} for r in runs]
-    result = {"mode": "aa", "verdict": None, "verdict_scope": "across_seeds", "baseline": runs[0].loss,
-              "treatments": [], "eval_name": eval_name, "n_seeds": len(seeds), "seeds": seeds, "n_items": len(order),
-              "decision": _rule_dict(rule), "aa": spread, "arms": arms, "config_diff": config_diff,
-              "ignored_config_keys": list(IGNORED_CONFIG_KEYS), "item_set_sha256": item_sha,
-              "inputs": [str(p) for p in paths], "output_dir": str(out_dir), "plots": {},
-              "notes": notes + _run_notes(runs), "alpha": rule.alpha, "method": rule.method,
-              "decision_rule": rule.text()}
-    return _write(result, runs, roles, out_dir, make_plots, f" (A/A: {runs[0].loss})")
+    arm_rows = []
+    for r in runs:
+        row = _run_row(r, "A/A", scores, rule.alpha)
+        del row["value"]
+        row["run_name"] = r.info.get("arm")
+        arm_rows.append(row)
+    base = runs[0].loss
+    arms = Arms(baseline=base, treatments=[], scores_SN={base: _stack(scores, runs)},
+                labels={base: [r.arm for r in runs]}, seeds=seeds, item_order=[str(i) for i in order],
+                item_sha256=item_sha, notes=notes)
+    c = Comparison(mode="aa", source="runs", rule=rule, arms=arms, rows=[], arm_rows=arm_rows,
+                   notes=notes + run_notes(runs), inputs=[str(p) for p in paths], output_dir=out_dir,
+                   eval_name=eval_name, aa=spread, config_diff=config_diff,
+                   ignored_config_keys=list(IGNORED_CONFIG_KEYS))
+    return write_comparison(c, runs, roles, req.make_plots, f" (A/A: {runs[0].loss})")
 
 
-
-
-def _write(result: dict[str, Any], runs: list[Run], roles: dict[str, str], out_dir: Path, make_plots: bool,
-           title_suffix: str,
-           ledger: tuple[Path, dict[str, Any], dict[str, Any], list[Path]] | None = None) -> dict[str, Any]:
+def write_comparison(c: Comparison, runs: list[Run], roles: dict[str, str], make_plots: bool,
+                     title_suffix: str,
+                     ledger: tuple[Path, dict[str, Any], dict[str, Any], list[Path]] | None = None,
+                     ) -> Comparison:
     """Everything is checked: from here on we write (the looks ledger, plots, compare.md, then compare.json
     last)."""
+    out_dir = Path(c.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    notes = result["notes"]
+    notes = c.notes
     if ledger is not None:
         path, entry, key_fields, folders = ledger
         try:
             record_look(path, entry, key_fields)
-            result["looks_ledger"] = str(path)
+            c.looks_ledger = str(path)
         except OSError as e:
             notes.append(f"this decision was not recorded in the ledger {path} ({e}); the run folders' "
                          f"{RUN_RECORD} still count it")
@@ -1060,7 +1069,7 @@ def _write(result: dict[str, Any], runs: list[Run], roles: dict[str, str], out_d
         from eval.plots import make_plots as _make_plots
 
         plot_runs = []
-        for r, a in zip(runs, result["arms"]):
+        for r, a in zip(runs, c.arm_rows):
             rows, metric_notes = load_metrics(r.path / "metrics.jsonl")
             notes += metric_notes
             plot_runs.append(PlotRun(label=r.arm, role=roles.get(r.key, "baseline"), seed=r.seed, metrics=rows,
@@ -1068,17 +1077,15 @@ def _write(result: dict[str, Any], runs: list[Run], roles: dict[str, str], out_d
                                      wilson_high=a["wilson_high"]))
         files, plot_notes = _make_plots(plot_runs, out_dir / PLOTS_DIR, title_suffix)
         notes += plot_notes
-        if result.get("curve"):
-            files["eval_curve"] = plot_eval_curve(result["curve"], out_dir / PLOTS_DIR / "eval_curve.png",
+        if c.curve:
+            files["eval_curve"] = plot_eval_curve(c.curve, out_dir / PLOTS_DIR / "eval_curve.png",
                                                   f"Eval accuracy vs step{title_suffix}")
-        result["plots"] = {k: os.path.relpath(v, out_dir) for k, v in files.items()}
+        c.plots = {k: os.path.relpath(v, out_dir) for k, v in files.items()}
 
     from eval.report import render_markdown
 
-    atomic_write_text(out_dir / "compare.md", render_markdown(result, out_dir))
-    atomic_write_json(out_dir / "compare.json", result)  # last: its presence means a complete report
+    atomic_write_text(out_dir / "compare.md", render_markdown(c, out_dir))
+    atomic_write_json(out_dir / "compare.json", c.to_json())  # last: its presence means a complete report
     for name in ("compare.md", "compare.json"):
         os.chmod(out_dir / name, 0o644)  # the atomic writer's temp file is 0600
-    return result
-
-
+    return c

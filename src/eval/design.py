@@ -39,15 +39,25 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from eval.methods import METHOD_SCOPE, distribution_free_seeds, seed_t_power  # noqa: F401 - re-exported
+from eval.methods import (  # noqa: F401 - re-exported
+    AUTO_METHOD,
+    DECIDING,
+    METHOD_SCOPE,
+    McNemarExact,
+    PairedHoeffding,
+    SignFlip,
+    distribution_free_seeds,
+    resolve_method,
+    seed_t_power,
+    sign_patterns,
+)
 from eval.methods import METHODS as REGISTRY
-from eval.stats import SCOPE_TEXT, hoeffding_half_width, resolve_method, t_quantile
-from trainer.config.enums import DECISION_METHODS
+from eval.stats import SCOPE_TEXT, hoeffding_half_width, t_quantile
 
 if TYPE_CHECKING:  # the config package loads Hydra; eval.design starts without it
     from trainer.config.schema import Config
 
-METHODS = DECISION_METHODS  # decision.method: the config states the list once
+METHODS = DECIDING  # the registry's deciding methods (equal to the config's DECISION_METHODS: a test)
 DEFAULT_DISCORDANCE = 0.3
 _N = NormalDist()
 
@@ -65,7 +75,7 @@ class Plan:
     margin: float = 0.0
     discordance: float = DEFAULT_DISCORDANCE
     seed_sd: float = 0.0
-    method: str = "paired_hoeffding"
+    method: str = PairedHoeffding.name
     target_effect: float | None = None
     target_scope: str | None = None  # procedure | checkpoints | None (the method's own scope)
     sources: dict[str, str] = field(default_factory=dict)
@@ -88,7 +98,7 @@ class Plan:
         if self.target_effect is not None and not 0 < self.target_effect <= 1:
             raise DesignError(f"--target-effect must be in (0, 1], got {self.target_effect!r}")
         if self.method not in METHODS:
-            if self.method != "auto":
+            if self.method != AUTO_METHOD:
                 raise DesignError(f"decision method must be one of {['auto', *METHODS]}, got {self.method!r}")
             self.method, self.sources["method"] = resolve_method(self.method, self.n_seeds, True,
                                                                  self.margin)
@@ -154,7 +164,7 @@ def seeds_needed(method: str, plan: Plan, target: float, max_seeds: int = 1000) 
         mde = mde_closed_form(method, plan, S=S)
         return mde is not None and mde <= target
     lo = REGISTRY[method].min_seeds
-    if method == "mcnemar_exact":
+    if method == McNemarExact.name:
         return 1 if ok(1) else None
     if not ok(max_seeds):
         return None
@@ -266,10 +276,8 @@ def _seed_level_validates(method: str, D: np.ndarray, level: float) -> np.ndarra
     margin) at two-sided `level`: seed t's lower bound above 0, or the exact sign-flip p below the level."""
     S = D.shape[1]
     m = D.mean(axis=1)
-    if method == "sign_flip":
-        from eval.methods import _sign_patterns
-
-        flipped = np.abs(D @ _sign_patterns(S).T / S)
+    if method == SignFlip.name:
+        flipped = np.abs(D @ sign_patterns(S).T / S)
         p = (flipped >= np.abs(m)[:, None] - 1e-12).mean(axis=1)
         return (m > 0) & (p < level)
     sd = D.std(axis=1, ddof=1)

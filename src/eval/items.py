@@ -10,7 +10,7 @@ file must hold the same item set, and an id seen twice in a file, an item missin
 missing from one arm is named as such), a metric missing from a line or an empty file is refused with a
 count, never dropped. The one exception is the frameworks' own: an item whose every sample errored has no
 score (prime-rl leaves errored rollouts out of its accuracy) and is left out of every arm, with a note. The
-scores then go through the same decision as a sweep (eval.comparison.score_rows, the
+scores then go through the same decision as a sweep (eval.comparison.decide, the
 methods of eval.methods, sign_flip and equivalence included): one file per arm gives a verdict about these
 checkpoints, several seeds per arm the seed-level rule (decision.method = auto), Holm over several
 treatments. Planned sequential looks (decision.looks) are refused: their ledger lives beside the training
@@ -38,27 +38,33 @@ import numpy as np
 import yaml
 
 from eval.comparison import (
-    _VERDICT_KEYS,
-    DEFAULT_BOOTSTRAP,
-    DEFAULT_BOOTSTRAP_SEED,
-    Rule,
-    _rule_dict,
-    _rule_notes,
-    _write,
     aa_spread,
     check_decider,
     check_options,
+    decide,
     decide_all,
     earlier_looks,
     resolve_rule,
-    score_rows,
+    rule_notes,
+    write_comparison,
 )
 from eval.item_formats import FORMATS, ItemFile, ItemsError, read_items
-from eval.methods import METHODS, method_table
+from eval.methods import METHODS, PairedBootstrap, PairedHoeffding, descriptive_bootstraps, method_table
+from eval.result import (
+    DEFAULT_BOOTSTRAP,
+    DEFAULT_BOOTSTRAP_SEED,
+    ITEMS_RULE_KEYS,
+    Arms,
+    CompareRequest,
+    Comparison,
+    Rule,
+    clip_to_score_range,
+)
 from eval.runs import CompareError, Run
-from eval.stats import SCOPE_TEXT, wilson_interval
+from eval.stats import wilson_interval
 
-__all__ = ["Arm", "ItemsError", "compare_items", "load_arms", "load_plan", "match_items", "parse_arm"]
+__all__ = ["Arm", "ItemsError", "compare_item_files", "compare_items", "item_arms", "load_arms", "load_plan",
+           "match_items", "parse_arm"]
 
 _ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+:-]{0,63}$")
 MAX_ARMS, MAX_FILES_PER_ARM = 64, 1000
@@ -347,97 +353,112 @@ def compare_items(specs: list[str], fmt: str | None = None, metric: str | None =
                   equivalence_margin: float | None = None, override_decision: bool = False,
                   n_bootstrap: int | None = None, seed: int | None = None,
                   out: str | Path | None = None) -> dict[str, Any]:
-    """Read, match and pair the arms' files, decide with the rule and methods a sweep gets
-    (eval.comparison.score_rows) and write compare.json / compare.md (no plots: there are no training
-    curves) into `out` (default: the files' common folder). Every check runs before anything is written."""
-    n_bootstrap = DEFAULT_BOOTSTRAP if n_bootstrap is None else n_bootstrap
-    seed = DEFAULT_BOOTSTRAP_SEED if seed is None else seed
-    check_options(alpha, n_bootstrap, ItemsError)
-    arms = load_arms(specs, fmt, metric)
+    """compare.json's dict of compare_item_files (the python API, keyword for keyword the command line's)."""
+    req = CompareRequest(fmt=fmt, metric=metric, plan=plan, baseline=baseline, method=method, alpha=alpha,
+                         margin=margin, equivalence_margin=equivalence_margin,
+                         override_decision=override_decision, out=out, make_plots=False)
+    req.n_bootstrap = n_bootstrap
+    if seed is not None:
+        req.seed = seed
+    return compare_item_files(specs, req).to_json()
+
+
+def item_arms(specs: list[str], req: CompareRequest) -> tuple[list[Arm], Arms, Rule]:
+    """The per-item files source: each arm's files read, matched and paired by item (Arms, with the notes
+    the formats and the matching left), and the rule (a plan file, or the command line's options)."""
+    arms = load_arms(specs, req.fmt, req.metric)
     seeds = pair_seeds(arms)
     match_notes: list[str] = []
     order, cats = match_items(arms, match_notes)
-    task_cats = cats if cats is not None and len(set(cats)) > 1 else None  # one task: the verdict's own rows
-    by_name = {a.name: a for a in arms}
-    cli = {"method": method, "alpha": alpha, "margin": margin, "baseline": baseline,
-           "equivalence_margin": equivalence_margin}
-    # one run per arm on right / wrong scores: `auto` is the exact McNemar test (eval.stats.resolve_method)
+    # one run per arm on right / wrong scores: `auto` is the exact McNemar test (eval.methods.resolve_method)
     binary = all(np.isin(f.scores_in(order), (0.0, 1.0)).all() for a in arms for f in a.files)
-    rule = resolve_items_rule(plan, cli, override_decision, arms[0].name, len(seeds), binary)
+    rule = resolve_items_rule(req.plan, req.rule_options(*ITEMS_RULE_KEYS), req.override_decision,
+                              arms[0].name, len(seeds), binary)
+    files = [f for a in arms for f in a.files]
+    notes = list(dict.fromkeys([n for f in files for n in f.notes] + match_notes))  # one note per message
+    notes.append("per-item files carry no training metrics: whether the arms' switch acted (`inert`) is not "
+                 "checked, and the configs of the runs are not compared")
+    base = rule.baseline
+    by_name = {a.name: a for a in arms}
+    if len(arms) > 1 and base not in by_name:
+        raise ItemsError(f"the baseline {base!r} (--baseline / decision.baseline) names no arm; the arms are "
+                         f"{[a.name for a in arms]}")
+    typed = Arms(baseline=base if len(arms) > 1 else arms[0].name,
+                 treatments=[a.name for a in arms if a.name != base] if len(arms) > 1 else [],
+                 scores_SN={a.name: np.stack([f.scores_in(order) for f in a.files]) for a in arms},
+                 labels={a.name: [a.label(s) for s in seeds] for a in arms}, seeds=seeds, item_order=order,
+                 item_sha256=hashlib.sha256("\n".join(order).encode()).hexdigest(), notes=notes,
+                 categories=cats)
+    return arms, typed, rule
+
+
+def compare_item_files(specs: list[str], request: CompareRequest | None = None) -> Comparison:
+    """Read, match and pair the arms' files (item_arms), decide with the rule and methods a sweep gets
+    (eval.comparison.decide) and write compare.json / compare.md (no plots: there are no training curves)
+    into request.out (default: the files' common folder). Every check runs before anything is written."""
+    req = request or CompareRequest(make_plots=False)
+    check_options(req.alpha, req.n_bootstrap, ItemsError)
+    file_arms, arms, rule = item_arms(specs, req)
+    n_bootstrap, seed = req.resamples, req.seed
     moved = (n_bootstrap, seed) != (DEFAULT_BOOTSTRAP, DEFAULT_BOOTSTRAP_SEED)
-    if moved and rule.method == "paired_bootstrap":
-        if not override_decision:
+    if moved and rule.method == PairedBootstrap.name:
+        if not req.override_decision:
             raise ItemsError(f"the bootstrap decides, and --bootstrap {n_bootstrap} / --seed {seed} are not "
                              f"its pre-registered {DEFAULT_BOOTSTRAP} resamples, seed "
                              f"{DEFAULT_BOOTSTRAP_SEED}; pass --override-decision to decide anyway (the report "
                              "says so)")
         rule.overridden.append(f"bootstrap: {DEFAULT_BOOTSTRAP} resamples, seed {DEFAULT_BOOTSTRAP_SEED} -> "
                                f"{n_bootstrap} resamples, seed {seed}")
-    arms_SN = {a.name: np.stack([f.scores_in(order) for f in a.files]) for a in arms}
-    labels = {a.name: [a.label(s) for s in seeds] for a in arms}
-    first = arms[0].files[0]
-    files = [f for a in arms for f in a.files]
-    item_sha = hashlib.sha256("\n".join(order).encode()).hexdigest()
-    if out:
-        out_dir = Path(out).resolve()
+    cats = arms.categories
+    task_cats = cats if cats is not None and len(set(cats)) > 1 else None  # one task: the verdict's own rows
+    first = file_arms[0].files[0]
+    files = [f for a in file_arms for f in a.files]
+    if req.out:
+        out_dir = Path(req.out).resolve()
     else:
         out_dir = Path(os.path.commonpath([str(f.path.resolve().parent) for f in files]))
-        _refuse_another_comparison(out_dir, item_sha, [a.name for a in arms], first)
-    notes = [n for f in files for n in f.notes] + match_notes
-    notes = list(dict.fromkeys(notes))  # one note per distinct message
-    notes.append("per-item files carry no training metrics: whether the arms' switch acted (`inert`) is not "
-                 "checked, and the configs of the runs are not compared")
-    arm_rows = [_arm_row(a, f, s, rule.alpha, order, role="") for a in arms for f, s in zip(a.files, seeds)]
-    common = {"source": "items", "format": first.format, "metric": first.metric, "eval_name": first.eval_name,
-              "n_seeds": len(seeds), "seeds": seeds, "n_items": len(order),
-              "config_diff": [], "ignored_config_keys": [], "item_set_sha256": item_sha,
-              "inputs": [str(f.path) for f in files], "output_dir": str(out_dir), "plots": {}, "notes": notes,
-              "alpha": rule.alpha, "method": rule.method, "decision_rule": rule.text()}
-    common["decision"] = _rule_dict(rule)
-    if len(arms) == 1:
+        _refuse_another_comparison(out_dir, arms.item_sha256, [a.name for a in file_arms], first)
+    notes = arms.notes
+    seeds, order = arms.seeds, arms.item_order
+    arm_rows = [_arm_row(a, f, s, rule.alpha, order, role="")
+                for a in file_arms for f, s in zip(a.files, seeds)]
+    common: dict[str, Any] = {"source": "items", "rule": rule, "arms": arms, "arm_rows": arm_rows,
+                              "notes": notes, "inputs": [str(f.path) for f in files], "output_dir": out_dir,
+                              "eval_name": first.eval_name, "fmt": first.format, "metric": first.metric}
+    if len(file_arms) == 1:
         if len(seeds) < 2:
-            raise ItemsError(f"one arm ({arms[0].name}) with one file: nothing to compare (two arms, or one "
-                             "arm at >= 2 seeds for the between-seed spread)")
-        spread = aa_spread({s: arms_SN[arms[0].name][i] for i, s in enumerate(seeds)}, rule.alpha)
-        spread.update(sweep=None, loss=arms[0].name)
+            raise ItemsError(f"one arm ({file_arms[0].name}) with one file: nothing to compare (two arms, or "
+                             "one arm at >= 2 seeds for the between-seed spread)")
+        spread = aa_spread({s: arms.scores_SN[arms.baseline][i] for i, s in enumerate(seeds)}, rule.alpha)
+        spread.update(sweep=None, loss=arms.baseline)
         for r in arm_rows:
             r["role"] = "A/A"
-        result = {"mode": "aa", "verdict": None, "verdict_scope": "across_seeds", "baseline": arms[0].name,
-                  "treatments": [], "aa": spread, "arms": arm_rows, **common}
-        return _write(result, [], {}, out_dir, False, "")
-    base = rule.baseline
-    if base not in by_name:
-        raise ItemsError(f"the baseline {base!r} (--baseline / decision.baseline) names no arm; the arms are "
-                         f"{[a.name for a in arms]}")
+        return write_comparison(Comparison(mode="aa", rows=[], aa=spread, **common), [], {}, False, "")
     check_decider(rule, len(seeds), n_bootstrap,
                   f"each arm has {len(seeds)} file(s); give one file per seed "
                   f"(>= {METHODS[rule.method].min_seeds}) or decide with an item-level method "
-                  "(--method paired_hoeffding)", ItemsError)
-    treatments = [a.name for a in arms if a.name != base]
+                  f"(--method {PairedHoeffding.name})", ItemsError)
+    base, treatments = arms.baseline, arms.treatments
     try:
-        rows, _ = score_rows(arms_SN, labels, base, treatments, seeds, rule, n_bootstrap, seed)
-        categories = (category_rows(arms_SN, task_cats, base, treatments, rule, n_bootstrap, seed)
-                      if task_cats is not None else None)
+        rows = decide(arms, rule, req)
+        # the secondary rows decide nothing: a bootstrap runs there only as the rule, or when asked for
+        skip = descriptive_bootstraps(rule.method) if req.n_bootstrap is None else frozenset()
+        categories = (category_rows(arms.scores_SN, task_cats, base, treatments, rule, n_bootstrap, seed,
+                                    skip) if task_cats is not None else None)
     except ValueError as e:  # CompareError included
         raise ItemsError(str(e)) from None
     if categories is not None:
         categories["kind"] = first.category_kind
-        categories["accuracy"] = category_accuracy(arms, arms_SN, task_cats, seeds)
+        categories["accuracy"] = category_accuracy(file_arms, arms.scores_SN, task_cats, seeds)
     if clip_to_score_range([rows, categories]):
         notes.append("intervals are cut to [-100, +100] pts, the range of a difference of two scores in [0, 1] "
                      "(the methods' own bounds reach beyond it at few items or seeds)")
-    notes += _rule_notes(rows, rule, len(seeds), None)
+    notes += rule_notes(rows, rule, len(seeds), None)
     for r in arm_rows:
         r["role"] = "baseline" if r["value"] == base else "treatment"
-    result = {"mode": "ab", "switch": "arm", "treatments": treatments, "baseline": base,
-              "verdict_scope": rule.scope, "verdict_about": SCOPE_TEXT[rule.scope], "comparisons": rows,
-              "verdicts": [{k: r[k] for k in _VERDICT_KEYS} for r in rows], "curve": None, "aa": None,
-              "arms": arm_rows, "categories": categories, **common}
-    earlier_looks(result, None, plannable=False)
-    if len(rows) == 1:
-        result.update({k: v for k, v in rows[0].items() if k not in result or k in ("verdict", "method")},
-                      treatment=treatments[0])
-    return _write(result, [], {}, out_dir, False, f" ({', '.join(treatments)} vs {base})")
+    c = Comparison(mode="ab", rows=rows, switch="arm", categories=categories, **common)
+    earlier_looks(c, None, plannable=False)
+    return write_comparison(c, [], {}, False, f" ({', '.join(treatments)} vs {base})")
 
 
 def _refuse_another_comparison(out_dir: Path, item_sha: str, arms: list[str], first: ItemFile) -> None:
@@ -464,30 +485,6 @@ def _refuse_another_comparison(out_dir: Path, item_sha: str, arms: list[str], fi
             what = "a sweep's"
         raise ItemsError(f"{prev_file} holds another comparison ({what}); pass --out DIR to write this one "
                          "elsewhere (nothing was written)")
-
-
-#: compare.json keys of a paired difference's interval bounds (rows, methods, per-seed and seed-level parts)
-_BOUND_KEYS = frozenset({"ci_low", "ci_high", "hoeffding_ci_low", "hoeffding_ci_high", "t_ci_low", "t_ci_high",
-                         "bootstrap_low", "bootstrap_high", "two_level_low", "two_level_high"})
-
-
-def clip_to_score_range(obj: Any) -> bool:
-    """Cut every interval bound of a difference of two [0, 1] scores to [-1, 1] in place (Hoeffding at few
-    items and t at two seeds reach beyond it); True when any bound moved. The verdicts were decided before,
-    and no verdict depends on a bound beyond +-1 (the margins are below 1)."""
-    moved = False
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if k in _BOUND_KEYS and isinstance(v, float) and abs(v) > 1.0:
-                obj[k], moved = max(-1.0, min(1.0, v)), True
-            elif k == "rule_ci" and isinstance(v, list) and any(isinstance(x, float) and abs(x) > 1 for x in v):
-                obj[k], moved = [max(-1.0, min(1.0, x)) for x in v], True
-            else:
-                moved |= clip_to_score_range(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            moved |= clip_to_score_range(v)
-    return moved
 
 
 def category_accuracy(arms: list[Arm], arms_SN: dict[str, np.ndarray], cats: list[str],
@@ -520,42 +517,43 @@ def _arm_row(arm: Arm, f: ItemFile, seed: int, alpha: float, order: list[str], r
 
 
 def category_rows(arms_SN: dict[str, np.ndarray], cats: list[str], base: str,
-                  treatments: list[str], rule: Rule, n_bootstrap: int, seed: int) -> dict[str, Any]:
+                  treatments: list[str], rule: Rule, n_bootstrap: int, seed: int,
+                  skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Secondary results: the rule on each category's items, one row per (treatment, category), decided by
     Holm's step-down over all of those rows together (decide_all on the whole family), so that reading the
     best category out of many does not inflate the error rate. They decide nothing: the verdict is the one
     over all items."""
     names = sorted(set(cats))
     cats_N = np.asarray(cats)
-    rows, helpers = [], []
+    rows, methods_K, samples = [], [], []
     for t in treatments:
         for c in names:
             cols = np.flatnonzero(cats_N == c)
             t_SN, b_SN = arms_SN[t][:, cols], arms_SN[base][:, cols]
-            item, methods, h = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed)
+            item, methods, sample = method_table(t_SN, b_SN, rule.alpha, rule.margin, n_bootstrap, seed, skip)
             rows.append({"treatment": f"{t} [{c}]", "baseline": base, "arm": t, "category": c,
-                         "n_items": int(cols.size), "diff": item["diff"], "methods": methods})
-            helpers.append(h)
-    decide_all(rows, helpers, rule)
-    for r in rows:
-        r.pop("methods")
+                         "n_items": int(cols.size), "diff": item["diff"]})
+            methods_K.append(methods)
+            samples.append(sample)
+    decisions = decide_all(methods_K, samples, [(r["treatment"], r["baseline"]) for r in rows], rule)
+    for r, d in zip(rows, decisions):
+        r.update(d.to_json())
     return {"names": names, "family_size": len(rows), "multiplicity": "Holm step-down over every (treatment, "
             "category) row", "rows": rows}
 
 
-def items_summary(result: dict[str, Any], summary: Any) -> str:
+def items_summary(c: Comparison, summary: Any) -> str:
     """compare's summary lines (`summary`), where the rule came from, then the per-category secondary
     results."""
-    lines = [(f"items: {result['n_items']} ({result['format']} files, metric {result['metric']}) x "
-              f"{result['n_seeds']} seed(s) per arm"), summary(result),
-             f"rule source: {result['decision']['source']}"]
-    cats = result.get("categories")
+    lines = [(f"items: {c.n_items} ({c.fmt} files, metric {c.metric}) x {c.n_seeds} seed(s) per arm"),
+             summary(c), f"rule source: {c.rule.source}"]
+    cats = c.categories
     if cats and cats.get("accuracy"):
         by: dict[str, list[str]] = {}
         for r in cats["accuracy"]:
             by.setdefault(f"{r['category']} ({r['metric']})", []).append(f"{r['arm']} {r['accuracy']:.4f}")
         lines.append(f"accuracy per {cats.get('kind', 'category')}: "
-                     + "; ".join(f"{c}: {', '.join(v)}" for c, v in by.items()))
+                     + "; ".join(f"{k}: {', '.join(v)}" for k, v in by.items()))
     if cats:
         lines.append(f"secondary, per category ({cats['multiplicity']}, {cats['family_size']} rows; they "
                      "decide nothing):")

@@ -53,9 +53,11 @@ class Sample:
     the item bootstrap's resampled means (on first use)."""
 
     def __init__(
-        self, t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float, n_bootstrap: int, seed: int
+        self, t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float, n_bootstrap: int, seed: int,
+        skip: frozenset[str] = frozenset(),
     ) -> None:
         self.alpha, self.margin, self.n_bootstrap, self.seed = alpha, margin, n_bootstrap, seed
+        self.skip = skip  # methods left out of the table (bootstraps that decide nothing, unless asked for)
         self.item = paired_compare(t_SN, b_SN, alpha=alpha, n_bootstrap=0, seed=seed)
         self.d_SN = t_SN.astype(np.float64) - b_SN.astype(np.float64)
         self.d_N = self.d_SN.mean(axis=0)
@@ -88,7 +90,8 @@ class Method:
         return bool(self.rule_text)
 
     def applies(self, s: Sample) -> bool:
-        return s.S >= self.min_seeds and (s.n_bootstrap > 0 or not self.needs_bootstrap)
+        return (s.S >= self.min_seeds and (s.n_bootstrap > 0 or not self.needs_bootstrap)
+                and self.name not in s.skip)
 
     def row(self, s: Sample) -> dict[str, Any]:
         raise NotImplementedError
@@ -306,14 +309,15 @@ class SignFlip(Method):
         if S < 2 or S > 14:  # 2^S patterns per simulated sweep
             return None
         D = d.sum(axis=2) / n - sim.plan.margin
-        signs = _sign_patterns(S)
+        signs = sign_patterns(S)
         obs = D.mean(axis=1)
         flipped = np.abs(D @ signs.T / S)
         p = np.minimum(1.0, (flipped >= np.abs(obs)[:, None] - 1e-12).mean(axis=1))
         return (obs > 0) & (p < sim.plan.alpha)
 
 
-def _sign_patterns(S: int) -> np.ndarray:
+def sign_patterns(S: int) -> np.ndarray:
+    """Every one of the 2^S sign patterns over S seed pairs, one row each ([2^S, S] of +-1)."""
     return 1.0 - 2.0 * ((np.arange(2**S)[:, None] >> np.arange(S)) & 1)
 
 
@@ -365,21 +369,52 @@ RULE_TEXT = {k: m.rule_text for k, m in METHODS.items() if m.decides}
 LABELS = {k: m.label for k, m in METHODS.items()}
 
 
+#: decision.method's value that resolves by the inputs (resolve_method)
+AUTO_METHOD = "auto"
+
+
+def resolve_method(method: str, n_seeds: int, binary: bool = False, margin: float = 0.0) -> tuple[str, str]:
+    """(the test that decides, why): `auto` is seed_t with >= 2 seeds per arm, the only default test whose
+    false-positive rate stays at alpha / 2 when training noise moves whole checkpoints (item-level tests
+    treat the checkpoints as fixed). With one run per arm no seed-level test exists: on binary (right /
+    wrong) scores at margin 0 the exact McNemar test, the exact paired test over items (lm-eval's users ask
+    for it: lm-evaluation-harness issue #3831; Hoeffding's bound is wide at tens of items: 13 vs 1
+    discordant items of 40 read p = 0.0018 exactly and `inconclusive` under Hoeffding); otherwise (fractional
+    scores, a margin) paired Hoeffding."""
+    if method != AUTO_METHOD:
+        return method, f"decision.method = {method} (pre-registered)"
+    if n_seeds >= 2:
+        return SeedT.name, f"decision.method = auto -> {SeedT.name} ({n_seeds} seeds per arm)"
+    if binary and margin == 0:
+        return McNemarExact.name, (f"decision.method = auto -> {McNemarExact.name} ({n_seeds} run per arm, "
+                                   "binary scores: the exact paired test over items)")
+    why = "fractional scores" if not binary else "a margin, which the exact test cannot shift"
+    return PairedHoeffding.name, (f"decision.method = auto -> {PairedHoeffding.name} ({n_seeds} seed per "
+                                  f"arm, {why})")
+
+
+def descriptive_bootstraps(rule_method: str) -> frozenset[str]:
+    """The resampling methods that decide nothing under the rule `rule_method` (every one but the rule's
+    own): compare leaves them out unless the bootstrap was asked for (--bootstrap N)."""
+    return frozenset(k for k, m in METHODS.items() if m.needs_bootstrap and k != rule_method)
+
+
 def method_table(
-    t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float, n_bootstrap: int, seed: int
+    t_SN: np.ndarray, b_SN: np.ndarray, alpha: float, margin: float, n_bootstrap: int, seed: int,
+    skip: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]], Sample]:
     """(item-level paired_compare, {method: estimate/interval/p/verdict/estimand}, the Sample the rule's
-    interval is recomputed on at Holm's and the looks' levels)."""
-    s = Sample(t_SN, b_SN, alpha, margin, n_bootstrap, seed)
+    interval is recomputed on at Holm's and the looks' levels); the methods in `skip` are left out."""
+    s = Sample(t_SN, b_SN, alpha, margin, n_bootstrap, seed, skip)
     item = s.item
     methods: dict[str, dict[str, Any]] = {}
     for name, m in METHODS.items():
         if m.applies(s):
             methods[name] = {**m.row(s), "estimand": ESTIMANDS[name]}
-    if "paired_bootstrap" in methods:
+    if PairedBootstrap.name in methods:
         item["bootstrap_low"], item["bootstrap_high"] = (
-            methods["paired_bootstrap"]["ci_low"],
-            methods["paired_bootstrap"]["ci_high"],
+            methods[PairedBootstrap.name]["ci_low"],
+            methods[PairedBootstrap.name]["ci_high"],
         )
     seed_level = None
     if s.S >= 2:
@@ -394,11 +429,11 @@ def method_table(
             "t_ci_low": st["ci_low"],
             "t_ci_high": st["ci_high"],
             "t_p": st["p"],
-            "sign_flip_p": methods["sign_flip"]["p"],
-            "sign_flip_p_min": methods["sign_flip"]["p_min"],
+            "sign_flip_p": methods[SignFlip.name]["p"],
+            "sign_flip_p_min": methods[SignFlip.name]["p_min"],
         }
-        if "two_level_bootstrap" in methods:
-            tl = methods["two_level_bootstrap"]
+        if TwoLevelBootstrap.name in methods:
+            tl = methods[TwoLevelBootstrap.name]
             seed_level.update(two_level_low=tl["ci_low"], two_level_high=tl["ci_high"])
     item["seed_level"] = seed_level
     return item, methods, s

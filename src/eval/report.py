@@ -1,4 +1,6 @@
-"""compare.md: the human-readable report of a paired comparison (rendered from compare.json's dict).
+"""compare.md: the human-readable report of a paired comparison, rendered from the typed result
+(eval.result.Comparison: its rule, its rows and their decisions; the methods, per-seed, effect-size and curve
+tables inside them are the dicts compare.json holds).
 
 Every number is labelled with its estimand: the item-level tests (Hoeffding, McNemar, item bootstrap)
 are about *these fixed checkpoints*; the seed-level ones (t over seeds, two-level bootstrap) about
@@ -9,6 +11,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from typing import Any
+
+from eval.methods import ESTIMANDS, LABELS, METHODS, McNemarExact, PairedHoeffding
+from eval.result import Comparison, Rule, TreatmentResult
 
 # what each verdict says, by scope: an item-level rule holds the trained checkpoints fixed (training noise is
 # not counted), a seed-level rule is about the training procedure; `inert` says nothing about the switch
@@ -42,8 +47,6 @@ def headline(verdict: str, scope: str, treatment: str, baseline: str, method: st
     method's own sentence replaces the generic one where that would not fit its numbers (the exact McNemar
     test's `worse` counts items, not points); `reason` says which condition fired (inert, an early look). A
     gain the rule's interval shows above 0 but not above the margin is said (`interval`, `margin`)."""
-    from eval.methods import METHODS
-
     own = getattr(METHODS.get(method or ""), "worse_text", None) if verdict == "worse" else None
     text = own or verdict_text(verdict, scope)
     if reason and verdict == "inconclusive":  # an early look: the generic sentence would describe the numbers
@@ -66,57 +69,53 @@ _PLOT_TITLES = {
     "eval_curve": "Eval accuracy vs step per arm (paired items)",
 }
 def _name(method: str) -> str:
-    from eval.methods import LABELS
-
     return LABELS[method]
 
 
-def render_markdown(result: dict[str, Any], out_dir: str | Path) -> str:
-    """Markdown for `result` (the compare.json dict); plot links are relative to out_dir."""
-    lines = _aa_report(result) if result.get("mode") == "aa" else _ab_report(result)
-    lines += _categories(result)
-    lines += _tail(result)
+def render_markdown(c: Comparison, out_dir: str | Path) -> str:
+    """Markdown for the comparison `c`; plot links are relative to out_dir."""
+    lines = _aa_report(c) if c.mode == "aa" else _ab_report(c)
+    lines += _categories(c)
+    lines += _tail(c)
     return "\n".join(lines).rstrip() + "\n"
 
 
 # ----------------------------------------------------------------------------- A/B
-def _ab_report(result: dict[str, Any]) -> list[str]:
-    rule = result["decision"]
-    conf = 100.0 * (1.0 - rule["alpha"])
-    base, treatments = result["baseline"], result["treatments"]
-    rows = result["comparisons"]
+def _ab_report(c: Comparison) -> list[str]:
+    rule = c.rule
+    conf = 100.0 * (1.0 - rule.alpha)
+    rows = c.rows
     first = rows[0]
-    lines = [(f"# Paired comparison: {', '.join(treatments)} (treatment{'s' if len(rows) > 1 else ''}) vs "
-              f"{base} (baseline)"), "",
-             (f"Eval: `{result['eval_name']}`, {first['n_items']} items x {result['n_seeds']} seed(s) "
-              f"= {first['n']} paired (seed, item) results per arm; endpoint: {_endpoint(rule)}."), ""]
+    lines = [(f"# Paired comparison: {', '.join(c.treatments)} (treatment{'s' if len(rows) > 1 else ''}) vs "
+              f"{c.baseline} (baseline)"), "",
+             (f"Eval: `{c.eval_name}`, {first.item['n_items']} items x {c.n_seeds} seed(s) "
+              f"= {first.item['n']} paired (seed, item) results per arm; endpoint: {_endpoint(rule)}."), ""]
     if len(rows) == 1:
-        lines += [f"## Verdict: **{first['verdict']}** ({first['verdict_about']})", ""]
+        lines += [f"## Verdict: **{first.verdict}** ({first.decision.verdict_about})", ""]
     else:
         lines += ["## Verdicts (Holm-adjusted over the treatments)", "",
                   "| treatment | diff | rule interval at its Holm level | rule p | Holm p | verdict |",
                   "|---|---:|---|---:|---:|---|"]
         for r in rows:
-            lines.append(f"| {r['treatment']} | {_pts(r['methods'][rule['method']]['estimate'])} | "
-                         f"{_ci(r['rule_ci'])} (alpha {r['holm_level']:.4g}) | {_p(r['p_rule'])} | "
-                         f"{_p(r['p_holm'])} | **{r['verdict']}** ({r['verdict_about']}) |")
+            d = r.decision
+            lines.append(f"| {r.treatment} | {_pts(r.methods[rule.method]['estimate'])} | "
+                         f"{_ci(d.rule_ci)} (alpha {d.holm_level:.4g}) | {_p(d.p_rule)} | "
+                         f"{_p(d.p_holm)} | **{d.verdict}** ({d.verdict_about}) |")
         lines.append("")
     for r in rows:
         lines.append(f"- {verdict_line(r, rule)}")
-    items = result.get("source") == "items"
-    lines += ["", _scope_sentence(result), ""]
-    pre_registered = rule["source"] == "config" or rule["source"].startswith("pre-registered")
-    not_pre = ("the command line's options" if rule["source"].startswith("the command line")
-               else rule["source"])
-    lines += [("## Decision rule (pre-registered)" if pre_registered else
-               f"## Decision rule (not pre-registered: {not_pre})") if not rule["overridden"] else
+    items = c.source == "items"
+    lines += ["", _scope_sentence(c), ""]
+    not_pre = ("the command line's options" if rule.source.startswith("the command line") else rule.source)
+    lines += [("## Decision rule (pre-registered)" if rule.pre_registered else
+               f"## Decision rule (not pre-registered: {not_pre})") if not rule.overridden else
               "## Decision rule (OVERRIDDEN on the command line with --override-decision)", "",
-              f"> {rule['text']}. Estimand: {rule['estimand']}.", ""]
-    if rule["overridden"]:
-        lines += ["The pre-registered rule was changed: " + "; ".join(rule["overridden"])
+              f"> {rule.text()}. Estimand: {ESTIMANDS[rule.method]}.", ""]
+    if rule.overridden:
+        lines += ["The pre-registered rule was changed: " + "; ".join(rule.overridden)
                   + ". This verdict is not the pre-registered one.", ""]
-    if rule["source"] != "config":
-        lines += [f"Rule source: {rule['source']}.", ""]
+    if rule.source != "config":
+        lines += [f"Rule source: {rule.source}.", ""]
     lines += [("`validated` needs the rule's lower bound above the margin (exact McNemar, a test "
                "without an interval: more discordant items favour the treatment, b > c, and p < alpha); "
                "`worse`: the upper bound is below 0 (McNemar: c > b and p < alpha); `equivalent`: the "
@@ -124,52 +123,53 @@ def _ab_report(result: dict[str, Any]) -> list[str]:
                "interval's upper bound is below decision.target_effect (the plan's target gain); `inert`: "
                "the switch never acted in these runs; otherwise `inconclusive`. The other methods below are "
                "secondary: they do not change the verdict."), ""]
-    if rule.get("requested") == "auto":
+    if rule.requested == "auto":
         lines += [(f"The rule's method was resolved from the {'files' if items else 'sweep'}: "
-                   f"{rule['resolution']}."), ""]
-    if rule["method"] == "paired_hoeffding" and rule["endpoint"] != "auc":
-        lines += [(f"At n = {first['n_items']} items and alpha = {rule['alpha']:g} the Hoeffding half-width is "
-                   f"{first['hoeffding_half_width']:.4f}, so `validated` needs a gap above "
-                   f"{_pts(first['hoeffding_half_width'] + rule['margin'])}."), ""]
+                   f"{rule.resolution}."), ""]
+    if rule.method == PairedHoeffding.name and rule.endpoint != "auc":
+        hw = first.item["hoeffding_half_width"]
+        lines += [(f"At n = {first.item['n_items']} items and alpha = {rule.alpha:g} the Hoeffding "
+                   f"half-width is {hw:.4f}, so `validated` needs a gap above {_pts(hw + rule.margin)}."), ""]
     for r in rows:
-        if r.get("activity", {}).get("inert"):
+        if r.inert:
             lines += _inert_section(r)
     for r in rows:
         lines += _methods_section(r, rule, len(rows) > 1)
-        lines += _seeds_section(r, result)
+        lines += _seeds_section(r, c)
         lines += _effects_section(r)
-        if r.get("aa_calibration"):
-            lines += _aa_calibration_section(r, result)
-    if result.get("curve"):
-        lines += _curve_section(result)
-    lines += _arms_section(result, conf)
+        if r.aa_calibration:
+            lines += _aa_calibration_section(r, c)
+    if c.curve:
+        lines += _curve_section(c)
+    lines += _arms_section(c, conf)
     return lines
 
 
-def verdict_line(r: dict[str, Any], rule: dict[str, Any]) -> str:
+def verdict_line(r: TreatmentResult, rule: Rule) -> str:
     """The headline with the rule's estimate and its interval (or p), as compare.md and the terminal show it."""
-    conf = 100.0 * (1.0 - r.get("holm_level", rule["alpha"]))
-    m = (r.get("methods") or {}).get(rule["method"]) or {}
-    p = _p(r["p"], m.get("p_resolution"))
-    p_text = f"Holm-adjusted p = {p}" if r.get("p_adjusted") == "holm" else f"p = {p}"
-    interval = (f"{conf:.4g}% interval [{_pts(r['ci_low'])}, {_pts(r['ci_high'])}]"
-                if r.get("ci_low") is not None else p_text)
-    if rule["method"] == "mcnemar_exact" and m.get("b_items") is not None:
+    d = r.decision
+    conf = 100.0 * (1.0 - d.holm_level)
+    m = r.methods.get(rule.method) or {}
+    p = _p(d.p, m.get("p_resolution"))
+    p_text = f"Holm-adjusted p = {p}" if d.p_adjusted == "holm" else f"p = {p}"
+    interval = (f"{conf:.4g}% interval [{_pts(d.ci_low)}, {_pts(d.ci_high)}]"
+                if d.ci_low is not None else p_text)
+    if rule.method == McNemarExact.name and m.get("b_items") is not None:
         interval += (f"; items favouring the treatment b = {m['b_items']}, the baseline c = {m['c_items']}, "
                      f"two-sided p = {_p(m['p_two_sided'])}")
-    why = f" {m['note'][0].upper()}{m['note'][1:]}." if m.get("note") and r.get("verdict") != "inert" else ""
-    return f"{r['headline']}: {_name(rule['method'])} estimate {_pts(r['estimate'])} ({interval}).{why}"
+    why = f" {m['note'][0].upper()}{m['note'][1:]}." if m.get("note") and d.verdict != "inert" else ""
+    return f"{d.headline}: {_name(rule.method)} estimate {_pts(d.estimate)} ({interval}).{why}"
 
 
-def _inert_section(r: dict[str, Any]) -> list[str]:
-    lines = [f"## The switch never acted: {r['treatment']} vs {r['baseline']}", "",
+def _inert_section(r: TreatmentResult) -> list[str]:
+    lines = [f"## The switch never acted: {r.treatment} vs {r.baseline}", "",
              ("Every seed pair trained identically (the objective value aside), or with both arms' rule fractions "
               "at 0 at every update (no token masked or clipped by either arm's own rule, nor by the other arm's "
               "rule computed counterfactually), so the arms computed the same updates: the numbers below measure "
               "nothing about the switch. Run the regime where the rule acts (the activation gate says where, e.g. "
               "`+experiment=local_dppo_mask`)."), "",
              "| seed | updates | identical training rows | largest rule fraction |", "|---:|---:|---|---|"]
-    for x in r["activity"]["per_seed"]:
+    for x in r.activity["per_seed"]:
         fr = x["max_rule_fraction"] or {}
         top = max(fr.items(), key=lambda kv: kv[1]) if fr else None
         lines.append(f"| {x['seed']} | {x['updates']} | {x['identical_training_rows']} | "
@@ -177,9 +177,9 @@ def _inert_section(r: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def _scope_sentence(result: dict[str, Any]) -> str:
-    S = result["n_seeds"]
-    if S == 1 and result.get("source") == "items":
+def _scope_sentence(c: Comparison) -> str:
+    S = c.n_seeds
+    if S == 1 and c.source == "items":
         return ("**Scope: these fixed checkpoints.** One file per arm: the verdict concerns the two trained "
                 "checkpoints and cannot separate the training procedure from training noise (two trainings "
                 "at different seeds can differ by as much). Give each arm one file per training seed (>= 2, "
@@ -190,8 +190,8 @@ def _scope_sentence(result: dict[str, Any]) -> str:
                 "checkpoints and cannot separate the loss from training noise (two runs of the same loss at "
                 "different seeds can differ by as much). Run >= 2 seeds per arm, and an A/A sweep "
                 "(`--multirun loss=<baseline> seed=0,1,2`, passed as `--aa`), to learn about the loss.")
-    if result["verdict_scope"] == "across_seeds":
-        at = ", ".join(f"{k} = {v}" for k, v in (result.get("scope_settings") or {}).items())
+    if c.verdict_scope == "across_seeds":
+        at = ", ".join(f"{k} = {v}" for k, v in (c.scope_settings or {}).items())
         return (f"**Scope: this training procedure.** The rule's unit is the seed ({S} seed pairs): the verdict "
                 "is about the loss, with training noise counted, at the settings the arms share"
                 + (f" ({at}): a claim at these values, not beyond them." if at else "."))
@@ -200,28 +200,29 @@ def _scope_sentence(result: dict[str, Any]) -> str:
             "seed pairs) are the ones about the training procedure.")
 
 
-def _methods_section(r: dict[str, Any], rule: dict[str, Any], several: bool) -> list[str]:
-    conf = 100.0 * (1.0 - rule["alpha"])
-    title = f"## All methods: {r['treatment']} vs {r['baseline']}" if several else "## All methods"
+def _methods_section(r: TreatmentResult, rule: Rule, several: bool) -> list[str]:
+    conf = 100.0 * (1.0 - rule.alpha)
+    title = f"## All methods: {r.treatment} vs {r.baseline}" if several else "## All methods"
     lines = [title, "", f"| method | estimand | estimate | {conf:g}% interval | p (gain > margin) | verdict | role |",
              "|---|---|---:|---|---:|---|---|"]
-    for name, m in r["methods"].items():
+    for name, m in r.methods.items():
         iv = "-" if m["ci_low"] is None else f"[{_pts(m['ci_low'])}, {_pts(m['ci_high'])}]"
-        role = ("**decision**" if name == rule["method"] else "descriptive" if m["verdict"] is None
+        role = ("**decision**" if name == rule.method else "descriptive" if m["verdict"] is None
                 else "secondary")
         lines.append(f"| {_name(name)} | {m['estimand']} | {_pts(m['estimate'])} | {iv} | "
                      f"{'-' if m['p'] is None else _p(m['p'], m.get('p_resolution'))} | {m['verdict'] or '-'} "
                      f"| {role} |")
-    notes = [f"{_name(name)}: {m['note']}" for name, m in r["methods"].items() if m.get("note")]
+    notes = [f"{_name(name)}: {m['note']}" for name, m in r.methods.items() if m.get("note")]
     if notes:
         lines += [""] + [f"- {x}" for x in notes]
-    item_rule = r["per_seed"] and r["per_seed"][0].get("method")
-    lines += ["", "## Results per seed" if not several else f"### Per seed: {r['treatment']}", "",
-              "| scope | n | acc " + r["treatment"] + " | acc " + r["baseline"] + " | diff | Hoeffding CI | b | c "
+    item_rule = r.per_seed and r.per_seed[0].get("method")
+    lines += ["", "## Results per seed" if not several else f"### Per seed: {r.treatment}", "",
+              "| scope | n | acc " + r.treatment + " | acc " + r.baseline + " | diff | Hoeffding CI | b | c "
               "| McNemar p | bootstrap CI | rule's verdict on this pair |",
               "|---|---:|---:|---:|---:|---|---:|---:|---:|---|---|"]
-    rows = [(f"seed {s['seed']}", s) for s in r["per_seed"]]
-    rows = rows + [("**combined**", r)] if len(rows) != 1 else [(f"seed {r['per_seed'][0]['seed']}", r)]
+    whole = r.to_json()  # the item-level numbers over all seeds, with the rule's verdict
+    rows = [(f"seed {s['seed']}", s) for s in r.per_seed]
+    rows = rows + [("**combined**", whole)] if len(rows) != 1 else [(f"seed {r.per_seed[0]['seed']}", whole)]
     for label, x in rows:
         boot = ("-" if x.get("bootstrap_low") is None
                 else f"[{_pts(x['bootstrap_low'])}, {_pts(x['bootstrap_high'])}]")
@@ -231,24 +232,38 @@ def _methods_section(r: dict[str, Any], rule: dict[str, Any], several: bool) -> 
     lines += ["", (f"Per seed pair, the rule's verdict is {_name(item_rule)}'s on that pair alone (these "
                    "two checkpoints)." if item_rule else
                    "The rule is seed-level: one seed pair has no verdict of its own.")]
-    lines += ["", ("b = items the treatment got right and the baseline wrong; c = the reverse. Bootstrap: "
-                   f"{r['bootstrap_resamples']} percentile resamples of items (seed {r['bootstrap_seed']}).")]
-    if r["n_seeds"] > 1:
+    lines += ["", ("b = items the treatment got right and the baseline wrong; c = the reverse. "
+                   + _bootstrap_sentence(r))]
+    if r.item["n_seeds"] > 1:
         lines += ["", ("The combined row averages each item over its seeds, because one item's results across "
                        "seeds are correlated: n counts (seed, item) results, while the Hoeffding CI uses the "
-                       f"{r['n_items']} items as the independent unit, b / c count items whose seed-mean "
-                       "difference is positive / negative, and the bootstrap resamples whole items. Discordant "
-                       f"(seed, item) pairs: {r['b']} / {r['c']}.")]
+                       f"{r.item['n_items']} items as the independent unit, b / c count items whose "
+                       "seed-mean difference is positive / negative, and the bootstrap resamples whole items. Discordant "
+                       f"(seed, item) pairs: {r.item['b']} / {r.item['c']}.")]
     return lines + [""]
 
 
-def _effects_section(r: dict[str, Any]) -> list[str]:
-    es = r.get("effect_sizes") or {}
+def _bootstrap_sentence(r: TreatmentResult) -> str:
+    """How many resamples the bootstrap drew, and which descriptive bootstraps were skipped (they run only
+    where they decide, or when --bootstrap asks for them)."""
+    if not r.bootstrap_skipped:
+        return f"Bootstrap: {r.bootstrap_resamples} percentile resamples of items (seed {r.bootstrap_seed})."
+    skipped = ", ".join(_name(k) for k in r.bootstrap_skipped)
+    if any(METHODS[k].needs_bootstrap for k in r.methods):
+        return (f"Bootstrap: {r.bootstrap_resamples} percentile resamples of items (seed "
+                f"{r.bootstrap_seed}), for the rule; skipped where it decides nothing ({skipped}): "
+                "`--bootstrap N` runs those too.")
+    return (f"Bootstrap: skipped ({skipped}): under this rule it decides nothing; `--bootstrap N` runs it "
+            "(N resamples).")
+
+
+def _effects_section(r: TreatmentResult) -> list[str]:
+    es = r.effect_sizes or {}
     if "prob_improvement" not in es:
         return []
     z = es["gap_in_seed_sd"]
     share = es["item_sampling_share"]
-    return [f"### Effect sizes ({r['treatment']} - {r['baseline']}; descriptive, none decides)", "",
+    return [f"### Effect sizes ({r.treatment} - {r.baseline}; descriptive, none decides)", "",
             (f"Paired probability of improvement (paired_prob_improvement; compare.json `prob_improvement`) "
              f"over the {es['n_seed_pairs']} seed pairs (treatment run above its own baseline run; ties count "
              f"half): {es['prob_improvement']:.2f} [{es['prob_improvement_low']:.2f}, "
@@ -268,13 +283,13 @@ def _effects_section(r: dict[str, Any]) -> list[str]:
              + "."), ""]
 
 
-def _seeds_section(r: dict[str, Any], result: dict[str, Any]) -> list[str]:
-    sl = r.get("seed_level")
+def _seeds_section(r: TreatmentResult, c: Comparison) -> list[str]:
+    sl = r.seed_level
     if not sl:
         return []
-    conf = 100.0 * (1.0 - result["decision"]["alpha"])
-    per = ", ".join(f"seed {s}: {_pts(d)}" for s, d in zip(result["seeds"], sl["per_seed_diff"]))
-    lines = [f"### Seed level ({r['treatment']} - {r['baseline']}): this training procedure", "",
+    conf = 100.0 * (1.0 - c.rule.alpha)
+    per = ", ".join(f"seed {s}: {_pts(d)}" for s, d in zip(c.seeds, sl["per_seed_diff"]))
+    lines = [f"### Seed level ({r.treatment} - {r.baseline}): this training procedure", "",
              f"Per-seed paired differences: {per}.",
              (f"Mean {_pts(sl['mean'])}, sd over seeds {_size(sl['sd'])}; Student t {conf:g}% interval (df "
               f"{sl['df']}, t = {sl['t_crit']:.3f}) [{_pts(sl['t_ci_low'])}, {_pts(sl['t_ci_high'])}], p = "
@@ -286,21 +301,21 @@ def _seeds_section(r: dict[str, Any], result: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def _aa_calibration_section(r: dict[str, Any], result: dict[str, Any]) -> list[str]:
-    c, aa = r["aa_calibration"], result["aa"]
+def _aa_calibration_section(r: TreatmentResult, comparison: Comparison) -> list[str]:
+    c, aa = r.aa_calibration, comparison.aa
     yes = "exceeds" if c["exceeds_aa_noise"] else "does NOT exceed"
-    return [f"### A/A calibration ({r['treatment']} vs {r['baseline']})", "",
+    return [f"### A/A calibration ({r.treatment} vs {r.baseline})", "",
             (f"A/A sweep `{aa['sweep']}` ({aa['loss']}, seeds {aa['seeds']}): between-seed sd of the endpoint "
              f"{_size(c['aa_between_seed_sd'])}; two runs of the same loss differ by sd "
-             f"{_size(c['noise_sd_of_one_gap'])}, the mean of {result['n_seeds']} seed-pair gap(s) by "
+             f"{_size(c['noise_sd_of_one_gap'])}, the mean of {comparison.n_seeds} seed-pair gap(s) by "
              f"{_size(c['noise_se_of_mean_gap'])}. Observed gap {_pts(c['observed_gap'])}, noise interval "
              f"(t, df {c['df']}) [{_pts(c['low'])}, {_pts(c['high'])}]: the gap **{yes}** the A/A noise floor. "
              f"Largest A/A seed-pair gap {_size(c['aa_max_abs_pair_diff'])} "
              f"({'exceeded' if c['exceeds_every_aa_pair'] else 'not exceeded'})."), ""]
 
 
-def _curve_section(result: dict[str, Any]) -> list[str]:
-    cv = result["curve"]
+def _curve_section(c: Comparison) -> list[str]:
+    cv = c.curve
     steps = cv["steps"]
     lines = ["## Eval curve (efficiency endpoints)", "",
              "| step | " + " | ".join(f"acc {k} [{v['interval']}]" for k, v in cv["arms"].items()) + " |",
@@ -316,7 +331,7 @@ def _curve_section(result: dict[str, Any]) -> list[str]:
         a = t["auc"]
         seed_iv = (f", t over seeds [{_pts(a['seed_t_low'])}, {_pts(a['seed_t_high'])}]"
                    if "seed_t_low" in a else "")
-        lines += ["", (f"### {loss} vs {result['baseline']} per step (paired on the same items; unadjusted, "
+        lines += ["", (f"### {loss} vs {c.baseline} per step (paired on the same items; unadjusted, "
                        "exploratory)"), "",
                   f"Per-step tests: {cv.get('per_step_tests', 'unadjusted, exploratory')}.", "",
                   ("| step | diff | Hoeffding CI (fixed checkpoints, unadjusted) | McNemar p (unadjusted) "
@@ -335,14 +350,14 @@ def _curve_section(result: dict[str, Any]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- A/A
-def _aa_report(result: dict[str, Any]) -> list[str]:
-    aa = result["aa"]
-    rule = result["decision"]
+def _aa_report(c: Comparison) -> list[str]:
+    aa = c.aa
+    rule = c.rule
     lines = [f"# A/A comparison: {aa['loss']} at seeds {aa['seeds']} (no treatment)", "",
-             (f"Eval: `{result['eval_name']}`, {result['n_items']} items; endpoint: {_endpoint(rule)}. "
+             (f"Eval: `{c.eval_name}`, {c.n_items} items; endpoint: {_endpoint(rule)}. "
               + ("Every file is one arm's, at another seed: any difference between them is training noise "
                  "(seed), as far as the files say. This is the noise floor an A/B gap must clear; with each A/B "
-                 "arm's files at several seeds, the seed-level rule counts it." if result.get("source") == "items"
+                 "arm's files at several seeds, the seed-level rule counts it." if c.source == "items"
                  else "Every run has the same loss and config: any difference between them is training noise "
                  "(seed). This is the noise floor an A/B gap must clear; pass this folder as `--aa` to an A/B "
                  "comparison.")), "",
@@ -362,13 +377,13 @@ def _aa_report(result: dict[str, Any]) -> list[str]:
     lines += ["", (f"{aa['pairs_item_level_significant']} of {len(aa['pairs'])} seed pairs are 'significant' for an "
                    "item-level test (Hoeffding bound or McNemar p < alpha): those tests are about fixed "
                    "checkpoints, and two checkpoints of the same loss are different checkpoints."), ""]
-    lines += _arms_section(result, 100.0 * (1.0 - rule["alpha"]))
+    lines += _arms_section(c, 100.0 * (1.0 - rule.alpha))
     return lines
 
 
-def _categories(result: dict[str, Any]) -> list[str]:
+def _categories(c: Comparison) -> list[str]:
     """Per-item files with categories (eval.items): the rule on each category, Holm over all the rows."""
-    cats = result.get("categories")
+    cats = c.categories
     if not cats:
         return []
     lines = _category_accuracy(cats)
@@ -404,37 +419,37 @@ def _category_accuracy(cats: dict[str, Any]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- shared
-def _arms_section(result: dict[str, Any], conf: float) -> list[str]:
+def _arms_section(c: Comparison, conf: float) -> list[str]:
     lines = ["## Arms", "", f"| arm | role | seed | n | accuracy | Wilson {conf:g}% CI | endpoint mean | run |",
              "|---|---|---:|---:|---:|---|---:|---|"]
-    for a in result["arms"]:
+    for a in c.arm_rows:
         lines.append(f"| {a['arm']} | {a['role']} | {a['seed']} | {a['n']} | {a['accuracy']:.4f} "
                      f"| [{a['wilson_low']:.4f}, {a['wilson_high']:.4f}] | {a['endpoint_mean']:.4f} | `{a['run']}` |")
     return lines
 
 
-def _tail(result: dict[str, Any]) -> list[str]:
+def _tail(c: Comparison) -> list[str]:
     lines: list[str] = []
-    if result.get("plots"):
+    if c.plots:
         lines += ["", "## Plots", ""]
-        for name, rel in result["plots"].items():
+        for name, rel in c.plots.items():
             lines += [f"### {_PLOT_TITLES.get(name, name)}", "", f"![{name}]({rel})", ""]
-    notes = list(result.get("notes", []))
-    if result.get("config_diff"):
+    notes = list(c.notes)
+    if c.config_diff:
         notes.insert(0, "configs differ outside the `loss` group (allowed by --allow-config-diff): "
-                     + "; ".join(result["config_diff"]))
+                     + "; ".join(c.config_diff))
     if notes:
         lines += ["", "## Notes", ""] + [f"- {x}" for x in notes]
-    ignored = ", ".join(f"`{k}`" for k in result["ignored_config_keys"])
+    ignored = ", ".join(f"`{k}`" for k in c.ignored_config_keys)
     lines += ["", "## Inputs", "", f"- ignored config keys: {ignored}",
-              f"- item set sha256: `{result['item_set_sha256']}`"]
-    lines += [f"- {a['arm']}: `{a['eval_file']}`" for a in result["arms"]]
+              f"- item set sha256: `{c.arms.item_sha256}`"]
+    lines += [f"- {a['arm']}: `{a['eval_file']}`" for a in c.arm_rows]
     return lines
 
 
-def _endpoint(rule: dict[str, Any]) -> str:
-    return {"final": "final accuracy", "step": f"accuracy at step {rule['step']}",
-            "auc": "per-item area under the eval curve"}[rule["endpoint"]]
+def _endpoint(rule: Rule) -> str:
+    return {"final": "final accuracy", "step": f"accuracy at step {rule.step}",
+            "auc": "per-item area under the eval curve"}[rule.endpoint]
 
 
 def _ci(iv: list[float] | None) -> str:

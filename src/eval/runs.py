@@ -253,15 +253,15 @@ def find_switch(runs: list[Run]) -> str | None:
                            "one switch between its arms (the loss, or one other key)")
     (switch,) = keys
     for r in runs:
-        r.switch_value = f"{switch}={_value_text(flatten(r.config).get(switch))}"
+        r.switch_value = f"{switch}={value_text(flatten(r.config).get(switch))}"
     return switch
 
 
-def _value_text(v: Any) -> str:
+def value_text(v: Any) -> str:
     return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
 
 
-def _arm_named(name: str, switch: str, arms: list[str]) -> str | None:
+def arm_named(name: str, switch: str, arms: list[str]) -> str | None:
     """The arm `name` refers to: a loss name for the loss switch; for another switch `key=value` (or the value
     alone), matched by value, so `optimizer.lr=2e-4` names the arm whose config holds 0.0002."""
     if switch == "loss":
@@ -289,7 +289,7 @@ def _parse_value(text: str) -> Any:
     return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
 
-def _final_step(run: Run) -> int:
+def final_step(run: Run) -> int:
     return int(((run.config.get("schedule") or {}).get("num_steps")) or 0)
 
 
@@ -348,7 +348,7 @@ def _is_sweep(path: Path) -> bool:
     return path.is_dir() and not (path / "config.yaml").is_file()
 
 
-def _load_inputs(paths: list[Path], eval_name: str | None, out: str | Path | None) -> tuple[list[Run], Path]:
+def load_inputs(paths: list[Path], eval_name: str | None, out: str | Path | None) -> tuple[list[Run], Path]:
     if len(paths) == 1:
         if (paths[0] / "config.yaml").is_file():
             raise CompareError(f"{paths[0]} is a single run folder; pass its sweep folder or two run folders")
@@ -375,7 +375,7 @@ def _load_inputs(paths: list[Path], eval_name: str | None, out: str | Path | Non
                        f"{sum(not _is_sweep(p) for p in paths)} are run folders")
 
 
-def _run_notes(runs: list[Run]) -> list[str]:
+def run_notes(runs: list[Run]) -> list[str]:
     notes = []
     revs = {str((r.info.get("git") or {}).get("rev")) for r in runs}
     if len(revs) > 1:
@@ -447,7 +447,7 @@ def check_precision(runs: list[Run], allow: bool) -> None:
                            "--allow-config-diff to compare anyway")
 
 
-def _mixed_loss_paths(runs: list[Run]) -> dict[str, str | None]:
+def mixed_loss_paths(runs: list[Run]) -> dict[str, str | None]:
     """{arm: loss/path} when the runs' recorded loss paths differ, else {}."""
     paths = {r.arm: _loss_path(r.path / "metrics.jsonl") for r in runs}
     return paths if len(set(paths.values())) > 1 else {}

@@ -39,8 +39,6 @@ from typing import Any
 
 import numpy as np
 
-from trainer.config.enums import DECISION_METHODS
-
 METHOD = "paired_hoeffding"
 
 DECISION_RULE = (
@@ -353,31 +351,11 @@ def two_level_bootstrap_ci(diff_SN: Any, alpha: float = 0.05, n_resamples: int =
 
 
 # ----------------------------------------------------------------------------- decision rules
-RULE_METHODS = DECISION_METHODS  # decision.method: the config states the list once
-AUTO_METHOD = "auto"
 #: what a verdict is about, by the rule's unit: the item (the trained checkpoints held fixed) or the seed
 #: (a fresh training run of each arm: the procedure, training noise counted)
 SCOPE_TEXT = {"fixed_checkpoints": "these checkpoints", "across_seeds": "this training procedure"}
-# each method's scope, estimand, rule text and name in the report: eval.methods (the registry)
-
-
-def resolve_method(method: str, n_seeds: int, binary: bool = False, margin: float = 0.0) -> tuple[str, str]:
-    """(the test that decides, why): `auto` is seed_t with >= 2 seeds per arm, the only default test whose
-    false-positive rate stays at alpha / 2 when training noise moves whole checkpoints (item-level tests
-    treat the checkpoints as fixed). With one run per arm no seed-level test exists: on binary (right /
-    wrong) scores at margin 0 the exact McNemar test, the exact paired test over items (lm-eval's users ask
-    for it: lm-evaluation-harness issue #3831; Hoeffding's bound is wide at tens of items: 13 vs 1
-    discordant items of 40 read p = 0.0018 exactly and `inconclusive` under Hoeffding); otherwise (fractional
-    scores, a margin) paired Hoeffding."""
-    if method != AUTO_METHOD:
-        return method, f"decision.method = {method} (pre-registered)"
-    if n_seeds >= 2:
-        return "seed_t", f"decision.method = auto -> seed_t ({n_seeds} seeds per arm)"
-    if binary and margin == 0:
-        return "mcnemar_exact", (f"decision.method = auto -> mcnemar_exact ({n_seeds} run per arm, binary "
-                                 "scores: the exact paired test over items)")
-    why = "fractional scores" if not binary else "a margin, which the exact test cannot shift"
-    return "paired_hoeffding", f"decision.method = auto -> paired_hoeffding ({n_seeds} seed per arm, {why})"
+# each method's scope, estimand, rule text and name in the report, and how `auto` resolves: eval.methods
+# (the registry)
 
 
 def hoeffding_p(diff: float, n_items: int, margin: float = 0.0) -> float:

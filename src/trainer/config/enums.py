@@ -66,7 +66,7 @@ WANDB_MODES: tuple[str, ...] = ("online", "offline", "auto")
 DECISION_METHODS: tuple[str, ...] = ("paired_hoeffding", "mcnemar_exact", "paired_bootstrap", "seed_t",
                                      "sign_flip")
 #: what decision.method may say: one of the tests, or `auto` (seed_t with >= 2 seeds per arm, else
-#: paired_hoeffding; eval.stats.resolve_method, recorded in compare.json and the design gate's record)
+#: paired_hoeffding; eval.methods.resolve_method, recorded in compare.json and the design gate's record)
 DECISION_METHOD_CHOICES: tuple[str, ...] = ("auto", *DECISION_METHODS)
 #: what eval.compare compares: the final accuracy, the accuracy at one step, the area under the eval curve
 ENDPOINTS: tuple[str, ...] = ("final", "step", "auc")
