@@ -80,9 +80,9 @@ def _root_logging_restored():
 def train_in_process(capfd, monkeypatch):
     """`train_in_process(args, cwd)`: `python train.py *args` run inside this process (the same Hydra entry
     point, argv and cwd), returning (exit code, stdout + stderr). The bad-input corpus runs this way because
-    each subprocess spent seconds importing torch/transformers/tinker before failing; one bad-override case
-    of `tests/test_config.py`, its loss-bound case and the read-only folder case still go through a real
-    subprocess. `runs.train_entry` is the same run for a fixture of wider scope."""
+    each subprocess spent seconds importing torch/transformers/tinker before failing; `tests/test_config.py`
+    and the read-only folder case still go through a real subprocess. `runs.train_entry` is the same run for
+    a fixture of wider scope."""
     from runs import train_entry
 
     def run(args: list[str], cwd: Path) -> tuple[int, str]:
