@@ -76,39 +76,18 @@ def _root_logging_restored():
     root.setLevel(level)
 
 
-_TRAIN_MODULE = None
-
-
 @pytest.fixture
 def train_in_process(capfd, monkeypatch):
     """`train_in_process(args, cwd)`: `python train.py *args` run inside this process (the same Hydra entry
     point, argv and cwd), returning (exit code, stdout + stderr). The bad-input corpus runs this way because
     each subprocess spent seconds importing torch/transformers/tinker before failing; `tests/test_config.py`
-    and the read-only folder case still go through a real subprocess."""
-    import importlib.util
-
-    from hydra.core.global_hydra import GlobalHydra
-
-    global _TRAIN_MODULE
-    if _TRAIN_MODULE is None:
-        spec = importlib.util.spec_from_file_location("pairedrl_train_entry", ROOT / "train.py")
-        _TRAIN_MODULE = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_TRAIN_MODULE)
-        # Hydra finds `conf/` next to the script only for a task function of module "__main__"
-        _TRAIN_MODULE.main.__wrapped__.__module__ = "__main__"
+    and the read-only folder case still go through a real subprocess. `runs.train_entry` is the same run for
+    a fixture of wider scope."""
+    from runs import train_entry
 
     def run(args: list[str], cwd: Path) -> tuple[int, str]:
-        monkeypatch.chdir(cwd)
-        monkeypatch.setattr(sys, "argv", ["train.py", *args])
         capfd.readouterr()
-        GlobalHydra.instance().clear()
-        try:
-            _TRAIN_MODULE.entry()
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        finally:
-            GlobalHydra.instance().clear()
+        code = train_entry(args, cwd, monkeypatch)
         out = capfd.readouterr()
         return code, out.out + out.err
 

@@ -31,6 +31,46 @@ def run_train(args: list[str], cwd: Path, env: dict | None = None, timeout: int 
                           text=True, timeout=timeout, env=e, check=False)
 
 
+_TRAIN_MODULE = None
+
+
+def train_entry(args: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """`python train.py *args` run inside this process (train.py's own Hydra entry point, with that argv and
+    cwd, both undone by `monkeypatch`); returns the exit code. Spares the subprocess's seconds of importing
+    torch/transformers/tinker. The root logger's handlers are put back as they were: Hydra's job logging
+    adds some, which a fixture wider than one test would otherwise leave behind."""
+    import importlib.util
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    global _TRAIN_MODULE
+    if _TRAIN_MODULE is None:
+        spec = importlib.util.spec_from_file_location("pairedrl_train_entry", ROOT / "train.py")
+        _TRAIN_MODULE = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_TRAIN_MODULE)
+        # Hydra finds `conf/` next to the script only for a task function of module "__main__"
+        _TRAIN_MODULE.main.__wrapped__.__module__ = "__main__"
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    GlobalHydra.instance().clear()
+    try:
+        _TRAIN_MODULE.entry()
+        return 0
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    finally:
+        GlobalHydra.instance().clear()
+        for h in root.handlers[:]:
+            if h not in handlers:
+                root.removeHandler(h)
+                h.close()
+        root.setLevel(level)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 from statistics import NormalDist
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -114,7 +115,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           cwd=cwd, check=False, timeout=300)
 
 
-def test_cli_json_png_and_bad_input(tmp_path):
+def test_cli_json_png_and_bad_input(tmp_path, monkeypatch, capsys):
     proc = _cli("eval.n_examples=150", "seed=0,1", "--discordance", "0.2", "--seed-sd", "0.02", "--sims", "300",
                 "--bootstrap", "50", "--json", "--plot", str(tmp_path / "p.png"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -126,12 +127,28 @@ def test_cli_json_png_and_bad_input(tmp_path):
     assert math.sqrt(2 * math.log(40) / 150) > 0.2 and out["mde"]["paired_hoeffding"] is None
     assert out["assumptions"]["discordance"] == "--discordance"
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    # the refusals through the same `main` in this process (the real process above ran the CLI end to end;
+    # each further one spent seconds importing before it refused)
+    monkeypatch.chdir(tmp_path)
     for bad in ("0", "1.5", "-0.1"):
-        proc = _cli("--discordance", bad, "--json", "--plot", str(tmp_path / "q.png"), cwd=tmp_path)
+        proc = _in_process(capsys, "--discordance", bad, "--json", "--plot", str(tmp_path / "q.png"))
         assert proc.returncode == 2 and "--discordance must be in (0, 1]" in proc.stderr and proc.stdout == ""
     assert not (tmp_path / "q.png").exists()
-    proc = _cli("decision.method=bogus", "--json", cwd=tmp_path)
+    proc = _in_process(capsys, "decision.method=bogus", "--json")
     assert proc.returncode == 2 and "decision.method must be one of" in proc.stderr
+
+
+def _in_process(capsys, *args: str) -> SimpleNamespace:
+    """`python -m eval.design *args` run by its `main` in this process: (returncode, stdout, stderr)."""
+    from eval.design import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
 def test_from_an_aa_sweep_estimates_discordance_and_seed_sd(tmp_path):

@@ -329,17 +329,6 @@ def check_anchor_kl_rows(rows: list[dict], path: str) -> None:
     assert rows[-1]["drift/abs_p_max"] > 0
 
 
-def test_training_with_recomputed_anchor_and_kl_penalty_one_pass(tmp_path):
-    """train.py on the tiny model, DPPO on the one-pass (registered per-datum loss) path."""
-    from runs import TINY, read_metrics, run_train
-
-    run_dir = tmp_path / "run"
-    p = run_train([*TINY, "loss=dppo", "eval=none", "loss.anchor=recomputed", "loss.kl_coef=0.05",
-                   f"hydra.run.dir={run_dir}"], tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    check_anchor_kl_rows(read_metrics(run_dir), "one_pass")
-
-
 @pytest.mark.slow
 def test_three_loss_sweep_gives_every_arm_the_same_metric_keys(tmp_path):
     """`--multirun loss=grpo,dppo,cispo` on the tiny model (Dr. GRPO aggregation: the two-pass path;

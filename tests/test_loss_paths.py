@@ -4,12 +4,14 @@ each reads back, the factory that picks one, and the RL loop on both paths givin
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from local_client import local_service_client
-from runs import TINY
+from runs import TINY, read_metrics, train_entry
+from test_loss_family import check_anchor_kl_rows
 from test_losses import make_datums
 from tinker import types
 
@@ -294,35 +296,39 @@ def test_make_loss_picks_the_path_from_the_config_and_the_backend(sc, capsys):
 
 
 # ----------------------------------------------------------------------------- the loop on both paths
-def _run_loop(tmp_path, name: str, overrides: list[str]) -> list[dict]:
-    from trainer.backends import build_service_client
-    from trainer.config.compose import run_config
-    from trainer.loop import RLLoop
-    from trainer.setup import build_components, make_loss
-    from trainer.run_info import resolved_config_dict
-
-    cfg = run_config([*TINY, "eval=none", *overrides])
-    run_dir = tmp_path / name
-    run_dir.mkdir()
-    client = build_service_client(cfg, run_dir)
-    try:
-        _, _, task = build_components(cfg)
-        loop = RLLoop(cfg, run_dir, client, task, make_loss(cfg, client), resolved_config_dict(cfg), progress=False)
-        result = loop.run()
-    finally:
-        client.close()
-    assert result["optim_steps"] == 4
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+# DPPO with every optional loss input (the recomputed anchor and the KL penalty)
+DPPO_ALL_INPUTS = ["loss=dppo", "loss.anchor=recomputed", "loss.kl_coef=0.05"]
 
 
-def test_the_loop_on_the_two_pass_path_matches_the_one_pass_path(tmp_path):
+@pytest.fixture(scope="module")
+def dppo_runs(tmp_path_factory) -> dict[str, Path]:
+    """`train.py` on the tiny model with DPPO_ALL_INPUTS, run in this process: once on the path the factory
+    picks for it (`default`: the one-pass path) and once on the two-pass path. Read-only for the tests:
+    one run serves the whole-run check of the one-pass path and the comparison of the paths."""
+    d = tmp_path_factory.mktemp("dppo_runs")
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, extra in (("default", []), ("two_pass", ["backend.loss_path=two_pass"])):
+            runs[name] = d / name
+            code = train_entry([*TINY, "eval=none", "report.enabled=false", *DPPO_ALL_INPUTS, *extra,
+                                f"hydra.run.dir={runs[name]}"], d, mp)
+            assert code == 0, (runs[name] / "train.log").read_text()[-3000:]
+    return runs
+
+
+def test_training_with_recomputed_anchor_and_kl_penalty_one_pass(dppo_runs):
+    """train.py on the tiny model, DPPO on the one-pass (registered per-datum loss) path."""
+    check_anchor_kl_rows(read_metrics(dppo_runs["default"]), "one_pass")
+
+
+def test_the_loop_on_the_two_pass_path_matches_the_one_pass_path(dppo_runs):
     """The RL loop run twice from the same seed, once per path, with every optional loss input (DPPO with
     the recomputed anchor and the KL penalty): every update logs the same loss, ratio, drift and entropy
     numbers (the second update of a step and the second step depend on the weights the earlier updates
     produced, so equal rows mean equal updates), and the same rollouts."""
-    extra = ["loss=dppo", "loss.anchor=recomputed", "loss.kl_coef=0.05"]
-    rows = {p: _run_loop(tmp_path, p, [f"backend.loss_path={p}", *extra]) for p in ("one_pass", "two_pass")}
-    one, two = rows["one_pass"], rows["two_pass"]
+    for run in dppo_runs.values():
+        assert json.loads((run / "result.json").read_text())["optim_steps"] == 4
+    one, two = read_metrics(dppo_runs["default"]), read_metrics(dppo_runs["two_pass"])
     assert [(r["step"], r["update"]) for r in one] == [(r["step"], r["update"]) for r in two] == [
         (0, 0), (0, 1), (1, 0), (1, 1)]
     assert {r["loss/path"] for r in one} == {"one_pass"} and {r["loss/path"] for r in two} == {"two_pass"}

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,11 +26,35 @@ LOCAL = [
 
 def preflight(gate: str, extra: list[str], tmp: Path,
               timeout: int = 300) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """`python -m trainer.preflight gate *LOCAL *extra` in a subprocess, as a user runs it."""
     p = subprocess.run([sys.executable, "-m", "trainer.preflight", gate, *LOCAL, f"preflight.dir={tmp}", *extra],
-                       capture_output=True, text=True, timeout=timeout, cwd=tmp,
+                       check=False, capture_output=True, text=True, timeout=timeout, cwd=tmp,
                        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    return p, _report(tmp, gate)
+
+
+def _report(tmp: Path, gate: str) -> dict | None:
     f = tmp / "preflight" / f"{gate}.json"
-    return p, (json.loads(f.read_text()) if f.exists() else None)
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+@pytest.fixture
+def gate_in_process(capfd, monkeypatch):
+    """`gate_in_process(gate, extra, tmp)`: the same command run by `trainer.preflight`'s `main` in this
+    process, returning (CompletedProcess-like result with its exit code, stdout and stderr; the report). Each
+    subprocess spent seconds importing torch/transformers/tinker before its pilot. The CLI itself is run by
+    test_correctness_gate_cli and by the prompt-over-the-context case, which reads the process's stderr (in
+    this process a logged traceback would go to pytest's log capture instead)."""
+    from trainer.preflight.__main__ import main
+
+    def run(gate: str, extra: list[str], tmp: Path) -> tuple[SimpleNamespace, dict | None]:
+        monkeypatch.chdir(tmp)
+        capfd.readouterr()
+        code = main([gate, *LOCAL, f"preflight.dir={tmp}", *extra])
+        out = capfd.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err), _report(tmp, gate)
+
+    return run
 
 
 def test_correctness_gate_cli(tmp_path):
@@ -38,8 +63,8 @@ def test_correctness_gate_cli(tmp_path):
     assert rep["passed"] and rep["counts"]["fail"] == 0
 
 
-def test_restoration_gate_passes_and_fails(tmp_path):
-    p, rep = preflight("restoration", [], tmp_path)
+def test_restoration_gate_passes_and_fails(tmp_path, gate_in_process):
+    p, rep = gate_in_process("restoration", [], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     checks = {c["name"]: c for c in rep["checks"]}
     assert checks["fresh-client logprobs max |diff|"]["value"] <= 1e-6
@@ -49,7 +74,7 @@ def test_restoration_gate_passes_and_fails(tmp_path):
     assert set(rep["meta"]["losses"]) == {"grpo", "dppo"} and rep["meta"]["losses"]["dppo"]["delta"] == 0.15
     # what the client cannot report is unverified, never passed
     assert any(c["status"] == "unverified" for c in rep["checks"])
-    p, rep = preflight("restoration", ["preflight.planned_models=[Qwen/Qwen3.5-2B]"], tmp_path)
+    p, rep = gate_in_process("restoration", ["preflight.planned_models=[Qwen/Qwen3.5-2B]"], tmp_path)
     assert p.returncode != 0 and not rep["passed"]
     assert any(c["status"] == "fail" and "served model" in c["name"] for c in rep["checks"])
 
@@ -82,23 +107,23 @@ def test_activation_gate_passes_on_smollm2(tmp_path):
     assert f"{ran} sampler / {ran} trainer (auto:" in detail
 
 
-def test_activation_and_feasibility_gates(tmp_path):
-    p, rep = preflight("activation", [], tmp_path)
+def test_activation_and_feasibility_gates(tmp_path, gate_in_process):
+    p, rep = gate_in_process("activation", [], tmp_path)
     # the tiny model's flat distributions: drift exists but the mask cannot fire -> the gate says so
     assert p.returncode != 0 and not rep["passed"]
     names = {c["name"]: c["status"] for c in rep["checks"]}
     assert names["executed optim steps per batch"] == "pass"
     assert names["masked-token fraction at a batch's last update (mean over steps)"] == "fail"
-    p, rep = preflight("activation", ["schedule.updates_per_batch=1"], tmp_path)
+    p, rep = gate_in_process("activation", ["schedule.updates_per_batch=1"], tmp_path)
     assert p.returncode != 0 and not rep["passed"]
     checks = {c["name"]: c for c in rep["checks"]}
     assert checks["executed optim steps per batch"]["status"] == "pass"
     masked = checks["masked-token fraction at a batch's last update (mean over steps)"]
     assert masked["status"] == "fail" and "updates_per_batch < 2" in masked["detail"]
-    p, rep = preflight("feasibility", [], tmp_path)
+    p, rep = gate_in_process("feasibility", [], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert rep["passed"] and rep["meta"]["pilot_steps"] == 3
-    p, rep = preflight("feasibility", ["preflight.budget_minutes=0.0001"], tmp_path)
+    p, rep = gate_in_process("feasibility", ["preflight.budget_minutes=0.0001"], tmp_path)
     assert p.returncode != 0 and not rep["passed"]
 
 

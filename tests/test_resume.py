@@ -103,8 +103,9 @@ def test_resume_redoes_a_periodic_eval_killed_after_its_checkpoint_and_a_foreign
     step 2 (the loop's step-end hook runs again for the step it restarts from; finished evals are kept).
     A start eval made under another config in the folder is redone rather than paired with this run."""
     run = tmp_path / "run"
+    # no end-of-run report: its plots cost seconds of CPU per run and the resume does not read them
     args = [*TINY, "schedule.num_steps=3", "schedule.save_every=1", "eval.every=1", "eval.at_start=true",
-            f"hydra.run.dir={run}"]
+            "report.enabled=false", f"hydra.run.dir={run}"]
     code, out = train_in_process(args, tmp_path)
     assert code == 0, out[-3000:]
     ev = run / "eval"
