@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,11 +74,27 @@ def _put(d: dict[str, Any], item: Any) -> None:
     d[path[-1]] = json.loads(item.value_json)
 
 
+def finished_records(path: Path, timeout_s: float = 30.0) -> list[Any]:
+    """The records of a finished run's file, once its `exit` record is on disk. `wandb.finish()` hands the
+    end of the run to wandb's service process and returns without waiting for it to flush the file, so a
+    reader right after it (under load) can see the file without its last records."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            recs = records(path)
+        except Exception:  # noqa: BLE001 - a record still being written: read again
+            recs = []
+        if any(r.WhichOneof("record_type") == "exit" for r in recs) or time.monotonic() > deadline:
+            assert recs, f"{path}: no readable wandb records after {timeout_s:g} s"
+            return recs
+        time.sleep(0.1)
+
+
 def read_offline_run(run_dir: str | Path) -> OfflineRun:
     run_dir = Path(run_dir)
     (f,) = run_dir.glob("*.wandb")
     out = OfflineRun(run_dir)
-    for r in records(f):
+    for r in finished_records(f):
         kind = r.WhichOneof("record_type")
         if kind == "run":
             out.run = r.run
