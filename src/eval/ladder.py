@@ -36,6 +36,7 @@ import yaml
 
 from eval.plots import finish_figure, load_metrics, new_figure
 from eval.runs import config_differences, flatten
+from eval.sequential import SETTING_IGNORED_KEYS
 from trainer.config.ignored_keys import IGNORED_CONFIG_KEYS
 from trainer.utils.io import atomic_write_json, atomic_write_text
 
@@ -43,8 +44,8 @@ MISMATCH_KEY = "mismatch/abs_p_q90"
 # the diagnostics read at each batch's first update (every loss logs both, its own or counterfactual)
 RULE_KEYS = {"grpo_clip_frac": "loss/grpo_clip_frac", "dppo_masked_frac": "loss/dppo_masked_frac",
              "ratio_max": "ratio/max"}
-# keys that differ between levels without being a level (they name the comparison, not its setting)
-_NOT_A_KNOB = (*IGNORED_CONFIG_KEYS, "decision", "preflight", "eval.every")
+# keys that differ between levels without being a level: those the looks ledger leaves out of a setting
+_NOT_A_KNOB = (*IGNORED_CONFIG_KEYS, *SETTING_IGNORED_KEYS)
 
 
 class LadderError(ValueError):
@@ -118,7 +119,7 @@ def first_update_means(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     return out
 
 
-def read_level(f: Path, d: dict[str, Any], knob: str | None) -> tuple[Level, dict[str, Any]]:
+def read_level(f: Path, d: dict[str, Any]) -> tuple[Level, dict[str, Any]]:
     """One comparison as a level (knob_value filled in by the caller once the knob is known), and its
     baseline run's config."""
     per_run, base_cfg = [], None
@@ -135,7 +136,7 @@ def read_level(f: Path, d: dict[str, Any], knob: str | None) -> tuple[Level, dic
     gaps = [Gap(treatment=v["treatment"], estimate=float(v["estimate"]), ci_low=v.get("ci_low"),
                 ci_high=v.get("ci_high"), verdict=v["verdict"], method=v.get("method", ""),
                 level=v.get("holm_level")) for v in d.get("verdicts", [])]
-    level = Level(knob_value=flatten(base_cfg).get(knob) if knob else None, compare=str(f.parent),
+    level = Level(knob_value=None, compare=str(f.parent),
                   n_seeds=int(d.get("n_seeds", 0)), n_runs=len(per_run),
                   mismatch_q90=_mean([r["mismatch_q90"] for r in per_run]),
                   mismatch_q90_step0=_mean([r["mismatch_q90_step0"] for r in per_run]),
@@ -162,7 +163,7 @@ def build(paths: list[str], knob: str | None = None) -> tuple[str, list[Level]]:
     if len(same) != 1:
         raise LadderError("the comparisons do not share their baseline, treatments and endpoint: "
                           f"{sorted(same, key=str)}")
-    read = [read_level(f, d, None) for f, d in zip(files, data, strict=True)]
+    read = [read_level(f, d) for f, d in zip(files, data, strict=True)]
     knob = knob or find_knob([cfg for _, cfg in read])
     levels = []
     for level, cfg in read:

@@ -137,7 +137,8 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _ignored(key: str, ignore: tuple[str, ...]) -> bool:
+def ignored_key(key: str, ignore: tuple[str, ...]) -> bool:
+    """`key` (dotted) is one of the `ignore` prefixes or below one (`a.b` covers `a.b.*`)."""
     return any(key == p or key.startswith(p + ".") for p in ignore)
 
 
@@ -148,7 +149,7 @@ def config_differences(a: dict[str, Any], b: dict[str, Any],
     missing = object()
     diffs = []
     for key in sorted(set(fa) | set(fb)):
-        if _ignored(key, ignore):
+        if ignored_key(key, ignore):
             continue
         va, vb = fa.get(key, missing), fb.get(key, missing)
         if va != vb:

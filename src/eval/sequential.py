@@ -44,6 +44,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
+from eval.runs import ignored_key
 from trainer.utils.io import atomic_write_json
 
 _N = NormalDist()
@@ -103,7 +104,7 @@ def setting_sha256(flat_config: dict[str, Any], ignore: tuple[str, ...]) -> str:
     """A hash of the baseline arm's resolved config (dotted keys) without `ignore` and SETTING_IGNORED_KEYS:
     what the compared arms share and their comparison is about."""
     drop = (*ignore, *SETTING_IGNORED_KEYS)
-    kept = {k: v for k, v in flat_config.items() if not any(k == p or k.startswith(p + ".") for p in drop)}
+    kept = {k: v for k, v in flat_config.items() if not ignored_key(k, drop)}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
